@@ -1,0 +1,7 @@
+#include "bindings/bindings.h"
+
+namespace april::bindings {
+
+void bind_scheduler(pybind11::module_& m) { (void)m; }
+
+}  // namespace april::bindings
