@@ -12,6 +12,7 @@ pause / resume.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "backends": [b.__dict__ for b in mem.backends()],
+        "backends": [dataclasses.asdict(b) for b in mem.backends()],
         "granularity": mem.granularity("cuda"),
         "sizes": [measure_size(int(s * GiB), args.rounds) for s in args.sizes_gib],
     }
