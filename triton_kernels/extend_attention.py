@@ -1,0 +1,148 @@
+"""extend_attention: packed new tokens of many sequences over their paged prefix and, causally, themselves.
+
+This is the kernel of a resumed sample: prompt + partial response are re-prefilled under new weights
+while the rest of the batch already sits in the paged cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from april_ext.triton_kernels._tile import LOG2E, check_launchable, interpreting, load_paged_tile, softmax_update
+from april_ext.triton_kernels._validation import check_extend, check_options
+from april_ext.triton_kernels.config import BlockConfig, extend_config, padded_head_dim
+
+
+@triton.jit
+def _extend_attention_kernel(
+    Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, BLOCK_TABLE, PREFIX_LENS, OUT, LSE,
+    qk_scale, softcap, window,
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcp, stride_kcs, stride_kch, stride_kcd,
+    stride_vcp, stride_vcs, stride_vch, stride_vcd,
+    stride_bt,
+    stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Longest-running blocks (last rows of a sequence: the largest causal range) are scheduled first.
+    block = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(QO_INDPTR + seq).to(tl.int64)
+    extend_len = (tl.load(QO_INDPTR + seq + 1) - q_start).to(tl.int32)
+    m_start = block * BLOCK_M
+    if m_start >= extend_len:
+        return
+    prefix_len = tl.load(PREFIX_LENS + seq).to(tl.int32)
+    kv_head = head // GROUP
+    row_pages = BLOCK_TABLE + seq.to(tl.int64) * stride_bt
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    m_mask = offs_m < extend_len
+    d_mask = offs_d < HEAD_DIM
+    rows = q_start + offs_m.to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = prefix_len + offs_m
+
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # Prefix keys (positions 0 .. prefix_len - 1 in the paged cache): all causally visible.
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(prefix_len + m_start - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    for start_n in range(lo, prefix_len, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < prefix_len
+        k = load_paged_tile(K_CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head,
+                            stride_kcp, stride_kcs, stride_kch, stride_kcd, PAGE_SIZE, UPCAST)
+        v = load_paged_tile(V_CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head,
+                            stride_vcp, stride_vcs, stride_vch, stride_vcd, PAGE_SIZE, UPCAST)
+        allowed = n_mask[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & ((q_pos[:, None] - offs_n[None, :]) < window)
+        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP)
+
+    # New keys of this sequence (positions prefix_len + j), causal: j <= i.
+    new_lo = 0
+    if HAS_WINDOW:
+        new_lo = tl.maximum(m_start - window + 1, 0)
+        new_lo = (new_lo // BLOCK_N) * BLOCK_N
+    new_hi = tl.minimum(m_start + BLOCK_M, extend_len)
+    for start_n in range(new_lo, new_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < extend_len
+        key_rows = q_start + offs_n.to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + key_rows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + key_rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        allowed = n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & ((offs_m[:, None] - offs_n[None, :]) < window)
+        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    tl.store(OUT + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+             out.to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    if WRITE_LSE:
+        lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+        tl.store(LSE + rows * stride_lt + head * stride_lh, lse, mask=m_mask)
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, qo_indptr: torch.Tensor, block_table: torch.Tensor,
+                     prefix_lens: torch.Tensor, *, sm_scale: float | None = None, window: int | None = None,
+                     softcap: float | None = None, return_lse: bool = False,
+                     config: BlockConfig | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of packed new tokens over their paged prefix and causally over themselves.
+
+    q [T, Hq, D], k / v [T, Hkv, D]: the new tokens of B sequences packed back to back, sequence b
+    owning rows qo_indptr[b] .. qo_indptr[b + 1]. k_cache / v_cache [pages, page_size, Hkv, D] hold
+    prefix_lens[b] earlier tokens of sequence b in the pages block_table[b, :]. New token i of a
+    sequence sits at position p = prefix_lens[b] + i and sees cache positions 0 .. prefix_lens[b] - 1
+    and new tokens 0 .. i; window=W keeps keys with p - key_pos < W; softcap=c maps each scaled logit
+    x to c * tanh(x / c). Returns out [T, Hq, D] in q's dtype, and lse [T, Hq] float32 (natural log
+    of the softmax denominator) when return_lse. config overrides the per-GPU block sizes.
+    """
+    shape = check_extend(q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens)
+    opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
+    check_launchable(_extend_attention_kernel, q.device.type)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if shape.max_extend_len == 0:
+        return (out, lse) if return_lse else out
+    cfg = config if config is not None else extend_config(q.device, shape.cache.head_dim)
+    upcast = q.dtype == torch.bfloat16 and interpreting(_extend_attention_kernel)
+    qk_scale = opts.sm_scale if opts.softcap is not None else opts.sm_scale * LOG2E
+    grid = (triton.cdiv(shape.max_extend_len, cfg.block_m), shape.q_heads, shape.batch)
+    _extend_attention_kernel[grid](
+        q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, out, lse,
+        qk_scale, opts.softcap if opts.softcap is not None else 1.0, opts.window or 0,
+        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_table.stride(0), *out.stride(), *lse.stride(),
+        GROUP=shape.q_heads // shape.cache.kv_heads, HEAD_DIM=shape.cache.head_dim,
+        D_PAD=padded_head_dim(shape.cache.head_dim), PAGE_SIZE=shape.cache.page_size,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_WINDOW=opts.window is not None, HAS_SOFTCAP=opts.softcap is not None, WRITE_LSE=return_lse,
+        UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return (out, lse) if return_lse else out
