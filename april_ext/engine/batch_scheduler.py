@@ -39,6 +39,7 @@ class BatchScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -73,6 +74,7 @@ class BatchScheduler:
                 break
             self.waiting.popleft()
             self.blocks.admit(seq, prefix, n)
+            self.prefix_hit_tokens += len(prefix) * self.blocks.block_size
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, n))
