@@ -19,6 +19,9 @@ class EngineConfig:
     forces the kernels (on CPU they need TRITON_INTERPRET=1 and are slow); "torch" forces PyTorch.
     max_model_len: the longest prompt + response (default: the model's max_position_embeddings).
     seed: draws the seed of every request that brings none.
+    memory_tag_prefix: prepended to the allocator tags "weights" and "kv_cache" (tags are
+    process-wide: give engines sharing a process distinct prefixes to release them separately).
+    weights_cpu_backup: keep a host copy of the weights while released (resume restores them).
     """
 
     block_size: int = 16
@@ -31,6 +34,7 @@ class EngineConfig:
     prefix_caching: bool = True
     seed: int = 0
     weights_cpu_backup: bool = True
+    memory_tag_prefix: str = ""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -42,5 +46,7 @@ class EngineConfig:
         if self.attention_backend not in _BACKENDS:
             raise ConfigError(
                 f"EngineConfig.attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.memory_tag_prefix, str):
+            raise ConfigError(f"EngineConfig.memory_tag_prefix must be a string, got {self.memory_tag_prefix!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"EngineConfig.seed must be an integer >= 0, got {self.seed!r}")

@@ -50,7 +50,8 @@ class EngineCore:
         if self.max_model_len > model_config.max_position_embeddings:
             raise ConfigError(f"EngineConfig.max_model_len {self.max_model_len} exceeds the model's "
                               f"max_position_embeddings {model_config.max_position_embeddings}")
-        self.memory = MemoryPlacement(device, weights_cpu_backup=config.weights_cpu_backup)
+        self.memory = MemoryPlacement(device, tag_prefix=config.memory_tag_prefix,
+                                      weights_cpu_backup=config.weights_cpu_backup)
         self.model = self.memory.place_module(model.eval(), "weights")
         self.model_config = model_config
         self.blocks = BlockManager(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
