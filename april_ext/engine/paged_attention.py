@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from april_ext.model.attention import expand_kv_heads
 
 
 @dataclass
@@ -81,10 +80,9 @@ class PagedAttention:
         s = new.shape[0]
         max_len = int(seq_lens.max())
         pages = m.block_table[rows, :-(-max_len // kc.shape[1])].long()
-        keys = kc[pages].flatten(1, 2)[:, :max_len]
-        values = vc[pages].flatten(1, 2)[:, :max_len]
-        groups = q.shape[1] // kc.shape[2]
-        keys, values = expand_kv_heads(keys, groups), expand_kv_heads(values, groups)
+        keys = kc[pages].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [S, Hkv, L, D]
+        values = vc[pages].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        hkv, groups = kc.shape[2], q.shape[1] // kc.shape[2]
         # Query j of sequence i sits at position prefix[i] + j and sees keys 0..prefix[i] + j.
         offsets = torch.arange(max_new, device=q.device)
         valid_q = offsets[None, :] < new[:, None]
@@ -98,8 +96,12 @@ class PagedAttention:
         else:
             padded = q.new_zeros(s, max_new, q.shape[1], q.shape[2])
             padded[valid_q] = q
-        out = F.scaled_dot_product_attention(padded.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=mask[:, None], scale=scale).transpose(1, 2)
+        # GQA without copying K/V per query head: the G query heads of a KV head become G query rows.
+        rows = padded.view(s, max_new, hkv, groups, q.shape[2]).permute(0, 2, 1, 3, 4)
+        rows = rows.reshape(s, hkv, max_new * groups, q.shape[2])
+        row_mask = mask[:, None, :, None, :].expand(s, 1, max_new, groups, max_len).reshape(s, 1, -1, max_len)
+        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=row_mask, scale=scale)
+        out = out.view(s, hkv, max_new, groups, q.shape[2]).permute(0, 2, 1, 3, 4).reshape(padded.shape)
         return out[:, 0] if max_new == 1 else out[valid_q]
 
 
