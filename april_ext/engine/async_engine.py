@@ -137,7 +137,7 @@ class AsyncEngine:
     # Loop -------------------------------------------------------------------------------------------
 
     def _abort_known(self, ids: list[str]) -> tuple[None, list[GenerationChunk]]:
-        outputs = self.core.abort([i for i in ids if i in self.core._requests])
+        outputs = self.core.abort([i for i in ids if self.core.has_request(i)])
         return None, [self._abort_chunk(o) for o in outputs]
 
     def _abort_chunk(self, output: GenerationOutput) -> GenerationChunk:

@@ -52,6 +52,8 @@ class EngineCore:
                               f"max_position_embeddings {model_config.max_position_embeddings}")
         self.memory = MemoryPlacement(device, tag_prefix=config.memory_tag_prefix,
                                       weights_cpu_backup=config.weights_cpu_backup)
+        if model.lm_head.weight.device != device:
+            model = model.to(device)
         self.model = self.memory.place_module(model.eval(), "weights")
         self.model_config = model_config
         self.blocks = BlockManager(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
@@ -121,6 +123,10 @@ class EngineCore:
         if bad:
             raise InvalidArgumentError(f"input_ids contains {bad[:5]} outside the vocabulary [0, {vocab})")
         return ids
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` is queued or running."""
+        return request_id in self._requests
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
