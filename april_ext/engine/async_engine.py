@@ -1,0 +1,198 @@
+"""AsyncEngine: the asyncio face of EngineCore (streaming generate, abort, weight updates, memory).
+
+One loop task owns the core. Every call is a command that the loop runs between model steps, in a
+worker thread, so calls and steps never interleave and the event loop stays responsive while the
+model computes. Chunks reach each request's stream in the order the core produced them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence as SequenceOf
+from typing import Any, TypeVar
+
+from april_ext.batch import FinishReason
+from april_ext.engine.core import EngineCore, WeightsSource
+from april_ext.engine.outputs import EngineStats, GenerationChunk, GenerationOutput
+from april_ext.engine.sampling import SamplingParams
+from april_ext.errors import InvalidArgumentError, InvalidStateError
+
+T = TypeVar("T")
+_Command = Callable[[], tuple[Any, list[GenerationChunk]]]
+
+
+class AsyncEngine:
+    """Serves an EngineCore from an asyncio task. Use `async with AsyncEngine(core) as engine:`."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._streams: dict[str, asyncio.Queue[GenerationChunk | BaseException]] = {}
+        self._commands: deque[tuple[_Command, asyncio.Future[Any]]] = deque()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._ids = itertools.count()
+        self.last_error: BaseException | None = None
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._closing = False
+            self._task = asyncio.create_task(self._loop(), name="april_ext-engine-loop")
+
+    async def close(self) -> None:
+        """Aborts every request and stops the loop task."""
+        if self._task is None:
+            return
+        await self.abort()
+        self._closing = True
+        self._notify()
+        await self._task
+        self._task = None
+
+    # Public API -------------------------------------------------------------------------------------
+
+    async def generate(self, input_ids: SequenceOf[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+        """Streams the request's chunks until one carries a finish reason. Leaving the iteration early
+        aborts the request. Bad input raises before the first chunk."""
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
+        if rid in self._streams:
+            raise InvalidArgumentError(f"request_id {rid!r} is already in use")
+        self._streams[rid] = queue
+
+        def add() -> tuple[str, list[GenerationChunk]]:
+            return self.core.add_request(input_ids, params, rid), []
+
+        try:
+            await self._call(add)
+        except BaseException:
+            del self._streams[rid]
+            raise
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished and self._task is not None and not self._closing:
+                self._submit(lambda: self._abort_known([rid]))
+
+    async def abort(self, request_ids: str | Iterable[str] | None = None) -> list[GenerationOutput]:
+        """Ends the requests (all when None) and returns their partial outputs (finish reason ABORT).
+        Their streams end with an ABORT chunk. Unknown ids raise UnknownIdError."""
+        ids = None if request_ids is None else ([request_ids] if isinstance(request_ids, str) else list(request_ids))
+
+        def run() -> tuple[list[GenerationOutput], list[GenerationChunk]]:
+            outputs = self.core.abort(ids)
+            return outputs, [self._abort_chunk(o) for o in outputs]
+
+        return await self._call(run)
+
+    async def update_weights(self, weights: WeightsSource, version: int) -> list[str]:
+        """Loads weights (named tensors or a checkpoint directory) between steps; see EngineCore."""
+        return await self._call(lambda: (self.core.update_weights(weights, version), []))
+
+    async def release_memory(self, tags: Iterable[str] | None = None) -> None:
+        await self._call(lambda: (self.core.release_memory(tags), []))
+
+    async def resume_memory(self, tags: Iterable[str] | None = None) -> None:
+        await self._call(lambda: (self.core.resume_memory(tags), []))
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def health(self) -> dict[str, Any]:
+        """{"status": "ok" | "paused" | "stopped" | "error", "weight_version", "paused_tags", "error"}."""
+        if self._task is None or self._task.done():
+            status = "stopped"
+        elif self.last_error is not None:
+            status = "error"
+        elif self.core.paused:
+            status = "paused"
+        else:
+            status = "ok"
+        return {"status": status, "weight_version": self.core.weight_version,
+                "paused_tags": sorted(self.core.memory.paused_tags),
+                "error": None if self.last_error is None else repr(self.last_error)}
+
+    # Loop -------------------------------------------------------------------------------------------
+
+    def _abort_known(self, ids: list[str]) -> tuple[None, list[GenerationChunk]]:
+        outputs = self.core.abort([i for i in ids if self.core.has_request(i)])
+        return None, [self._abort_chunk(o) for o in outputs]
+
+    def _abort_chunk(self, output: GenerationOutput) -> GenerationChunk:
+        return GenerationChunk(output.request_id, [], [], self.core.weight_version, FinishReason.ABORT)
+
+    def _notify(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _submit(self, command: _Command) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._commands.append((command, future))
+        self._notify()
+        return future
+
+    async def _call(self, command: _Command) -> Any:
+        if self._task is None or self._closing:
+            raise InvalidStateError("the engine is not running: use `async with AsyncEngine(core)` or start()")
+        return await self._submit(command)
+
+    def _dispatch(self, chunks: list[GenerationChunk]) -> None:
+        for chunk in chunks:
+            queue = self._streams.get(chunk.request_id)
+            if queue is not None:
+                queue.put_nowait(chunk)
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            while self._commands:
+                command, future = self._commands.popleft()
+                try:
+                    result, chunks = await asyncio.to_thread(command)
+                except Exception as exc:  # the caller receives it; the engine keeps serving
+                    if not future.done():
+                        future.set_exception(exc)
+                    continue
+                self._dispatch(chunks)
+                if not future.done():
+                    future.set_result(result)
+            if self._closing:
+                return
+            if self.core.has_unfinished() and not self.core.paused:
+                try:
+                    chunks = await asyncio.to_thread(self.core.step)
+                except Exception as exc:  # a failed step fails its requests, not the server
+                    self.last_error = exc
+                    outputs = self.core.abort()
+                    for output in outputs:
+                        queue = self._streams.get(output.request_id)
+                        if queue is not None:
+                            queue.put_nowait(exc)
+                    continue
+                self._dispatch(chunks)
+            else:
+                self._wake.clear()
+                if not self._commands:
+                    await self._wake.wait()

@@ -1,0 +1,52 @@
+"""EngineConfig: the embedded rollout engine's settings, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from april_ext.errors import ConfigError
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of the embedded engine.
+
+    num_blocks x block_size is the KV capacity in tokens (shared by all running sequences).
+    max_num_batched_tokens bounds the tokens of one step, hence the prefill chunk size.
+    attention_backend: "auto" = Triton kernels on CUDA/ROCm and the PyTorch path on CPU; "triton"
+    forces the kernels (on CPU they need TRITON_INTERPRET=1 and are slow); "torch" forces PyTorch.
+    max_model_len: the longest prompt + response (default: the model's max_position_embeddings).
+    seed: draws the seed of every request that brings none.
+    memory_tag_prefix: prepended to the allocator tags "weights" and "kv_cache" (tags are
+    process-wide: give engines sharing a process distinct prefixes to release them separately).
+    weights_cpu_backup: keep a host copy of the weights while released (resume restores them).
+    """
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    prefix_caching: bool = True
+    seed: int = 0
+    weights_cpu_backup: bool = True
+    memory_tag_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ConfigError(f"EngineConfig.max_model_len must be None or an integer >= 2, got {self.max_model_len!r}")
+        if self.attention_backend not in _BACKENDS:
+            raise ConfigError(
+                f"EngineConfig.attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.memory_tag_prefix, str):
+            raise ConfigError(f"EngineConfig.memory_tag_prefix must be a string, got {self.memory_tag_prefix!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"EngineConfig.seed must be an integer >= 0, got {self.seed!r}")

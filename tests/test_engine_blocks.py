@@ -1,0 +1,130 @@
+"""BlockManager and BatchScheduler: the engine's bookkeeping, without any model."""
+
+from __future__ import annotations
+
+import pytest
+
+from april_ext.engine.batch_scheduler import BatchScheduler
+from april_ext.engine.block_manager import BlockManager
+from april_ext.engine.sampling import SamplingParams
+from april_ext.engine.sequence import Sequence, SequenceStatus
+
+
+def seq(tokens: list[int], name: str = "s") -> Sequence:
+    return Sequence(name, tokens, SamplingParams(), seed=0, stop_ids=frozenset())
+
+
+def test_allocate_and_free_track_reference_counts() -> None:
+    bm = BlockManager(8, 4, prefix_caching=False)
+    a = seq(list(range(10)))
+    assert bm.can_allocate(a, 10)
+    bm.allocate(a, 10)
+    assert len(a.block_table) == 3 and bm.num_free == 5
+    assert all(bm.ref_counts[b] == 1 for b in a.block_table)
+    a.num_computed = 10
+    bm.allocate(a, 2)  # 12 tokens still fit in 3 blocks
+    assert len(a.block_table) == 3
+    bm.allocate(a, 3)
+    assert len(a.block_table) == 4
+    assert bm.can_allocate(a, 4 * 4 + 6) and not bm.can_allocate(a, 4 * 4 + 7)
+    bm.free(a)
+    assert bm.num_free == 8 and a.block_table == [] and a.num_computed == 0
+    assert bm.ref_counts == [0] * 8
+
+
+def test_prefix_blocks_are_shared_and_survive_until_reused() -> None:
+    bm = BlockManager(6, 4)
+    a = seq(list(range(10)), "a")
+    bm.admit(a, bm.match_prefix(a), 10)
+    a.num_computed = 10
+    bm.register_computed(a)
+    b = seq(list(range(8)) + [99, 98, 97], "b")
+    prefix = bm.match_prefix(b)
+    assert prefix == a.block_table[:2]
+    assert bm.can_admit(b, prefix, 3)
+    bm.admit(b, prefix, 3)
+    assert b.num_computed == 8
+    assert [bm.ref_counts[x] for x in prefix] == [2, 2]
+    bm.free(a)
+    assert [bm.ref_counts[x] for x in prefix] == [1, 1]
+    bm.free(b)
+    # Freed but still hashed: a third sequence with the prefix finds the blocks in the free list.
+    c = seq(list(range(9)), "c")
+    assert bm.match_prefix(c) == prefix
+    # The match never covers the last token, whose logits must be computed.
+    assert bm.match_prefix(seq(list(range(8)))) == prefix[:1]
+    bm.reset_prefix_cache()
+    assert bm.match_prefix(c) == []
+
+
+def test_reusing_a_freed_block_drops_its_hash() -> None:
+    bm = BlockManager(2, 4)
+    a = seq([1, 2, 3, 4, 5], "a")
+    bm.admit(a, [], 5)
+    a.num_computed = 5
+    bm.register_computed(a)
+    bm.free(a)
+    b = seq([7] * 8, "b")
+    bm.admit(b, bm.match_prefix(b), 8)  # takes both blocks, overwriting a's cached prefix
+    assert bm.match_prefix(seq([1, 2, 3, 4, 5])) == []
+
+
+def test_scheduler_chunks_prefill_within_the_token_budget() -> None:
+    bm = BlockManager(64, 4)
+    sched = BatchScheduler(bm, max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = seq(list(range(25)), "a"), seq(list(range(30, 33)), "b")
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    assert [(c.seq.request_id, c.num_tokens, c.samples) for c in first] == [("a", 10, False)]
+    a.num_computed += 10
+    second = sched.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in second] == [("a", 10)]
+    a.num_computed += 10
+    third = sched.schedule()
+    assert [(c.seq.request_id, c.num_tokens, c.samples) for c in third] == [("a", 5, True), ("b", 3, True)]
+
+
+def test_scheduler_caps_running_sequences() -> None:
+    sched = BatchScheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        sched.add(seq([i], f"s{i}"))
+    assert len(sched.schedule()) == 2
+    assert len(sched.running) == 2 and len(sched.waiting) == 1
+
+
+def test_scheduler_preempts_from_the_tail_when_blocks_run_out() -> None:
+    bm = BlockManager(4, 2, prefix_caching=False)
+    sched = BatchScheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
+    a, b = seq([1, 2], "a"), seq([3, 4], "b")
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+
+    def decode_step() -> list[str]:
+        for s in sched.running:
+            s.num_computed = len(s)
+            s.token_ids.append(5)
+        return [c.seq.request_id for c in sched.schedule()]
+
+    assert decode_step() == ["a", "b"]  # 3 tokens each: both take their second block
+    assert bm.num_free == 0
+    assert decode_step() == ["a", "b"]  # 4 tokens each still fit in two blocks
+    assert decode_step() == ["a"]  # a needs a third block: b, the tail, is preempted
+    assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed == 0
+    assert sched.waiting[0] is b and sched.num_preemptions == 1 and b.num_preemptions == 1
+    assert len(b) == 5  # its tokens are kept for recomputation
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_remove_and_preempt_all_release_every_block(prefix_caching: bool) -> None:
+    bm = BlockManager(16, 4, prefix_caching=prefix_caching)
+    sched = BatchScheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    seqs = [seq(list(range(i, i + 9)), f"s{i}") for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    sched.schedule()
+    sched.remove(seqs[1])
+    sched.preempt_all()
+    assert [s.request_id for s in sched.waiting] == ["s0", "s2"]
+    assert bm.num_free == 16 and sched.running == []
