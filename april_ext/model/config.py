@@ -1,0 +1,194 @@
+"""ModelConfig: the architecture of a Llama-style decoder, read from and written to Hugging Face config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from april_ext.errors import ConfigError
+
+# model_type -> whether q/k/v and o projections carry a bias by default. Qwen2 always has q/k/v biases
+# and no o bias; Llama and Mistral read `attention_bias` for all four.
+_SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-style decoder; field names follow Hugging Face config.json.
+
+    rope_scaling holds the extra RoPE parameters of the non-default rope types ("linear": factor;
+    "llama3": factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_scaling: dict[str, float] = field(default_factory=dict)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    model_type: str = "llama"
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        # Resolve the HF defaults once so every reader sees concrete values.
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None and self.num_attention_heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        assert self.num_key_value_heads is not None and self.head_dim is not None
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ConfigError(
+                f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.rope_type not in _ROPE_TYPES:
+            raise ConfigError(f"ModelConfig.rope_type must be one of {_ROPE_TYPES}, got {self.rope_type!r}")
+        required = {"default": (), "linear": ("factor",),
+                    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings")}[self.rope_type]
+        missing = [k for k in required if k not in self.rope_scaling]
+        if missing:
+            raise ConfigError(f"ModelConfig.rope_scaling for rope_type {self.rope_type!r} lacks {missing}")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"ModelConfig.hidden_act must be 'silu', got {self.hidden_act!r}")
+        if self.model_type not in _SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"ModelConfig.model_type must be one of {_SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"ModelConfig.dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Builds a config from the fields of a Hugging Face config.json (Llama, Qwen2, Mistral)."""
+        model_type = raw.get("model_type", "llama")
+        if model_type not in _SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"config.json model_type must be one of {_SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+        if raw.get("use_sliding_window") or (model_type == "mistral" and raw.get("sliding_window")):
+            raise ConfigError("config.json enables a sliding window, which the embedded model does not support")
+        # transformers >= 5 writes rope_parameters; older versions write rope_theta + rope_scaling.
+        rope = dict(raw.get("rope_parameters") or {})
+        legacy = raw.get("rope_scaling") or {}
+        rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+        rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or \
+            legacy.get("rope_type") or legacy.get("type") or "default"
+        scaling = {k: v for k, v in {**legacy, **rope}.items() if k not in ("rope_type", "type", "rope_theta")}
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(raw.get("attention_bias", False))
+        dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        known = {f.name for f in dataclasses.fields(cls)}
+        plain = {k: raw[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                                     "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+                                     "mlp_bias", "hidden_act", "initializer_range", "bos_token_id",
+                                     "eos_token_id") if k in raw and k in known}
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in plain]
+        if missing:
+            raise ConfigError(f"config.json lacks required fields {missing}")
+        return cls(**plain, rope_theta=float(rope_theta), rope_type=rope_type, rope_scaling=scaling,
+                   qkv_bias=qkv_bias, o_bias=o_bias, model_type=model_type, dtype=str(dtype))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face config.json fields describing this architecture (readable by transformers)."""
+        if self.model_type == "qwen2" and not (self.qkv_bias and not self.o_bias):
+            raise ConfigError("a qwen2 config needs qkv_bias=True and o_bias=False")
+        if self.model_type != "qwen2" and self.qkv_bias != self.o_bias:
+            raise ConfigError(f"a {self.model_type} config needs qkv_bias == o_bias (HF attention_bias)")
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+        out: dict[str, Any] = {
+            "architectures": [arch[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": self.rope_type, "rope_theta": self.rope_theta, **self.rope_scaling},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "mlp_bias": self.mlp_bias,
+            "hidden_act": self.hidden_act,
+            "initializer_range": self.initializer_range,
+            "dtype": self.dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+        if self.model_type != "qwen2":
+            out["attention_bias"] = self.qkv_bias
+        if self.rope_type != "default":
+            out["rope_scaling"] = {"rope_type": self.rope_type, **self.rope_scaling}
+        return out
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
+        """Reads `path/config.json` (or `path` itself when it is a file)."""
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
+        try:
+            with open(file, encoding="utf-8") as handle:
+                raw = json.load(handle)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"no config.json at {file!r}") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{file!r} is not valid JSON: {exc}") from exc
+        return cls.from_hf_dict(raw)
+
+    def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as handle:
+            json.dump(self.to_hf_dict(), handle, indent=2)
