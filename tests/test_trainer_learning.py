@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from april_ext.algorithms import AlgorithmConfig
@@ -11,7 +12,17 @@ from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.trainer import TorchTrainer, TrainerConfig, pack_batch, sample_responses
 
 
-def test_grpo_raises_counting_reward_from_random_init():
+@pytest.fixture
+def one_thread():
+    # Tiny tensors: a second intra-op thread only adds synchronisation, and on a busy machine
+    # oversubscription makes this test 20x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_grpo_raises_counting_reward_from_random_init(one_thread):
     task = CountingTask(CountingTaskConfig(median_count=3, sigma=0.5, max_count=8, seed=1))
     model = LlamaForCausalLM(task.model_config())
     model.init_weights(0)
