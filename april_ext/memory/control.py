@@ -1,0 +1,134 @@
+"""Regions, pause / resume and statistics: the tag-level controls of the allocator."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from april_ext import _C
+from april_ext.errors import InvalidArgumentError
+from april_ext.memory import torch_cuda
+from april_ext.memory.devices import resolve
+
+_mem = _C.memory
+
+
+@dataclass(frozen=True)
+class TagStats:
+    """Usage of one tag. Bytes are summed over its live allocations."""
+
+    tag: str
+    paused: bool
+    allocations: int
+    logical_bytes: int  # what callers asked for
+    physical_bytes: int  # rounded up to the backend's granularity
+    resident_bytes: int  # physical bytes mapped now (0 while paused)
+    backup_bytes: int  # host bytes holding backups now
+    pauses: int
+    resumes: int
+    last_pause_seconds: float
+    last_resume_seconds: float
+    last_pause_copied_bytes: int
+    last_resume_copied_bytes: int
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """Whether a backend was compiled into this build and whether it can be used on this machine."""
+
+    name: str
+    compiled: bool
+    usable: bool
+    reason: str  # why it is not usable; empty when it is
+
+
+def _check_tag(tag: object, name: str = "tag") -> str:
+    if not isinstance(tag, str) or not tag:
+        raise InvalidArgumentError(f"{name}={tag!r} is not allowed: use a non-empty string")
+    return tag
+
+
+def _check_optional_tag(tag: object) -> str | None:
+    return None if tag is None else _check_tag(tag)
+
+
+def backends() -> list[BackendInfo]:
+    """The cpu, cuda and hip backends: compiled in or not, usable now or not (and why)."""
+    return [BackendInfo(**b) for b in _mem.backends()]
+
+
+def granularity(device: str | torch.device = "cpu") -> int:
+    """Bytes that allocations on device are rounded up to."""
+    kind, index, _ = resolve(device)
+    return int(_mem.granularity(kind, index))
+
+
+def set_cpu_capacity(nbytes: int | None) -> None:
+    """Simulates a device of nbytes on the CPU backend: creating physical memory beyond it raises
+    OutOfMemoryError, as a full GPU would. None removes the limit."""
+    if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0):
+        raise InvalidArgumentError(f"nbytes={nbytes!r} is not allowed: use a positive int or None")
+    _mem.set_cpu_capacity(0 if nbytes is None else nbytes)
+
+
+def cpu_capacity() -> int | None:
+    """The simulated CPU device size set by set_cpu_capacity, or None."""
+    cap = int(_mem.cpu_capacity())
+    return cap or None
+
+
+def current_region() -> tuple[str, bool] | None:
+    """(tag, cpu_backup) of the innermost region open on this thread, or None."""
+    frame = _mem.current_region()
+    return None if frame is None else (frame[0], bool(frame[1]))
+
+
+@contextlib.contextmanager
+def region(tag: str, cpu_backup: bool = False) -> Iterator[None]:
+    """Tags what is allocated inside the block on this thread (regions nest; the innermost wins).
+
+    On the CPU the tag is the default of to_region / move_module_to_region. On CUDA / ROCm torch
+    allocations inside the block come from the allocator too (a torch MemPool per tag, device and
+    backup setting over the extension's pluggable-allocator symbols).
+    """
+    _check_tag(tag)
+    if not isinstance(cpu_backup, bool):
+        raise InvalidArgumentError(f"cpu_backup={cpu_backup!r} is not allowed: use True or False")
+    pool = torch_cuda.pool_for_current_device(tag, cpu_backup) if torch_cuda.active() else None
+    _mem.push_region(tag, cpu_backup)
+    try:
+        if pool is None:
+            yield
+        else:
+            with torch_cuda.use_pool(pool):
+                yield
+    finally:
+        _mem.pop_region()
+
+
+def pause(tag: str | None = None) -> None:
+    """Releases the physical memory of tag (every active tag when None), keeping its addresses.
+
+    Allocations made with cpu_backup=True are copied to host memory first. Raises InvalidStateError
+    when the named tag is already paused, UnknownIdError for a tag never used, OutOfMemoryError when
+    the host cannot hold the backups (then the tag stays active).
+    """
+    tag = _check_optional_tag(tag)
+    torch_cuda.synchronize_if_active()
+    _mem.pause(tag)
+
+
+def resume(tag: str | None = None) -> None:
+    """Maps fresh physical memory at the addresses of tag (every paused tag when None) and restores
+    backups. Raises InvalidStateError when the named tag is active. On OutOfMemoryError the tag stays
+    paused and unchanged: free memory and call resume again."""
+    tag = _check_optional_tag(tag)
+    _mem.resume(tag)
+
+
+def stats() -> dict[str, TagStats]:
+    """Usage statistics per tag, keyed by tag."""
+    return {s["tag"]: TagStats(**s) for s in _mem.stats()}

@@ -1,0 +1,317 @@
+// CUDA backend on the driver's virtual-memory API. libcuda.so.1 is dlopen'ed, so this compiles with
+// the headers alone and a build imports on machines without a driver.
+#include <cuda.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "allocator/dynamic_library.h"
+#include "allocator/gpu_backends.h"
+#include "allocator/host_memory.h"
+#include "allocator/staged_copy.h"
+#include "common/error.h"
+
+namespace april::alloc {
+
+namespace {
+
+// The driver entry points used, resolved by their versioned ABI names.
+struct CudaApi {
+  decltype(&::cuInit) init;
+  decltype(&::cuGetErrorName) get_error_name;
+  decltype(&::cuGetErrorString) get_error_string;
+  decltype(&::cuDeviceGetCount) device_get_count;
+  decltype(&::cuDeviceGet) device_get;
+  decltype(&::cuDeviceGetAttribute) device_get_attribute;
+  decltype(&::cuDevicePrimaryCtxRetain) primary_ctx_retain;
+  decltype(&::cuDevicePrimaryCtxRelease) primary_ctx_release;
+  decltype(&::cuCtxGetCurrent) ctx_get_current;
+  decltype(&::cuCtxSetCurrent) ctx_set_current;
+  decltype(&::cuMemGetInfo) mem_get_info;
+  decltype(&::cuMemGetAllocationGranularity) get_granularity;
+  decltype(&::cuMemAddressReserve) address_reserve;
+  decltype(&::cuMemAddressFree) address_free;
+  decltype(&::cuMemCreate) create;
+  decltype(&::cuMemRelease) release;
+  decltype(&::cuMemMap) map;
+  decltype(&::cuMemSetAccess) set_access;
+  decltype(&::cuMemUnmap) unmap;
+  decltype(&::cuMemHostAlloc) host_alloc;
+  decltype(&::cuMemFreeHost) free_host;
+  decltype(&::cuStreamCreate) stream_create;
+  decltype(&::cuStreamDestroy) stream_destroy;
+  decltype(&::cuEventCreate) event_create;
+  decltype(&::cuEventDestroy) event_destroy;
+  decltype(&::cuEventRecord) event_record;
+  decltype(&::cuEventSynchronize) event_synchronize;
+  decltype(&::cuMemcpyDtoHAsync) memcpy_dtoh_async;
+  decltype(&::cuMemcpyHtoDAsync) memcpy_htod_async;
+
+  explicit CudaApi(const DynamicLibrary& lib) {
+    lib.load(init, "cuInit");
+    lib.load(get_error_name, "cuGetErrorName");
+    lib.load(get_error_string, "cuGetErrorString");
+    lib.load(device_get_count, "cuDeviceGetCount");
+    lib.load(device_get, "cuDeviceGet");
+    lib.load(device_get_attribute, "cuDeviceGetAttribute");
+    lib.load(primary_ctx_retain, "cuDevicePrimaryCtxRetain");
+    lib.load(primary_ctx_release, "cuDevicePrimaryCtxRelease_v2");
+    lib.load(ctx_get_current, "cuCtxGetCurrent");
+    lib.load(ctx_set_current, "cuCtxSetCurrent");
+    lib.load(mem_get_info, "cuMemGetInfo_v2");
+    lib.load(get_granularity, "cuMemGetAllocationGranularity");
+    lib.load(address_reserve, "cuMemAddressReserve");
+    lib.load(address_free, "cuMemAddressFree");
+    lib.load(create, "cuMemCreate");
+    lib.load(release, "cuMemRelease");
+    lib.load(map, "cuMemMap");
+    lib.load(set_access, "cuMemSetAccess");
+    lib.load(unmap, "cuMemUnmap");
+    lib.load(host_alloc, "cuMemHostAlloc");
+    lib.load(free_host, "cuMemFreeHost");
+    lib.load(stream_create, "cuStreamCreate");
+    lib.load(stream_destroy, "cuStreamDestroy_v2");
+    lib.load(event_create, "cuEventCreate");
+    lib.load(event_destroy, "cuEventDestroy_v2");
+    lib.load(event_record, "cuEventRecord");
+    lib.load(event_synchronize, "cuEventSynchronize");
+    lib.load(memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2");
+    lib.load(memcpy_htod_async, "cuMemcpyHtoDAsync_v2");
+  }
+};
+
+class CudaBackend;
+
+// Per-device stream, events and pinned staging buffers for the pipelined backup copies.
+class CudaCopyOps final : public AsyncCopyOps {
+ public:
+  CudaCopyOps(CudaBackend& backend, int device);
+  ~CudaCopyOps() override;
+  void* staging(int slot) override { return staging_[slot]; }
+  void device_to_host_async(void* dst, std::uintptr_t src, std::size_t size, int slot) override;
+  void host_to_device_async(std::uintptr_t dst, const void* src, std::size_t size, int slot) override;
+  void wait(int slot) override;
+
+ private:
+  void cleanup() noexcept;
+
+  CudaBackend& backend_;
+  CUstream stream_ = nullptr;
+  CUevent events_[kSlots] = {};
+  void* staging_[kSlots] = {};
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() : lib_({"libcuda.so.1", "libcuda.so"}), api_(lib_) {
+    check_call(api_.init(0), "cuInit");
+    check_call(api_.device_get_count(&device_count_), "cuDeviceGetCount");
+  }
+
+  ~CudaBackend() override {
+    copy_ops_.clear();
+    for (auto& [device, dev] : retained_) api_.primary_ctx_release(dev);
+  }
+
+  const char* name() const override { return "cuda"; }
+  int device_count() override { return device_count_; }
+
+  std::size_t granularity(int device) override {
+    CUmemAllocationProp prop = properties(device);
+    std::size_t g = 0;
+    check_call(api_.get_granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), "cuMemGetAllocationGranularity");
+    return g;
+  }
+
+  void memory_info(int device, std::size_t* free_bytes, std::size_t* total_bytes) override {
+    make_current(device);
+    check_call(api_.mem_get_info(free_bytes, total_bytes), "cuMemGetInfo");
+  }
+
+  std::uintptr_t reserve(std::size_t size, std::size_t alignment, std::uintptr_t fixed_addr) override {
+    CUdeviceptr ptr = 0;
+    CUresult r = api_.address_reserve(&ptr, size, alignment, static_cast<CUdeviceptr>(fixed_addr), 0);
+    check_call(r, "cuMemAddressReserve");
+    if (fixed_addr != 0 && ptr != fixed_addr) {
+      api_.address_free(ptr, size);
+      throw Error(ErrorKind::Driver, "cuMemAddressReserve did not return the requested address");
+    }
+    return static_cast<std::uintptr_t>(ptr);
+  }
+
+  void free_va(std::uintptr_t addr, std::size_t size) override {
+    check_call(api_.address_free(static_cast<CUdeviceptr>(addr), size), "cuMemAddressFree");
+  }
+
+  PhysicalHandle create(std::size_t size, int device) override {
+    CUmemAllocationProp prop = properties(device);
+    CUmemGenericAllocationHandle handle = 0;
+    check_call(api_.create(&handle, size, &prop, 0), "cuMemCreate");
+    return static_cast<PhysicalHandle>(handle);
+  }
+
+  void release(PhysicalHandle handle) override {
+    check_call(api_.release(static_cast<CUmemGenericAllocationHandle>(handle)), "cuMemRelease");
+  }
+
+  void map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) override {
+    check_call(api_.map(static_cast<CUdeviceptr>(addr), size, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0),
+               "cuMemMap");
+  }
+
+  void set_access(std::uintptr_t addr, std::size_t size, int device) override {
+    CUmemAccessDesc desc = {};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = device;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    check_call(api_.set_access(static_cast<CUdeviceptr>(addr), size, &desc, 1), "cuMemSetAccess");
+  }
+
+  void unmap(std::uintptr_t addr, std::size_t size) override {
+    check_call(api_.unmap(static_cast<CUdeviceptr>(addr), size), "cuMemUnmap");
+  }
+
+  bool release_while_mapped() const override { return true; }
+  bool pause_frees_va() const override { return false; }
+
+  void* alloc_host(std::size_t size) override { return map_host_buffer(size); }
+  void free_host(void* ptr, std::size_t size) noexcept override { unmap_host_buffer(ptr, size); }
+
+  void copy_to_host(void* dst, std::uintptr_t src, std::size_t size, int device) override {
+    make_current(device);
+    staged_device_to_host(copy_ops(device), dst, src, size);
+  }
+
+  void copy_from_host(std::uintptr_t dst, const void* src, std::size_t size, int device) override {
+    make_current(device);
+    staged_host_to_device(copy_ops(device), dst, src, size);
+  }
+
+  void check_call(CUresult r, const char* call) const {
+    if (r == CUDA_SUCCESS) return;
+    const char* ename = nullptr;
+    const char* etext = nullptr;
+    api_.get_error_name(r, &ename);
+    api_.get_error_string(r, &etext);
+    std::string msg = std::string(call) + " failed: " + (ename ? ename : "CUDA error") + " (" +
+                      std::to_string(static_cast<int>(r)) + "): " + (etext ? etext : "no description");
+    throw Error(r == CUDA_ERROR_OUT_OF_MEMORY ? ErrorKind::OutOfMemory : ErrorKind::Driver, msg);
+  }
+
+  const CudaApi& api() const { return api_; }
+
+  // The calling thread needs a context for copies and queries; the device's primary context is the
+  // one torch uses too.
+  void make_current(int device) {
+    CUcontext current = nullptr;
+    check_call(api_.ctx_get_current(&current), "cuCtxGetCurrent");
+    if (current != nullptr) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = contexts_.find(device);
+    if (it == contexts_.end()) {
+      CUdevice dev = 0;
+      check_call(api_.device_get(&dev, device), "cuDeviceGet");
+      CUcontext ctx = nullptr;
+      check_call(api_.primary_ctx_retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+      retained_[device] = dev;
+      it = contexts_.emplace(device, ctx).first;
+    }
+    check_call(api_.ctx_set_current(it->second), "cuCtxSetCurrent");
+  }
+
+ private:
+  // GPUDirect RDMA capable memory where the device supports it with VMM, so NCCL / RDMA NICs can
+  // register region memory; the granularity is queried with the same properties.
+  CUmemAllocationProp properties(int device) {
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    prop.allocFlags.gpuDirectRDMACapable = rdma_capable(device) ? 1 : 0;
+    return prop;
+  }
+
+  bool rdma_capable(int device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = rdma_.find(device);
+    if (it != rdma_.end()) return it->second;
+    CUdevice dev = 0;
+    int value = 0;
+    check_call(api_.device_get(&dev, device), "cuDeviceGet");
+    if (api_.device_get_attribute(&value, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev) !=
+        CUDA_SUCCESS) {
+      value = 0;
+    }
+    rdma_[device] = value != 0;
+    return value != 0;
+  }
+
+  CudaCopyOps& copy_ops(int device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = copy_ops_.find(device);
+    if (it == copy_ops_.end()) it = copy_ops_.emplace(device, std::make_unique<CudaCopyOps>(*this, device)).first;
+    return *it->second;
+  }
+
+  DynamicLibrary lib_;
+  CudaApi api_;
+  int device_count_ = 0;
+  std::mutex mutex_;
+  std::map<int, bool> rdma_;
+  std::map<int, CUcontext> contexts_;
+  std::map<int, CUdevice> retained_;
+  std::map<int, std::unique_ptr<CudaCopyOps>> copy_ops_;
+};
+
+CudaCopyOps::CudaCopyOps(CudaBackend& backend, int device) : backend_(backend) {
+  (void)device;
+  const CudaApi& api = backend_.api();
+  try {
+    backend_.check_call(api.stream_create(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    for (int i = 0; i < kSlots; ++i) {
+      backend_.check_call(api.event_create(&events_[i], CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+      backend_.check_call(api.host_alloc(&staging_[i], kChunkBytes, 0), "cuMemHostAlloc");
+    }
+  } catch (const Error&) {
+    cleanup();
+    throw;
+  }
+}
+
+CudaCopyOps::~CudaCopyOps() { cleanup(); }
+
+void CudaCopyOps::cleanup() noexcept {
+  const CudaApi& api = backend_.api();
+  for (int i = 0; i < kSlots; ++i) {
+    if (staging_[i] != nullptr) api.free_host(staging_[i]);
+    if (events_[i] != nullptr) api.event_destroy(events_[i]);
+    staging_[i] = nullptr;
+    events_[i] = nullptr;
+  }
+  if (stream_ != nullptr) api.stream_destroy(stream_);
+  stream_ = nullptr;
+}
+
+void CudaCopyOps::device_to_host_async(void* dst, std::uintptr_t src, std::size_t size, int slot) {
+  const CudaApi& api = backend_.api();
+  backend_.check_call(api.memcpy_dtoh_async(dst, static_cast<CUdeviceptr>(src), size, stream_), "cuMemcpyDtoHAsync");
+  backend_.check_call(api.event_record(events_[slot], stream_), "cuEventRecord");
+}
+
+void CudaCopyOps::host_to_device_async(std::uintptr_t dst, const void* src, std::size_t size, int slot) {
+  const CudaApi& api = backend_.api();
+  backend_.check_call(api.memcpy_htod_async(static_cast<CUdeviceptr>(dst), src, size, stream_), "cuMemcpyHtoDAsync");
+  backend_.check_call(api.event_record(events_[slot], stream_), "cuEventRecord");
+}
+
+void CudaCopyOps::wait(int slot) {
+  backend_.check_call(backend_.api().event_synchronize(events_[slot]), "cuEventSynchronize");
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }
+
+}  // namespace april::alloc
