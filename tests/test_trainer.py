@@ -10,33 +10,11 @@ import torch
 
 from april_ext import ConfigError, CorruptStateError, InvalidStateError, PersistenceError
 from april_ext.algorithms import AlgorithmConfig
-from april_ext.batch import TrainingBatch
-from april_ext.model import LlamaForCausalLM
-from april_ext.tasks import CountingTask, CountingTaskConfig
-from april_ext.trainer import (
-    TorchTrainer,
-    Trainer,
-    TrainerConfig,
-    pack_batch,
-    sample_responses,
-    split_by_token_budget,
-)
+from april_ext.trainer import TorchTrainer, Trainer, TrainerConfig, split_by_token_budget
 
-TASK = CountingTask(CountingTaskConfig(median_count=3, sigma=0.5, max_count=8, seed=1))
+from _trainer_utils import make_batch, make_model, one_thread  # noqa: F401 (fixture)
 
-
-def make_model(seed: int = 0) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64))
-    model.init_weights(seed)
-    return model
-
-
-def make_batch(model: LlamaForCausalLM, version: int, *, seed: int = 0, groups: int = 3) -> TrainingBatch:
-    prompts = TASK.prompts(seed * groups, groups)
-    sampled = sample_responses(model, [p.token_ids for p in prompts], n_samples=4, max_new_tokens=9,
-                               eos_ids=[TASK.eos_id], generator=torch.Generator().manual_seed(seed))
-    rewards = [[TASK.reward(p, r.tokens) for r in g] for p, g in zip(prompts, sampled)]
-    return pack_batch(prompts, sampled, rewards, version)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def params_of(trainer: TorchTrainer) -> dict[str, torch.Tensor]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from april_ext.algorithms import AlgorithmConfig
@@ -11,15 +10,7 @@ from april_ext.model import LlamaForCausalLM
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.trainer import TorchTrainer, TrainerConfig, pack_batch, sample_responses
 
-
-@pytest.fixture
-def one_thread():
-    # Tiny tensors: a second intra-op thread only adds synchronisation, and on a busy machine
-    # oversubscription makes this test 20x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from _trainer_utils import one_thread  # noqa: F401 (fixture)
 
 
 def test_grpo_raises_counting_reward_from_random_init(one_thread):

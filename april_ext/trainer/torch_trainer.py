@@ -52,6 +52,9 @@ class TrainerConfig:
         parts, and the PPO clip compares against the logprobs of the weights before the first step.
     mixed_precision: "auto" (bf16 autocast on CUDA / ROCm, fp32 on CPU), "bf16" or "fp32".
     device: None picks "cuda" when available, else "cpu".
+    colocated: weights, gradients, optimizer state (and the KL reference) live in april_ext.memory under
+        ``memory_tag``, so ``offload`` / ``onload`` release and restore them (weights and optimizer state
+        are backed up to host memory; gradients, zero between steps, are not).
     """
 
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -64,6 +67,8 @@ class TrainerConfig:
     minibatches: int = 1
     mixed_precision: str = "auto"
     device: str | None = None
+    colocated: bool = False
+    memory_tag: str = "trainer"
 
     def __post_init__(self) -> None:
         if not isinstance(self.algorithm, AlgorithmConfig):
@@ -85,6 +90,10 @@ class TrainerConfig:
         if self.mixed_precision not in MIXED_PRECISION:
             raise ConfigError(f"TrainerConfig.mixed_precision must be one of {MIXED_PRECISION}, "
                               f"got {self.mixed_precision!r}")
+        if not isinstance(self.colocated, bool):
+            raise ConfigError(f"TrainerConfig.colocated must be a bool, got {self.colocated!r}")
+        if not isinstance(self.memory_tag, str) or not self.memory_tag:
+            raise ConfigError(f"TrainerConfig.memory_tag must be a non-empty string, got {self.memory_tag!r}")
         if self.device is not None:
             try:
                 torch.device(self.device)
@@ -141,6 +150,10 @@ class TorchTrainer:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self._version = int(initial_version)
         self.step = 0
+        self.offloaded = False
+        self._optimizer_in_region = False
+        if self.config.colocated:
+            self._colocate()
 
     @property
     def version(self) -> int:
@@ -149,6 +162,7 @@ class TorchTrainer:
     # ----- training -------------------------------------------------------------------------------------
 
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
+        self._require_onloaded("train_step")
         _validate_batch(batch)
         if batch.policy_version != self._version:
             raise InvalidStateError(f"batch.policy_version is {batch.policy_version} but the trainer holds "
@@ -201,6 +215,8 @@ class TorchTrainer:
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, clip)))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
+            if self.config.colocated and not self._optimizer_in_region:
+                self._move_optimizer_state()
         self._version += 1
         self.step += 1
         metrics = {name: value / len(parts) for name, value in sums.items()}
@@ -259,6 +275,7 @@ class TorchTrainer:
     # ----- weights and checkpoints ----------------------------------------------------------------------
 
     def export_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
+        self._require_onloaded("export_weights")
         tensors = [(name, p.detach().to("cpu", copy=True) if to_cpu else p.detach())
                    for name, p in self.model.named_parameters()]
         return ExportedWeights(version=self._version, tensors=tensors)
@@ -267,6 +284,7 @@ class TorchTrainer:
         """Writes into a temporary directory next to ``path`` and renames it into place, so ``path`` is
         either the previous checkpoint or the complete new one. ``extra`` must hold tensors, numbers,
         strings, bytes, lists, tuples and dicts."""
+        self._require_onloaded("save_checkpoint")
         path = os.path.abspath(os.fspath(path))
         parent = os.path.dirname(path)
         try:
@@ -298,6 +316,7 @@ class TorchTrainer:
             raise
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        self._require_onloaded("load_checkpoint")
         path = os.fspath(path)
         state_file = os.path.join(path, _STATE_FILE)
         if not os.path.isfile(state_file):
@@ -316,6 +335,9 @@ class TorchTrainer:
         if self.ref_model is not None:
             self.ref_model.load_weights(load_file(os.path.join(path, _REFERENCE_FILE)).items())
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.config.colocated:
+            # load_state_dict replaced the state tensors with ordinary ones.
+            self._move_optimizer_state()
         _set_rng_state(state["rng"])
         self._version = int(state["version"])
         self.step = int(state["step"])
@@ -324,10 +346,52 @@ class TorchTrainer:
     # ----- colocated memory -----------------------------------------------------------------------------
 
     def offload(self) -> None:
-        """Without a colocated memory region there is nothing to release."""
+        """Pauses the trainer's memory tag (colocated mode); without colocation there is nothing to release."""
+        if not self.config.colocated or self.offloaded:
+            return
+        from april_ext import memory
+
+        memory.pause(self.config.memory_tag)
+        self.offloaded = True
 
     def onload(self) -> None:
-        """Without a colocated memory region there is nothing to restore."""
+        """Resumes what ``offload`` released: the same addresses, weights and optimizer state restored."""
+        if not self.config.colocated or not self.offloaded:
+            return
+        from april_ext import memory
+
+        memory.resume(self.config.memory_tag)
+        self.offloaded = False
+
+    def _require_onloaded(self, what: str) -> None:
+        if self.offloaded:
+            raise InvalidStateError(f"{what} needs the trainer's memory: call onload() after offload()")
+
+    def _colocate(self) -> None:
+        from april_ext import memory
+
+        tag = self.config.memory_tag
+        memory.move_module_to_region(self.model, tag, cpu_backup=True)
+        if self.ref_model is not None:
+            memory.move_module_to_region(self.ref_model, tag, cpu_backup=True)
+        # One flat gradient buffer per dtype; autograd accumulates into existing .grad tensors in place.
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in self.params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for dtype, params in by_dtype.items():
+            flat = memory.empty(sum(p.numel() for p in params), dtype, tag=tag, device=self.device,
+                                cpu_backup=False)
+            flat.zero_()
+            offset = 0
+            for p in params:
+                p.grad = flat[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
+
+    def _move_optimizer_state(self) -> None:
+        from april_ext import memory
+
+        memory.move_optimizer_to_region(self.optimizer, self.config.memory_tag, cpu_backup=True)
+        self._optimizer_in_region = True
 
 
 def _validate_batch(batch: TrainingBatch) -> None:
