@@ -1,0 +1,23 @@
+"""RL algorithms: advantages, policy losses, off-policy correction and group filters."""
+
+from april_ext.algorithms.advantages import group_advantages
+from april_ext.algorithms.config import ADVANTAGES, AGGREGATIONS, LOSSES, OFFPOLICY_MASKS, AlgorithmConfig
+from april_ext.algorithms.filters import reject_uniform_groups
+from april_ext.algorithms.losses import PolicyLossInputs, PolicyLossOutput, aggregation_weights, policy_loss
+from april_ext.algorithms.offpolicy import offpolicy_loss_mask, truncated_is_weights
+
+__all__ = [
+    "ADVANTAGES",
+    "AGGREGATIONS",
+    "LOSSES",
+    "OFFPOLICY_MASKS",
+    "AlgorithmConfig",
+    "PolicyLossInputs",
+    "PolicyLossOutput",
+    "aggregation_weights",
+    "group_advantages",
+    "offpolicy_loss_mask",
+    "policy_loss",
+    "reject_uniform_groups",
+    "truncated_is_weights",
+]

@@ -1,0 +1,17 @@
+"""Tasks: prompt sources with verifiable rewards (the synthetic counting task, math answers)."""
+
+from april_ext.tasks.counting import CountingTask, CountingTaskConfig
+from april_ext.tasks.math_verify import extract_answer, math_reward, normalize_answer, verify_math_answer
+from april_ext.tasks.reward import MathReward, RewardFunction, score_group
+
+__all__ = [
+    "CountingTask",
+    "CountingTaskConfig",
+    "MathReward",
+    "RewardFunction",
+    "extract_answer",
+    "math_reward",
+    "normalize_answer",
+    "score_group",
+    "verify_math_answer",
+]

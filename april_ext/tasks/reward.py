@@ -1,0 +1,29 @@
+"""Reward functions: score one response (token ids) of a prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from april_ext.data.prompt import Prompt
+from april_ext.tasks.math_verify import math_reward
+
+
+class RewardFunction(Protocol):
+    def __call__(self, prompt: Prompt, response: Sequence[int]) -> float: ...
+
+
+class MathReward:
+    """Decodes the response with the tokenizer and checks its final answer against ``prompt.label``."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, prompt: Prompt, response: Sequence[int]) -> float:
+        text = self.tokenizer.decode(list(response), skip_special_tokens=True)
+        return math_reward(text, prompt.label)
+
+
+def score_group(reward_fn: RewardFunction, prompt: Prompt, responses: Sequence[Sequence[int]]) -> list[float]:
+    """The rewards of every sample of one group, in order."""
+    return [float(reward_fn(prompt, response)) for response in responses]
