@@ -142,7 +142,8 @@ void bind_scheduler(py::module_& m) {
              py::list out;
              for (auto& c : s.pop_completed_groups()) {
                out.append(py::make_tuple(c.group_id, c.prompt_index, to_numpy(std::move(c.sample_ids)),
-                                         to_numpy(std::move(c.response_lens)), to_numpy(std::move(c.finish_reasons))));
+                                         to_numpy(std::move(c.response_lens)), to_numpy(std::move(c.finish_reasons)),
+                                         to_numpy(std::move(c.tokens))));
              }
              return out;
            })

@@ -530,11 +530,12 @@ std::vector<CompletedGroup> Scheduler::pop_completed_groups() {
   for (int64_t gid : s_.completed) {
     Group& g = s_.groups.at(gid);
     g.popped = true;
-    CompletedGroup c{gid, g.prompt_index, {}, {}, {}};
+    CompletedGroup c{gid, g.prompt_index, {}, {}, {}, {}};
     for (int64_t i = 0; i < n; ++i) {
       c.sample_ids.push_back(gid * n + i);
       c.response_lens.push_back(static_cast<int64_t>(g.samples[i].tokens.size()));
       c.finish_reasons.push_back(static_cast<uint8_t>(g.samples[i].finish));
+      c.tokens.insert(c.tokens.end(), g.samples[i].tokens.begin(), g.samples[i].tokens.end());
     }
     out.push_back(std::move(c));
   }

@@ -31,6 +31,7 @@ struct CompletedGroup {
   std::vector<int64_t> sample_ids;
   std::vector<int64_t> response_lens;
   std::vector<uint8_t> finish_reasons;
+  std::vector<int32_t> tokens;  // the responses, concatenated in sample order (lengths in response_lens)
 };
 
 // The TrainingBatch layout (april_ext/batch.py) as flat vectors.
