@@ -283,10 +283,10 @@ class Scheduler:
         n = ids.size
         self._core.on_finish(
             ids, _array(reasons, np.uint8, "reasons"),
-            _array(np.zeros(n) if counts is None else counts, np.int64, "counts"),
+            _array(np.zeros(n, np.int64) if counts is None else counts, np.int64, "counts"),
             _array(() if tokens is None else tokens, np.int32, "tokens"),
             _array(() if logprobs is None else logprobs, np.float32, "logprobs"),
-            _array(np.zeros(n) if versions is None else versions, np.int64, "versions"))
+            _array(np.zeros(n, np.int64) if versions is None else versions, np.int64, "versions"))
 
     # ------------------------------------------------------------------ reward and filter
 

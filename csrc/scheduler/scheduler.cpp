@@ -300,7 +300,9 @@ int64_t Scheduler::groups_to_launch_locked() const {
   if (config_.max_inflight_samples > 0) {
     const int64_t free_slots =
         config_.max_inflight_samples - s_.running_samples - s_.aborting_samples - s_.queued_samples;
-    k = std::min(k, free_slots / config_.n_samples_per_prompt);
+    // Round up: a group that only partly fits still fills the free slots; the rest of it waits queued.
+    const int64_t n = config_.n_samples_per_prompt;
+    k = std::min(k, free_slots > 0 ? (free_slots + n - 1) / n : 0);
   }
   return std::max<int64_t>(k, 0);
 }
