@@ -326,13 +326,14 @@ class RolloutLoop:
 
 
 def scheduler_config_for(config: SchedulerConfig, partial_rollout: bool) -> SchedulerConfig:
-    """The scheduler settings of a run: APRIL as configured, or the synchronous baseline (N' = N: every
-    launched group runs to completion, nothing is aborted or carried over)."""
+    """The scheduler settings of a run: APRIL as configured, or the synchronous baseline (N' = N with
+    batch refill: every launched group runs to completion, nothing is aborted or carried over)."""
     if not isinstance(partial_rollout, bool):
         raise InvalidArgumentError(f"partial_rollout={partial_rollout!r} is not allowed: True or False")
     if partial_rollout:
         return config
-    return replace(config, over_sampling_batch_size=config.rollout_batch_size)
+    # Batch refill: a wave of N groups, no top-ups, so nothing is still running when N are accepted.
+    return replace(config, over_sampling_batch_size=config.rollout_batch_size, refill="batch")
 
 
 __all__ = ["GroupFilter", "RewardFn", "RolloutLoop", "RolloutMetrics", "RolloutResult", "scheduler_config_for"]
