@@ -27,7 +27,7 @@ def _value_parser(base: type, optional: bool) -> Any:
             return base(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not a {base.__name__}" + (" (or none)" if optional else "")) from None
+                f"{text!r} is not a valid {base.__name__}" + (" (or none)" if optional else "")) from None
     parse.__name__ = base.__name__
     return parse
 

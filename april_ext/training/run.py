@@ -49,6 +49,8 @@ class TrainResult:
     resumed_from: int | None = None
     data_exhausted: bool = False
     summary: dict[str, float] = field(default_factory=dict)
+    memory_tag_prefix: str = ""
+    """Prefix of this run's april_ext.memory tags (engine "weights" / "kv_cache", colocated "trainer")."""
 
 
 @dataclass
@@ -243,7 +245,7 @@ async def train_async(config: TrainConfig) -> TrainResult:
 
         plot_run(history, config.output_dir)
     return TrainResult(config, history, config.output_dir, last_saved, resumed_from, data_exhausted,
-                       summarize(history))
+                       summarize(history), prefix)
 
 
 class StepMemory:
