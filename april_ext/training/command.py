@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 from dataclasses import fields
 from typing import Any
@@ -65,7 +66,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from april_ext.training.run import train
+    from april_ext.training.run import train, train_side_by_side
 
     config = config_from_args(args)
     if not args.compare:
@@ -75,11 +76,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from april_ext.plots import plot_compare
 
-    results = {}
-    for name, partial in (("baseline", False), ("april", True)):
-        results[name] = train(config.replace(partial_rollout=partial,
-                                             output_dir=os.path.join(config.output_dir, name),
-                                             save=None if config.save is None else os.path.join(config.save, name)))
+    # Side by side: the two runs take steps in turn, so both see the same machine load.
+    results = asyncio.run(train_side_by_side({
+        name: config.replace(partial_rollout=partial, output_dir=os.path.join(config.output_dir, name),
+                             save=None if config.save is None else os.path.join(config.save, name))
+        for name, partial in (("baseline", False), ("april", True))}))
     _print_summary({name: r.summary for name, r in results.items()})
     base, april = results["baseline"].summary, results["april"].summary
     if base.get("rollout_tokens_per_s"):
