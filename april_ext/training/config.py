@@ -76,6 +76,8 @@ class TrainConfig:
     algorithm: str = "grpo"
     lr: float = 2e-3
     kl_coef: float = 0.0
+    tis_cap: float | None = None
+    """Truncated importance sampling cap for off-policy tokens (resumed partials); None: off."""
     micro_batch_tokens: int = 8192
     num_steps: int = 20
     seed: int = 0
@@ -136,6 +138,8 @@ class TrainConfig:
         for name in ("counting_sigma", "kl_coef", "temperature"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 _bad(name, getattr(self, name), "a finite number >= 0")
+        if self.tis_cap is not None and (not math.isfinite(self.tis_cap) or self.tis_cap <= 0):
+            _bad("tis_cap", self.tis_cap, "None or a finite number > 0")
         if not 0 < self.top_p <= 1:
             _bad("top_p", self.top_p, "a number in (0, 1]")
 

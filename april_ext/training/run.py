@@ -99,7 +99,7 @@ def _build_task(config: TrainConfig) -> _Task:
 def _algorithm(config: TrainConfig) -> AlgorithmConfig:
     build = {"grpo": AlgorithmConfig.grpo, "drgrpo": AlgorithmConfig.drgrpo, "dapo": AlgorithmConfig.dapo,
              "gspo": AlgorithmConfig.gspo}[config.algorithm]
-    return build(kl_coef=config.kl_coef)
+    return build(kl_coef=config.kl_coef, tis_cap=config.tis_cap)
 
 
 def _seed_everything(seed: int) -> None:
