@@ -160,7 +160,8 @@ async def train_side_by_side(configs: dict[str, TrainConfig]) -> dict[str, Train
     """Several runs in one process, stepping in turn (one step of each, then the next round), so that
     they see the same machine load and their throughput ratio is fair on a busy machine."""
     async with contextlib.AsyncExitStack() as stack:
-        runs = {name: await stack.enter_async_context(TrainingRun(cfg)) for name, cfg in configs.items()}
+        runs = {name: await stack.enter_async_context(TrainingRun(cfg, bar_position=i))
+                for i, (name, cfg) in enumerate(configs.items())}
         while not all(run.done for run in runs.values()):
             for run in runs.values():
                 if not run.done:
@@ -173,8 +174,9 @@ class TrainingRun:
     then ``await run.finish()`` (final checkpoint, plots, result). Entering builds the data source,
     model, trainer, engine and scheduler, and restores the newest checkpoint when ``cfg.resume``."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, *, bar_position: int = 0) -> None:
         self.config = config
+        self.bar_position = bar_position
         self.mode = "april" if config.partial_rollout else "baseline"
         self.history: list[dict[str, Any]] = []
         self.resumed_from: int | None = None
@@ -233,7 +235,7 @@ class TrainingRun:
 
         self.bar = self._stack.enter_context(tqdm(
             total=config.num_steps, initial=self.steps_done, desc=f"train[{self.mode}]", unit="step",
-            disable=not config.progress, dynamic_ncols=True))
+            disable=not config.progress, dynamic_ncols=True, position=self.bar_position))
         self.metrics_file = self._stack.enter_context(open(self.metrics_path, "a", encoding="utf-8"))
         self.engine = await self._stack.enter_async_context(AsyncEngine(core))
         if latest is not None:
