@@ -41,37 +41,47 @@ class BlockConfig:
             raise InvalidArgumentError(f"BlockConfig.num_stages: {self.num_stages} is not allowed (1..6)")
 
 
-# Keyed by (generation, padded head_dim <= 128). For decode, block_m is the least number of rows of the
-# head tile (the query heads of one kv head, padded up for tl.dot).
+# Keyed by (generation, tier); the tier is the bytes of one padded K/V row (see row_tier): "narrow" up to
+# 256 bytes (16-bit, head_dim <= 128), "wide" up to 512 (16-bit 256, fp32 <= 128), "huge" beyond. For
+# decode, block_m is the least number of rows of the head tile (the query heads of one kv head, padded
+# up for tl.dot).
 _EXTEND = {
-    ("hopper", True): BlockConfig(128, 64, 8, 3),
-    ("hopper", False): BlockConfig(64, 32, 4, 2),
-    ("ampere", True): BlockConfig(128, 64, 8, 2),
-    ("ampere", False): BlockConfig(64, 32, 4, 2),
-    ("ampere_small_smem", True): BlockConfig(64, 64, 4, 2),
-    ("ampere_small_smem", False): BlockConfig(32, 32, 4, 1),
-    ("mi300", True): BlockConfig(128, 64, 8, 2),
-    ("mi300", False): BlockConfig(64, 32, 4, 1),
-    ("default", True): BlockConfig(64, 32, 4, 1),
-    ("default", False): BlockConfig(32, 16, 4, 1),
-    # The interpreter runs one program at a time in numpy: few large tiles are fastest.
-    ("interpreter", True): BlockConfig(64, 64, 1, 1),
-    ("interpreter", False): BlockConfig(64, 64, 1, 1),
+    ("hopper", "narrow"): BlockConfig(128, 64, 8, 3),
+    ("hopper", "wide"): BlockConfig(64, 32, 4, 2),
+    ("hopper", "huge"): BlockConfig(32, 16, 4, 1),
+    ("ampere", "narrow"): BlockConfig(128, 64, 8, 2),
+    ("ampere", "wide"): BlockConfig(64, 32, 4, 2),
+    ("ampere", "huge"): BlockConfig(32, 16, 4, 1),
+    ("ampere_small_smem", "narrow"): BlockConfig(64, 64, 4, 2),
+    ("ampere_small_smem", "wide"): BlockConfig(32, 32, 4, 1),
+    ("ampere_small_smem", "huge"): BlockConfig(16, 16, 4, 1),
+    ("mi300", "narrow"): BlockConfig(128, 64, 8, 2),
+    ("mi300", "wide"): BlockConfig(64, 32, 4, 1),
+    ("mi300", "huge"): BlockConfig(16, 16, 4, 1),
+    ("default", "narrow"): BlockConfig(64, 32, 4, 1),
+    ("default", "wide"): BlockConfig(32, 16, 4, 1),
+    ("default", "huge"): BlockConfig(16, 16, 4, 1),
 }
 _DECODE = {
-    ("hopper", True): BlockConfig(16, 64, 4, 3),
-    ("hopper", False): BlockConfig(16, 32, 4, 2),
-    ("ampere", True): BlockConfig(16, 64, 4, 2),
-    ("ampere", False): BlockConfig(16, 32, 4, 2),
-    ("ampere_small_smem", True): BlockConfig(16, 64, 4, 2),
-    ("ampere_small_smem", False): BlockConfig(16, 32, 4, 1),
-    ("mi300", True): BlockConfig(16, 64, 4, 1),
-    ("mi300", False): BlockConfig(16, 32, 4, 1),
-    ("default", True): BlockConfig(16, 32, 4, 1),
-    ("default", False): BlockConfig(16, 16, 4, 1),
-    ("interpreter", True): BlockConfig(16, 64, 1, 1),
-    ("interpreter", False): BlockConfig(16, 64, 1, 1),
+    ("hopper", "narrow"): BlockConfig(16, 64, 4, 3),
+    ("hopper", "wide"): BlockConfig(16, 32, 4, 2),
+    ("hopper", "huge"): BlockConfig(16, 16, 4, 2),
+    ("ampere", "narrow"): BlockConfig(16, 64, 4, 2),
+    ("ampere", "wide"): BlockConfig(16, 32, 4, 2),
+    ("ampere", "huge"): BlockConfig(16, 16, 4, 2),
+    ("ampere_small_smem", "narrow"): BlockConfig(16, 64, 4, 2),
+    ("ampere_small_smem", "wide"): BlockConfig(16, 32, 4, 1),
+    ("ampere_small_smem", "huge"): BlockConfig(16, 16, 4, 1),
+    ("mi300", "narrow"): BlockConfig(16, 64, 4, 1),
+    ("mi300", "wide"): BlockConfig(16, 32, 4, 1),
+    ("mi300", "huge"): BlockConfig(16, 16, 4, 1),
+    ("default", "narrow"): BlockConfig(16, 32, 4, 1),
+    ("default", "wide"): BlockConfig(16, 16, 4, 1),
+    ("default", "huge"): BlockConfig(16, 16, 4, 1),
 }
+# The interpreter runs one program at a time in numpy: few large tiles are fastest.
+_INTERPRETER_EXTEND = BlockConfig(64, 64, 1, 1)
+_INTERPRETER_DECODE = BlockConfig(16, 64, 1, 1)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -102,9 +112,17 @@ def generation(device: torch.device) -> str:
     return _generation(torch.device(device))
 
 
-def extend_config(device: torch.device, head_dim: int) -> BlockConfig:
-    return _EXTEND[(generation(device), padded_head_dim(head_dim) <= 128)]
+def row_tier(head_dim: int, dtype: torch.dtype) -> str:
+    """narrow / wide / huge by the bytes of one padded K/V row, which set the shared memory per tile."""
+    row_bytes = padded_head_dim(head_dim) * torch.empty((), dtype=dtype).element_size()
+    return "narrow" if row_bytes <= 256 else "wide" if row_bytes <= 512 else "huge"
 
 
-def decode_config(device: torch.device, head_dim: int) -> BlockConfig:
-    return _DECODE[(generation(device), padded_head_dim(head_dim) <= 128)]
+def extend_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> BlockConfig:
+    gen = generation(device)
+    return _INTERPRETER_EXTEND if gen == "interpreter" else _EXTEND[(gen, row_tier(head_dim, dtype))]
+
+
+def decode_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> BlockConfig:
+    gen = generation(device)
+    return _INTERPRETER_DECODE if gen == "interpreter" else _DECODE[(gen, row_tier(head_dim, dtype))]

@@ -140,7 +140,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     if shape.batch == 0:
         return (out, lse) if return_lse else out
-    cfg = config if config is not None else decode_config(q.device, shape.cache.head_dim)
+    cfg = config if config is not None else decode_config(q.device, shape.cache.head_dim, q.dtype)
     group = shape.q_heads // shape.cache.kv_heads
     max_keys = min(shape.max_seq_len, opts.window) if opts.window is not None else shape.max_seq_len
     splits = num_splits or choose_num_splits(shape.batch, shape.cache.kv_heads, max_keys, cfg.block_n,

@@ -130,7 +130,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     if shape.max_extend_len == 0:
         return (out, lse) if return_lse else out
-    cfg = config if config is not None else extend_config(q.device, shape.cache.head_dim)
+    cfg = config if config is not None else extend_config(q.device, shape.cache.head_dim, q.dtype)
     upcast = q.dtype == torch.bfloat16 and interpreting(_extend_attention_kernel)
     qk_scale = opts.sm_scale if opts.softcap is not None else opts.sm_scale * LOG2E
     grid = (triton.cdiv(shape.max_extend_len, cfg.block_m), shape.q_heads, shape.batch)
