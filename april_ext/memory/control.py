@@ -33,6 +33,8 @@ class TagStats:
     last_resume_seconds: float
     last_pause_copied_bytes: int
     last_resume_copied_bytes: int
+    last_pause_copy_seconds: float  # the backup copy alone, within last_pause_seconds
+    last_resume_copy_seconds: float  # the restore copy alone, within last_resume_seconds
 
 
 @dataclass(frozen=True)

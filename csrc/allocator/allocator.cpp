@@ -203,11 +203,14 @@ void Allocator::pause_tag(const std::string& tag, TagRecord& record) {
   }
   record.paused = true;
   std::size_t copied = 0;
+  double copy_seconds = 0;
   for (std::size_t i = 0; i < todo.size(); ++i) {
     Allocation* a = todo[i];
     std::uintptr_t addr = a->va.addr();
     if (backups[i].held()) {
+      auto copy_start = std::chrono::steady_clock::now();
       a->backend->copy_to_host(backups[i].data(), addr, a->logical, a->device.index);
+      copy_seconds += seconds_since(copy_start);
       copied += a->logical;
     }
     a->mapping.reset();
@@ -223,6 +226,7 @@ void Allocator::pause_tag(const std::string& tag, TagRecord& record) {
   record.pauses += 1;
   record.last_pause_seconds = seconds_since(start);
   record.last_pause_copied_bytes = copied;
+  record.last_pause_copy_seconds = copy_seconds;
 }
 
 void Allocator::resume(const std::optional<std::string>& tag) {
@@ -259,11 +263,14 @@ void Allocator::resume_tag(const std::string& tag, TagRecord& record) {
                                             "; the tag stays paused: free memory and call resume again");
   }
   std::size_t copied = 0;
+  double copy_seconds = 0;
   for (std::size_t i = 0; i < todo.size(); ++i) {
     Allocation* a = todo[i];
     Mapping mapping(a->backend, a->va.addr(), a->physical, memory[i], a->device.index);
     if (a->backup.held()) {
+      auto copy_start = std::chrono::steady_clock::now();
       a->backend->copy_from_host(a->va.addr(), a->backup.data(), a->logical, a->device.index);
+      copy_seconds += seconds_since(copy_start);
       copied += a->logical;
     }
     a->mapping = std::move(mapping);
@@ -278,6 +285,7 @@ void Allocator::resume_tag(const std::string& tag, TagRecord& record) {
   record.resumes += 1;
   record.last_resume_seconds = seconds_since(start);
   record.last_resume_copied_bytes = copied;
+  record.last_resume_copy_seconds = copy_seconds;
 }
 
 AllocationInfo Allocator::info(std::uintptr_t addr) const {
@@ -309,6 +317,8 @@ std::vector<TagStats> Allocator::stats() const {
     s.last_resume_seconds = record.last_resume_seconds;
     s.last_pause_copied_bytes = record.last_pause_copied_bytes;
     s.last_resume_copied_bytes = record.last_resume_copied_bytes;
+    s.last_pause_copy_seconds = record.last_pause_copy_seconds;
+    s.last_resume_copy_seconds = record.last_resume_copy_seconds;
   }
   for (const auto& [addr, a] : allocations_) {
     TagStats& s = by_tag[a->tag];

@@ -50,6 +50,8 @@ struct TagStats {
   double last_resume_seconds = 0;
   std::size_t last_pause_copied_bytes = 0;
   std::size_t last_resume_copied_bytes = 0;
+  double last_pause_copy_seconds = 0;   // the backup copy alone, within last_pause_seconds
+  double last_resume_copy_seconds = 0;  // the restore copy alone, within last_resume_seconds
 };
 
 struct BackendStatus {
@@ -111,6 +113,8 @@ class Allocator {
     double last_resume_seconds = 0;
     std::size_t last_pause_copied_bytes = 0;
     std::size_t last_resume_copied_bytes = 0;
+    double last_pause_copy_seconds = 0;
+    double last_resume_copy_seconds = 0;
   };
 
   Backend& backend_locked(DeviceKind kind);

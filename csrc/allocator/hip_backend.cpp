@@ -118,7 +118,7 @@ class DeviceScope {
  public:
   DeviceScope(const HipApi& api, int device);
   ~DeviceScope() {
-    if (previous_ >= 0) api_.set_device(previous_);
+    if (previous_ >= 0) (void)api_.set_device(previous_);
   }
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
@@ -142,7 +142,7 @@ class HipBackend final : public Backend {
   ~HipBackend() override {
     copy_ops_.clear();
     for (auto& [id, chunks] : handles_) {
-      for (auto& chunk : chunks) api_.release(chunk.first);
+      for (auto& chunk : chunks) (void)api_.release(chunk.first);
     }
   }
 
@@ -168,7 +168,7 @@ class HipBackend final : public Backend {
                "hipMemAddressReserve");
     auto addr = reinterpret_cast<std::uintptr_t>(ptr);
     if (fixed_addr != 0 && addr != fixed_addr) {
-      api_.address_free(ptr, size);
+      (void)api_.address_free(ptr, size);
       throw Error(ErrorKind::Driver, "hipMemAddressReserve did not return the requested address");
     }
     return addr;
@@ -182,7 +182,7 @@ class HipBackend final : public Backend {
     std::size_t chunk = major_ < 7 ? granularity(device) : size;
     std::vector<std::pair<hipMemGenericAllocationHandle_t, std::size_t>> chunks;
     auto release_all = [&] {
-      for (auto& c : chunks) api_.release(c.first);
+      for (auto& c : chunks) (void)api_.release(c.first);
     };
     try {
       with_properties(device, [&](const hipMemAllocationProp* prop) {
@@ -227,12 +227,16 @@ class HipBackend final : public Backend {
     for (auto& c : chunks) {
       hipError_t r = api_.map(reinterpret_cast<void*>(addr + offset), c.second, 0, c.first, 0);
       if (r != hipSuccess) {
-        if (offset > 0) api_.unmap(reinterpret_cast<void*>(addr), offset);
+        for (std::size_t done = 0, k = 0; done < offset; done += chunks[k++].second) {
+          (void)api_.unmap(reinterpret_cast<void*>(addr + done), chunks[k].second);
+        }
         check_call(r, "hipMemMap");
       }
       offset += c.second;
     }
     (void)size;
+    std::lock_guard<std::mutex> lock(mutex_);
+    mapped_[addr] = std::move(chunks);
   }
 
   void set_access(std::uintptr_t addr, std::size_t size, int device) override {
@@ -243,8 +247,26 @@ class HipBackend final : public Backend {
     check_call(api_.set_access(reinterpret_cast<void*>(addr), size, &desc, 1), "hipMemSetAccess");
   }
 
+  // Chunked mappings are unmapped chunk by chunk, as they were mapped.
   void unmap(std::uintptr_t addr, std::size_t size) override {
-    check_call(api_.unmap(reinterpret_cast<void*>(addr), size), "hipMemUnmap");
+    std::vector<std::pair<hipMemGenericAllocationHandle_t, std::size_t>> chunks;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = mapped_.find(addr);
+      if (it != mapped_.end()) {
+        chunks = std::move(it->second);
+        mapped_.erase(it);
+      }
+    }
+    if (chunks.size() <= 1) {
+      check_call(api_.unmap(reinterpret_cast<void*>(addr), size), "hipMemUnmap");
+      return;
+    }
+    std::size_t offset = 0;
+    for (auto& c : chunks) {
+      check_call(api_.unmap(reinterpret_cast<void*>(addr + offset), c.second), "hipMemUnmap");
+      offset += c.second;
+    }
   }
 
   // Handles are kept until pause: releasing a mapped handle early is not reliable on every ROCm.
@@ -307,6 +329,8 @@ class HipBackend final : public Backend {
   std::mutex mutex_;
   PhysicalHandle next_handle_ = 1;
   std::map<PhysicalHandle, std::vector<std::pair<hipMemGenericAllocationHandle_t, std::size_t>>> handles_;
+  // Mapped ranges by address, with the chunks mapped there.
+  std::map<std::uintptr_t, std::vector<std::pair<hipMemGenericAllocationHandle_t, std::size_t>>> mapped_;
   std::map<int, std::unique_ptr<HipCopyOps>> copy_ops_;
 };
 
@@ -337,12 +361,12 @@ HipCopyOps::HipCopyOps(HipBackend& backend) : backend_(backend) {
 void HipCopyOps::cleanup() noexcept {
   const HipApi& api = backend_.api();
   for (int i = 0; i < kSlots; ++i) {
-    if (staging_[i] != nullptr) api.host_free(staging_[i]);
-    if (events_[i] != nullptr) api.event_destroy(events_[i]);
+    if (staging_[i] != nullptr) (void)api.host_free(staging_[i]);
+    if (events_[i] != nullptr) (void)api.event_destroy(events_[i]);
     staging_[i] = nullptr;
     events_[i] = nullptr;
   }
-  if (stream_ != nullptr) api.stream_destroy(stream_);
+  if (stream_ != nullptr) (void)api.stream_destroy(stream_);
   stream_ = nullptr;
 }
 

@@ -36,6 +36,8 @@ py::dict stats_dict(const alloc::TagStats& s) {
   d["last_resume_seconds"] = s.last_resume_seconds;
   d["last_pause_copied_bytes"] = s.last_pause_copied_bytes;
   d["last_resume_copied_bytes"] = s.last_resume_copied_bytes;
+  d["last_pause_copy_seconds"] = s.last_pause_copy_seconds;
+  d["last_resume_copy_seconds"] = s.last_resume_copy_seconds;
   return d;
 }
 

@@ -1,0 +1,355 @@
+"""The pause/resume allocator on the CPU backend: RSS really drops, addresses survive, backups restore
+bit-exactly, tags are independent and thread-local, and every failure is an exception that leaves
+state consistent."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import uuid
+
+import pytest
+import torch
+
+import april_ext.memory as mem
+from april_ext import _C
+from april_ext.errors import ConfigError
+from april_ext.memory import torch_cuda
+from april_ext.memory.devices import gpu_kind
+
+MiB = 1 << 20
+PAGE = os.sysconf("SC_PAGESIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def new_tag(name: str) -> str:
+    """Tags are process-wide: every test uses its own."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture
+def capacity():
+    """Sets a simulated CPU device size relative to what is committed now; removes it afterwards."""
+
+    def set_free(free_bytes: int) -> None:
+        mem.set_cpu_capacity(_C.memory.cpu_committed() + free_bytes)
+
+    yield set_free
+    mem.set_cpu_capacity(None)
+
+
+def test_backends_reports_cpu_usable_and_every_backend_by_name():
+    info = {b.name: b for b in mem.backends()}
+    assert set(info) == {"cpu", "cuda", "hip"}
+    assert info["cpu"].compiled and info["cpu"].usable and info["cpu"].reason == ""
+    for name in ("cuda", "hip"):
+        assert info[name].usable or info[name].reason
+
+
+def test_pause_of_1gib_returns_its_pages_and_resume_keeps_the_address():
+    tag = new_tag("big")
+    t = mem.empty((1 << 30,), torch.uint8, tag=tag)
+    t.fill_(1)
+    ptr = t.data_ptr()
+    before = rss_bytes()
+    mem.pause(tag)
+    after = rss_bytes()
+    assert before - after >= 0.95 * (1 << 30)
+    s = mem.stats()[tag]
+    assert s.paused and s.resident_bytes == 0 and s.physical_bytes == 1 << 30
+    mem.resume(tag)
+    assert t.data_ptr() == ptr
+    # Without a backup the contract on the CPU backend is fresh zero-filled pages.
+    assert int(t[:: 1 << 20].sum()) == 0 and int(t[-1]) == 0
+    del t
+    assert mem.stats()[tag].allocations == 0
+
+
+@pytest.mark.parametrize("numel", [1, 19, 989, 3 * MiB + 7])
+def test_backup_restores_contents_bit_exactly(numel):
+    tag = new_tag("backup")
+    gen = torch.Generator().manual_seed(numel)
+    t = mem.empty((numel,), torch.float32, tag=tag, cpu_backup=True)
+    t.copy_(torch.randn(numel, generator=gen))
+    want = digest(t)
+    ptr = t.data_ptr()
+    mem.pause(tag)
+    s = mem.stats()[tag]
+    assert s.backup_bytes == numel * 4 and s.last_pause_copied_bytes == numel * 4
+    mem.resume(tag)
+    assert t.data_ptr() == ptr
+    assert digest(t) == want
+    assert mem.stats()[tag].backup_bytes == 0
+
+
+def test_tags_pause_and_resume_independently_and_together():
+    a, b = new_tag("a"), new_tag("b")
+    ta = mem.empty((1000,), torch.int64, tag=a, cpu_backup=True)
+    tb = mem.empty((3, 5), torch.bfloat16, tag=b, cpu_backup=True)
+    ta.copy_(torch.arange(1000))
+    tb.fill_(2.5)
+    mem.pause(a)
+    assert mem.stats()[a].paused and not mem.stats()[b].paused
+    tb.add_(1)  # b stays usable while a is paused
+    mem.resume(a)
+    assert torch.equal(ta, torch.arange(1000))
+    mem.pause()
+    assert mem.stats()[a].paused and mem.stats()[b].paused
+    mem.resume()
+    assert not mem.stats()[a].paused and not mem.stats()[b].paused
+    assert torch.equal(ta, torch.arange(1000)) and bool((tb == 3.5).all())
+
+
+def test_state_errors_and_idempotent_transitions():
+    tag = new_tag("state")
+    t = mem.empty((10,), torch.float32, tag=tag)
+    with pytest.raises(mem.InvalidStateError, match="not paused"):
+        mem.resume(tag)
+    mem.pause(tag)
+    with pytest.raises(mem.InvalidStateError, match="already paused"):
+        mem.pause(tag)
+    with pytest.raises(mem.InvalidStateError, match="resume it before allocating"):
+        mem.empty((4,), torch.float32, tag=tag)
+    mem.pause()  # every-tag pause skips tags that are already paused
+    assert mem.stats()[tag].pauses == 1
+    mem.resume(tag)
+    mem.resume()  # every-tag resume skips active tags
+    assert mem.stats()[tag].resumes == 1
+    with pytest.raises(mem.UnknownIdError, match="unknown tag"):
+        mem.pause(new_tag("never-used"))
+    with pytest.raises(mem.UnknownIdError):
+        _C.memory.free(0x1000)
+    del t
+
+
+def test_free_while_paused_releases_the_allocation_and_its_backup():
+    tag = new_tag("free-paused")
+    t = mem.empty((MiB,), torch.uint8, tag=tag, cpu_backup=True)
+    t.fill_(7)
+    mem.pause(tag)
+    assert mem.stats()[tag].backup_bytes == MiB
+    del t
+    s = mem.stats()[tag]
+    assert s.allocations == 0 and s.backup_bytes == 0
+    mem.resume(tag)
+    assert not mem.stats()[tag].paused
+
+
+def test_nested_regions_supply_the_innermost_tag():
+    outer, inner = new_tag("outer"), new_tag("inner")
+    assert mem.current_region() is None
+    with mem.region(outer):
+        a = mem.to_region(torch.ones(4))
+        with mem.region(inner, cpu_backup=True):
+            assert mem.current_region() == (inner, True)
+            b = mem.to_region(torch.ones(4))
+        assert mem.current_region() == (outer, False)
+        c = mem.empty((2,), torch.float32, tag=inner)
+    assert mem.current_region() is None
+    assert mem.allocation_info(a)["tag"] == outer
+    assert mem.allocation_info(b)["tag"] == inner and mem.allocation_info(b)["cpu_backup"]
+    assert mem.allocation_info(c)["tag"] == inner and not mem.allocation_info(c)["cpu_backup"]
+
+
+def test_region_tags_stay_on_their_thread():
+    n = 4
+    barrier = threading.Barrier(n)
+    results: dict[int, list[str]] = {}
+    errors: list[BaseException] = []
+    tags = [new_tag(f"thread{i}") for i in range(n)]
+
+    def work(i: int) -> None:
+        try:
+            with mem.region(tags[i]):
+                barrier.wait()  # every thread is inside its region at once
+                seen = []
+                for _ in range(20):
+                    t = mem.to_region(torch.full((64,), float(i)))
+                    seen.append(mem.allocation_info(t)["tag"])
+                    assert bool((t == i).all())
+                results[i] = seen
+        except BaseException as exc:  # noqa: BLE001 - reported to the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    for i in range(n):
+        assert results[i] == [tags[i]] * 20
+    assert mem.current_region() is None
+
+
+def test_out_of_memory_on_resume_keeps_the_tag_paused_and_can_be_retried(capacity):
+    a, b = new_tag("oom-a"), new_tag("oom-b")
+    capacity(8 * MiB)
+    ta = mem.empty((4 * MiB,), torch.uint8, tag=a, cpu_backup=True)
+    ta.copy_(torch.arange(4 * MiB) % 251)
+    want = digest(ta)
+    mem.pause(a)
+    tb = mem.empty((6 * MiB,), torch.uint8, tag=b)  # takes the room a gave back
+    with pytest.raises(mem.OutOfMemoryError, match="stays paused"):
+        mem.resume(a)
+    s = mem.stats()[a]
+    assert s.paused and s.resident_bytes == 0 and s.backup_bytes == 4 * MiB
+    with pytest.raises(mem.OutOfMemoryError):
+        mem.resume(a)
+    del tb
+    mem.resume(a)
+    assert digest(ta) == want
+
+
+def test_out_of_memory_on_allocate_is_an_exception(capacity):
+    capacity(2 * MiB)
+    with pytest.raises(mem.OutOfMemoryError, match="capacity"):
+        mem.empty((3 * MiB,), torch.uint8, tag=new_tag("too-big"))
+    t = mem.empty((MiB,), torch.uint8, tag=new_tag("fits"))
+    assert t.numel() == MiB
+
+
+def test_sizes_are_rounded_to_the_granularity():
+    t = mem.empty((3,), torch.uint8, tag=new_tag("round"))
+    info = mem.allocation_info(t)
+    assert info["logical_bytes"] == 3
+    assert info["physical_bytes"] == mem.granularity("cpu") == PAGE
+
+
+def test_empty_tensor_has_no_allocation():
+    t = mem.empty((0, 4), torch.float32, tag=new_tag("zero"))
+    assert t.shape == (0, 4)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: mem.empty((-1,), torch.float32, tag="x"), "dimensions must be >= 0"),
+        (lambda: mem.empty((2.5,), torch.float32, tag="x"), "sequence of ints"),
+        (lambda: mem.empty((2,), "float32", tag="x"), "torch.dtype"),
+        (lambda: mem.empty((2,), torch.float32, tag=""), "non-empty string"),
+        (lambda: mem.empty((2,), torch.float32, tag="x", device="meta"), "'cpu', 'cuda'"),
+        (lambda: mem.to_region(torch.ones(2)), "only allowed inside"),
+        (lambda: mem.set_cpu_capacity(-5), "positive int"),
+        (lambda: mem.pause(""), "non-empty string"),
+    ],
+)
+def test_invalid_arguments_name_the_argument(call, message):
+    with pytest.raises(mem.InvalidArgumentError, match=message):
+        call()
+
+
+def test_region_rejects_a_non_bool_backup_flag():
+    with pytest.raises(mem.InvalidArgumentError, match="cpu_backup"):
+        with mem.region("x", cpu_backup="yes"):
+            pass
+
+
+def test_module_and_optimizer_state_survive_pause_with_backup():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 16)
+    model(x).square().mean().backward()
+    opt.step()
+    weights, states = new_tag("weights"), new_tag("optim")
+    params_before = [id(p) for p in model.parameters()]
+    moved = mem.move_module_to_region(model, weights, cpu_backup=True)
+    assert moved == sum(p.numel() * 4 for p in model.parameters())
+    assert mem.move_optimizer_to_region(opt, states, cpu_backup=True) > 0
+    assert mem.stats()[weights].allocations == 1  # packed into one allocation
+    want = model(x).detach().clone()
+    mem.pause(weights)
+    mem.pause(states)
+    assert mem.stats()[weights].resident_bytes == 0
+    mem.resume(states)
+    mem.resume(weights)
+    assert [id(p) for p in model.parameters()] == params_before
+    assert torch.equal(model(x), want)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+    assert not torch.equal(model(x), want)
+
+
+def test_to_region_copies_contents_and_keeps_dtype_and_shape():
+    src = torch.arange(24, dtype=torch.int16).reshape(2, 3, 4).transpose(0, 2)
+    t = mem.to_region(src, new_tag("copy"))
+    assert t.dtype == src.dtype and t.shape == src.shape and t.is_contiguous()
+    assert torch.equal(t, src)
+
+
+def test_expandable_segments_are_refused(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:True")
+    with pytest.raises(ConfigError, match="expandable_segments"):
+        torch_cuda.check_alloc_conf()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    torch_cuda.check_alloc_conf()
+
+
+def test_torch_hook_symbols_allocate_in_the_current_region():
+    """The C symbols torch's pluggable allocator calls, driven here on the CPU backend."""
+    lib = ctypes.CDLL(_C.__file__)
+    malloc_name, free_name = _C.memory.torch_symbols()
+    malloc = getattr(lib, malloc_name)
+    malloc.restype = ctypes.c_void_p
+    malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    free = getattr(lib, free_name)
+    free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    tag = new_tag("hook")
+    _C.memory.set_hook_device_kind("cpu")
+    try:
+        assert malloc(4096, 0, None) is None  # outside a region: refused, with a reason
+        assert "outside a region" in _C.memory.take_hook_error()
+        with mem.region(tag, cpu_backup=True):
+            ptr = malloc(10000, 0, None)
+        assert ptr is not None
+        ctypes.memset(ptr, 9, 10000)
+        info = _C.memory.info(ptr)
+        assert info["tag"] == tag and info["cpu_backup"] and info["logical_bytes"] == 10000
+        mem.pause(tag)
+        mem.resume(tag)
+        assert ctypes.string_at(ptr, 10000) == b"\x09" * 10000
+        free(ptr, 10000, 0, None)
+        assert mem.stats()[tag].allocations == 0
+    finally:
+        _C.memory.set_hook_device_kind(gpu_kind())
+
+
+def test_host_out_of_memory_on_pause_leaves_the_tag_active():
+    """A real OS limit (RLIMIT_AS in a subprocess) makes the backup buffer fail: pause raises and
+    nothing of the tag is paused."""
+    script = r"""
+import resource, torch
+import april_ext.memory as mem
+t = mem.empty((64 << 20,), torch.uint8, tag="big", cpu_backup=True)
+t.fill_(5)
+with open("/proc/self/statm") as f:
+    vm = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.RLIM_INFINITY))
+try:
+    mem.pause("big")
+except mem.OutOfMemoryError as exc:
+    assert "stays active" in str(exc), exc
+else:
+    raise SystemExit("pause did not fail")
+s = mem.stats()["big"]
+assert not s.paused and s.resident_bytes == 64 << 20 and s.backup_bytes == 0, s
+assert int(t[::4096].sum()) == 5 * (64 << 20) // 4096
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
