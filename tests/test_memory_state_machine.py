@@ -86,17 +86,6 @@ class AllocatorModel(RuleBasedStateMachine):
                 if entry["tag"] == tag and not entry["backup"]:
                     entry["value"] = 0
 
-    @rule()
-    def pause_all_then_resume_all(self):
-        mem.pause()
-        mem.resume()
-        for tag in self.tags:
-            if self.paused[tag] is not None:
-                self.paused[tag] = False
-        for entry in self.live:
-            if not entry["backup"]:
-                entry["value"] = 0
-
     @invariant()
     def stats_and_contents_match_the_model(self):
         stats = mem.stats()
