@@ -172,6 +172,28 @@ def test_free_while_paused_releases_the_allocation_and_its_backup():
     assert not mem.stats()[tag].paused
 
 
+def test_backup_cache_reuses_host_buffers_up_to_its_limit():
+    tag = new_tag("cache")
+    t = mem.empty((3 * MiB,), torch.uint8, tag=tag, cpu_backup=True)
+    t.fill_(4)
+    try:
+        mem.set_backup_cache_limit(4 * MiB)
+        mem.pause(tag)
+        mem.resume(tag)
+        assert mem.backup_cache() == (4 * MiB, 3 * MiB)  # the backup buffer was kept
+        t.fill_(6)
+        mem.pause(tag)
+        assert mem.backup_cache()[1] == 0  # and taken again by the next pause
+        mem.resume(tag)
+        assert bool((t == 6).all())
+        mem.set_backup_cache_limit(2 * MiB)  # lowering the limit frees what no longer fits
+        assert mem.backup_cache() == (2 * MiB, 0)
+    finally:
+        mem.set_backup_cache_limit(0)
+    with pytest.raises(mem.InvalidArgumentError, match="nbytes"):
+        mem.set_backup_cache_limit(-1)
+
+
 def test_nested_regions_supply_the_innermost_tag():
     outer, inner = new_tag("outer"), new_tag("inner")
     assert mem.current_region() is None

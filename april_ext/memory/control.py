@@ -82,6 +82,21 @@ def cpu_capacity() -> int | None:
     return cap or None
 
 
+def set_backup_cache_limit(nbytes: int) -> None:
+    """Keeps host buffers of resumed backups, up to nbytes in all, for the next pause of the same
+    size: repeated pause / resume cycles then copy into memory that is already faulted in instead of
+    fresh pages. Kept buffers hold host memory while their tags are active. 0 (the default) keeps
+    none; lowering the limit frees what no longer fits."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise InvalidArgumentError(f"nbytes={nbytes!r} is not allowed: use an int >= 0")
+    _mem.set_backup_cache_limit(nbytes)
+
+
+def backup_cache() -> tuple[int, int]:
+    """(limit, bytes kept now) of the backup buffer cache."""
+    return int(_mem.backup_cache_limit()), int(_mem.backup_cache_held())
+
+
 def current_region() -> tuple[str, bool] | None:
     """(tag, cpu_backup) of the innermost region open on this thread, or None."""
     frame = _mem.current_region()

@@ -196,7 +196,7 @@ void Allocator::pause_tag(const std::string& tag, TagRecord& record) {
   std::vector<HostBuffer> backups(todo.size());
   try {
     for (std::size_t i = 0; i < todo.size(); ++i) {
-      if (todo[i]->cpu_backup) backups[i] = HostBuffer(todo[i]->backend, todo[i]->logical);
+      if (todo[i]->cpu_backup) backups[i] = HostBuffer(&backup_cache_, todo[i]->backend, todo[i]->logical);
     }
   } catch (const Error& e) {
     throw Error(e.kind(), "pause of tag '" + tag + "': " + e.what() + "; the tag stays active");
