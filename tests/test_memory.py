@@ -268,6 +268,23 @@ def test_out_of_memory_on_allocate_is_an_exception(capacity):
     assert t.numel() == MiB
 
 
+def test_memory_info_reports_the_simulated_capacity(capacity):
+    capacity(5 * MiB)
+    free, total = mem.memory_info("cpu")
+    assert free == 5 * MiB and total == mem.cpu_capacity()
+
+
+@pytest.mark.skipif(
+    not any(b.name == gpu_kind() and b.compiled and not b.usable for b in mem.backends()),
+    reason="needs a GPU backend that is compiled in but cannot be used here",
+)
+def test_an_unusable_gpu_backend_is_a_driver_error_with_its_reason():
+    reason = next(b.reason for b in mem.backends() if b.name == gpu_kind())
+    with pytest.raises(mem.DriverError) as info:
+        mem.empty((4,), torch.float32, tag=new_tag("gpu"), device="cuda:0")
+    assert reason and reason in str(info.value)
+
+
 def test_sizes_are_rounded_to_the_granularity():
     t = mem.empty((3,), torch.uint8, tag=new_tag("round"))
     info = mem.allocation_info(t)

@@ -68,6 +68,14 @@ def granularity(device: str | torch.device = "cpu") -> int:
     return int(_mem.granularity(kind, index))
 
 
+def memory_info(device: str | torch.device = "cpu") -> tuple[int, int]:
+    """(free, total) bytes of device as its backend sees them (the simulated capacity on the CPU
+    when one is set)."""
+    kind, index, _ = resolve(device)
+    free, total = _mem.memory_info(kind, index)
+    return int(free), int(total)
+
+
 def set_cpu_capacity(nbytes: int | None) -> None:
     """Simulates a device of nbytes on the CPU backend: creating physical memory beyond it raises
     OutOfMemoryError, as a full GPU would. None removes the limit."""
