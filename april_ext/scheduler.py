@@ -240,15 +240,20 @@ class Scheduler:
             for index in range(start, min(start + wanted, len(self._data))):
                 self._core.add_group(index, prompt_token_array(self._data[index], index))
             d = self._core.dispatch()
-        offsets = d["offsets"]
+        # Plain lists first: indexing numpy arrays element by element costs more than the requests themselves.
+        offsets = d["offsets"].tolist()
+        ids, gids, indices = d["sample_ids"].tolist(), d["group_ids"].tolist(), d["prompt_indices"].tolist()
+        prompt_lens, budgets, resumes = d["prompt_lens"].tolist(), d["max_new_tokens"].tolist(), d["is_resume"].tolist()
+        input_ids = d["input_ids"]
+        prompt_ids: dict[int, Any] = {}
         requests = []
-        for r in range(d["sample_ids"].shape[0]):
-            index = int(d["prompt_indices"][r])
+        for r, index in enumerate(indices):
+            if index not in prompt_ids:
+                prompt_ids[index] = self._data[index].id
             requests.append(GenerationRequest(
-                sample_id=int(d["sample_ids"][r]), group_id=int(d["group_ids"][r]), prompt_index=index,
-                prompt_id=self._data[index].id, input_ids=d["input_ids"][offsets[r]:offsets[r + 1]],
-                prompt_len=int(d["prompt_lens"][r]), max_new_tokens=int(d["max_new_tokens"][r]),
-                is_resume=bool(d["is_resume"][r])))
+                sample_id=ids[r], group_id=gids[r], prompt_index=index, prompt_id=prompt_ids[index],
+                input_ids=input_ids[offsets[r]:offsets[r + 1]], prompt_len=prompt_lens[r],
+                max_new_tokens=budgets[r], is_resume=bool(resumes[r])))
         return requests
 
     # ------------------------------------------------------------------ engine events

@@ -1,7 +1,7 @@
 """Scheduler microbenchmarks, each against the pure-Python baseline (python_baseline_scheduler.py).
 
 Run: .venv/bin/python -m pytest bench/bench_scheduler.py --benchmark-columns=mean,stddev,rounds
-The per-token-event cost and the bytes per buffered token are in each benchmark's extra_info
+The per-token-event cost (from the median round) and the bytes per buffered token are in extra_info
 (--benchmark-json=out.json) and printed at the end of the run.
 """
 
@@ -64,7 +64,7 @@ def test_token_events(benchmark, impl, chunk):
     args = _events(chunk)
     benchmark.group = f"token events, chunk={chunk}"
     benchmark.pedantic(sched.on_tokens_batch, args=args, rounds=rounds, iterations=1, warmup_rounds=1)
-    ns = benchmark.stats.stats.mean / (GROUPS * N * chunk) * 1e9
+    ns = benchmark.stats.stats.median / (GROUPS * N * chunk) * 1e9
     benchmark.extra_info["ns_per_token_event"] = ns
     RESULTS[f"token event ns, chunk={chunk}, {impl}"] = ns
 
@@ -99,7 +99,7 @@ def test_step_boundary(benchmark, impl):
     """Abort 256 running samples (kept as partials), take the 32 x 8 batch, begin the next step, dispatch resumes."""
     benchmark.group = "step boundary: abort + take_batch + dispatch, N=32x8, N'=64"
     benchmark.pedantic(_step_boundary, setup=lambda: _step_ready(impl), rounds=5, iterations=1)
-    RESULTS[f"step boundary ms, {impl}"] = benchmark.stats.stats.mean * 1e3
+    RESULTS[f"step boundary ms, {impl}"] = benchmark.stats.stats.median * 1e3
 
 
 @pytest.mark.parametrize("impl", ["april", "python"])
