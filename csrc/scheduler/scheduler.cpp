@@ -56,6 +56,10 @@ bool Scheduler::step_open() const {
 }
 
 Group& Scheduler::group_of(int64_t sample_id, int64_t* index) {
+  return const_cast<Group&>(static_cast<const Scheduler*>(this)->group_of(sample_id, index));
+}
+
+const Group& Scheduler::group_of(int64_t sample_id, int64_t* index) const {
   const int64_t n = config_.n_samples_per_prompt;
   auto it = sample_id >= 0 ? s_.groups.find(sample_id / n) : s_.groups.end();
   if (it == s_.groups.end()) {
@@ -658,7 +662,7 @@ void Scheduler::sample_response(int64_t sample_id, std::vector<int32_t>& tokens,
                                 std::vector<int32_t>& versions, uint8_t& state) const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t idx = 0;
-  const Sample& smp = const_cast<Scheduler*>(this)->group_of(sample_id, &idx).samples[idx];
+  const Sample& smp = group_of(sample_id, &idx).samples[idx];
   tokens = smp.tokens;
   logprobs = smp.logprobs;
   versions.clear();

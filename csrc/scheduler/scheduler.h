@@ -74,8 +74,6 @@ class Scheduler {
  public:
   explicit Scheduler(const Config& config);
 
-  const Config& config() const { return config_; }
-
   // Data source
   void set_data_size(int64_t size);  // -1: unknown
   int64_t prompts_consumed() const;
@@ -116,6 +114,7 @@ class Scheduler {
   void load(const std::string& path);
 
  private:
+  const Group& group_of(int64_t sample_id, int64_t* index) const;
   Group& group_of(int64_t sample_id, int64_t* index);
   bool step_done_locked() const;
   int64_t groups_to_launch_locked() const;
