@@ -132,6 +132,7 @@ class SampleView:
     token_ids: np.ndarray  # int32
     logprobs: np.ndarray  # float32
     versions: np.ndarray  # int32, policy version per token
+    resumes: int  # times the sample was dispatched as a resume
 
 
 def _array(values: Any, dtype: type, name: str) -> np.ndarray:
@@ -340,8 +341,8 @@ class Scheduler:
 
     def sample(self, sample_id: int) -> SampleView:
         """A copy of one sample's response, logprobs and per-token versions."""
-        tokens, logprobs, versions, state = self._core.sample_response(int(sample_id))
-        return SampleView(int(sample_id), _SAMPLE_STATES[state], tokens, logprobs, versions)
+        tokens, logprobs, versions, state, resumes = self._core.sample_response(int(sample_id))
+        return SampleView(int(sample_id), _SAMPLE_STATES[state], tokens, logprobs, versions, int(resumes))
 
     # ------------------------------------------------------------------ persistence
 

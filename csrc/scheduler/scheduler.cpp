@@ -659,7 +659,7 @@ std::vector<int64_t> Scheduler::sample_ids(SampleState state) const {
 }
 
 void Scheduler::sample_response(int64_t sample_id, std::vector<int32_t>& tokens, std::vector<float>& logprobs,
-                                std::vector<int32_t>& versions, uint8_t& state) const {
+                                std::vector<int32_t>& versions, uint8_t& state, int64_t& resumes) const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t idx = 0;
   const Sample& smp = group_of(sample_id, &idx).samples[idx];
@@ -671,6 +671,7 @@ void Scheduler::sample_response(int64_t sample_id, std::vector<int32_t>& tokens,
     versions.insert(versions.end(), end - smp.segments[k].start, smp.segments[k].version);
   }
   state = static_cast<uint8_t>(smp.state);
+  resumes = smp.resumes;
 }
 
 // ---------------------------------------------------------------- persistence

@@ -102,9 +102,9 @@ class Scheduler {
   StepStats stats() const;
   MemoryUsage buffered_memory() const;
   std::vector<int64_t> sample_ids(SampleState state) const;
-  // The response of one sample: tokens, logprobs, per-token versions.
+  // The response of one sample: tokens, logprobs, per-token versions, state and times resumed.
   void sample_response(int64_t sample_id, std::vector<int32_t>& tokens, std::vector<float>& logprobs,
-                       std::vector<int32_t>& versions, uint8_t& state) const;
+                       std::vector<int32_t>& versions, uint8_t& state, int64_t& resumes) const;
   int64_t policy_version() const;
 
   // Persistence: running samples are stored as buffered partials (the engine's requests do not survive).
