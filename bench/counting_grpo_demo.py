@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from april_ext.algorithms import AlgorithmConfig
-from april_ext.model import LlamaForCausalLM
+from april_ext.model import LlamaForCausalLM, save_pretrained
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.trainer import TorchTrainer, TrainerConfig, pack_batch, sample_responses
 
@@ -25,17 +25,18 @@ from april_ext.trainer import TorchTrainer, TrainerConfig, pack_batch, sample_re
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--prompts", type=int, default=8, help="groups per step")
+    parser.add_argument("--prompts", type=int, default=16, help="groups per step")
     parser.add_argument("--samples", type=int, default=8, help="samples per group")
     parser.add_argument("--max-count", type=int, default=24, help="cap of the required answer length")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--symbols", type=int, default=8, help="distinct symbols X")
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--algorithm", choices=("grpo", "dapo", "drgrpo", "gspo"), default="dapo")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="counting_demo")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    task = CountingTask(CountingTaskConfig(max_count=args.max_count, seed=0))
+    task = CountingTask(CountingTaskConfig(n_symbols=args.symbols, max_count=args.max_count, seed=0))
     model = LlamaForCausalLM(task.model_config())
     model.init_weights(0)
     algorithm = getattr(AlgorithmConfig, args.algorithm)()
@@ -52,15 +53,19 @@ def main() -> None:
                                       generator=gen)
             scores = [[task.reward(p, r.tokens) for r in g] for p, g in zip(prompts, groups)]
             metrics = trainer.train_step(pack_batch(prompts, groups, scores, trainer.version))
+            parts = np.array([task.reward_parts(p, r.tokens) for p, g in zip(prompts, groups) for r in g])
+            metrics["content"], metrics["length"] = (float(v) for v in parts.mean(axis=0))
             metrics["solved"] = float(np.mean([s == 1.0 for g in scores for s in g]))
             metrics["step"] = step
             metrics["elapsed_s"] = time.perf_counter() - start
             rows.append(metrics)
             log.write(json.dumps(metrics) + "\n")
             if step % 10 == 0 or step == args.steps - 1:
-                print(f"step {step:4d}  reward {metrics['reward_mean']:.3f}  solved {metrics['solved']:.3f}  "
+                print(f"step {step:4d}  reward {metrics['reward_mean']:.3f}  content {metrics['content']:.3f}  "
+                      f"length {metrics['length']:.3f}  solved {metrics['solved']:.3f}  "
                       f"len {metrics['response_len_mean']:.1f}  {metrics['elapsed_s']:.0f}s", flush=True)
     _plot(rows, os.path.join(args.out, "reward.png"))
+    save_pretrained(model, os.path.join(args.out, "model"))
 
 
 def _plot(rows: list[dict[str, float]], path: str) -> None:

@@ -108,6 +108,11 @@ class CountingTask:
 
     def reward(self, prompt: Prompt, response: Sequence[int]) -> float:
         """Partial credit in [0, 1] (module docstring); 1 only for the exact target."""
+        content, length = self.reward_parts(prompt, response)
+        return 0.5 * (content + length)
+
+    def reward_parts(self, prompt: Prompt, response: Sequence[int]) -> tuple[float, float]:
+        """(content, length) credits of the module docstring, each in [0, 1]."""
         n = int(prompt.metadata["label"])
         symbol = int(prompt.metadata["symbol"])
         tokens = list(response)
@@ -115,7 +120,7 @@ class CountingTask:
         body = tokens[:tokens.index(EOS_ID)] if ended else tokens
         content = sum(1 for t in body[:n] if t == symbol) / n
         length = max(0.0, 1.0 - abs(len(body) - n) / n) if ended else 0.0
-        return 0.5 * (content + length)
+        return content, length
 
     def model_config(self, **overrides: Any) -> Any:
         """A tiny Llama ModelConfig for this vocabulary (hidden 64, 2 layers, 4 heads) that learns the task

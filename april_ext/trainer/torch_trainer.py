@@ -140,8 +140,7 @@ class TorchTrainer:
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.model.train()
-        self._autocast = (self.device.type == "cuda" and self.config.mixed_precision in ("auto", "bf16")) or \
-            (self.device.type == "cpu" and self.config.mixed_precision == "bf16")
+        self._autocast = _use_bf16_autocast(self.config.mixed_precision, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
                                            eps=self.config.adam_eps, weight_decay=self.config.weight_decay)
@@ -392,6 +391,13 @@ class TorchTrainer:
 
         memory.move_optimizer_to_region(self.optimizer, self.config.memory_tag, cpu_backup=True)
         self._optimizer_in_region = True
+
+
+def _use_bf16_autocast(mode: str, device: torch.device) -> bool:
+    """"auto": bf16 on GPUs that support it, fp32 elsewhere; "bf16" / "fp32" as asked."""
+    if mode == "auto":
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return mode == "bf16"
 
 
 def _validate_batch(batch: TrainingBatch) -> None:
