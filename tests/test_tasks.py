@@ -48,6 +48,7 @@ def test_counting_reward_partial_credit():
     assert task.reward(p, task.target(p)) == 1.0
     # 3 of 4 right symbols, right length: (0.75 + 1) / 2.
     assert task.reward(p, [x, x, y, x, eos]) == pytest.approx(0.875)
+    assert task.reward_parts(p, [x, x, y, x, eos]) == pytest.approx((0.75, 1.0))
     # Right symbols but 6 long: content 1, length 1 - 2/4.
     assert task.reward(p, [x] * 6 + [eos]) == pytest.approx(0.75)
     # No EOS: length credit 0.
