@@ -1,9 +1,10 @@
 """Longer learnability demo: GRPO / DAPO on the long-tailed counting task with the torch trainer.
 
-    .venv/bin/python bench/counting_grpo_demo.py --steps 150 --out /tmp/counting_demo
+    .venv/bin/python bench/counting_grpo_demo.py --steps 600 --out /tmp/counting_demo
 
 Samples with plain torch (no engine, no scheduler), trains one step per batch, and writes
-metrics.jsonl (one line per step) and reward.png (mean reward and exact-solve rate per step).
+metrics.jsonl (one line per step), reward.png (mean reward, its content and length credits and the
+exact-solve rate per step) and the final model (a Hugging Face checkpoint directory).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--algorithm", choices=("grpo", "dapo", "drgrpo", "gspo"), default="dapo")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tied", action="store_true", help="tie the input and output embeddings")
     parser.add_argument("--out", default="counting_demo")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     task = CountingTask(CountingTaskConfig(n_symbols=args.symbols, max_count=args.max_count, seed=0))
-    model = LlamaForCausalLM(task.model_config())
+    model = LlamaForCausalLM(task.model_config(tie_word_embeddings=args.tied))
     model.init_weights(0)
     algorithm = getattr(AlgorithmConfig, args.algorithm)()
     trainer = TorchTrainer(model, TrainerConfig(algorithm=algorithm, lr=args.lr, device="cpu"))
@@ -76,7 +78,7 @@ def _plot(rows: list[dict[str, float]], path: str) -> None:
 
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key in ("reward_mean", "solved"):
+    for key in ("reward_mean", "content", "length", "solved"):
         values = np.array([r[key] for r in rows])
         window = min(10, len(values))
         smooth = np.convolve(values, np.ones(window) / window, mode="valid")
