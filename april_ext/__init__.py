@@ -14,19 +14,28 @@ from april_ext.errors import (
     PersistenceError,
     UnknownIdError,
 )
+from april_ext.data_source import DataSource, ListDataSource, Prompt
+from april_ext.scheduler import CompletedGroup, GenerationRequest, Scheduler, SchedulerConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AprilError",
+    "CompletedGroup",
     "ConfigError",
     "CorruptStateError",
+    "DataSource",
     "DriverError",
+    "GenerationRequest",
     "InternalError",
     "InvalidArgumentError",
     "InvalidStateError",
+    "ListDataSource",
     "OutOfMemoryError",
     "PersistenceError",
+    "Prompt",
+    "Scheduler",
+    "SchedulerConfig",
     "UnknownIdError",
     "__version__",
 ]

@@ -1,7 +1,222 @@
+// april_ext._C.SchedulerCore: converts numpy arrays and forwards to april::sched::Scheduler.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "bindings/bindings.h"
+#include "scheduler/scheduler.h"
+
+namespace py = pybind11;
 
 namespace april::bindings {
 
-void bind_scheduler(pybind11::module_& m) { (void)m; }
+namespace {
+
+using sched::Scheduler;
+
+template <typename T>
+using Array = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+// Hands the vector's buffer to numpy without a copy; the capsule frees it with the array.
+template <typename T>
+py::array_t<T> to_numpy(std::vector<T>&& v) {
+  auto* heap = new std::vector<T>(std::move(v));
+  py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  return py::array_t<T>({static_cast<py::ssize_t>(heap->size())}, {static_cast<py::ssize_t>(sizeof(T))},
+                        heap->data(), owner);
+}
+
+template <typename T>
+void require_1d(const Array<T>& a, const char* name) {
+  if (a.ndim() != 1) {
+    throw py::value_error(std::string(name) + " must be a 1-D array, got " + std::to_string(a.ndim()) + " dimensions");
+  }
+}
+
+sched::EventBatch events(const Array<int64_t>& ids, const Array<int64_t>& counts, const Array<int32_t>& tokens,
+                         const Array<float>& logprobs, const Array<int64_t>& versions) {
+  require_1d(ids, "sample_ids");
+  require_1d(counts, "counts");
+  require_1d(tokens, "tokens");
+  require_1d(logprobs, "logprobs");
+  require_1d(versions, "versions");
+  if (counts.size() != ids.size() || versions.size() != ids.size()) {
+    throw py::value_error("sample_ids, counts and versions must have the same length, got " +
+                          std::to_string(ids.size()) + ", " + std::to_string(counts.size()) + ", " +
+                          std::to_string(versions.size()));
+  }
+  sched::EventBatch ev;
+  ev.sample_ids = ids.data();
+  ev.counts = counts.data();
+  ev.versions = versions.data();
+  ev.n_events = static_cast<size_t>(ids.size());
+  ev.tokens = tokens.data();
+  ev.logprobs = logprobs.data();
+  ev.n_tokens = static_cast<size_t>(tokens.size());
+  ev.n_logprobs = static_cast<size_t>(logprobs.size());
+  return ev;
+}
+
+}  // namespace
+
+void bind_scheduler(py::module_& m) {
+  py::class_<Scheduler>(m, "SchedulerCore")
+      .def(py::init([](int64_t rollout_batch_size, int64_t n_samples_per_prompt, int64_t over_sampling_batch_size,
+                       int64_t max_response_len, int refill, int64_t max_staleness, int staleness_policy,
+                       bool mask_offpolicy, int resume_order, bool keep_surplus, int64_t max_inflight_samples) {
+             sched::Config c;
+             c.rollout_batch_size = rollout_batch_size;
+             c.n_samples_per_prompt = n_samples_per_prompt;
+             c.over_sampling_batch_size = over_sampling_batch_size;
+             c.max_response_len = max_response_len;
+             c.refill = static_cast<sched::Refill>(refill);
+             c.max_staleness = max_staleness;
+             c.staleness_policy = static_cast<sched::StalenessPolicy>(staleness_policy);
+             c.mask_offpolicy = mask_offpolicy;
+             c.resume_order = static_cast<sched::ResumeOrder>(resume_order);
+             c.keep_surplus = keep_surplus;
+             c.max_inflight_samples = max_inflight_samples;
+             return new Scheduler(c);
+           }),
+           py::arg("rollout_batch_size"), py::arg("n_samples_per_prompt"), py::arg("over_sampling_batch_size"),
+           py::arg("max_response_len"), py::arg("refill"), py::arg("max_staleness"), py::arg("staleness_policy"),
+           py::arg("mask_offpolicy"), py::arg("resume_order"), py::arg("keep_surplus"),
+           py::arg("max_inflight_samples"))
+      .def("set_data_size", &Scheduler::set_data_size)
+      .def("prompts_consumed", &Scheduler::prompts_consumed)
+      .def("policy_version", &Scheduler::policy_version)
+      .def("begin_step", &Scheduler::begin_step)
+      .def("step_open", &Scheduler::step_open)
+      .def("step_done", &Scheduler::step_done)
+      .def("samples_to_abort", [](Scheduler& s) { return to_numpy(s.samples_to_abort()); })
+      .def("groups_to_launch", &Scheduler::groups_to_launch)
+      .def("add_group",
+           [](Scheduler& s, int64_t prompt_index, const Array<int32_t>& prompt) {
+             require_1d(prompt, "prompt token_ids");
+             return s.add_group(prompt_index, prompt.data(), static_cast<size_t>(prompt.size()));
+           })
+      .def("dispatch",
+           [](Scheduler& s) {
+             sched::Dispatch d;
+             {
+               py::gil_scoped_release nogil;
+               d = s.dispatch();
+             }
+             py::dict out;
+             out["sample_ids"] = to_numpy(std::move(d.sample_ids));
+             out["group_ids"] = to_numpy(std::move(d.group_ids));
+             out["prompt_indices"] = to_numpy(std::move(d.prompt_indices));
+             out["input_ids"] = to_numpy(std::move(d.input_ids));
+             out["offsets"] = to_numpy(std::move(d.offsets));
+             out["prompt_lens"] = to_numpy(std::move(d.prompt_lens));
+             out["max_new_tokens"] = to_numpy(std::move(d.max_new_tokens));
+             out["is_resume"] = to_numpy(std::move(d.is_resume));
+             return out;
+           })
+      .def("on_tokens",
+           [](Scheduler& s, const Array<int64_t>& ids, const Array<int64_t>& counts, const Array<int32_t>& tokens,
+              const Array<float>& logprobs, const Array<int64_t>& versions) {
+             const sched::EventBatch ev = events(ids, counts, tokens, logprobs, versions);
+             py::gil_scoped_release nogil;
+             s.on_tokens(ev);
+           })
+      .def("on_finish",
+           [](Scheduler& s, const Array<int64_t>& ids, const Array<uint8_t>& reasons, const Array<int64_t>& counts,
+              const Array<int32_t>& tokens, const Array<float>& logprobs, const Array<int64_t>& versions) {
+             sched::EventBatch ev = events(ids, counts, tokens, logprobs, versions);
+             require_1d(reasons, "reasons");
+             if (reasons.size() != ids.size()) {
+               throw py::value_error("reasons has " + std::to_string(reasons.size()) + " entries, sample_ids has " +
+                                     std::to_string(ids.size()));
+             }
+             ev.reasons = reasons.data();
+             py::gil_scoped_release nogil;
+             s.on_finish(ev);
+           })
+      .def("pop_completed_groups",
+           [](Scheduler& s) {
+             py::list out;
+             for (auto& c : s.pop_completed_groups()) {
+               out.append(py::make_tuple(c.group_id, c.prompt_index, to_numpy(std::move(c.sample_ids)),
+                                         to_numpy(std::move(c.response_lens)), to_numpy(std::move(c.finish_reasons)),
+                                         to_numpy(std::move(c.tokens))));
+             }
+             return out;
+           })
+      .def("report_rewards",
+           [](Scheduler& s, int64_t group_id, const Array<float>& rewards, bool accepted) {
+             require_1d(rewards, "rewards");
+             s.report_rewards(group_id, rewards.data(), static_cast<size_t>(rewards.size()), accepted);
+           })
+      .def("take_batch",
+           [](Scheduler& s) {
+             sched::Batch b;
+             {
+               py::gil_scoped_release nogil;
+               b = s.take_batch();
+             }
+             py::dict out;
+             out["tokens"] = to_numpy(std::move(b.tokens));
+             out["offsets"] = to_numpy(std::move(b.offsets));
+             out["prompt_lens"] = to_numpy(std::move(b.prompt_lens));
+             out["loss_mask"] = to_numpy(std::move(b.loss_mask));
+             out["behavior_logprobs"] = to_numpy(std::move(b.behavior_logprobs));
+             out["versions"] = to_numpy(std::move(b.versions));
+             out["rewards"] = to_numpy(std::move(b.rewards));
+             out["group_index"] = to_numpy(std::move(b.group_index));
+             out["sample_ids"] = to_numpy(std::move(b.sample_ids));
+             out["finish_reasons"] = to_numpy(std::move(b.finish_reasons));
+             out["group_ids"] = to_numpy(std::move(b.group_ids));
+             out["prompt_indices"] = to_numpy(std::move(b.prompt_indices));
+             out["policy_version"] = b.policy_version;
+             return out;
+           })
+      .def("stats",
+           [](const Scheduler& s) {
+             const sched::StepStats st = s.stats();
+             return py::make_tuple(st.counters(), st.staleness_histogram);
+           })
+      .def("buffered_memory",
+           [](const Scheduler& s) {
+             const sched::MemoryUsage m = s.buffered_memory();
+             return py::make_tuple(m.samples, m.tokens, m.bytes);
+           })
+      .def("sample_ids",
+           [](const Scheduler& s, int state) {
+             if (state < 0 || state > 3) throw py::value_error("sample state must be 0..3, got " + std::to_string(state));
+             return to_numpy(s.sample_ids(static_cast<sched::SampleState>(state)));
+           })
+      .def("sample_response",
+           [](const Scheduler& s, int64_t sample_id) {
+             std::vector<int32_t> tokens, versions;
+             std::vector<float> logprobs;
+             uint8_t state = 0;
+             int64_t resumes = 0;
+             s.sample_response(sample_id, tokens, logprobs, versions, state, resumes);
+             return py::make_tuple(to_numpy(std::move(tokens)), to_numpy(std::move(logprobs)),
+                                   to_numpy(std::move(versions)), state, resumes);
+           })
+      .def("serialize",
+           [](const Scheduler& s) {
+             std::string bytes;
+             {
+               py::gil_scoped_release nogil;
+               bytes = s.serialize();
+             }
+             return py::bytes(bytes);
+           })
+      .def("deserialize",
+           [](Scheduler& s, const py::bytes& data) {
+             std::string bytes = data;
+             py::gil_scoped_release nogil;
+             s.deserialize(bytes);
+           })
+      .def("save", &Scheduler::save, py::call_guard<py::gil_scoped_release>())
+      .def("load", &Scheduler::load, py::call_guard<py::gil_scoped_release>());
+}
 
 }  // namespace april::bindings

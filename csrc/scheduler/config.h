@@ -1,0 +1,30 @@
+// Scheduler configuration as the C++ core sees it. The Python SchedulerConfig validates first and
+// names fields in its messages; validate() here guards the core against any other caller.
+#pragma once
+
+#include <cstdint>
+
+namespace april::sched {
+
+enum class Refill : int32_t { Batch = 0, Continuous = 1 };
+enum class StalenessPolicy : int32_t { Keep = 0, Mask = 1, Restart = 2, Drop = 3 };
+enum class ResumeOrder : int32_t { OldestFirst = 0, NewestFirst = 1, LongestFirst = 2 };
+enum class FinishReason : uint8_t { Stop = 0, Length = 1, Abort = 2 };
+
+struct Config {
+  int64_t rollout_batch_size = 32;        // N: accepted groups per step
+  int64_t n_samples_per_prompt = 8;       // samples per group
+  int64_t over_sampling_batch_size = 64;  // N' >= N: groups generating at a time
+  int64_t max_response_len = 16384;       // response token cap per sample
+  Refill refill = Refill::Batch;
+  int64_t max_staleness = -1;  // -1: unlimited
+  StalenessPolicy staleness_policy = StalenessPolicy::Keep;
+  bool mask_offpolicy = false;
+  ResumeOrder resume_order = ResumeOrder::OldestFirst;
+  bool keep_surplus = true;
+  int64_t max_inflight_samples = 0;  // 0: no cap
+
+  void validate() const;
+};
+
+}  // namespace april::sched

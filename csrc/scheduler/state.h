@@ -1,0 +1,84 @@
+// Records of the scheduler: samples (one response each) inside groups (one prompt each).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <vector>
+
+#include "scheduler/config.h"
+#include "scheduler/stats.h"
+
+namespace april::sched {
+
+enum class SampleState : uint8_t {
+  Queued = 0,    // waiting for dispatch: fresh, or a buffered partial to resume
+  Running = 1,   // dispatched to the engine
+  Aborting = 2,  // dispatched, and the scheduler asked for its abort
+  Done = 3,      // finished with stop or length
+};
+
+// A run of tokens produced under one policy version; versions are stored once per run, not per token.
+struct Segment {
+  int32_t version;
+  int32_t start;  // index of the run's first token in the response
+};
+
+struct Sample {
+  SampleState state = SampleState::Queued;
+  FinishReason finish = FinishReason::Stop;
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+  std::vector<Segment> segments;
+  int64_t dispatch_version = -1;      // policy version at the last dispatch
+  int64_t tokens_at_step_start = 0;   // response length when the current step began
+  int64_t resumes = 0;
+  bool resumed = false;  // the last dispatch continued a partial response
+  // Scratch of the batch calls' validation pass (not persisted).
+  uint64_t scratch_epoch = 0;
+  int64_t scratch_len = 0;
+  int64_t scratch_version = 0;
+  bool scratch_finished = false;
+
+  bool in_flight() const { return state == SampleState::Running || state == SampleState::Aborting; }
+  int64_t oldest_version() const { return segments.empty() ? -1 : segments.front().version; }
+  int64_t last_version() const { return segments.empty() ? -1 : segments.back().version; }
+};
+
+enum class GroupState : uint8_t {
+  Active = 0,     // some sample not done
+  Completed = 1,  // all samples done, waiting for reward
+  Accepted = 2,   // rewarded and accepted by the filter
+};
+
+struct Group {
+  int64_t prompt_index = 0;
+  std::vector<int32_t> prompt;
+  std::vector<Sample> samples;
+  std::vector<float> rewards;
+  GroupState state = GroupState::Active;
+  bool popped = false;               // handed out by pop_completed, reward not reported yet
+  bool stale_check_pending = false;  // staleness to apply once no sample is in flight
+  int64_t n_done = 0;
+  int64_t n_in_flight = 0;
+};
+
+// Everything that changes while the scheduler runs; persisted as a whole by state_io.
+struct State {
+  std::map<int64_t, Group> groups;  // by group id = creation order
+  std::deque<int64_t> completed;    // completed groups not yet popped, in completion order
+  std::deque<int64_t> accepted;     // accepted groups, in acceptance order
+  int64_t next_group_id = 0;
+  int64_t prompts_consumed = 0;  // data-source position
+  int64_t data_size = -1;        // -1: unknown (endless)
+  bool step_open = false;
+  bool wave_launched = false;  // refill=batch: the step's first wave went out
+  int64_t policy_version = -1;
+  int64_t step_index = 0;  // steps begun so far
+  int64_t queued_samples = 0;
+  int64_t running_samples = 0;   // state Running
+  int64_t aborting_samples = 0;  // state Aborting
+  StepStats stats;
+};
+
+}  // namespace april::sched

@@ -1,0 +1,37 @@
+// Per-step counters, reset by begin_step. Names are the keys of Scheduler.stats() in Python.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace april::sched {
+
+#define APRIL_STEP_COUNTERS(X)                                                                  \
+  X(step) X(policy_version) X(generated_tokens) X(resumed_generated_tokens) X(new_requests)      \
+  X(resume_requests) X(prefill_tokens) X(re_prefill_tokens) X(abort_requests) X(aborts)        \
+  X(finished_samples) X(groups_launched) X(groups_completed) X(groups_accepted)                  \
+  X(groups_filtered) X(groups_dropped_stale) X(samples_restarted_stale) X(stale_tokens_discarded) \
+  X(surplus_dropped) X(batch_groups) X(batch_samples) X(batch_response_tokens)                   \
+  X(batch_carried_tokens) X(batch_offpolicy_tokens) X(batch_masked_tokens)                       \
+  X(batch_max_staleness) X(buffered_groups) X(buffered_samples) X(buffered_tokens)               \
+  X(surplus_groups) X(data_exhausted) X(prompts_consumed)
+
+struct StepStats {
+#define APRIL_DECLARE(name) int64_t name = 0;
+  APRIL_STEP_COUNTERS(APRIL_DECLARE)
+#undef APRIL_DECLARE
+  // staleness_histogram[s] = batch samples whose oldest token is s versions behind the batch.
+  std::vector<int64_t> staleness_histogram;
+
+  std::vector<std::pair<std::string, int64_t>> counters() const {
+    std::vector<std::pair<std::string, int64_t>> out;
+#define APRIL_LIST(name) out.emplace_back(#name, name);
+    APRIL_STEP_COUNTERS(APRIL_LIST)
+#undef APRIL_LIST
+    return out;
+  }
+};
+
+}  // namespace april::sched

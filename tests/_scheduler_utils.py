@@ -1,0 +1,144 @@
+"""A deterministic fake rollout engine and a step driver for the scheduler tests and benchmarks.
+
+Token t of sample s is always ``token_at(s, t)`` with logprob ``logprob_at(t)``, so any resumed request
+and any trained response can be checked against what the engine must have produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from april_ext import CompletedGroup, GenerationRequest, ListDataSource, Prompt, Scheduler
+
+
+def token_at(sample_id: int, positions: np.ndarray) -> np.ndarray:
+    return ((sample_id * 131 + positions * 7) % 32000).astype(np.int32)
+
+
+def logprob_at(positions: np.ndarray) -> np.ndarray:
+    return (-((positions % 13) + 1) / 10.0).astype(np.float32)
+
+
+def prompts(n: int, length: int = 4) -> ListDataSource:
+    return ListDataSource([Prompt(id=f"p{i}", token_ids=[1000 + i] * (length - 1) + [7], metadata={"i": i})
+                           for i in range(n)])
+
+
+def long_tail_length(sample_id: int, cap: int, seed: int = 0) -> int:
+    """Most responses finish within a few thousand tokens; a tail reaches the cap (paper, figure 1)."""
+    rng = np.random.default_rng(sample_id * 7919 + seed)
+    return int(min(cap, max(1, rng.lognormal(mean=7.6, sigma=1.0))))
+
+
+@dataclass
+class _Run:
+    generated: int  # response tokens the sample has in total
+    budget_end: int  # response length at which the request hits max_new_tokens
+    prompt_len: int
+
+
+class FakeEngine:
+    """Streams deterministic tokens for dispatched requests; finishes at a per-sample target length."""
+
+    def __init__(self, sched: Scheduler, target_len: Callable[[int], int], chunk: int = 256,
+                 abort_extra: int = 3) -> None:
+        self.sched = sched
+        self.target_len = target_len
+        self.chunk = chunk
+        self.abort_extra = abort_extra
+        self.version = 0
+        self.running: dict[int, _Run] = {}
+        self.requests: list[GenerationRequest] = []
+
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        for r in requests:
+            assert r.sample_id not in self.running, f"sample {r.sample_id} dispatched twice"
+            done = r.input_ids.size - r.prompt_len
+            expected = token_at(r.sample_id, np.arange(done))
+            assert np.array_equal(r.input_ids[r.prompt_len:], expected), "resume lost or reordered tokens"
+            assert r.is_resume == (done > 0)
+            assert r.max_new_tokens == self.sched.config.max_response_len - done
+            self.running[r.sample_id] = _Run(done, done + r.max_new_tokens, r.prompt_len)
+            self.requests.append(r)
+
+    def tick(self) -> None:
+        """One chunk for every running sample, then the finishes."""
+        ids, counts, toks, lps, finished, reasons = [], [], [], [], [], []
+        for sid, run in self.running.items():
+            end = min(run.generated + self.chunk, self.target_len(sid), run.budget_end)
+            pos = np.arange(run.generated, end)
+            ids.append(sid)
+            counts.append(pos.size)
+            toks.append(token_at(sid, pos))
+            lps.append(logprob_at(pos))
+            run.generated = end
+            if end >= self.target_len(sid) or end >= run.budget_end:
+                finished.append(sid)
+                reasons.append(0 if end >= self.target_len(sid) else 1)
+        if ids:
+            self.sched.on_tokens_batch(ids, counts, np.concatenate(toks), np.concatenate(lps),
+                                       np.full(len(ids), self.version))
+        for sid in finished:
+            del self.running[sid]
+        if finished:
+            self.sched.on_finish_batch(finished, reasons)
+
+    def abort(self, sample_ids: list[int]) -> None:
+        """Abort: each sample returns a few last tokens generated before the abort took effect."""
+        ids, counts, toks, lps = [], [], [], []
+        for sid in sample_ids:
+            run = self.running.pop(sid)
+            end = min(run.generated + self.abort_extra, self.target_len(sid), run.budget_end - 1)
+            end = max(end, run.generated)
+            pos = np.arange(run.generated, end)
+            ids.append(sid)
+            counts.append(pos.size)
+            toks.append(token_at(sid, pos))
+            lps.append(logprob_at(pos))
+        if ids:
+            self.sched.on_finish_batch(ids, np.full(len(ids), 2), counts, np.concatenate(toks), np.concatenate(lps),
+                                       np.full(len(ids), self.version))
+
+
+def varied_rewards(group: CompletedGroup) -> tuple[list[float], bool]:
+    rewards = [float(len(r) % 2) for r in group.responses]
+    rewards[0] = 1.0 - rewards[-1] if len(rewards) > 1 else rewards[0]
+    return rewards, True
+
+
+def run_step(sched: Scheduler, engine: FakeEngine, version: int,
+             reward: Callable[[CompletedGroup], tuple[list[float], bool]] = varied_rewards, max_ticks: int = 10_000):
+    """The APRIL step loop: dispatch, stream, reward, stop at N accepted, abort the rest, take the batch."""
+    sched.begin_step(version)
+    engine.version = version
+    for _ in range(max_ticks):
+        if sched.step_done:
+            break
+        engine.submit(sched.dispatch())
+        engine.tick()
+        for g in sched.pop_completed_groups():
+            rewards, accepted = reward(g)
+            sched.report_rewards(g.group_id, rewards, accepted)
+    else:
+        raise AssertionError("step did not finish")
+    engine.abort(sched.samples_to_abort())
+    return sched.take_batch()
+
+
+def check_batch_layout(batch, n_samples: int) -> None:
+    """Every response in the batch is exactly what the fake engine produced, with consistent arrays."""
+    assert batch.offsets[0] == 0 and batch.offsets[-1] == batch.n_tokens
+    for i in range(batch.n_samples):
+        lo, hi = batch.offsets[i], batch.offsets[i + 1]
+        p = batch.prompt_lens[i]
+        sid = int(batch.sample_ids[i])
+        resp = np.arange(hi - lo - p)
+        assert np.array_equal(batch.tokens[lo + p:hi], token_at(sid, resp))
+        assert np.array_equal(batch.behavior_logprobs[lo + p:hi], logprob_at(resp))
+        assert np.all(batch.versions[lo:lo + p] == -1) and np.all(batch.loss_mask[lo:lo + p] == 0)
+        v = batch.versions[lo + p:hi]
+        assert np.all(np.diff(v) >= 0) and np.all(v >= 0) and np.all(v <= batch.policy_version)
+        assert batch.group_index[i] == i // n_samples
