@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--symbols", type=int, default=8, help="distinct symbols X")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--algorithm", choices=("grpo", "dapo", "drgrpo", "gspo"), default="dapo")
+    parser.add_argument("--minibatches", type=int, default=1, help="optimizer steps per batch")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tied", action="store_true", help="tie the input and output embeddings")
     parser.add_argument("--out", default="counting_demo")
@@ -42,7 +43,8 @@ def main() -> None:
     model = LlamaForCausalLM(task.model_config(tie_word_embeddings=args.tied))
     model.init_weights(0)
     algorithm = getattr(AlgorithmConfig, args.algorithm)()
-    trainer = TorchTrainer(model, TrainerConfig(algorithm=algorithm, lr=args.lr, device="cpu"))
+    trainer = TorchTrainer(model, TrainerConfig(algorithm=algorithm, lr=args.lr, device="cpu",
+                                                minibatches=args.minibatches))
     gen = torch.Generator().manual_seed(0)
     os.makedirs(args.out, exist_ok=True)
     rows = []
