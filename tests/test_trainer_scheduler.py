@@ -52,7 +52,7 @@ def run_step(sched: Scheduler, trainer: TorchTrainer, gen: torch.Generator) -> T
     return batch
 
 
-def test_scheduler_batches_train_across_versions():
+def test_scheduler_batches_train_across_versions(tmp_path):
     config = SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=4,
                              max_response_len=TASK.max_response_len())
     sched = Scheduler(config, TASK)
@@ -78,3 +78,10 @@ def test_scheduler_batches_train_across_versions():
     # Over-sampling 2x leaves unfinished groups at every step: they are aborted, resumed under the next
     # version and trained with tokens of two versions.
     assert resumes > 0 and offpolicy > 0
+    # The loop checkpoints the scheduler (with its buffered partials) inside the trainer checkpoint.
+    trainer.save_checkpoint(tmp_path / "ckpt", extra={"scheduler": sched.state_dict()})
+    restored = Scheduler(config, TASK)
+    restored.load_state_dict(TorchTrainer(make_model(seed=1), trainer.config).load_checkpoint(
+        tmp_path / "ckpt")["scheduler"])
+    for key in ("prompts_consumed", "buffered_samples", "buffered_tokens"):
+        assert restored.stats()[key] == sched.stats()[key], key

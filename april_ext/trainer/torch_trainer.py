@@ -312,6 +312,7 @@ class TorchTrainer:
         either the previous checkpoint or the complete new one. ``extra`` must hold tensors, numbers,
         strings, bytes, lists, tuples and dicts."""
         self._require_onloaded("save_checkpoint")
+        _check_extra(extra or {}, "extra")
         path = os.path.abspath(os.fspath(path))
         parent = os.path.dirname(path)
         try:
@@ -454,6 +455,25 @@ def _minibatch_bounds(group_index: torch.Tensor, minibatches: int) -> list[tuple
     parts = min(minibatches, n_groups)
     bounds = [starts[(n_groups * k) // parts] for k in range(parts)] + [int(group_index.shape[0])]
     return [(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+_EXTRA_LEAVES = (type(None), bool, int, float, str, bytes, torch.Tensor)
+
+
+def _check_extra(value: Any, where: str) -> None:
+    """Rejects at save time what torch.load(weights_only=True) could not read back."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise InvalidArgumentError(f"{where} has a key {key!r} of type {type(key).__name__}; "
+                                           f"keys must be str or int")
+            _check_extra(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_extra(item, f"{where}[{i}]")
+    elif not isinstance(value, _EXTRA_LEAVES):
+        raise InvalidArgumentError(f"{where} is a {type(value).__name__}; a checkpoint's extra may hold "
+                                   f"tensors, numbers, strings, bytes, None, lists, tuples and dicts")
 
 
 def _accumulate(sums: dict[str, float], name: str, value: float) -> None:
