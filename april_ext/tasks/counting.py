@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from april_ext.data.prompt import Prompt
-from april_ext.errors import ConfigError, InvalidArgumentError
+from april_ext.data_source import Prompt
+from april_ext.errors import ConfigError
 
 PAD_ID = 0
 BOS_ID = 1
@@ -31,16 +31,18 @@ _FIRST_SYMBOL = 4
 @dataclass(frozen=True)
 class CountingTaskConfig:
     """n_symbols: how many distinct X tokens. max_count: the cap of N. median_count, sigma: N is
-    round(median_count * exp(sigma * z)) for standard normal z, clipped to [1, max_count]. seed: the stream."""
+    round(median_count * exp(sigma * z)) for standard normal z, clipped to [1, max_count]. seed: the stream.
+    n_prompts: the length of the stream as a data source (prompts are generated on access)."""
 
     n_symbols: int = 8
     max_count: int = 52
     median_count: float = 6.0
     sigma: float = 0.8
     seed: int = 0
+    n_prompts: int = 1_000_000
 
     def __post_init__(self) -> None:
-        for name in ("n_symbols", "max_count"):
+        for name in ("n_symbols", "max_count", "n_prompts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"CountingTaskConfig.{name} must be an integer >= 1, got {value!r}")
@@ -59,7 +61,7 @@ class CountingTaskConfig:
 
 
 class CountingTask:
-    """Prompt generator (a PromptSource), reward function and tokenizer-free vocabulary of the task."""
+    """Prompt generator (a scheduler DataSource), reward function and vocabulary of the task."""
 
     pad_id = PAD_ID
     bos_id = BOS_ID
@@ -73,20 +75,19 @@ class CountingTask:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    @property
-    def size(self) -> int | None:
-        return None
-
     def symbol_id(self, index: int) -> int:
         return _FIRST_SYMBOL + index
 
     def count_id(self, n: int) -> int:
         return _FIRST_SYMBOL + self.config.n_symbols + n - 1
 
-    def prompt_at(self, position: int) -> Prompt:
+    def __len__(self) -> int:
+        return self.config.n_prompts
+
+    def __getitem__(self, position: int) -> Prompt:
         """The prompt at a stream position; the same (seed, position) always gives the same prompt."""
-        if position < 0:
-            raise InvalidArgumentError(f"position must be >= 0, got {position}")
+        if not 0 <= position < self.config.n_prompts:
+            raise IndexError(f"position {position} is outside [0, n_prompts={self.config.n_prompts})")
         cfg = self.config
         rng = np.random.default_rng([cfg.seed, position])
         symbol = int(rng.integers(cfg.n_symbols))
@@ -96,7 +97,7 @@ class CountingTask:
                       metadata={"label": n, "symbol": self.symbol_id(symbol), "task": "counting"})
 
     def prompts(self, start: int, count: int) -> list[Prompt]:
-        return [self.prompt_at(p) for p in range(start, start + count)]
+        return [self[p] for p in range(start, start + count)]
 
     def target(self, prompt: Prompt) -> list[int]:
         """The response that earns reward 1."""
@@ -108,6 +109,11 @@ class CountingTask:
 
     def reward(self, prompt: Prompt, response: Sequence[int]) -> float:
         """Partial credit in [0, 1] (module docstring); 1 only for the exact target."""
+        content, length = self.reward_parts(prompt, response)
+        return 0.5 * (content + length)
+
+    def reward_parts(self, prompt: Prompt, response: Sequence[int]) -> tuple[float, float]:
+        """(content, length) credits of the module docstring, each in [0, 1]."""
         n = int(prompt.metadata["label"])
         symbol = int(prompt.metadata["symbol"])
         tokens = list(response)
@@ -115,7 +121,7 @@ class CountingTask:
         body = tokens[:tokens.index(EOS_ID)] if ended else tokens
         content = sum(1 for t in body[:n] if t == symbol) / n
         length = max(0.0, 1.0 - abs(len(body) - n) / n) if ended else 0.0
-        return 0.5 * (content + length)
+        return content, length
 
     def model_config(self, **overrides: Any) -> Any:
         """A tiny Llama ModelConfig for this vocabulary (hidden 64, 2 layers, 4 heads) that learns the task

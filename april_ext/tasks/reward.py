@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from april_ext.data.prompt import Prompt
+from april_ext.data_source import Prompt
 from april_ext.tasks.math_verify import math_reward
 
 
@@ -14,14 +14,14 @@ class RewardFunction(Protocol):
 
 
 class MathReward:
-    """Decodes the response with the tokenizer and checks its final answer against ``prompt.label``."""
+    """Decodes the response with the tokenizer and checks its final answer against ``prompt.metadata["label"]``."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
     def __call__(self, prompt: Prompt, response: Sequence[int]) -> float:
         text = self.tokenizer.decode(list(response), skip_special_tokens=True)
-        return math_reward(text, prompt.label)
+        return math_reward(text, prompt.metadata["label"])
 
 
 def score_group(reward_fn: RewardFunction, prompt: Prompt, responses: Sequence[Sequence[int]]) -> list[float]:
