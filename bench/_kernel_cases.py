@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,13 +19,21 @@ import torch
 
 
 def import_kernels():
-    """april_ext.triton_kernels, also from a plain checkout (not pip-installed): the repo root is added to
-    sys.path and the top-level triton_kernels/ folder is mapped to april_ext.triton_kernels, as setup.py does."""
+    """april_ext.triton_kernels, also from a plain checkout that was never pip-installed (the GPU machine).
+
+    There the repo root goes on sys.path and the top-level triton_kernels/ folder is mapped to
+    april_ext.triton_kernels, as setup.py does. If april_ext's __init__ cannot be imported (it may need
+    the compiled extension, which the kernels do not), a bare package over the same folders stands in.
+    """
     root = Path(__file__).resolve().parents[1]
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    import april_ext
-
+    try:
+        import april_ext
+    except ImportError:
+        april_ext = types.ModuleType("april_ext")
+        april_ext.__path__ = [str(root / "april_ext")]
+        sys.modules["april_ext"] = april_ext
     try:
         import april_ext.triton_kernels as kernels
     except ModuleNotFoundError:
