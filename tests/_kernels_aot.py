@@ -104,12 +104,16 @@ def variants(gen: str, cases: list[tuple[torch.dtype, int]]) -> list[Result]:
         ext = config._EXTEND[(gen, config.row_tier(head_dim, dtype))]
         dec = config._DECODE[(gen, config.row_tier(head_dim, dtype))]
         tag = f"{_TYPE[dtype]} d{head_dim}"
-        out.append(compile_one(
-            _extend_attention_kernel, "extend", gen, tag,
-            {"GROUP": 4, "HEAD_DIM": head_dim, "D_PAD": d_pad, "PAGE_SIZE": 16, "BLOCK_M": ext.block_m,
-             "BLOCK_N": ext.block_n, "HAS_WINDOW": True, "HAS_SOFTCAP": True, "WRITE_LSE": True, "UPCAST": False},
-            {"QO_INDPTR": "*i32", "BLOCK_TABLE": "*i32", "PREFIX_LENS": "*i32", "LSE": "*fp32"}, ptr,
-            ext.num_warps, ext.num_stages))
+        # The plain variant (interior tiles unmasked) for every case; all options on for the first.
+        for options in ((False,), (False, True)) if not out else ((False,),):
+            flag = options[-1]
+            out.append(compile_one(
+                _extend_attention_kernel, "extend", gen, tag + (" window+softcap+lse" if flag else ""),
+                {"GROUP": 4, "HEAD_DIM": head_dim, "D_PAD": d_pad, "PAGE_SIZE": 16, "BLOCK_M": ext.block_m,
+                 "BLOCK_N": ext.block_n, "HAS_WINDOW": flag, "HAS_SOFTCAP": flag, "WRITE_LSE": flag,
+                 "UPCAST": False},
+                {"QO_INDPTR": "*i32", "BLOCK_TABLE": "*i32", "PREFIX_LENS": "*i32", "LSE": "*fp32"}, ptr,
+                ext.num_warps, ext.num_stages))
         out.append(compile_one(
             _decode_split_kernel, "decode_split", gen, tag,
             {"GROUP": 4, "BLOCK_H": dec.block_m, "HEAD_DIM": head_dim, "D_PAD": d_pad, "PAGE_SIZE": 16,

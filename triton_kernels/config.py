@@ -43,17 +43,17 @@ class BlockConfig:
 
 # Keyed by (generation, tier); the tier (see row_tier) is "narrow" for 16-bit inputs with a padded head dim
 # <= 128, "wide" for 16-bit 256, "fp32" for float32 inputs, whose dots run on FMA units without tensor
-# cores and need small tiles not to spill registers (ptxas reports zero spill bytes for all but the
-# narrow sm_80/86 rows, which spill about 100 bytes). For decode, block_m is the least number of rows of
+# cores and need small tiles not to spill registers (tests/_kernels_aot.py --all: ptxas reports no
+# register spills for the CUDA rows). For decode, block_m is the least number of rows of
 # the head tile (the query heads of one kv head, padded up for tl.dot).
 _EXTEND = {
     ("hopper", "narrow"): BlockConfig(128, 64, 8, 3),
-    ("hopper", "wide"): BlockConfig(64, 32, 4, 2),
-    ("hopper", "fp32"): BlockConfig(32, 32, 4, 2),
-    ("ampere", "narrow"): BlockConfig(128, 64, 8, 2),
-    ("ampere", "wide"): BlockConfig(64, 32, 4, 2),
+    ("hopper", "wide"): BlockConfig(64, 32, 8, 2),
+    ("hopper", "fp32"): BlockConfig(16, 16, 4, 2),
+    ("ampere", "narrow"): BlockConfig(128, 32, 8, 2),
+    ("ampere", "wide"): BlockConfig(64, 32, 8, 2),
     ("ampere", "fp32"): BlockConfig(32, 16, 4, 2),
-    ("ampere_small_smem", "narrow"): BlockConfig(64, 64, 4, 2),
+    ("ampere_small_smem", "narrow"): BlockConfig(64, 64, 8, 2),
     ("ampere_small_smem", "wide"): BlockConfig(32, 32, 4, 1),
     ("ampere_small_smem", "fp32"): BlockConfig(16, 16, 4, 1),
     ("mi300", "narrow"): BlockConfig(128, 64, 8, 2),

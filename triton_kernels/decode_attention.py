@@ -59,11 +59,11 @@ def _decode_split_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         k = load_paged_tile(K_CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head,
-                            stride_kcp, stride_kcs, stride_kch, stride_kcd, PAGE_SIZE, UPCAST)
+                            stride_kcp, stride_kcs, stride_kch, stride_kcd, PAGE_SIZE, True, True, UPCAST)
         v = load_paged_tile(V_CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head,
-                            stride_vcp, stride_vcs, stride_vch, stride_vcd, PAGE_SIZE, UPCAST)
+                            stride_vcp, stride_vcs, stride_vch, stride_vcd, PAGE_SIZE, True, True, UPCAST)
         allowed = h_mask[:, None] & n_mask[None, :]
-        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP)
+        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP, True)
 
     # An empty chunk reports lse = -inf and a zero output, so the merge gives it zero weight.
     has_keys = l_i > 0.0

@@ -10,9 +10,26 @@ import torch
 import triton
 import triton.language as tl
 
+from april_ext.errors import InvalidArgumentError
 from april_ext.triton_kernels._tile import LOG2E, check_launchable, interpreting, load_paged_tile, softmax_update
 from april_ext.triton_kernels._validation import check_extend, check_options
 from april_ext.triton_kernels.config import BlockConfig, extend_config, padded_head_dim
+
+
+@triton.jit
+def _load_rows(X, rows, head, offs_d, d_mask, n_mask, stride_t, stride_h, stride_d, MASK_N: tl.constexpr,
+               MASK_D: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows `rows` of one head of a packed [T, H, D] tensor: [BLOCK_N, D_PAD], masked lanes zero."""
+    ptrs = X + rows[:, None] * stride_t + head * stride_h + offs_d[None, :] * stride_d
+    if MASK_N:
+        tile = tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    elif MASK_D:
+        tile = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
 
 
 @triton.jit
@@ -59,45 +76,63 @@ def _extend_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    # Prefix keys (positions 0 .. prefix_len - 1 in the paged cache): all causally visible.
-    lo = 0
+    # Prefix keys (positions 0 .. prefix_len - 1 in the paged cache): all causally visible. Without a
+    # window, whole tiles need no mask; the partial last tile and windowed tiles do.
+    MASK_D: tl.constexpr = HEAD_DIM != D_PAD
     if HAS_WINDOW:
         lo = tl.maximum(prefix_len + m_start - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
-    for start_n in range(lo, prefix_len, BLOCK_N):
+        masked_from = lo
+    else:
+        lo = 0
+        masked_from = (prefix_len // BLOCK_N) * BLOCK_N
+        for start_n in range(0, masked_from, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = load_paged_tile(K_CACHE, row_pages, offs_n, None, offs_d, d_mask, kv_head,
+                                stride_kcp, stride_kcs, stride_kch, stride_kcd, PAGE_SIZE, False, MASK_D, UPCAST)
+            v = load_paged_tile(V_CACHE, row_pages, offs_n, None, offs_d, d_mask, kv_head,
+                                stride_vcp, stride_vcs, stride_vch, stride_vcd, PAGE_SIZE, False, MASK_D, UPCAST)
+            acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, None, qk_scale, softcap, HAS_SOFTCAP, False)
+    for start_n in range(masked_from, prefix_len, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < prefix_len
         k = load_paged_tile(K_CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head,
-                            stride_kcp, stride_kcs, stride_kch, stride_kcd, PAGE_SIZE, UPCAST)
+                            stride_kcp, stride_kcs, stride_kch, stride_kcd, PAGE_SIZE, True, MASK_D, UPCAST)
         v = load_paged_tile(V_CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head,
-                            stride_vcp, stride_vcs, stride_vch, stride_vcd, PAGE_SIZE, UPCAST)
+                            stride_vcp, stride_vcs, stride_vch, stride_vcd, PAGE_SIZE, True, MASK_D, UPCAST)
         allowed = n_mask[None, :]
         if HAS_WINDOW:
             allowed = allowed & ((q_pos[:, None] - offs_n[None, :]) < window)
-        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP)
+        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP, True)
 
-    # New keys of this sequence (positions prefix_len + j), causal: j <= i.
-    new_lo = 0
+    # New keys of this sequence (positions prefix_len + j), causal: j <= i. Without a window, tiles
+    # wholly before this query block (j < m_start <= i; BLOCK_M is a multiple of BLOCK_N) need no mask.
     if HAS_WINDOW:
         new_lo = tl.maximum(m_start - window + 1, 0)
         new_lo = (new_lo // BLOCK_N) * BLOCK_N
+    else:
+        new_lo = m_start
+        for start_n in range(0, m_start, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            key_rows = q_start + offs_n.to(tl.int64)
+            k = _load_rows(K, key_rows, kv_head, offs_d, d_mask, None, stride_kt, stride_kh, stride_kd,
+                           False, MASK_D, UPCAST)
+            v = _load_rows(V, key_rows, kv_head, offs_d, d_mask, None, stride_vt, stride_vh, stride_vd,
+                           False, MASK_D, UPCAST)
+            acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, None, qk_scale, softcap, HAS_SOFTCAP, False)
     new_hi = tl.minimum(m_start + BLOCK_M, extend_len)
     for start_n in range(new_lo, new_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < extend_len
         key_rows = q_start + offs_n.to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + key_rows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + key_rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = _load_rows(K, key_rows, kv_head, offs_d, d_mask, n_mask, stride_kt, stride_kh, stride_kd,
+                       True, MASK_D, UPCAST)
+        v = _load_rows(V, key_rows, kv_head, offs_d, d_mask, n_mask, stride_vt, stride_vh, stride_vd,
+                       True, MASK_D, UPCAST)
         allowed = n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None])
         if HAS_WINDOW:
             allowed = allowed & ((offs_m[:, None] - offs_n[None, :]) < window)
-        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP)
+        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP, True)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -131,6 +166,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     if shape.max_extend_len == 0:
         return (out, lse) if return_lse else out
     cfg = config if config is not None else extend_config(q.device, shape.cache.head_dim, q.dtype)
+    if cfg.block_m % cfg.block_n:
+        raise InvalidArgumentError(f"config: block_m {cfg.block_m} must be a multiple of block_n {cfg.block_n} "
+                                   "for extend_attention")
     upcast = q.dtype == torch.bfloat16 and interpreting(_extend_attention_kernel)
     qk_scale = opts.sm_scale if opts.softcap is not None else opts.sm_scale * LOG2E
     grid = (triton.cdiv(shape.max_extend_len, cfg.block_m), shape.q_heads, shape.batch)
