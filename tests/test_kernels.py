@@ -343,3 +343,30 @@ def test_decode_reference_against_naive_loop() -> None:
             values = [v_cache[pages[p // 2], p % 2, h // 2].cpu() for p in range(n)]
             expect = naive_attention(q[b, h].cpu(), keys, values, list(range(n)), n - 1, 0.25, 4, 2.0)
             assert_close(ref[b, h], expect, 1e-5)
+
+
+# --- without index checks (no host synchronization) --------------------------------------------------
+
+def test_unchecked_calls_give_the_same_results() -> None:
+    batch = make_batch(*RAGGED, seed=9)
+    checked = extend_attention(*batch.args(), window=5)
+    unchecked = extend_attention(*batch.args(), window=5, check_indices=False, max_extend_len=9)
+    assert torch.equal(checked, unchecked)
+    # Without max_extend_len it is read from qo_indptr.
+    assert torch.equal(checked, extend_attention(*batch.args(), window=5, check_indices=False))
+    q, k_cache, v_cache, table, lens = make_decode(DECODE_LENS, page_size=5)
+    # Unchecked decode sizes its splits from the block table's capacity.
+    assert_close(decode_attention(q, k_cache, v_cache, table, lens, check_indices=False),
+                 decode_attention_reference(q, k_cache, v_cache, table, lens), ATOL[torch.float32])
+    caches = [torch.zeros_like(k_cache), torch.zeros_like(v_cache)]
+    slots = torch.tensor([3, -1, 7], device=DEVICE)
+    store_kv(q[:3, :2], q[:3, 2:], caches[0], caches[1], slots, check_indices=False)
+    assert torch.equal(caches[0].view(-1, 2, 64)[7], q[2, :2])
+
+
+def test_max_extend_len_is_checked_when_indices_are() -> None:
+    batch = make_batch(*RAGGED)
+    with pytest.raises(ValueError, match=r"^max_extend_len: 8 is below sequence 2's 9 new tokens"):
+        extend_attention(*batch.args(), max_extend_len=8)
+    with pytest.raises(ValueError, match=r"^max_extend_len: -1 is not allowed"):
+        extend_attention(*batch.args(), max_extend_len=-1, check_indices=False)

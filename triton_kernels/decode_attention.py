@@ -123,7 +123,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int, nu
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, *, sm_scale: float | None = None, window: int | None = None,
                      softcap: float | None = None, num_splits: int | None = None, return_lse: bool = False,
-                     config: BlockConfig | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     config: BlockConfig | None = None,
+                     check_indices: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence over its paged cache.
 
     q [B, Hq, D]; seq_lens[b] keys of sequence b (including the current token, already stored) in the
@@ -131,8 +132,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     position >= seq_lens[b] - W; softcap as in extend_attention. num_splits chunks the keys (None:
     chosen from the batch, the heads and the SM count). Returns out [B, Hq, D] in q's dtype, and lse
     [B, Hq] float32 when return_lse. config overrides the per-GPU block sizes.
+
+    check_indices=False skips the index-range checks and their host synchronization (for a caller that
+    validated seq_lens / block_table already, or captures the call in a CUDA graph); num_splits is then
+    chosen from the block table's capacity instead of the longest sequence.
     """
-    shape = check_decode(q, k_cache, v_cache, block_table, seq_lens)
+    shape = check_decode(q, k_cache, v_cache, block_table, seq_lens, check_indices)
     opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
     check_num_splits(num_splits)
     check_launchable(_decode_split_kernel, q.device.type)

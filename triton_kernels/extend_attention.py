@@ -146,8 +146,9 @@ def _extend_attention_kernel(
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, qo_indptr: torch.Tensor, block_table: torch.Tensor,
                      prefix_lens: torch.Tensor, *, sm_scale: float | None = None, window: int | None = None,
-                     softcap: float | None = None, return_lse: bool = False,
-                     config: BlockConfig | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     softcap: float | None = None, return_lse: bool = False, config: BlockConfig | None = None,
+                     check_indices: bool = True,
+                     max_extend_len: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed new tokens over their paged prefix and causally over themselves.
 
     q [T, Hq, D], k / v [T, Hkv, D]: the new tokens of B sequences packed back to back, sequence b
@@ -157,8 +158,14 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     and new tokens 0 .. i; window=W keeps keys with p - key_pos < W; softcap=c maps each scaled logit
     x to c * tanh(x / c). Returns out [T, Hq, D] in q's dtype, and lse [T, Hq] float32 (natural log
     of the softmax denominator) when return_lse. config overrides the per-GPU block sizes.
+
+    The index checks copy qo_indptr, prefix_lens and block_table to the host (a synchronization). A
+    caller that validated them already (e.g. once per step, not per layer) passes check_indices=False
+    and max_extend_len (the longest sequence's new tokens), and the call neither synchronizes nor
+    checks index ranges: out-of-range indices are then the caller's responsibility.
     """
-    shape = check_extend(q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens)
+    shape = check_extend(q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, check_indices,
+                         max_extend_len)
     opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
     check_launchable(_extend_attention_kernel, q.device.type)
     out = torch.empty_like(q)
