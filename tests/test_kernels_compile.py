@@ -30,4 +30,5 @@ def test_kernels_compile_for_hopper_and_mi300_within_shared_memory() -> None:
         where = f"{r['kernel']} {r['variant']} on {r['generation']}"
         assert r["ok"], f"{where} does not compile: {r['error']}"
         assert 0 <= r["shared_bytes"] <= r["shared_limit"], f"{where} needs {r['shared_bytes']} bytes of shared memory"
+        # Spill bytes are read from the CUDA binary (cuobjdump); gfx942 reports none.
         assert r["spill_bytes"] == 0, f"{where} spills {r['spill_bytes']} bytes of registers"
