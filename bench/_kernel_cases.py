@@ -161,13 +161,29 @@ def make_case(shape: Shape, device: torch.device, page_size: int | None = None, 
 
 # --- the runners: each returns a zero-argument callable producing the output ([T or B, Hq, D]) ----------
 
-def ours(case: Case, **opts: object) -> Callable[[], torch.Tensor]:
+def ours(case: Case, checked: bool = False, **opts: object) -> Callable[[], torch.Tensor]:
+    """Our kernel as an engine calls it per layer: indices validated once, so check_indices=False (no host
+    synchronization); checked=True measures the validating call."""
     if case.shape.kind == "extend":
         args = (case.q, case.k, case.v, case.k_cache, case.v_cache, case.qo_indptr, case.block_table,
                 case.prefix_tensor)
+        if not checked:
+            opts = {"check_indices": False, "max_extend_len": max(case.new_lens), **opts}
         return lambda: tk.extend_attention(*args, **opts)
     args = (case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens)
+    if not checked:
+        # Unchecked, auto splits would be sized from the block table's width; the engine knows the
+        # longest sequence, so pass the split count the checked call would choose.
+        opts = {"check_indices": False, "num_splits": auto_splits(case), **opts}
     return lambda: tk.decode_attention(*args, **opts)
+
+
+def auto_splits(case: Case) -> int:
+    from april_ext.triton_kernels.decode_attention import _num_sms, choose_num_splits
+
+    cfg = tk.config.decode_config(case.q.device, case.shape.head_dim, case.shape.dtype)
+    return choose_num_splits(case.shape.num_seqs, case.shape.kv_heads, max(case.prefix_lens), cfg.block_n,
+                             _num_sms(case.q.device))
 
 
 def reference(case: Case) -> Callable[[], torch.Tensor]:

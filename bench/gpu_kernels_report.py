@@ -140,12 +140,17 @@ def kernel_resources() -> list[dict]:
     return out
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def bench_one(fn, rep_ms: int) -> float:
     return float(do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
 
 
-def bench_shape(shape: kc.Shape, rep_ms: int, deadline: float) -> dict:
-    device = torch.device("cuda", 0)
+def bench_shape(shape: kc.Shape, rep_ms: int, deadline: float, device: torch.device | None = None) -> dict:
+    device = device or torch.device("cuda", 0)
     case = kc.make_case(shape, device)
     entry: dict = {"shape": {k: str(v) for k, v in vars(shape).items()}, "flops": case.flops(),
                    "kv_bytes": case.kv_bytes(), "tokens": sum(case.new_lens), "results": {}}
@@ -157,7 +162,7 @@ def bench_shape(shape: kc.Shape, rep_ms: int, deadline: float) -> dict:
         t0 = time.monotonic()
         try:
             out = fn()
-            torch.cuda.synchronize()
+            _synchronize(device)
             ms = bench_one(fn, rep_ms)
             res = {"ms": ms, "tflops": case.flops() / ms / 1e9}
             if shape.kind == "decode":
@@ -173,7 +178,9 @@ def bench_shape(shape: kc.Shape, rep_ms: int, deadline: float) -> dict:
         return out
 
     ours_out = record("ours", kc.ours(case), None)
+    record("ours_checked", kc.ours(case, checked=True), ours_out)
     if shape.kind == "decode":
+        entry["auto_splits"] = kc.auto_splits(case)
         for splits in (1, 4, 16):
             record(f"ours_splits{splits}", kc.ours(case, num_splits=splits), ours_out)
     else:
@@ -204,7 +211,7 @@ def bench_shape(shape: kc.Shape, rep_ms: int, deadline: float) -> dict:
     ours_ms = entry["results"].get("ours", {}).get("ms")
     if ours_ms:
         entry["speedup_vs"] = {name: res["ms"] / ours_ms for name, res in entry["results"].items()
-                               if isinstance(res, dict) and "ms" in res and name != "ours"}
+                               if isinstance(res, dict) and "ms" in res and name not in ("ours", "gather_kv")}
     return entry
 
 

@@ -370,3 +370,16 @@ def test_max_extend_len_is_checked_when_indices_are() -> None:
         extend_attention(*batch.args(), max_extend_len=8)
     with pytest.raises(ValueError, match=r"^max_extend_len: -1 is not allowed"):
         extend_attention(*batch.args(), max_extend_len=-1, check_indices=False)
+
+
+def test_auto_split_count() -> None:
+    from april_ext.triton_kernels.decode_attention import choose_num_splits
+
+    # A full GPU already (64 x 8 programs on 132 SMs): split only so that no chunk exceeds 4096 keys.
+    assert choose_num_splits(64, 8, 16384, 64, 132) == 4
+    assert choose_num_splits(64, 8, 4096, 64, 132) == 1
+    # One long sequence: enough chunks for two programs per SM.
+    assert choose_num_splits(1, 8, 100_000, 64, 132) == 33
+    # Never more chunks than tiles, nor than 64.
+    assert choose_num_splits(4, 2, 10, 64, 132) == 1
+    assert choose_num_splits(1, 1, 10**7, 16, 132) == 64

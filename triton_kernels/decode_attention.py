@@ -112,10 +112,16 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
+# Longest key range one program streams when num_splits is chosen automatically: with rollout lengths
+# of 1K-16K in one batch, the longest sequences would otherwise finish long after the rest.
+MAX_CHUNK_KEYS = 4096
+
+
 def choose_num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int, num_sms: int) -> int:
-    """Enough chunks for about two programs per SM, never more than the longest sequence has tiles."""
+    """Enough chunks for about two programs per SM and for chunks of at most MAX_CHUNK_KEYS keys, never
+    more than the longest sequence has tiles."""
     programs = max(1, batch * kv_heads)
-    wanted = triton.cdiv(2 * num_sms, programs)
+    wanted = max(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_keys, MAX_CHUNK_KEYS))
     tiles = max(1, triton.cdiv(max_keys, block_n))
     return max(1, min(wanted, tiles, MAX_SPLITS))
 
