@@ -110,7 +110,7 @@ def variants(gen: str, cases: list[tuple[torch.dtype, int]]) -> list[Result]:
             out.append(compile_one(
                 _extend_attention_kernel, "extend", gen, tag + (" window+softcap+lse" if flag else ""),
                 {"GROUP": 4, "HEAD_DIM": head_dim, "D_PAD": d_pad, "PAGE_SIZE": 16, "BLOCK_M": ext.block_m,
-                 "BLOCK_N": ext.block_n, "HAS_WINDOW": flag, "HAS_SOFTCAP": flag, "WRITE_LSE": flag,
+                 "BLOCK_N": ext.block_n, "MASK_D": d_pad != head_dim, "HAS_WINDOW": flag, "HAS_SOFTCAP": flag, "WRITE_LSE": flag,
                  "UPCAST": False},
                 {"QO_INDPTR": "*i32", "BLOCK_TABLE": "*i32", "PREFIX_LENS": "*i32", "LSE": "*fp32"}, ptr,
                 ext.num_warps, ext.num_stages))

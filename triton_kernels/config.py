@@ -66,7 +66,7 @@ _EXTEND = {
 _DECODE = {
     ("hopper", "narrow"): BlockConfig(16, 64, 4, 3),
     ("hopper", "wide"): BlockConfig(16, 32, 4, 2),
-    ("hopper", "fp32"): BlockConfig(16, 32, 4, 2),
+    ("hopper", "fp32"): BlockConfig(16, 32, 8, 2),
     ("ampere", "narrow"): BlockConfig(16, 64, 4, 2),
     ("ampere", "wide"): BlockConfig(16, 32, 4, 2),
     ("ampere", "fp32"): BlockConfig(16, 32, 4, 2),

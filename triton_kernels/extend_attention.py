@@ -46,7 +46,8 @@ def _extend_attention_kernel(
     stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+    MASK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # Longest-running blocks (last rows of a sequence: the largest causal range) are scheduled first.
     block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -78,7 +79,6 @@ def _extend_attention_kernel(
 
     # Prefix keys (positions 0 .. prefix_len - 1 in the paged cache): all causally visible. Without a
     # window, whole tiles need no mask; the partial last tile and windowed tiles do.
-    MASK_D: tl.constexpr = HEAD_DIM != D_PAD
     if HAS_WINDOW:
         lo = tl.maximum(prefix_len + m_start - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
@@ -186,7 +186,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         block_table.stride(0), *out.stride(), *lse.stride(),
         GROUP=shape.q_heads // shape.cache.kv_heads, HEAD_DIM=shape.cache.head_dim,
         D_PAD=padded_head_dim(shape.cache.head_dim), PAGE_SIZE=shape.cache.page_size,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_D=padded_head_dim(shape.cache.head_dim) != shape.cache.head_dim,
         HAS_WINDOW=opts.window is not None, HAS_SOFTCAP=opts.softcap is not None, WRITE_LSE=return_lse,
         UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
