@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from april_ext.triton_kernels import (
     BlockConfig,
@@ -383,3 +385,30 @@ def test_auto_split_count() -> None:
     # Never more chunks than tiles, nor than 64.
     assert choose_num_splits(4, 2, 10, 64, 132) == 1
     assert choose_num_splits(1, 1, 10**7, 16, 132) == 64
+
+
+# --- random ragged batches ----------------------------------------------------------------------------
+
+@st.composite
+def ragged_batches(draw: st.DrawFn) -> tuple[dict, dict]:
+    batch = draw(st.integers(1, 4))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    layout = {
+        "prefix": draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch)),
+        "extend": draw(st.lists(st.integers(0, 20), min_size=batch, max_size=batch)),
+        "page_size": draw(st.sampled_from([1, 2, 7, 16])),
+        "kv_heads": kv_heads,
+        "q_heads": kv_heads * draw(st.sampled_from([1, 3])),
+        "head_dim": draw(st.sampled_from([16, 48])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+    opts = {"window": draw(st.one_of(st.none(), st.integers(1, 30))),
+            "softcap": draw(st.one_of(st.none(), st.floats(0.5, 10.0)))}
+    return layout, opts
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(ragged_batches())
+def test_extend_random_ragged_batches(case: tuple[dict, dict]) -> None:
+    layout, opts = case
+    check_extend(make_batch(**layout), config=SMALL, **opts)
