@@ -69,6 +69,7 @@ def _decode_split_kernel(
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     out = acc / l_safe[:, None]
+    # m_i and log2(l) are in log2 units; x ln 2 gives the natural-log LSE the API reports.
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     part = seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od
     tl.store(O_PART + part, out.to(O_PART.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])

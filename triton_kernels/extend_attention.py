@@ -139,7 +139,7 @@ def _extend_attention_kernel(
     tl.store(OUT + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
              out.to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
     if WRITE_LSE:
-        lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+        lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # log2 units -> natural log
         tl.store(LSE + rows * stride_lt + head * stride_lh, lse, mask=m_mask)
 
 
