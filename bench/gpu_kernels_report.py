@@ -149,10 +149,13 @@ def bench_one(fn, rep_ms: int) -> float:
     return float(do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
 
 
-def bench_shape(shape: kc.Shape, rep_ms: int, deadline: float, device: torch.device | None = None) -> dict:
+def bench_shape(shape: kc.Shape, rep_ms: int, deadline: float, device: torch.device | None = None,
+                entry: dict | None = None, save=lambda: None) -> dict:
+    """Measures one shape into `entry` (a dict already in the report), calling save() after each variant."""
     device = device or torch.device("cuda", 0)
     case = kc.make_case(shape, device)
-    entry: dict = {"shape": {k: str(v) for k, v in vars(shape).items()}, "flops": case.flops(),
+    entry = entry if entry is not None else {}
+    entry |= {"shape": {k: str(v) for k, v in vars(shape).items()}, "flops": case.flops(),
                    "kv_bytes": case.kv_bytes(), "tokens": sum(case.new_lens), "results": {}}
 
     def record(name: str, fn, out_ref: torch.Tensor | None) -> torch.Tensor | None:
@@ -174,7 +177,9 @@ def bench_shape(shape: kc.Shape, rep_ms: int, deadline: float, device: torch.dev
             out = None
         res["wall_s"] = round(time.monotonic() - t0, 1)
         entry["results"][name] = res
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        save()
         return out
 
     ours_out = record("ours", kc.ours(case), None)
@@ -244,11 +249,12 @@ def main() -> int:
         if time.monotonic() > deadline:
             report.data["benchmarks"].append({"shape": name, "skipped": "time budget spent"})
             continue
+        entry: dict = {"name": name}
+        report.data["benchmarks"].append(entry)
         try:
-            report.data["benchmarks"].append(bench_shape(kc.SHAPES[name], args.rep_ms, deadline))
+            bench_shape(kc.SHAPES[name], args.rep_ms, deadline, entry=entry, save=report.save)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory on one shape; go on with the next
-            report.data["benchmarks"].append({"shape": name, "error": f"{type(exc).__name__}: {str(exc)[:800]}",
-                                              "trace": traceback.format_exc()[-1500:]})
+            entry.update(error=f"{type(exc).__name__}: {str(exc)[:800]}", trace=traceback.format_exc()[-1500:])
         torch.cuda.empty_cache()
         report.step(f"bench {name}")
     report.data["kernel_resources"] = kernel_resources()
