@@ -12,7 +12,7 @@ import math
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -88,11 +88,10 @@ class Case:
     block_table: torch.Tensor
     new_lens: list[int]
     prefix_lens: list[int]
-    extra: dict = field(default_factory=dict)
 
     @property
     def qo_indptr(self) -> torch.Tensor:
-        return torch.tensor([0] + list(_cumsum(self.new_lens)), dtype=torch.int32, device=self.q.device)
+        return torch.tensor([0] + _cumsum(self.new_lens), dtype=torch.int32, device=self.q.device)
 
     @property
     def prefix_tensor(self) -> torch.Tensor:
@@ -312,9 +311,10 @@ def flash_attn(case: Case) -> Callable[[], torch.Tensor]:
         q = case.q.unsqueeze(1)
         return lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens_t, block_table=table,
                                                causal=True).squeeze(1)
+    cu_q = case.qo_indptr
     cu_k = torch.tensor([0] + _cumsum(lens), dtype=torch.int32, device=case.q.device)
-    return lambda: flash_attn_varlen_func(case.q, k_cache, v_cache, case.qo_indptr, cu_k, max(case.new_lens),
-                                          max(lens), causal=True, block_table=table)
+    return lambda: flash_attn_varlen_func(case.q, k_cache, v_cache, cu_q, cu_k, max(case.new_lens), max(lens),
+                                          causal=True, block_table=table)
 
 
 def _page256_cache(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
