@@ -10,21 +10,30 @@ from __future__ import annotations
 
 import math
 import sys
+import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 
 def import_kernels():
-    """april_ext.triton_kernels, also from a plain checkout (not pip-installed): the repo root is added to
-    sys.path and the top-level triton_kernels/ folder is mapped to april_ext.triton_kernels, as setup.py does."""
+    """april_ext.triton_kernels, also from a plain checkout that was never pip-installed (the GPU machine).
+
+    There the repo root goes on sys.path and the top-level triton_kernels/ folder is mapped to
+    april_ext.triton_kernels, as setup.py does. If april_ext's __init__ cannot be imported (it may need
+    the compiled extension, which the kernels do not), a bare package over the same folders stands in.
+    """
     root = Path(__file__).resolve().parents[1]
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    import april_ext
-
+    try:
+        import april_ext
+    except ImportError:
+        april_ext = types.ModuleType("april_ext")
+        april_ext.__path__ = [str(root / "april_ext")]
+        sys.modules["april_ext"] = april_ext
     try:
         import april_ext.triton_kernels as kernels
     except ModuleNotFoundError:
@@ -57,11 +66,12 @@ class Shape:
 
 SHAPES = {
     s.name: s for s in [
+        # Most telling first: a report cut short by its budget still has them.
         Shape("extend_resume_64x1k-16k", "extend", 64, 1024, 16384, prefix_len=512),
-        Shape("extend_resume_16x1k-4k", "extend", 16, 1024, 4096, prefix_len=512),
-        Shape("extend_small_4x128-512", "extend", 4, 128, 512, prefix_len=96),
         Shape("decode_64x1k-16k", "decode", 64, 1024, 16384),
+        Shape("extend_resume_16x1k-4k", "extend", 16, 1024, 4096, prefix_len=512),
         Shape("decode_256x1k-4k", "decode", 256, 1024, 4096),
+        Shape("extend_small_4x128-512", "extend", 4, 128, 512, prefix_len=96),
         Shape("decode_small_4x128-512", "decode", 4, 128, 512),
     ]
 }
@@ -78,11 +88,10 @@ class Case:
     block_table: torch.Tensor
     new_lens: list[int]
     prefix_lens: list[int]
-    extra: dict = field(default_factory=dict)
 
     @property
     def qo_indptr(self) -> torch.Tensor:
-        return torch.tensor([0] + list(_cumsum(self.new_lens)), dtype=torch.int32, device=self.q.device)
+        return torch.tensor([0] + _cumsum(self.new_lens), dtype=torch.int32, device=self.q.device)
 
     @property
     def prefix_tensor(self) -> torch.Tensor:
@@ -152,13 +161,29 @@ def make_case(shape: Shape, device: torch.device, page_size: int | None = None, 
 
 # --- the runners: each returns a zero-argument callable producing the output ([T or B, Hq, D]) ----------
 
-def ours(case: Case, **opts: object) -> Callable[[], torch.Tensor]:
+def ours(case: Case, checked: bool = False, **opts: object) -> Callable[[], torch.Tensor]:
+    """Our kernel as an engine calls it per layer: indices validated once, so check_indices=False (no host
+    synchronization); checked=True measures the validating call."""
     if case.shape.kind == "extend":
         args = (case.q, case.k, case.v, case.k_cache, case.v_cache, case.qo_indptr, case.block_table,
                 case.prefix_tensor)
+        if not checked:
+            opts = {"check_indices": False, "max_extend_len": max(case.new_lens), **opts}
         return lambda: tk.extend_attention(*args, **opts)
     args = (case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens)
+    if not checked:
+        # Unchecked, auto splits would be sized from the block table's width; the engine knows the
+        # longest sequence, so pass the split count the checked call would choose.
+        opts = {"check_indices": False, "num_splits": auto_splits(case), **opts}
     return lambda: tk.decode_attention(*args, **opts)
+
+
+def auto_splits(case: Case) -> int:
+    from april_ext.triton_kernels.decode_attention import _num_sms, choose_num_splits
+
+    cfg = tk.config.decode_config(case.q.device, case.shape.head_dim, case.shape.dtype)
+    return choose_num_splits(case.shape.num_seqs, case.shape.kv_heads, max(case.prefix_lens), cfg.block_n,
+                             _num_sms(case.q.device))
 
 
 def reference(case: Case) -> Callable[[], torch.Tensor]:
@@ -286,9 +311,10 @@ def flash_attn(case: Case) -> Callable[[], torch.Tensor]:
         q = case.q.unsqueeze(1)
         return lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens_t, block_table=table,
                                                causal=True).squeeze(1)
+    cu_q = case.qo_indptr
     cu_k = torch.tensor([0] + _cumsum(lens), dtype=torch.int32, device=case.q.device)
-    return lambda: flash_attn_varlen_func(case.q, k_cache, v_cache, case.qo_indptr, cu_k, max(case.new_lens),
-                                          max(lens), causal=True, block_table=table)
+    return lambda: flash_attn_varlen_func(case.q, k_cache, v_cache, cu_q, cu_k, max(case.new_lens), max(lens),
+                                          causal=True, block_table=table)
 
 
 def _page256_cache(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
@@ -310,9 +336,10 @@ def _page256_cache(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return k_cache, v_cache, table, lens
 
 
+# flex_attention last: its compilation is the slowest setup.
 BASELINES: dict[str, Callable[[Case], Callable[[], torch.Tensor]]] = {
     "sdpa": sdpa,
-    "flex_attention": flex,
     "flash_attn": flash_attn,
     "reference": reference,
+    "flex_attention": flex,
 }
