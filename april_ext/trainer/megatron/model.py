@@ -1,0 +1,146 @@
+"""megatron-core GPTModel built from an april_ext ModelConfig, behind the packed-sequence forward of
+april_ext.model.LlamaForCausalLM so the torch trainer's loss code drives it unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from april_ext.errors import ConfigError, InvalidArgumentError
+from april_ext.model import ModelConfig
+from april_ext.model.llama import rope_inv_freq
+from april_ext.trainer.megatron.conversion import hf_to_megatron, megatron_to_hf
+
+
+def transformer_config(config: ModelConfig, *, params_dtype: torch.dtype = torch.float32) -> object:
+    """The megatron-core TransformerConfig of a Llama-style ModelConfig (no dropout, no fused kernels,
+    so the local layer spec runs anywhere)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    biases = (config.qkv_bias, config.o_bias, config.mlp_bias)
+    # Megatron has two switches: add_bias_linear (every linear, q/k/v included) and add_qkv_bias.
+    if biases not in ((False, False, False), (True, False, False), (True, True, True)):
+        raise ConfigError(f"ModelConfig biases (qkv_bias, o_bias, mlp_bias) = {biases} have no megatron-core "
+                          f"equivalent; allowed: none, q/k/v only (Qwen2), or all three")
+    return TransformerConfig(
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_key_value_heads,
+        kv_channels=config.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=config.o_bias,
+        add_qkv_bias=config.qkv_bias,
+        init_method_std=config.initializer_range,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=True,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+    )
+
+
+def build_gpt_model(config: ModelConfig, *, params_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A GPTModel with the local (non-Transformer-Engine) layer spec. Needs ``parallel.initialize()``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = GPTModel(
+        config=transformer_config(config, params_dtype=params_dtype),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=config.vocab_size,
+        max_sequence_length=config.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(config.rope_theta),
+        share_embeddings_and_output_weights=config.tie_word_embeddings,
+    )
+    # Megatron knows only the default and a fixed-parameter llama3 scaling; our frequencies cover every
+    # rope type of the config exactly. Set before the first forward (RotaryEmbedding caches its tables).
+    model.rotary_pos_emb.inv_freq = rope_inv_freq(config)
+    return model
+
+
+class MegatronCausalLM(nn.Module):
+    """A GPTModel with the forward of LlamaForCausalLM: packed [T] ids plus ``cu_seqlens`` -> [T, V] logits.
+
+    The packed sequences are right-padded into a [S, max_len] batch (causal attention keeps padding from
+    reaching real tokens) and the padded rows are dropped from the logits. Weights go in and out in
+    Hugging Face names through ``load_weights`` / ``hf_weights``.
+    """
+
+    def __init__(self, config: ModelConfig, *, params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.params_dtype = params_dtype
+        self.gpt = build_gpt_model(config, params_dtype=params_dtype)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> MegatronCausalLM:
+        """A new model with copied weights (the trainer's frozen KL reference). GPTModel holds process
+        groups, which copy.deepcopy cannot copy, so the copy is rebuilt from the config instead."""
+        clone = MegatronCausalLM(self.config, params_dtype=self.params_dtype)
+        device = next(self.parameters()).device
+        clone.to(device)
+        with torch.no_grad():
+            for mine, theirs in zip(self.gpt.parameters(), clone.gpt.parameters()):
+                theirs.copy_(mine)
+        clone.train(self.training)
+        memo[id(self)] = clone
+        return clone
+
+    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise InvalidArgumentError(f"input_ids must be a non-empty packed [T] tensor, got shape "
+                                       f"{tuple(input_ids.shape)}")
+        n = input_ids.numel()
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, n])
+        lengths = cu_seqlens.to(torch.int64).diff().cpu()
+        if int(cu_seqlens[-1]) != n or bool((lengths < 1).any()):
+            raise InvalidArgumentError(f"cu_seqlens must rise strictly from 0 to len(input_ids) = {n}, got "
+                                       f"{cu_seqlens.tolist()}")
+        width = int(lengths.max())
+        columns = torch.arange(width)
+        valid = (columns[None, :] < lengths[:, None]).to(input_ids.device)
+        ids = input_ids.new_zeros(lengths.numel(), width)
+        ids[valid] = input_ids
+        positions = columns.to(input_ids.device).expand(lengths.numel(), width)
+        logits = self.gpt(ids, positions, attention_mask=None)
+        return logits[valid]
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The current weights in HF names (views or fresh tensors built from the parameters, detached)."""
+        state = {name: p.detach() for name, p in self.gpt.named_parameters()}
+        return megatron_to_hf(state, self.config)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copies HF-named weights into the parameters in place (their storage is kept); every parameter
+        must be given. Returns the Megatron names loaded."""
+        converted = hf_to_megatron(weights, self.config)
+        params = dict(self.gpt.named_parameters())
+        missing = sorted(set(params) - set(converted))
+        extra = sorted(set(converted) - set(params))
+        if missing or extra:
+            raise InvalidArgumentError(f"converted weights do not match the GPTModel: missing {missing[:3]}, "
+                                       f"unexpected {extra[:3]}")
+        for name, tensor in converted.items():
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise InvalidArgumentError(f"weight for {name!r} has shape {tuple(tensor.shape)}, the GPTModel "
+                                           f"expects {tuple(params[name].shape)}")
+        for name, tensor in converted.items():
+            params[name].copy_(tensor)
+        return sorted(converted)
