@@ -6,9 +6,10 @@
 
 A Llama-style model (hidden 256, 4 layers, GQA 8/2, vocab 2048, fp32), 4 groups x 4 samples with
 32-token prompts and long-tailed responses (log-normal, median 48, capped at 256), micro-batches of
-1024 tokens. Both trainers run the same RL step; the Megatron model right-pads each micro-batch to its
-longest sample (its local attention takes [batch, seq]), the torch model runs the packed tokens, so the
-ratio includes that padding (reported as padded / real tokens).
+1024 tokens; medians of 5 interleaved steps. Both trainers run the same RL step; the Megatron model
+right-pads each micro-batch into buckets of similar lengths (its local attention takes [batch, seq]),
+the torch model runs the packed tokens, so the ratio includes that padding (reported as padded / real
+tokens).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from april_ext.trainer import TorchTrainer, TrainerConfig, split_by_token_budget
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
 
 from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, parallel  # noqa: E402
+from april_ext.trainer.megatron.model import MegatronCausalLM, length_buckets  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
@@ -57,8 +59,13 @@ def make_batch(version: int, seed: int = 0) -> TrainingBatch:
 
 
 def padded_tokens(batch: TrainingBatch) -> int:
+    """Tokens the Megatron model runs, padding included: per micro-batch, per length bucket."""
     lengths = np.diff(batch.offsets).tolist()
-    return sum(max(lengths[a:b]) * (b - a) for a, b in split_by_token_budget(lengths, TRAINER.micro_batch_tokens))
+    total = 0
+    for a, b in split_by_token_budget(lengths, TRAINER.micro_batch_tokens):
+        for bucket in length_buckets(lengths[a:b], MegatronCausalLM.max_padding):
+            total += max(lengths[a + i] for i in bucket) * len(bucket)
+    return total
 
 
 def make_trainers() -> tuple[TorchTrainer, MegatronTrainer]:
@@ -68,16 +75,18 @@ def make_trainers() -> tuple[TorchTrainer, MegatronTrainer]:
     return TorchTrainer(copy.deepcopy(model), TRAINER), megatron
 
 
-def time_steps(trainer: TorchTrainer, repeats: int) -> float:
-    """Median seconds of one train_step on the same samples (after one warm-up step)."""
-    trainer.train_step(make_batch(trainer.version))
-    times = []
-    for _ in range(repeats):
-        batch = make_batch(trainer.version)
-        start = time.perf_counter()
-        trainer.train_step(batch)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def time_steps(trainers: tuple[TorchTrainer, ...], rounds: int) -> list[float]:
+    """Median seconds of one train_step per trainer on the same samples, the trainers interleaved round
+    by round (so load from other processes hits both alike), after one warm-up step each."""
+    times: list[list[float]] = [[] for _ in trainers]
+    for r in range(rounds + 1):
+        for k, trainer in enumerate(trainers):
+            batch = make_batch(trainer.version)
+            start = time.perf_counter()
+            trainer.train_step(batch)
+            if r > 0:
+                times[k].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +107,7 @@ def main() -> None:
     try:
         torch_trainer, megatron = make_trainers()
         batch = make_batch(0)
-        t_torch = time_steps(torch_trainer, 3)
-        t_megatron = time_steps(megatron, 3)
+        t_torch, t_megatron = time_steps((torch_trainer, megatron), 5)
     finally:
         parallel.shutdown()
     n = batch.n_tokens

@@ -25,7 +25,7 @@ from april_ext.errors import ConfigError, CorruptStateError, InvalidStateError  
 from april_ext.model import LlamaForCausalLM, ModelConfig, load_pretrained  # noqa: E402
 from april_ext.trainer import TorchTrainer, TrainerConfig  # noqa: E402
 from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, compat, parallel  # noqa: E402
-from april_ext.trainer.megatron.model import MegatronCausalLM, build_gpt_model  # noqa: E402
+from april_ext.trainer.megatron.model import MegatronCausalLM, build_gpt_model, length_buckets  # noqa: E402
 
 # megatron-core runs unmodified on a GPU (the CPU patches are not applied there), so the tests use it.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -221,3 +221,16 @@ def test_runtime_can_be_torn_down_and_recreated() -> None:
     model = MegatronCausalLM(config).to(DEVICE)
     with torch.no_grad():
         assert model(torch.tensor([1, 2, 3], device=DEVICE)).shape == (3, config.vocab_size)
+
+
+def test_length_buckets_bound_the_padding() -> None:
+    lengths = [5, 90, 7, 88, 1, 30, 31, 2, 64]
+    buckets = length_buckets(lengths, 1.25)
+    assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))
+    for bucket in buckets:
+        padded = max(lengths[i] for i in bucket) * len(bucket)
+        assert len(bucket) == 1 or padded <= 1.25 * sum(lengths[i] for i in bucket)
+    # 90, 88, 64 pad to 270 <= 1.25 x 242; adding 31 would pad to 360 > 1.25 x 273.
+    assert buckets == [[1, 3, 8], [6, 5], [2, 0], [7], [4]]
+    assert length_buckets([4, 4, 4], 1.0) == [[0, 1, 2]]
+    assert length_buckets([3], 1.0) == [[0]]

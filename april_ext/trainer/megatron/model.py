@@ -74,13 +74,32 @@ def build_gpt_model(config: ModelConfig, *, params_dtype: torch.dtype = torch.fl
     return model
 
 
+def length_buckets(lengths: list[int], max_padding: float) -> list[list[int]]:
+    """Groups sequence indices, longest first, into buckets whose right-padded size (bucket size x its
+    longest length) stays within ``max_padding`` x their real tokens; a sequence alone always fits."""
+    buckets: list[list[int]] = []
+    width = real = 0
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        if buckets and width * (len(buckets[-1]) + 1) <= max_padding * (real + lengths[i]):
+            buckets[-1].append(i)
+            real += lengths[i]
+        else:
+            buckets.append([i])
+            width = real = lengths[i]
+    return buckets
+
+
 class MegatronCausalLM(nn.Module):
     """A GPTModel with the forward of LlamaForCausalLM: packed [T] ids plus ``cu_seqlens`` -> [T, V] logits.
 
-    The packed sequences are right-padded into a [S, max_len] batch (causal attention keeps padding from
-    reaching real tokens) and the padded rows are dropped from the logits. Weights go in and out in
-    Hugging Face names through ``load_weights`` / ``hf_weights``.
+    Megatron's local attention takes no packed input, so the sequences are right-padded into [n, width]
+    batches (causal attention keeps padding from reaching real tokens), one GPTModel call per bucket of
+    similar lengths (``max_padding``: the padded / real token bound of a bucket), and the logits of the
+    real tokens are put back in packed order. Weights go in and out in Hugging Face names through
+    ``load_weights`` / ``hf_weights``.
     """
+
+    max_padding = 1.25
 
     def __init__(self, config: ModelConfig, *, params_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -112,14 +131,22 @@ class MegatronCausalLM(nn.Module):
         if int(cu_seqlens[-1]) != n or bool((lengths < 1).any()):
             raise InvalidArgumentError(f"cu_seqlens must rise strictly from 0 to len(input_ids) = {n}, got "
                                        f"{cu_seqlens.tolist()}")
-        width = int(lengths.max())
-        columns = torch.arange(width)
-        valid = (columns[None, :] < lengths[:, None]).to(input_ids.device)
-        ids = input_ids.new_zeros(lengths.numel(), width)
-        ids[valid] = input_ids
-        positions = columns.to(input_ids.device).expand(lengths.numel(), width)
-        logits = self.gpt(ids, positions, attention_mask=None)
-        return logits[valid]
+        cu = cu_seqlens.to(torch.int64).cpu()
+        pieces, order = [], []
+        for bucket in length_buckets(lengths.tolist(), self.max_padding):
+            rows = lengths[bucket]
+            width = int(rows.max())
+            columns = torch.arange(width)
+            valid = columns[None, :] < rows[:, None]
+            # Packed token index of every real cell of the [len(bucket), width] grid, row by row.
+            index = (cu[bucket][:, None] + columns[None, :])[valid].to(input_ids.device)
+            ids = input_ids.new_zeros(len(bucket), width)
+            ids[valid.to(input_ids.device)] = input_ids[index]
+            positions = columns.to(input_ids.device).expand(len(bucket), width)
+            pieces.append(self.gpt(ids, positions, attention_mask=None)[valid.to(input_ids.device)])
+            order.append(index)
+        logits = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        return logits[torch.argsort(torch.cat(order))]
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The current weights in HF names (views or fresh tensors built from the parameters, detached)."""
