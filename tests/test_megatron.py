@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
 from _trainer_utils import make_batch, make_model  # noqa: E402
 from april_ext.algorithms import AlgorithmConfig  # noqa: E402
 from april_ext.engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
-from april_ext.errors import ConfigError, CorruptStateError, InvalidStateError  # noqa: E402
+from april_ext.errors import ConfigError, CorruptStateError, InvalidArgumentError, InvalidStateError  # noqa: E402
 from april_ext.model import LlamaForCausalLM, ModelConfig, load_pretrained  # noqa: E402
 from april_ext.trainer import TorchTrainer, TrainerConfig  # noqa: E402
 from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, compat, parallel  # noqa: E402
@@ -203,6 +203,11 @@ def test_configuration_errors_name_the_field() -> None:
     config = MODELS["tied_mqa"]
     with pytest.raises(ConfigError, match=r"biases \(qkv_bias, o_bias, mlp_bias\) = \(True, True, False\)"):
         MegatronCausalLM(config.replace(qkv_bias=True, o_bias=True))
+    model = MegatronCausalLM(config)
+    with pytest.raises(InvalidArgumentError, match=r"cu_seqlens must rise strictly from 0 to len\(input_ids\) = 4"):
+        model(torch.tensor([1, 2, 3, 4]), cu_seqlens=torch.tensor([0, 3, 3, 4]))
+    with pytest.raises(InvalidArgumentError, match=r"packed \[T\] tensor, got shape \(1, 4\)"):
+        model(torch.tensor([[1, 2, 3, 4]]))
     with pytest.raises(ConfigError, match="MegatronTrainerConfig.seed"):
         MegatronTrainerConfig(model=config, seed=-1)
     with pytest.raises(ConfigError, match="MegatronTrainerConfig.model"):

@@ -124,26 +124,24 @@ class MegatronCausalLM(nn.Module):
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise InvalidArgumentError(f"input_ids must be a non-empty packed [T] tensor, got shape "
                                        f"{tuple(input_ids.shape)}")
-        n = input_ids.numel()
-        if cu_seqlens is None:
-            cu_seqlens = torch.tensor([0, n])
-        lengths = cu_seqlens.to(torch.int64).diff().cpu()
-        if int(cu_seqlens[-1]) != n or bool((lengths < 1).any()):
+        n, device = input_ids.numel(), input_ids.device
+        cu = torch.tensor([0, n]) if cu_seqlens is None else cu_seqlens.to("cpu", torch.int64)
+        lengths = cu.diff()
+        if int(cu[0]) != 0 or int(cu[-1]) != n or bool((lengths < 1).any()):
             raise InvalidArgumentError(f"cu_seqlens must rise strictly from 0 to len(input_ids) = {n}, got "
-                                       f"{cu_seqlens.tolist()}")
-        cu = cu_seqlens.to(torch.int64).cpu()
+                                       f"{cu.tolist()}")
         pieces, order = [], []
         for bucket in length_buckets(lengths.tolist(), self.max_padding):
             rows = lengths[bucket]
-            width = int(rows.max())
-            columns = torch.arange(width)
+            columns = torch.arange(int(rows.max()))
             valid = columns[None, :] < rows[:, None]
             # Packed token index of every real cell of the [len(bucket), width] grid, row by row.
-            index = (cu[bucket][:, None] + columns[None, :])[valid].to(input_ids.device)
-            ids = input_ids.new_zeros(len(bucket), width)
-            ids[valid.to(input_ids.device)] = input_ids[index]
-            positions = columns.to(input_ids.device).expand(len(bucket), width)
-            pieces.append(self.gpt(ids, positions, attention_mask=None)[valid.to(input_ids.device)])
+            index = (cu[bucket][:, None] + columns[None, :])[valid].to(device)
+            valid = valid.to(device)
+            ids = input_ids.new_zeros(valid.shape)
+            ids[valid] = input_ids[index]
+            positions = columns.to(device).expand(valid.shape)
+            pieces.append(self.gpt(ids, positions, attention_mask=None)[valid])
             order.append(index)
         logits = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         return logits[torch.argsort(torch.cat(order))]

@@ -87,7 +87,8 @@ class MegatronTrainer(TorchTrainer):
 
     def _save_weights(self, directory: str) -> None:
         # An HF checkpoint directory, so the policy of a Megatron checkpoint loads straight into an engine.
-        self.megatron_config.model.save_pretrained(directory)
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        self.megatron_config.model.replace(dtype=dtype).save_pretrained(directory)
         _save_hf(self.model.hf_weights(), os.path.join(directory, _MODEL_FILE))
         if self.ref_model is not None:
             _save_hf(self.ref_model.hf_weights(), os.path.join(directory, _REFERENCE_FILE))
