@@ -163,10 +163,15 @@ def test_checkpoint_restores_the_run_exactly(tmp_path) -> None:
     path = tmp_path / "ckpt"
     trainer.save_checkpoint(path, extra={"data_position": 12})
     trainer.save_checkpoint(path, extra={"data_position": 12})  # replaces the previous one atomically
+    trainer_weights_at_save = [(n, t.clone()) for n, t in trainer.export_weights()]
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     expected = trainer.train_step(batches[1])
-    # The policy in the checkpoint is a plain HF directory.
+    # The policy in the checkpoint is a plain HF directory: the engine's loader and a new trainer read it.
     assert isinstance(load_pretrained(path), LlamaForCausalLM)
+    restarted = MegatronTrainer.from_pretrained(path, trainer_config())
+    assert restarted.megatron_config.model == model.config
+    for (name, a), (_, b) in zip(restarted.export_weights(), trainer_weights_at_save):
+        assert torch.equal(a, b), name
     fresh = MegatronTrainer(config, make_model(1).named_parameters())
     assert fresh.load_checkpoint(path) == {"data_position": 12}
     assert fresh.version == 8

@@ -78,6 +78,14 @@ class MegatronTrainer(TorchTrainer):
             model.load_weights(_weights(weights))
         super().__init__(model, config.trainer, initial_version=initial_version)  # type: ignore[arg-type]
 
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str], trainer: TrainerConfig | None = None, *,
+                        seed: int = 0, initial_version: int = 0) -> MegatronTrainer:
+        """A trainer for the Hugging Face checkpoint directory ``path`` (config.json + safetensors)."""
+        config = MegatronTrainerConfig(model=ModelConfig.from_pretrained(path), trainer=trainer or TrainerConfig(),
+                                       seed=seed)
+        return cls(config, path, initial_version=initial_version)
+
     def export_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
         """HF-named tensors of the current weights. The fused q/k/v and gate/up parameters are split
         into views where the layout allows (otherwise into copies); ``to_cpu`` always copies."""
