@@ -54,7 +54,8 @@ def make_batch(version: int, seed: int = 0) -> TrainingBatch:
         tokens=np.asarray(tokens, np.int32), offsets=np.asarray(offsets, np.int64),
         prompt_lens=np.full(s, PROMPT, np.int32), loss_mask=np.asarray(mask, np.uint8),
         behavior_logprobs=np.asarray(logprobs, np.float32), versions=np.asarray(versions, np.int32),
-        rewards=gen.integers(0, 2, s).astype(np.float32), group_index=np.repeat(np.arange(GROUPS), SAMPLES).astype(np.int32),
+        rewards=gen.integers(0, 2, s).astype(np.float32),
+        group_index=np.repeat(np.arange(GROUPS), SAMPLES).astype(np.int32),
         sample_ids=np.arange(s, dtype=np.int64), finish_reasons=np.zeros(s, np.uint8), policy_version=version)
 
 

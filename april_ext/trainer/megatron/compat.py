@@ -9,10 +9,10 @@ raise (CUDA calls on a CPU-only torch), so applying them cannot alter a computat
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections.abc import Iterator
 from functools import reduce
-import operator
 
 import torch
 
