@@ -260,3 +260,27 @@ def test_length_buckets_bound_the_padding() -> None:
     assert buckets == [[1, 3, 8], [6, 5], [2, 0], [7], [4]]
     assert length_buckets([4, 4, 4], 1.0) == [[0, 1, 2]]
     assert length_buckets([3], 1.0) == [[0]]
+
+
+def test_cpu_rng_tracker_forks_a_separate_stream() -> None:
+    import inspect
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = compat.CpuRNGStatesTracker()
+    tracker.add("stream", 7)
+    outer = torch.get_rng_state()
+    with tracker.fork("stream"):
+        first = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outer)
+    with tracker.fork("stream"):
+        second = torch.rand(3)
+    expected = torch.rand(6, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(torch.cat([first, second]), expected)
+    with pytest.raises(ValueError, match="already registered"):
+        tracker.add("other", 7)
+    with pytest.raises(ValueError, match="not registered"):
+        with tracker.fork("missing"):
+            pass
+    default = inspect.signature(compat.CpuRNGStatesTracker.fork).parameters["name"].default
+    assert default == mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME

@@ -57,19 +57,13 @@ def _patch_rotary_embedding() -> None:
 
 def _patch_default_masks() -> None:
     # The torch softmax fallback of FusedScaleMaskSoftmax builds the causal mask with device="cuda"
-    # when no mask is passed. fused_softmax imported the helpers by name, so they are replaced there.
+    # when no mask is passed. fused_softmax imported the helper by name, so it is replaced there.
     from megatron.core.fusions import fused_softmax
 
     def get_default_causal_mask(sq: int) -> torch.Tensor:
         return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
-    def get_sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
-        m = torch.ones(sq, skv, dtype=torch.bool)
-        upper = torch.triu(m, diagonal=skv - sq - window_size[0])
-        return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
-
     fused_softmax.get_default_causal_mask = get_default_causal_mask
-    fused_softmax.get_sliding_window_causal_mask = get_sliding_window_causal_mask
 
 
 def _patch_global_memory_buffer() -> None:
