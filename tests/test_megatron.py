@@ -284,3 +284,14 @@ def test_cpu_rng_tracker_forks_a_separate_stream() -> None:
             pass
     default = inspect.signature(compat.CpuRNGStatesTracker.fork).parameters["name"].default
     assert default == mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME
+
+
+def test_initialisation_is_seeded_and_leaves_the_global_rng_alone() -> None:
+    config = MODELS["tied_mqa"]
+    state = torch.get_rng_state()
+    weights = [dict(MegatronTrainer(MegatronTrainerConfig(model=config, seed=seed)).export_weights())
+               for seed in (3, 3, 4)]
+    assert torch.equal(torch.get_rng_state(), state)
+    for name, tensor in weights[0].items():
+        assert torch.equal(tensor, weights[1][name]), name
+    assert not torch.equal(weights[0]["model.embed_tokens.weight"], weights[2]["model.embed_tokens.weight"])
