@@ -151,6 +151,10 @@ class TorchTrainer:
     ``version`` starts at ``initial_version`` and grows by one per ``train_step``.
     """
 
+    # Saved in the trainer state; a checkpoint loads only into a trainer of the same format (the
+    # optimizer state is keyed by parameter order, which differs between trainers).
+    checkpoint_format = _FORMAT
+
     def __init__(self, model: LlamaForCausalLM, config: TrainerConfig | None = None, *,
                  initial_version: int = 0) -> None:
         self.config = config or TrainerConfig()
@@ -321,12 +325,9 @@ class TorchTrainer:
         except OSError as err:
             raise PersistenceError(f"cannot create a checkpoint next to {path!r}: {err}") from None
         try:
-            save_pretrained(self.model, tmp)
-            if self.ref_model is not None:
-                save_file({n: p.detach().to("cpu").contiguous() for n, p in self.ref_model.named_parameters()},
-                          os.path.join(tmp, _REFERENCE_FILE))
+            self._save_weights(tmp)
             state = {
-                "format": _FORMAT,
+                "format": self.checkpoint_format,
                 "version": self._version,
                 "step": self.step,
                 "optimizer": self.optimizer.state_dict(),
@@ -343,6 +344,13 @@ class TorchTrainer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
+    def _save_weights(self, directory: str) -> None:
+        """The policy as a Hugging Face checkpoint directory, and the KL reference beside it."""
+        save_pretrained(self.model, directory)
+        if self.ref_model is not None:
+            save_file({n: p.detach().to("cpu").contiguous() for n, p in self.ref_model.named_parameters()},
+                      os.path.join(directory, _REFERENCE_FILE))
+
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         self._require_onloaded("load_checkpoint")
         path = os.fspath(path)
@@ -353,8 +361,8 @@ class TorchTrainer:
             state = torch.load(state_file, map_location="cpu", weights_only=True)
         except Exception as err:  # torch.load raises pickle / zip / runtime errors for damaged files
             raise CorruptStateError(f"{state_file}: unreadable trainer state ({err})") from None
-        if not isinstance(state, dict) or state.get("format") != _FORMAT:
-            raise CorruptStateError(f"{state_file}: not a {_FORMAT} state")
+        if not isinstance(state, dict) or state.get("format") != self.checkpoint_format:
+            raise CorruptStateError(f"{state_file}: not a {self.checkpoint_format} state")
         if (self.ref_model is None) != (not os.path.isfile(os.path.join(path, _REFERENCE_FILE))):
             raise InvalidStateError(f"{path!r} was saved with kl_coef "
                                     f"{'0' if self.ref_model is not None else '> 0'}, this trainer has "
