@@ -89,7 +89,7 @@ def _build_task(config: TrainConfig) -> _Task:
     assert config.data is not None and config.tokenizer is not None and config.model is not None
     tokenizer = load_tokenizer(config.tokenizer)
     dataset = PromptDataset.from_file(config.data, tokenizer, DatasetConfig(
-        prompt_key=config.prompt_key, label_key=config.label_key, seed=config.seed, num_epochs=config.num_epochs))
+        prompt_key=config.prompt_key, label_key=config.label_key, seed=config.seed, epochs=config.num_epochs))
     eos = tokenizer.eos_token_id
     model_dir = config.model
     return _Task(dataset, MathReward(tokenizer), () if eos is None else (int(eos),),
