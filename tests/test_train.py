@@ -86,6 +86,20 @@ def test_colocated_run_pauses_trainer_and_engine_memory_in_turn(tmp_path):
     assert weights.pauses == 2 and not weights.paused
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
+def test_colocated_run_on_the_gpu(tmp_path):
+    result = train(tiny(tmp_path, device="cuda", colocate=True, num_steps=3, save_interval=1))
+    assert [r["step"] for r in result.history] == [1, 2, 3]
+    tags = memory.stats()
+    trainer = tags[result.memory_tag_prefix + "trainer"]
+    kv = tags[result.memory_tag_prefix + "kv_cache"]
+    assert trainer.pauses == 3 and not trainer.paused and trainer.resident_bytes > 0
+    assert kv.pauses == 3 and not kv.paused
+    resumed = train(tiny(tmp_path, device="cuda", colocate=True, num_steps=4, resume=True))
+    assert resumed.resumed_from == 3 and len(resumed.history) == 4
+
+
 def test_killed_run_resumes_from_its_checkpoint_with_buffered_partials(tmp_path):
     out = tmp_path / "killed"
     ckpt = out / "checkpoints"
