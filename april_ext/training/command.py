@@ -8,7 +8,7 @@ import os
 from dataclasses import fields
 from typing import Any
 
-from april_ext.training.config import TrainConfig, field_type
+from april_ext.training.config import TrainConfig, field_docs, field_type
 
 _GROUPS = {
     "data and task": ("task", "data", "tokenizer", "prompt_key", "label_key", "num_epochs", "counting_median",
@@ -43,15 +43,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="run the baseline and APRIL on the same seed; print their rollout throughput and reward")
     groups = {name: parser.add_argument_group(name) for name in (*_GROUPS, "training and outputs")}
     owner = {f: g for g, names in _GROUPS.items() for f in names}
+    docs = field_docs()
     for f in fields(TrainConfig):
         base, optional = field_type(f.name)
         group = groups[owner.get(f.name, "training and outputs")]
         flag = "--" + f.name.replace("_", "-")
+        # "%%": argparse formats help strings with %.
+        help_text = (docs.get(f.name, "") + f" (default: {f.default!r})").strip().replace("%", "%%")
         if base is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=help_text)
         else:
             group.add_argument(flag, type=_value_parser(base, optional), default=argparse.SUPPRESS,
-                               metavar=base.__name__.upper())
+                               metavar=base.__name__.upper(), help=help_text)
     parser.set_defaults(func=run)
     return parser
 
