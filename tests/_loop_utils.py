@@ -14,8 +14,9 @@ class ScriptedEngine:
     """A RolloutEngine whose responses are scripted: ``length_of(input_ids)`` tokens (the prompt's target
     length), one token per ``tick`` virtual seconds, token id = 10 + position. Its clock is virtual: it
     advances by ``tick`` per generated round, so durations measured with ``clock()`` do not depend on
-    the machine; ``delay`` real seconds pass per token (0: just yield to the event loop). ``abort_extra_tokens`` tokens are produced by an abort without ever being streamed (as an
-    HTTP engine whose final abort response carries text the stream did not deliver)."""
+    the machine; ``delay`` real seconds pass per token (0: just yield to the event loop).
+    ``abort_extra_tokens`` tokens are produced by an abort without ever being streamed (as an HTTP
+    engine whose final abort response carries text the stream did not deliver)."""
 
     def __init__(self, length_of: Callable[[Sequence[int]], int], *, tick: float = 0.01, delay: float = 0.0,
                  abort_extra_tokens: int = 0) -> None:
@@ -67,7 +68,8 @@ class ScriptedEngine:
             state = self._running.pop(rid)
             state["aborted"] = True
             extra = [99] * self.abort_extra_tokens
-            outputs.append(GenerationOutput(rid, [], state["tokens"] + extra, [-0.5] * (len(state["tokens"]) + len(extra)),
+            tokens = state["tokens"] + extra
+            outputs.append(GenerationOutput(rid, [], tokens, [-0.5] * len(tokens),
                                             state["versions"] + [self.version] * len(extra), FinishReason.ABORT))
         return outputs
 

@@ -203,3 +203,18 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path):
     data.write_text('{"prompt": "hi", "label": "1"}\n{"prompt": "hi", "label": \n')
     with pytest.raises(InvalidArgumentError, match=r"bad\.jsonl:2: invalid JSON"):
         train(tiny(tmp_path, task=None, data=str(data), tokenizer=str(tmp_path / "tok"), model=str(tmp_path)))
+
+
+def test_checkpoint_directory_ignores_and_cleans_partial_writes(tmp_path):
+    """A kill during a save leaves a temporary directory (or, before run.json, an incomplete one): the
+    newest complete checkpoint is still the one found, and the next save removes the leftovers."""
+    first = train(tiny(tmp_path, num_steps=1))
+    ckpt = tmp_path / "run" / "checkpoints"
+    (ckpt / ".step_000002.tmp-abc").mkdir()
+    (ckpt / "step_000003").mkdir()  # no run.json: never completed
+    manager = CheckpointManager(ckpt)
+    assert manager.latest().step == 1 and manager.latest().path == first.checkpoint
+    resumed = train(tiny(tmp_path, num_steps=2, resume=True))
+    assert resumed.resumed_from == 1 and resumed.checkpoint.endswith("step_000002")
+    assert not (ckpt / ".step_000002.tmp-abc").exists()
+    assert [c.step for c in manager.list()] == [1, 2]
