@@ -169,6 +169,22 @@ def test_abort_results_deliver_tokens_the_stream_never_sent():
     assert first.metrics.generated_tokens == 2 + len(tokens)
 
 
+def test_a_request_the_engine_drops_is_resumed_within_the_step():
+    engine = ScriptedEngine(_length, preempt_first_after=3)
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=1, over_sampling_batch_size=2,
+                                      max_response_len=20), _scripted_data([8, 5]))
+
+    async def run():
+        return await RolloutLoop(engine, sched, _reward_by_length).run_step(0)
+
+    result = asyncio.run(run())
+    batch = result.batch
+    assert result.metrics.resumed_requests == 1 and result.metrics.aborted_samples == 0
+    i = batch.prompt_ids.index("p0")  # groups are in acceptance order
+    dropped = batch.tokens[batch.offsets[i] + batch.prompt_lens[i]:batch.offsets[i + 1]].tolist()
+    assert dropped == list(range(10, 18))  # 3 tokens, then the resume's 5, in order
+
+
 def test_metrics_use_the_engine_clock():
     """A simulated engine's clock is virtual: the loop's durations are read from it, not from time.*."""
     engine = ScriptedEngine(_length, tick=1.0)
