@@ -9,7 +9,6 @@ string weight-version labels (the engine counts versions as integers).
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import json
 import logging
@@ -302,7 +301,7 @@ class EngineServer:
         """Accepts base64 of a safetensors blob per TP rank; the embedded engine has one rank and loads
         the first blob (every rank's blob holds the same full tensors)."""
         req = protocol.parse_weights_from_tensor(await self._body(request))
-        tensors = decode_named_tensors(req.serialized[0])
+        tensors = protocol.decode_named_tensors(req.serialized[0])
         ok, message = await self._update_weights(tensors, req.weight_version, req.abort_all_requests)
         return _json_response({"success": ok, "message": message}, 200 if ok else 400)
 
@@ -387,20 +386,3 @@ class EngineServer:
             return json.loads(text)
         except ValueError as exc:
             raise InvalidArgumentError(f"{request.path}: the body is not valid JSON ({exc})") from exc
-
-
-def encode_named_tensors(tensors: dict[str, Any]) -> str:
-    """Named tensors -> base64 of a safetensors blob (what /update_weights_from_tensor accepts here)."""
-    from safetensors.torch import save
-
-    return base64.b64encode(save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})).decode("ascii")
-
-
-def decode_named_tensors(blob: str) -> dict[str, Any]:
-    from safetensors.torch import load
-
-    try:
-        return load(base64.b64decode(blob, validate=True))
-    except Exception as exc:  # any parser failure means the client sent a malformed blob
-        raise InvalidArgumentError("/update_weights_from_tensor: serialized_named_tensors[0] is not base64 of a "
-                                   f"safetensors blob ({exc})") from exc

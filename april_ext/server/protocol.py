@@ -6,9 +6,12 @@ Nothing here touches the network or the engine, so every rule is unit-testable.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from safetensors.torch import load as _load_safetensors, save as _save_safetensors
 
 from april_ext.batch import FinishReason
 from april_ext.engine import SamplingParams
@@ -257,3 +260,16 @@ def finish_reason_json(reason: FinishReason | None, matched: int | None, max_new
 
 def error_json(message: str) -> dict[str, Any]:
     return {"error": {"message": message}}
+
+
+def encode_named_tensors(tensors: Mapping[str, Any]) -> str:
+    """Named tensors -> base64 of a safetensors blob (what /update_weights_from_tensor accepts here)."""
+    return base64.b64encode(_save_safetensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})).decode("ascii")
+
+
+def decode_named_tensors(blob: str) -> dict[str, Any]:
+    try:
+        return _load_safetensors(base64.b64decode(blob, validate=True))
+    except Exception as exc:  # any parser failure means the client sent a malformed blob
+        raise InvalidArgumentError("/update_weights_from_tensor: serialized_named_tensors[0] is not base64 of a "
+                                   f"safetensors blob ({exc})") from exc
