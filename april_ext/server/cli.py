@@ -10,13 +10,13 @@ import argparse
 import asyncio
 import signal
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.errors import ConfigError
 from april_ext.model import LlamaForCausalLM, ModelConfig
-from april_ext.server.app import EngineServer, ServerConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -73,8 +73,10 @@ def build_core(args: argparse.Namespace) -> EngineCore:
     return EngineCore(model, config)
 
 
-async def serve(core: EngineCore, config: ServerConfig) -> None:
-    """Serves until SIGINT / SIGTERM, then aborts every request and stops."""
+async def serve(core: EngineCore, config: Any) -> None:
+    """Serves until SIGINT / SIGTERM, then aborts every request and stops. config: a ServerConfig."""
+    from april_ext.server.app import EngineServer
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -89,6 +91,8 @@ async def serve(core: EngineCore, config: ServerConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from april_ext.server.app import ServerConfig
+
     core = build_core(args)
     config = ServerConfig(host=args.host, port=args.port, model_path=args.model or args.random_init_config,
                           weight_version=args.weight_version, enable_memory_saver=args.enable_memory_saver)

@@ -143,6 +143,7 @@ class SGLangEngine:
         self._requests = 0
         self._generated = 0
         self._aborted = 0
+        self._health: dict[str, Any] = {"status": "error", "workers": {}, "error": "not started"}
 
     async def __aenter__(self) -> SGLangEngine:
         await self.start()
@@ -152,7 +153,10 @@ class SGLangEngine:
         await self.close()
 
     async def start(self) -> None:
+        """Opens the connection pool and checks the workers' health (see health(); a failed check does
+        not raise, so a server still starting can be waited for with check_health())."""
         await self._http.start()
+        await self.check_health()
 
     async def close(self) -> None:
         """Aborts this client's requests in flight (on their servers) and closes the connections."""
@@ -375,17 +379,24 @@ class SGLangEngine:
     async def flush_cache(self) -> None:
         await self._broadcast("/flush_cache", None)
 
-    async def health(self) -> dict[str, Any]:
-        """{"status": "ok" | "error", "workers": {url: "ok" | reason}, "weight_version"} from GET /health."""
+    def health(self) -> dict[str, Any]:
+        """The result of the last check_health() (made by start()): {"status": "ok" | "error",
+        "workers": {url: "ok" | reason}, "weight_version", "error"}."""
+        return dict(self._health, weight_version=self._weight_version)
+
+    async def check_health(self) -> dict[str, Any]:
+        """GET /health on every worker now; updates and returns health()."""
         try:
             urls = await self.worker_urls()
         except SGLangHTTPError as exc:
-            return {"status": "error", "workers": {}, "weight_version": self._weight_version, "error": str(exc)}
+            self._health = {"status": "error", "workers": {}, "error": str(exc)}
+            return self.health()
         results = await asyncio.gather(*(self._http.call("GET", f"{u}/health", idempotent=False) for u in urls),
                                        return_exceptions=True)
         workers = {u: "ok" if not isinstance(r, BaseException) else str(r) for u, r in zip(urls, results)}
-        status = "ok" if all(v == "ok" for v in workers.values()) else "error"
-        return {"status": status, "workers": workers, "weight_version": self._weight_version}
+        bad = [reason for reason in workers.values() if reason != "ok"]
+        self._health = {"status": "error" if bad else "ok", "workers": workers, "error": bad[0] if bad else None}
+        return self.health()
 
     async def server_info(self) -> dict[str, Any]:
         """GET /server_info of every worker, by url."""
