@@ -429,17 +429,21 @@ def test_client_disconnect_aborts_its_request(server) -> None:
     async def body():
         url = server.url
         async with aiohttp.ClientSession() as session:
+            _, info = await get(session, f"{url}/server_info")
+            before = info["internal_states"][0]["generated_tokens"]
             async with session.post(f"{url}/generate", json={"rid": "gone", "input_ids": PROMPT, "stream": True,
                                                              "sampling_params": LONG}) as resp:
                 await resp.content.readuntil(b"\n\n")
         async with aiohttp.ClientSession() as session:
-            await wait_for(lambda: _none_in_flight(session, url), timeout=10)
+            await wait_for(lambda: _engine_idle(session, url), timeout=10)
             _, info = await get(session, f"{url}/server_info")
-            return info["internal_states"][0]
+            return info["internal_states"][0]["generated_tokens"] - before
 
-    state = run(body())
-    assert state["running"] == 0 and state["waiting"] == 0
+    # Stopped by the disconnect well before its 200 tokens.
+    assert 1 <= run(body()) < 200
 
 
-async def _none_in_flight(session, url: str) -> bool:
-    return await in_flight(session, url) == 0
+async def _engine_idle(session, url: str) -> bool:
+    _, info = await get(session, f"{url}/server_info")
+    state = info["internal_states"][0]
+    return state["running"] == state["waiting"] == state["requests_in_flight"] == 0

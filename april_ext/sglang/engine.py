@@ -218,15 +218,24 @@ class SGLangEngine:
                     chunk = self._delta(state, event, url)
                     if chunk is not None:
                         state.queue.put_nowait(chunk)
+                        if chunk.finish_reason is not None:
+                            self._settle(state)
             if state.finish_reason is None:
                 raise SGLangHTTPError(url, 200, "the stream ended without a finish reason")
         except Exception as exc:  # delivered to the consumer of generate(), which raises it
             state.queue.put_nowait(exc)
         finally:
-            state.done.set()
-            self._load[state.url] -= 1
-            if self._inflight.get(state.request_id) is state:
-                del self._inflight[state.request_id]
+            self._settle(state)
+
+    def _settle(self, state: _Request) -> None:
+        """The request is over (finish reason known, or the stream failed): it leaves the in-flight table
+        at once, so its id is free again before the stream's closing [DONE] arrives."""
+        if state.done.is_set():
+            return
+        state.done.set()
+        self._load[state.url] -= 1
+        if self._inflight.get(state.request_id) is state:
+            del self._inflight[state.request_id]
 
     def _delta(self, state: _Request, event: Any, url: str) -> GenerationChunk | None:
         if not isinstance(event, dict) or "error" in event:
@@ -246,10 +255,10 @@ class SGLangEngine:
         state.logprobs.extend(new_logprobs)
         state.versions.extend([version] * len(new_ids))
         self._generated += len(new_ids)
-        if reason is not None:
-            state.finish_reason, state.matched_stop = reason, matched
         if not new_ids and reason is None:
             return None
+        if reason is not None:
+            state.finish_reason, state.matched_stop = reason, matched
         return GenerationChunk(state.request_id, list(new_ids), new_logprobs, version, reason, matched)
 
     def _version_of(self, label: Any) -> int:

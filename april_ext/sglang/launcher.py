@@ -106,7 +106,8 @@ class SGLangServerProcess:
                                 f"log {self.log_path}:\n{self.log_tail()}")
 
     def log_tail(self, max_bytes: int = 4000) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         with open(self.log_path, "rb") as handle:
             handle.seek(max(0, os.path.getsize(self.log_path) - max_bytes))
             return handle.read().decode(errors="replace")
