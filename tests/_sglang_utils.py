@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -27,13 +28,21 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+_servers = itertools.count()
+
+
 @contextlib.contextmanager
 def live_server(model: LlamaForCausalLM | None = None, *, memory_saver: bool = True,
-                weight_version: str = "default", **engine_overrides: Any) -> Iterator[ServerThread]:
-    """The tiny engine (block size 4, 256 blocks, 16 sequences unless overridden) served on a free port."""
+                weight_version: str = "default", stream_interval: int = 1,
+                **engine_overrides: Any) -> Iterator[ServerThread]:
+    """The tiny engine (block size 4, 256 blocks, 16 sequences unless overridden) served on a free port.
+
+    The engine owns `model` (it moves the parameters into its memory regions and updates them in place):
+    keep a separate copy as the reference. Allocator tags are process-wide, so each server gets its own."""
+    engine_overrides.setdefault("memory_tag_prefix", f"server{next(_servers)}-")
     core = engine(model if model is not None else tiny_model(), **engine_overrides)
     with ServerThread(core, ServerConfig(port=0, enable_memory_saver=memory_saver,
-                                         weight_version=weight_version)) as server:
+                                         weight_version=weight_version, stream_interval=stream_interval)) as server:
         yield server
 
 

@@ -115,12 +115,13 @@ def test_serve_cli_builds_a_random_engine_from_a_config(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def model():
+    """The reference copy of the served weights (the server owns its own instance)."""
     return tiny_model()
 
 
 @pytest.fixture(scope="module")
-def server(model) -> Iterator[ServerThread]:
-    with one_torch_thread(), live_server(model) as s:
+def server() -> Iterator[ServerThread]:
+    with one_torch_thread(), live_server(tiny_model()) as s:
         yield s
 
 
@@ -175,6 +176,44 @@ def test_stream_sends_cumulative_events_then_done(server) -> None:
             assert event["meta_info"]["finish_reason"] is None
     assert data[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
     assert data[-1]["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
+
+
+def test_stream_interval_sends_every_kth_token_and_splits_events_at_weight_updates(model, tmp_path) -> None:
+    new_model = tiny_model(seed=1)
+    save_pretrained(new_model, tmp_path / "ckpt")
+    body = {"input_ids": PROMPT, "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}}
+
+    async def both(url):
+        async with aiohttp.ClientSession() as session:
+            plain = await stream_events(session, f"{url}/generate", body)
+            task = asyncio.create_task(stream_events(session, f"{url}/generate", {
+                **body, "sampling_params": {**body["sampling_params"], "max_new_tokens": 60}}))
+            await wait_for(lambda: _generated_at_least(session, url, 10 + 6))
+            await post(session, f"{url}/update_weights_from_disk",
+                       {"model_path": str(tmp_path / "ckpt"), "weight_version": "1"})
+            return plain, await task
+
+    with one_torch_thread(), live_server(tiny_model(), stream_interval=4) as s:
+        plain, updated = run(both(s.url))
+    assert [len(e["output_ids"]) for e in plain[:-1]] == [4, 8, 10] and plain[-1] == "[DONE]"
+    assert plain[-2]["meta_info"]["output_token_logprobs"][-1][1] == plain[-2]["output_ids"][-1]
+    events = updated[:-1]
+    versions = [e["meta_info"]["weight_version"] for e in events]
+    sizes = [len(e["output_ids"]) for e in events]
+    assert all(0 < b - a <= 4 for a, b in zip([0] + sizes, sizes))
+    switch = versions.index("1")
+    assert switch > 0 and set(versions[:switch]) == {"default"} and set(versions[switch:]) == {"1"}
+    # The events labelled "default" hold exactly the old weights' tokens, the rest the new weights'.
+    tokens, start = events[-1]["output_ids"], sizes[switch - 1]
+    assert len(tokens) == 60
+    assert tokens[:start] == greedy_reference(model, PROMPT, start)
+    assert tokens[start:] == greedy_reference(new_model, PROMPT + tokens[:start], 60 - start)
+
+
+async def _generated_at_least(session, url: str, n: int) -> bool:
+    _, info = await get(session, f"{url}/server_info")
+    return info["internal_states"][0]["generated_tokens"] >= n
 
 
 def test_stop_token_ends_with_matched(server, model) -> None:

@@ -41,12 +41,13 @@ LONG = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model():
+    """The reference copy of the served weights (each server owns its own instance)."""
     return tiny_model()
 
 
 @pytest.fixture(scope="module")
-def server(model):
-    with one_torch_thread(), live_server(model) as s:
+def server():
+    with one_torch_thread(), live_server(tiny_model()) as s:
         yield s
 
 
@@ -313,8 +314,8 @@ def test_unreachable_server_fails_fast_for_generate_and_after_retries_for_idempo
 # Several servers -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def two_servers(model) -> Iterator[tuple[str, str]]:
-    with one_torch_thread(), live_server(model) as a, live_server(model) as b:
+def two_servers() -> Iterator[tuple[str, str]]:
+    with one_torch_thread(), live_server(tiny_model()) as a, live_server(tiny_model()) as b:
         yield a.url, b.url
 
 

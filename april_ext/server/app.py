@@ -33,7 +33,9 @@ class ServerConfig:
     """host / port to listen on (port 0: any free port); model_path is reported by /server_info.
     weight_version: the label of the weights the engine starts with (SGLang's default is "default").
     enable_memory_saver: allow /release_memory_occupation (SGLang needs --enable-memory-saver for it).
-    health_timeout_s: how long /health_generate waits for its one-token generation."""
+    health_timeout_s: how long /health_generate waits for its one-token generation.
+    stream_interval: a streamed request gets an event every this many tokens (and at its finish), as
+    SGLang's --stream-interval; events are cumulative, so long responses want a larger interval."""
 
     host: str = "127.0.0.1"
     port: int = 30000
@@ -41,6 +43,7 @@ class ServerConfig:
     weight_version: str = "default"
     enable_memory_saver: bool = False
     health_timeout_s: float = 20.0
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -49,6 +52,9 @@ class ServerConfig:
             raise ConfigError(f"ServerConfig.port must be an integer in [0, 65535] (0 = any free port), got {self.port!r}")
         if not isinstance(self.weight_version, str):
             raise ConfigError(f"ServerConfig.weight_version must be a string, got {self.weight_version!r}")
+        if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) \
+                or self.stream_interval < 1:
+            raise ConfigError(f"ServerConfig.stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         if not self.health_timeout_s > 0:
             raise ConfigError(f"ServerConfig.health_timeout_s must be > 0, got {self.health_timeout_s!r}")
 
@@ -226,11 +232,18 @@ class EngineServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         chunk = first
+        sent = 0
         try:
             while True:
+                # Unsent tokens of another weight version go out first: one version per event.
+                if output.last is not None and sent < len(output.output_ids) \
+                        and chunk.weight_version != output.last.weight_version:
+                    await self._event(response, output)
+                    sent = len(output.output_ids)
                 output.add(chunk)
-                event = output.render(self._versions.label(chunk.weight_version))
-                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                if chunk.finish_reason is not None or len(output.output_ids) - sent >= self.config.stream_interval:
+                    await self._event(response, output)
+                    sent = len(output.output_ids)
                 if chunk.finish_reason is not None:
                     break
                 chunk = await anext(stream)
@@ -239,6 +252,11 @@ class EngineServer:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _event(self, response: web.StreamResponse, output: _Output) -> None:
+        assert output.last is not None
+        event = output.render(self._versions.label(output.last.weight_version))
+        await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
 
     async def abort_request(self, request: web.Request) -> web.Response:
         """SGLang semantics: abort_all, or a rid that is in flight, which then aborts every request whose

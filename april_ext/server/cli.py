@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         type=int, default=2048)
     parser.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int, default=None)
     parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="tokens between two events of a streamed request (events are cumulative)")
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="allow /release_memory_occupation (as in SGLang)")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true",
@@ -95,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
 
     core = build_core(args)
     config = ServerConfig(host=args.host, port=args.port, model_path=args.model or args.random_init_config,
-                          weight_version=args.weight_version, enable_memory_saver=args.enable_memory_saver)
+                          weight_version=args.weight_version, enable_memory_saver=args.enable_memory_saver,
+                          stream_interval=args.stream_interval)
     asyncio.run(serve(core, config))
     return 0
 
