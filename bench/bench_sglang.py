@@ -5,9 +5,9 @@
 
 Side by side in one run, on the same engine settings and requests: AsyncEngine called in-process vs
 SGLangEngine -> loopback HTTP -> EngineServer -> AsyncEngine, with the server in a thread of the
-benchmark's process (sharing its GIL) and in a process of its own (`python -m april_ext.server`, started
-by launch_sglang_server, as an SGLang server would be). Two models: "tiny" (hidden 64, 2 layers: compute is negligible, so the ratio is the HTTP
-path's own cost) and "small" (hidden 256, 4 layers, vocab 2048, as bench_engine.py). Reported:
+benchmark's process (sharing its GIL) and in a process of its own (`python -m april_ext.server`,
+started by launch_sglang_server, as an SGLang server would be). Two models: "tiny" (hidden 64, 2
+layers: compute is negligible, so the ratio is the HTTP path's own cost) and "small" (hidden 256, 4 layers, vocab 2048, as bench_engine.py). Reported:
 generated tokens/s (best of 3 after a warm-up round) for 16 concurrent greedy requests of 64 tokens
 (stream interval 1, one SSE event per token), and the abort latency (median of 3): from abort() with
 16 requests decoding to the end of every stream.

@@ -49,7 +49,8 @@ class ServerConfig:
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError(f"ServerConfig.host must be a non-empty string, got {self.host!r}")
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
-            raise ConfigError(f"ServerConfig.port must be an integer in [0, 65535] (0 = any free port), got {self.port!r}")
+            raise ConfigError(
+                f"ServerConfig.port must be an integer in [0, 65535] (0 = any free port), got {self.port!r}")
         if not isinstance(self.weight_version, str):
             raise ConfigError(f"ServerConfig.weight_version must be a string, got {self.weight_version!r}")
         if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) \

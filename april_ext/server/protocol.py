@@ -264,7 +264,8 @@ def error_json(message: str) -> dict[str, Any]:
 
 def encode_named_tensors(tensors: Mapping[str, Any]) -> str:
     """Named tensors -> base64 of a safetensors blob (what /update_weights_from_tensor accepts here)."""
-    return base64.b64encode(_save_safetensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})).decode("ascii")
+    blob = _save_safetensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    return base64.b64encode(blob).decode("ascii")
 
 
 def decode_named_tensors(blob: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence as SequenceOf
 from dataclasses import dataclass, field
@@ -21,11 +22,13 @@ from safetensors import safe_open
 
 from april_ext.batch import FinishReason
 from april_ext.engine import GenerationChunk, GenerationOutput, SamplingParams
-from april_ext.errors import ConfigError, InvalidArgumentError, UnknownIdError
+from april_ext.errors import AprilError, ConfigError, InvalidArgumentError, UnknownIdError
 from april_ext.model.checkpoint import safetensors_files
 from april_ext.server.protocol import MEMORY_TAGS, encode_named_tensors
 from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.errors import SGLangBadRequestError, SGLangHTTPError
+
+logger = logging.getLogger(__name__)
 
 _BALANCE = ("least_loaded", "round_robin")
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -334,7 +337,15 @@ class SGLangEngine:
         await asyncio.gather(*(s.task for s in states if s.task is not None), return_exceptions=True)
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
+        """Runs a fire-and-forget call (the abort of an abandoned stream); a failure is logged, since
+        nobody awaits it."""
+        async def quietly() -> None:
+            try:
+                await coro
+            except AprilError as exc:
+                logger.warning("SGLang background call failed: %s", exc)
+
+        task = asyncio.ensure_future(quietly())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

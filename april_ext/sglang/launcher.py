@@ -48,7 +48,8 @@ class SGLangServerArgs:
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"SGLangServerArgs.tp must be an integer >= 1, got {self.tp!r}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
-            raise ConfigError(f"SGLangServerArgs.mem_fraction_static must be in (0, 1], got {self.mem_fraction_static!r}")
+            raise ConfigError(
+                f"SGLangServerArgs.mem_fraction_static must be in (0, 1], got {self.mem_fraction_static!r}")
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
 
     def argv(self, port: int) -> list[str]:
