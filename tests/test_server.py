@@ -16,6 +16,7 @@ from april_ext.errors import InvalidArgumentError
 from april_ext.model import save_pretrained
 from april_ext.server import ServerThread, decode_named_tensors, encode_named_tensors
 from april_ext.server import protocol
+from april_ext.cli import build_parser
 from april_ext.server.cli import add_parser, build_core
 
 PROMPT = [5, 17, 33, 2, 60]
@@ -106,6 +107,7 @@ def test_serve_cli_builds_a_random_engine_from_a_config(tmp_path) -> None:
     assert core.config.num_blocks == 32 and core.config.block_size == 8
     assert core.model_config.vocab_size == tiny_model().config.vocab_size
     assert args.func.__name__ == "run"
+    assert build_parser().parse_args(["serve", "--model-path", "/ckpt", "--enable-memory-saver"]).func is args.func
     args.tp = 2
     with pytest.raises(Exception, match="--tp must be 1"):
         build_core(args)

@@ -275,6 +275,27 @@ def test_release_then_two_stage_resume_with_update(tmp_path) -> None:
     assert tokens(chunks) == want and {c.weight_version for c in chunks} == {2}
 
 
+def test_pause_ends_running_streams_and_holds_new_requests_until_continue(server) -> None:
+    async def body():
+        async with adapter(server.url) as engine:
+            running = asyncio.create_task(collect(engine, PROMPT, LONG, "p-1"))
+            await until_tokens(engine, "p-1", 1)
+            await engine.pause_generation()
+            aborted = await running
+            held = asyncio.create_task(collect(engine, PROMPT, SamplingParams(max_new_tokens=3, temperature=0.0),
+                                               "p-2"))
+            await asyncio.sleep(0.2)
+            held_while_paused = not held.done()
+            with pytest.raises(InvalidArgumentError, match="mode must be one of"):
+                await engine.pause_generation("later")
+            await engine.continue_generation()
+            return aborted, held_while_paused, await held
+
+    aborted, held_while_paused, held = run(body())
+    assert aborted[-1].finish_reason is FinishReason.ABORT and 0 < len(tokens(aborted)) < 200
+    assert held_while_paused and len(tokens(held)) == 3
+
+
 # Errors --------------------------------------------------------------------------------------------
 
 def test_bad_input_raises_bad_request_with_url_status_and_body(server) -> None:

@@ -24,7 +24,7 @@ from april_ext.batch import FinishReason
 from april_ext.engine import GenerationChunk, GenerationOutput, SamplingParams
 from april_ext.errors import AprilError, ConfigError, InvalidArgumentError, UnknownIdError
 from april_ext.model.checkpoint import safetensors_files
-from april_ext.server.protocol import MEMORY_TAGS, encode_named_tensors
+from april_ext.server.protocol import MEMORY_TAGS, PAUSE_MODES, encode_named_tensors
 from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.errors import SGLangBadRequestError, SGLangHTTPError
 
@@ -395,6 +395,16 @@ class SGLangEngine:
         names = await self.update_weights(weights, version)
         await self.resume_memory(["kv_cache", "cuda_graph"])
         return names
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """/pause_generation on every worker: "abort" ends the running requests (their streams end with
+        ABORT) and holds new ones until continue_generation; "retract" / "in_place" (SGLang only) keep them."""
+        if mode not in PAUSE_MODES:
+            raise InvalidArgumentError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        await self._broadcast("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._broadcast("/continue_generation", {})
 
     async def flush_cache(self) -> None:
         await self._broadcast("/flush_cache", None)
