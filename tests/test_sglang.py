@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -27,6 +28,7 @@ from april_ext.sglang import (
     SGLangConnectionError,
     SGLangEngine,
     SGLangEngineConfig,
+    SGLangHTTPError,
     SGLangLaunchError,
     SGLangServerArgs,
     free_port,
@@ -330,6 +332,84 @@ def test_unreachable_server_fails_fast_for_generate_and_after_retries_for_idempo
     assert health["status"] == "error" and url in health["error"]
     assert gen_err.url == f"{url}/generate" and gen_err.status is None
     assert call_err.url == f"{url}/release_memory_occupation" and "after 3 attempts" in str(call_err)
+
+
+class _ScriptedServer:
+    """Answers /generate with a fixed list of SSE payloads: SGLang behaviours the embedded server never shows."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_get("/health", self.health)
+        self.runner = web.AppRunner(app)
+
+    async def __aenter__(self) -> str:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.runner.cleanup()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in self.events:
+            await response.write(f"data: {event}\n\n".encode())
+        await response.write_eof()
+        return response
+
+
+def _event(ids, reason=None, version="default") -> str:
+    meta = {"finish_reason": reason, "weight_version": version,
+            "output_token_logprobs": [[-0.5, t, None] for t in ids]}
+    return json.dumps({"output_ids": ids, "meta_info": meta})
+
+
+ABORT = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+@pytest.mark.parametrize("events, expect", [
+    # Several tokens per event, labels "default" then "5", a stop string (matched is not a token id).
+    ([_event([4, 5]), _event([4, 5, 6, 7], version="5"),
+      _event([4, 5, 6, 7, 8], {"type": "stop", "matched": "</s>"}, "5"), "[DONE]"],
+     [([4, 5], 0, None), ([6, 7], 5, None), ([8], 5, FinishReason.STOP)]),
+    # An abort answered from the waiting queue, without output_ids (older servers).
+    (['{"meta_info": {"id": "x", "finish_reason": {"type": "abort", "message": '
+      '"Abort in waiting queue"}}}', "[DONE]"], [([], 0, FinishReason.ABORT)]),
+    ([_event([1]), _event([1, 2], ABORT), "[DONE]"], [([1], 0, None), ([2], 0, FinishReason.ABORT)]),
+])
+def test_sglang_event_shapes_become_deltas(events, expect) -> None:
+    async def body():
+        async with _ScriptedServer(events) as url, adapter(url) as engine:
+            return await collect(engine, [1, 2], GREEDY, "e")
+
+    chunks = run(body())
+    assert [(c.token_ids, c.weight_version, c.finish_reason) for c in chunks] == expect
+    assert all(c.matched_stop is None for c in chunks)
+
+
+@pytest.mark.parametrize("events, error, fragment", [
+    (['{"error": {"message": "prompt too long"}}', "[DONE]"], SGLangBadRequestError, "prompt too long"),
+    ([_event([], {"type": "abort", "message": "input is longer than the context", "status_code": 400,
+                  "err_type": "BadRequestError"}), "[DONE]"], SGLangBadRequestError, "longer than the context"),
+    ([_event([1, 2]), _event([3]), "[DONE]"], SGLangHTTPError, "incremental-streaming-output"),
+    ([_event([1]), "[DONE]"], SGLangHTTPError, "without a finish reason"),
+    ([_event([1], {"type": "eos"}), "[DONE]"], SGLangHTTPError, "unknown finish_reason"),
+])
+def test_sglang_stream_errors_raise_with_the_url(events, error, fragment) -> None:
+    async def body():
+        async with _ScriptedServer(events) as url, adapter(url) as engine:
+            with pytest.raises(error) as err:
+                await collect(engine, [1, 2], GREEDY, "e")
+            return url, err.value
+
+    url, err = run(body())
+    assert fragment in str(err) and err.url == f"{url}/generate"
 
 
 # Several servers -----------------------------------------------------------------------------------

@@ -247,6 +247,11 @@ class SGLangEngine:
         meta = event.get("meta_info") or {}
         reason, matched = _finish(meta.get("finish_reason"), url)
         ids = event.get("output_ids") or []
+        if 0 < len(ids) < len(state.token_ids):
+            # An abort answer may carry no output_ids at all; fewer than before means deltas, not totals.
+            raise SGLangHTTPError(url, 200, f"an event carries {len(ids)} output_ids after {len(state.token_ids)}: "
+                                  "the server streams increments (--incremental-streaming-output); the adapter "
+                                  "needs SGLang's default cumulative events")
         new_ids = ids[len(state.token_ids):]
         rows = meta.get("output_token_logprobs") or []
         if len(rows) < len(ids):
