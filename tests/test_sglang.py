@@ -236,6 +236,23 @@ def test_update_weights_from_dir_and_tensors_tag_later_chunks(tmp_path) -> None:
     assert health["weight_version"] == 4
 
 
+def test_named_tensors_travel_through_a_weight_sync_dir(tmp_path) -> None:
+    new = tiny_model(seed=1)
+    want = greedy_reference(new, PROMPT, 8)
+    fresh = {name: p.detach().clone() for name, p in new.named_parameters()}
+
+    async def body(url):
+        async with adapter(url, weight_sync_dir=str(tmp_path / "sync")) as engine:
+            names = await engine.update_weights(fresh, 9)
+            return names, await collect(engine, PROMPT, SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                                       ignore_eos=True), "sync")
+
+    with one_torch_thread(), live_server() as s:
+        names, chunks = run(body(s.url))
+    assert names == sorted(fresh) and (tmp_path / "sync" / "model.safetensors").is_file()
+    assert tokens(chunks) == want and {c.weight_version for c in chunks} == {9}
+
+
 def test_weight_update_mid_stream_changes_the_version_of_later_tokens(tmp_path) -> None:
     save_pretrained(tiny_model(seed=1), tmp_path / "ckpt")
 

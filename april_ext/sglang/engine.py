@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from april_ext.batch import FinishReason
 from april_ext.engine import GenerationChunk, GenerationOutput, SamplingParams
@@ -47,6 +48,9 @@ class SGLangEngineConfig:
     abort_timeout_s: how long abort() waits for the aborted streams to end; abort_resend_s: interval at
     which the abort is re-sent meanwhile (an abort can overtake its request on another connection).
     max_connections: the client's connection pool size (0 = unlimited).
+    weight_sync_dir: a directory every server can read at the same path (shared file system). When set,
+    update_weights with named tensors writes them there as model.safetensors and loads them with
+    /update_weights_from_disk, which real SGLang servers accept; unset, they travel in the request.
     """
 
     worker_urls: tuple[str, ...] = ()
@@ -60,6 +64,7 @@ class SGLangEngineConfig:
     abort_timeout_s: float = 60.0
     abort_resend_s: float = 0.5
     max_connections: int = 0
+    weight_sync_dir: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.worker_urls, str):
@@ -81,6 +86,11 @@ class SGLangEngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"SGLangEngineConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.weight_sync_dir is not None:
+            if not isinstance(self.weight_sync_dir, (str, os.PathLike)) or not os.fspath(self.weight_sync_dir):
+                raise ConfigError(f"SGLangEngineConfig.weight_sync_dir must be None or a directory path, "
+                                  f"got {self.weight_sync_dir!r}")
+            object.__setattr__(self, "weight_sync_dir", os.path.abspath(os.fspath(self.weight_sync_dir)))
         if not isinstance(self.backoff_s, (int, float)) or self.backoff_s < 0:
             raise ConfigError(f"SGLangEngineConfig.backoff_s must be a number >= 0, got {self.backoff_s!r}")
 
@@ -360,30 +370,33 @@ class SGLangEngine:
                              | os.PathLike[str], version: int) -> list[str]:
         """Loads weights on every worker with weight_version str(version); returns the names loaded.
         A checkpoint directory (which the servers must see at the same path) uses
-        /update_weights_from_disk, which real SGLang servers accept. Named tensors use
-        /update_weights_from_tensor with base64 safetensors blobs: the embedded server's format, not
-        SGLang's own serializer (use a checkpoint directory with real SGLang servers)."""
+        /update_weights_from_disk, which real SGLang servers accept. Named tensors are written to
+        weight_sync_dir and loaded the same way when it is set; otherwise they are sent to
+        /update_weights_from_tensor as a base64 safetensors blob, which only the embedded server reads
+        (SGLang's own serializer passes CUDA IPC handles between processes of one machine)."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise InvalidArgumentError(f"version must be an integer, got {version!r}")
-        if isinstance(weights, (str, os.PathLike)):
-            path = os.path.abspath(os.fspath(weights))
-            names = []
-            for file in safetensors_files(path):
-                with safe_open(file, framework="pt") as handle:
-                    names.extend(handle.keys())
-            endpoint = "/update_weights_from_disk"
-            payload: dict[str, Any] = {"model_path": path, "load_format": None}
-        else:
+        if not isinstance(weights, (str, os.PathLike)):
             tensors = dict(weights.items() if isinstance(weights, Mapping) else weights)
-            names = list(tensors)
-            endpoint = "/update_weights_from_tensor"
-            payload = {"serialized_named_tensors": [encode_named_tensors(tensors)], "load_format": None}
+            if self.config.weight_sync_dir is None:
+                payload = {"serialized_named_tensors": [encode_named_tensors(tensors)], "load_format": None}
+                await self._load_weights("/update_weights_from_tensor", payload, version)
+                return sorted(tensors)
+            weights = _write_checkpoint(tensors, self.config.weight_sync_dir)
+        path = os.path.abspath(os.fspath(weights))
+        names = []
+        for file in safetensors_files(path):
+            with safe_open(file, framework="pt") as handle:
+                names.extend(handle.keys())
+        await self._load_weights("/update_weights_from_disk", {"model_path": path, "load_format": None}, version)
+        return sorted(names)
+
+    async def _load_weights(self, endpoint: str, payload: dict[str, Any], version: int) -> None:
         payload.update(weight_version=str(version), flush_cache=True, abort_all_requests=False)
         for url, answer in await self._broadcast(endpoint, payload):
             if not isinstance(answer, dict) or not answer.get("success", False):
                 raise SGLangHTTPError(f"{url}{endpoint}", 200, f"weight update failed: {answer!r}")
         self._weight_version = version
-        return sorted(names)
 
     async def release_memory(self, tags: Iterable[str] | None = None) -> None:
         """Releases memory on every worker (tags of "weights", "kv_cache", "cuda_graph"; None = all).
@@ -482,6 +495,16 @@ def _finish(raw: Any, url: str) -> tuple[FinishReason | None, int | None]:
         raise SGLangBadRequestError(url, int(raw["status_code"]), str(raw.get("message")))
     matched = raw.get("matched")
     return _FINISH[kind], matched if isinstance(matched, int) and not isinstance(matched, bool) else None
+
+
+def _write_checkpoint(tensors: dict[str, torch.Tensor], directory: str) -> str:
+    """Writes model.safetensors atomically (a server never reads a half-written file)."""
+    os.makedirs(directory, exist_ok=True)
+    final = os.path.join(directory, "model.safetensors")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, final + ".partial",
+              metadata={"format": "pt"})
+    os.replace(final + ".partial", final)
+    return directory
 
 
 def _tags(tags: Iterable[str] | None) -> list[str] | None:
