@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
-from april_ext.errors import ConfigError
+from april_ext.errors import AprilError, ConfigError
 from april_ext.model import LlamaForCausalLM, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -107,4 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="april-ext serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        return run(parser.parse_args(argv))
+    except AprilError as err:
+        print(f"april-ext serve: error: {err}", file=sys.stderr)
+        return 2
