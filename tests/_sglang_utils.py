@@ -79,9 +79,14 @@ async def stream_events(session: aiohttp.ClientSession, url: str, body: Any) -> 
     return events
 
 
-async def in_flight(session: aiohttp.ClientSession, base: str) -> int:
+async def engine_state(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
+    """The server's internal state: engine stats plus requests_in_flight."""
     _, info = await get(session, f"{base}/server_info")
-    return int(info["internal_states"][0]["requests_in_flight"])
+    return dict(info["internal_states"][0])
+
+
+async def in_flight(session: aiohttp.ClientSession, base: str) -> int:
+    return int((await engine_state(session, base))["requests_in_flight"])
 
 
 async def wait_for(predicate: Any, timeout: float = 30.0) -> None:

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from _engine_utils import greedy_reference, tiny_model
-from _sglang_utils import in_flight, live_server, one_torch_thread, wait_for
+from _sglang_utils import engine_state, in_flight, live_server, one_torch_thread, wait_for
 from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig
 from april_ext.batch import FinishReason
 from april_ext.engine import GenerationChunk, SamplingParams
@@ -91,6 +91,8 @@ def test_config_validation_names_the_field() -> None:
         SGLangEngineConfig(worker_urls="http://a:1")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="balance must be one of"):
         SGLangEngineConfig(worker_urls=("http://a:1",), balance="random")
+    with pytest.raises(ConfigError, match="stream must be True or False"):
+        SGLangEngineConfig(worker_urls=("http://a:1",), stream="yes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="retries must be an integer >= 0"):
         SGLangEngineConfig(worker_urls=("http://a:1",), retries=-1)
     assert SGLangEngineConfig(worker_urls=("http://a:1/",)).worker_urls == ("http://a:1",)
@@ -165,6 +167,32 @@ def test_abort_then_resume_with_partial_is_token_exact(server, params) -> None:
     assert out.token_ids + tokens(rest) == tokens(whole)
     assert np.allclose([lp for c in streamed for lp in c.logprobs] + [lp for c in rest for lp in c.logprobs],
                        [lp for c in whole for lp in c.logprobs], atol=1e-5)
+
+
+def test_non_streaming_mode_yields_one_chunk_and_aborts_with_the_partial_output(server) -> None:
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, seed=5, ignore_eos=True)
+
+    async def body():
+        async with adapter(server.url, stream=False) as engine, aiohttp.ClientSession() as session:
+            whole = await collect(engine, PROMPT, params, "ns-whole")
+            before = (await engine_state(session, server.url))["generated_tokens"]
+            task = asyncio.create_task(collect(engine, PROMPT, params, "ns-part"))
+
+            async def started() -> bool:
+                return (await engine_state(session, server.url))["generated_tokens"] >= before + 5
+            await wait_for(started)
+            outputs = await engine.abort(["ns-part"])
+            part = await task
+            partial = outputs[0].token_ids
+            rest = await collect(engine, PROMPT + partial, replace(params, max_new_tokens=40 - len(partial)), "ns-rest")
+            return whole, outputs[0], part, rest
+
+    whole, output, part, rest = run(body())
+    assert len(whole) == 1 and len(whole[0].token_ids) == len(whole[0].logprobs) == 40
+    assert whole[0].finish_reason is FinishReason.LENGTH
+    assert len(part) == 1 and part[0].finish_reason is FinishReason.ABORT
+    assert part[0].token_ids == output.token_ids and 5 <= len(output.token_ids) < 40
+    assert output.token_ids + tokens(rest) == tokens(whole)
 
 
 def test_abort_one_id_leaves_ids_it_prefixes_running_and_abort_all_ends_the_rest(server) -> None:
@@ -560,7 +588,8 @@ def test_launcher_reports_a_server_that_exits_with_its_log(tmp_path) -> None:
 
 # One APRIL step through the real loop and scheduler --------------------------------------------------
 
-def test_april_rollout_steps_through_the_loop_over_the_adapter(server, model) -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
+def test_april_rollout_steps_through_the_loop_over_the_adapter(model, stream) -> None:
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     prompts = [Prompt(i, [(7 * i + j) % 101 for j in range(4 + i % 3)]) for i in range(12)]
     config = SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=4,
@@ -572,18 +601,19 @@ def test_april_rollout_steps_through_the_loop_over_the_adapter(server, model) ->
     def reward(prompt: Prompt, response: np.ndarray) -> float:
         return float(len(response) % 2)
 
-    async def body():
-        async with adapter(server.url) as engine, aiohttp.ClientSession() as session:
+    async def body(url):
+        async with adapter(url, stream=stream) as engine, aiohttp.ClientSession() as session:
             loop = RolloutLoop(engine, scheduler, reward, sampling=sampling, seed=3)
             first = await loop.run_step(0)
-            idle_after_step = await in_flight(session, server.url) == 0
+            idle_after_step = await in_flight(session, url) == 0
             # The "trained" policy: same values, new version, as a trainer's weight push would be.
             await engine.update_weights(weights, 1)
             second = await loop.run_step(1)
             await loop.drain_rewards()
             return first, idle_after_step, second
 
-    first, idle_after_step, second = run(body())
+    with one_torch_thread(), live_server(tiny_model()) as server:
+        first, idle_after_step, second = run(body(server.url))
     assert idle_after_step
     for version, result in enumerate((first, second)):
         batch = result.batch

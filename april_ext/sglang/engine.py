@@ -48,6 +48,11 @@ class SGLangEngineConfig:
     abort_timeout_s: how long abort() waits for the aborted streams to end; abort_resend_s: interval at
     which the abort is re-sent meanwhile (an abort can overtake its request on another connection).
     max_connections: the client's connection pool size (0 = unlimited).
+    stream: True streams /generate (a chunk per event, so the scheduler sees tokens as they come);
+    False sends one non-streaming request per generate() and yields one chunk at its end (or its abort),
+    which parses each response once instead of once per event (cumulative events cost O(L^2) for a
+    response of L tokens). SGLang holds weight updates until the requests in flight end (unless they
+    are aborted), so one response never spans two weight versions. timeout_s then bounds the whole response.
     weight_sync_dir: a directory every server can read at the same path (shared file system). When set,
     update_weights with named tensors writes them there as model.safetensors and loads them with
     /update_weights_from_disk, which real SGLang servers accept; unset, they travel in the request.
@@ -65,6 +70,7 @@ class SGLangEngineConfig:
     abort_resend_s: float = 0.5
     max_connections: int = 0
     weight_sync_dir: str | None = None
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.worker_urls, str):
@@ -86,6 +92,8 @@ class SGLangEngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"SGLangEngineConfig.{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.stream, bool):
+            raise ConfigError(f"SGLangEngineConfig.stream must be True or False, got {self.stream!r}")
         if self.weight_sync_dir is not None:
             if not isinstance(self.weight_sync_dir, (str, os.PathLike)) or not os.fspath(self.weight_sync_dir):
                 raise ConfigError(f"SGLangEngineConfig.weight_sync_dir must be None or a directory path, "
@@ -226,19 +234,25 @@ class SGLangEngine:
     async def _read(self, state: _Request, payload: dict[str, Any]) -> None:
         url = f"{state.url}/generate"
         try:
-            async with self._http.events(url, payload) as events:
-                async for event in events:
-                    chunk = self._delta(state, event, url)
-                    if chunk is not None:
-                        state.queue.put_nowait(chunk)
-                        if chunk.finish_reason is not None:
-                            self._settle(state)
+            if self.config.stream:
+                async with self._http.events(url, payload) as events:
+                    async for event in events:
+                        self._deliver(state, self._delta(state, event, url))
+            else:
+                answer = await self._http.call("POST", url, {**payload, "stream": False}, idempotent=False)
+                self._deliver(state, self._delta(state, answer, url))
             if state.finish_reason is None:
-                raise SGLangHTTPError(url, 200, "the stream ended without a finish reason")
+                raise SGLangHTTPError(url, 200, "the response ended without a finish reason")
         except Exception as exc:  # delivered to the consumer of generate(), which raises it
             state.queue.put_nowait(exc)
         finally:
             self._settle(state)
+
+    def _deliver(self, state: _Request, chunk: GenerationChunk | None) -> None:
+        if chunk is not None:
+            state.queue.put_nowait(chunk)
+            if chunk.finish_reason is not None:
+                self._settle(state)
 
     def _settle(self, state: _Request) -> None:
         """The request is over (finish reason known, or the stream failed): it leaves the in-flight table
