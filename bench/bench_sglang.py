@@ -5,7 +5,7 @@
 
 Side by side in one run, on the same engine settings and requests: AsyncEngine called in-process vs
 SGLangEngine -> loopback HTTP -> EngineServer -> AsyncEngine, with the server in a thread of the
-benchmark's process (sharing its GIL) and in a process of its own (`python -m april_ext.server`,
+benchmark's process (sharing its GIL; streamed, and with stream=False) and in a process of its own (`python -m april_ext.server`,
 started by launch_sglang_server, as an SGLang server would be). Two models: "tiny" (hidden 64, 2
 layers: compute is negligible, so the ratio is the HTTP path's own cost) and "small" (hidden 256, 4 layers, vocab 2048, as bench_engine.py). Reported:
 generated tokens/s (best of 3 after a warm-up round) for 16 concurrent greedy requests of 64 tokens
@@ -80,7 +80,7 @@ async def _abort_latency(engine: Any, ids: list[list[int]], inflight: Callable[[
         streams = [asyncio.create_task(_drain(engine, ids[i], params, f"a-{rnd}-{i}")) for i in range(len(ids))]
         while inflight() < len(ids):
             await asyncio.sleep(0.005)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)  # every request is past its prefill and decoding
         start = time.perf_counter()
         await engine.abort()
         await asyncio.gather(*streams)
@@ -109,14 +109,11 @@ async def _direct(name: str) -> Row:
     return Row(name, "AsyncEngine (in-process)", rate, abort_s * 1e3)
 
 
-async def _http(name: str, url: str, path: str) -> Row:
+async def _http(name: str, url: str, path: str, stream: bool = True) -> Row:
     ids = prompts(name)
-    async with SGLangEngine(SGLangEngineConfig(worker_urls=(url,))) as engine:
+    async with SGLangEngine(SGLangEngineConfig(worker_urls=(url,), stream=stream)) as engine:
         rate = await _throughput(engine, ids)
-
-        def running() -> int:
-            return sum(1 for s in engine._inflight.values() if s.token_ids)
-        abort_s = await _abort_latency(engine, ids, running)
+        abort_s = await _abort_latency(engine, ids, lambda: sum(engine.stats().in_flight.values()))
     return Row(name, path, rate, abort_s * 1e3)
 
 
@@ -124,13 +121,14 @@ def measure(name: str) -> list[Row]:
     direct = asyncio.run(_direct(name))
     with ServerThread(make_core(name), ServerConfig(port=0)) as server:
         threaded = asyncio.run(_http(name, server.url, "SGLangEngine -> HTTP server thread"))
+        whole = asyncio.run(_http(name, server.url, "same, stream=False", stream=False))
     with tempfile.TemporaryDirectory() as ckpt:
         save_pretrained(make_core(name).model, ckpt)
         args = SGLangServerArgs(model_path=ckpt, extra_args=("--num-blocks", "512", "--max-num-seqs", "64"))
         with launch_sglang_server(args, module="april_ext.server", env={"OMP_NUM_THREADS": "1"},
                                   timeout_s=300, log_path=os.path.join(ckpt, "server.log")) as server:
             process = asyncio.run(_http(name, server.url, "SGLangEngine -> HTTP server process"))
-    return [direct, threaded, process]
+    return [direct, threaded, whole, process]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
