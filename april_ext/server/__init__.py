@@ -1,0 +1,26 @@
+"""An SGLang-compatible HTTP server for the embedded engine (the subset in shared/sglang-api.md).
+
+Needs aiohttp (`pip install april_ext[sglang]`). The names below are imported on first use, so the
+`serve` command can be registered in the CLI without aiohttp installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EngineServer": "april_ext.server.app",
+    "ServerConfig": "april_ext.server.app",
+    "ServerThread": "april_ext.server.thread",
+    "decode_named_tensors": "april_ext.server.protocol",
+    "encode_named_tensors": "april_ext.server.protocol",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'april_ext.server' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

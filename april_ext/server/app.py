@@ -1,0 +1,407 @@
+"""EngineServer: the SGLang HTTP API subset (shared/sglang-api.md) in front of an AsyncEngine (aiohttp).
+
+The server owns no rollout state: it turns requests into engine calls and engine chunks into SGLang's
+JSON. What it adds is what SGLang keeps above its scheduler: the table of requests in flight (for
+prefix aborts and the idle checks of release / flush), the pause gate of /pause_generation and the
+string weight-version labels (the engine counts versions as integers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from april_ext import __version__
+from april_ext.engine import AsyncEngine, GenerationChunk, SamplingParams
+from april_ext.errors import AprilError, ConfigError, InvalidArgumentError, UnknownIdError
+from april_ext.server import protocol
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """host / port to listen on (port 0: any free port); model_path is reported by /server_info.
+    weight_version: the label of the weights the engine starts with (SGLang's default is "default").
+    enable_memory_saver: allow /release_memory_occupation (SGLang needs --enable-memory-saver for it).
+    health_timeout_s: how long /health_generate waits for its one-token generation.
+    stream_interval: a streamed request gets an event every this many tokens (and at its finish), as
+    SGLang's --stream-interval; events are cumulative, so long responses want a larger interval."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    model_path: str | None = None
+    weight_version: str = "default"
+    enable_memory_saver: bool = False
+    health_timeout_s: float = 20.0
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"ServerConfig.host must be a non-empty string, got {self.host!r}")
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
+            raise ConfigError(
+                f"ServerConfig.port must be an integer in [0, 65535] (0 = any free port), got {self.port!r}")
+        if not isinstance(self.weight_version, str):
+            raise ConfigError(f"ServerConfig.weight_version must be a string, got {self.weight_version!r}")
+        if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) \
+                or self.stream_interval < 1:
+            raise ConfigError(f"ServerConfig.stream_interval must be an integer >= 1, got {self.stream_interval!r}")
+        if not self.health_timeout_s > 0:
+            raise ConfigError(f"ServerConfig.health_timeout_s must be > 0, got {self.health_timeout_s!r}")
+
+
+class _Output:
+    """The cumulative output of one /generate request, rendered as SGLang's response object."""
+
+    def __init__(self, rid: str, prompt_tokens: int, params: SamplingParams, return_logprob: bool) -> None:
+        self.rid = rid
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = params.max_new_tokens
+        self.return_logprob = return_logprob
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.last: GenerationChunk | None = None
+        self.started = time.perf_counter()
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.output_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        self.last = chunk
+
+    def render(self, version_label: str) -> dict[str, Any]:
+        reason = None if self.last is None else self.last.finish_reason
+        matched = None if self.last is None else self.last.matched_stop
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": protocol.finish_reason_json(reason, matched, self.max_new_tokens, len(self.output_ids)),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.output_ids),
+            # The engine shares prefix blocks but does not count them per request.
+            "cached_tokens": 0,
+            "weight_version": version_label,
+            "e2e_latency": time.perf_counter() - self.started,
+        }
+        if self.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
+        return {"output_ids": list(self.output_ids), "meta_info": meta}
+
+
+class _Versions:
+    """String labels (SGLang's weight_version) of the engine's integer weight versions."""
+
+    def __init__(self, label: str, current: int) -> None:
+        self.current = current
+        self._labels = {current: label}
+
+    def label(self, version: int | None = None) -> str:
+        version = self.current if version is None else version
+        return self._labels.get(version, str(version))
+
+    def relabel(self, label: str) -> None:
+        self._labels[self.current] = label
+
+
+def _json_response(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(payload), status=status, content_type="application/json")
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return _json_response(protocol.error_json(message), status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Bad input and refused calls answer 400 with SGLang's {"error": {"message"}}; the server keeps serving."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except (AprilError, ValueError) as exc:
+        return _error(str(exc))
+    except Exception as exc:  # an unexpected failure answers 500 and leaves the server up
+        logger.exception("%s %s failed", request.method, request.path)
+        return _error(f"internal error: {exc!r}", 500)
+
+
+class EngineServer:
+    """Serves one AsyncEngine over HTTP. `await server.start()` binds and returns the base url."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or ServerConfig()
+        self._active: dict[str, _Output] = {}
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._versions = _Versions(self.config.weight_version, engine.stats().weight_version)
+        self._runner: web.AppRunner | None = None
+        self.url: str | None = None
+        self.port: int | None = None
+        self.app = self._build_app()
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
+        routes = [
+            ("POST", "/generate", self.generate), ("PUT", "/generate", self.generate),
+            ("POST", "/abort_request", self.abort_request),
+            ("POST", "/pause_generation", self.pause_generation),
+            ("POST", "/continue_generation", self.continue_generation),
+            ("POST", "/release_memory_occupation", self.release_memory),
+            ("GET", "/release_memory_occupation", self.release_memory),
+            ("POST", "/resume_memory_occupation", self.resume_memory),
+            ("GET", "/resume_memory_occupation", self.resume_memory),
+            ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
+            ("POST", "/update_weights_from_tensor", self.update_weights_from_tensor),
+            ("POST", "/update_weight_version", self.update_weight_version),
+            ("GET", "/flush_cache", self.flush_cache), ("POST", "/flush_cache", self.flush_cache),
+            ("GET", "/health", self.health), ("GET", "/health_generate", self.health_generate),
+            ("GET", "/server_info", self.server_info), ("GET", "/get_server_info", self.server_info),
+            ("GET", "/get_model_info", self.model_info), ("GET", "/get_weight_version", self.weight_version),
+        ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler)
+        return app
+
+    # Lifecycle ----------------------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Starts the engine loop and listens; returns the base url (with the real port when port was 0)."""
+        await self.engine.start()
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        host = self.config.host if ":" not in self.config.host else f"[{self.config.host}]"
+        self.url = f"http://{host}:{self.port}"
+        return self.url
+
+    async def stop(self) -> None:
+        """Aborts every request, stops listening and stops the engine loop."""
+        self._unpaused.set()
+        if self._runner is not None:
+            await self.engine.abort()
+            await self._runner.cleanup()
+            self._runner = None
+        await self.engine.close()
+
+    async def __aenter__(self) -> EngineServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    # Generation ---------------------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        req = protocol.parse_generate(await self._body(request))
+        await self._unpaused.wait()
+        rid = req.rid if req.rid is not None else uuid.uuid4().hex
+        if rid in self._active:
+            raise InvalidArgumentError(f"/generate: rid {rid!r} is already in flight")
+        output = _Output(rid, len(req.input_ids), req.params, req.return_logprob)
+        # Registered before the engine sees it (no await in between), so an abort can always find it.
+        self._active[rid] = output
+        stream = self.engine.generate(req.input_ids, req.params, rid)
+        try:
+            first = await anext(stream)
+            if req.stream:
+                return await self._stream(request, stream, first, output)
+            chunk = first
+            while True:
+                output.add(chunk)
+                if chunk.finish_reason is not None:
+                    return _json_response(output.render(self._versions.label(chunk.weight_version)))
+                chunk = await anext(stream)
+        finally:
+            self._active.pop(rid, None)
+            await stream.aclose()
+
+    async def _stream(self, request: web.Request, stream: AsyncIterator[GenerationChunk], first: GenerationChunk,
+                      output: _Output) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        chunk = first
+        sent = 0
+        try:
+            while True:
+                # Unsent tokens of another weight version go out first: one version per event.
+                if output.last is not None and sent < len(output.output_ids) \
+                        and chunk.weight_version != output.last.weight_version:
+                    await self._event(response, output)
+                    sent = len(output.output_ids)
+                output.add(chunk)
+                if chunk.finish_reason is not None or len(output.output_ids) - sent >= self.config.stream_interval:
+                    await self._event(response, output)
+                    sent = len(output.output_ids)
+                if chunk.finish_reason is not None:
+                    break
+                chunk = await anext(stream)
+        except AprilError as exc:  # the headers are out: report in-band as SGLang does
+            await response.write(b"data: " + json.dumps(protocol.error_json(str(exc))).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _event(self, response: web.StreamResponse, output: _Output) -> None:
+        assert output.last is not None
+        event = output.render(self._versions.label(output.last.weight_version))
+        await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """SGLang semantics: abort_all, or a rid that is in flight, which then aborts every request whose
+        rid starts with it. Anything else is a no-op; the answer is always 200 with an empty body."""
+        req = protocol.parse_abort(await self._body(request))
+        if req.abort_all:
+            await self.engine.abort()
+        elif req.rid in self._active:
+            await self._abort([r for r in self._active if r.startswith(req.rid)])
+        return web.Response(status=200)
+
+    async def _abort(self, rids: list[str]) -> None:
+        try:
+            await self.engine.abort(rids)
+        except UnknownIdError:
+            # Some finished between our table and the engine; abort the others one by one.
+            for rid in rids:
+                try:
+                    await self.engine.abort([rid])
+                except UnknownIdError:
+                    continue
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """Mode "abort": aborts every request in flight and holds new ones until /continue_generation."""
+        protocol.parse_pause(await self._body(request))
+        self._unpaused.clear()
+        await self.engine.abort()
+        return _json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        protocol.parse_pause(await self._body(request))
+        self._unpaused.set()
+        return _json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    # Memory and weights -------------------------------------------------------------------------------
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        tags = protocol.parse_memory_tags(await self._body(request), "/release_memory_occupation")
+        if not self.config.enable_memory_saver:
+            return _error("/release_memory_occupation needs the server started with --enable-memory-saver")
+        if self._active:
+            return _error(f"/release_memory_occupation needs an idle server: {len(self._active)} requests are "
+                          "running or queued (abort them or wait)")
+        if tags is None or tags:
+            await self.engine.release_memory(tags)
+        return _json_response(None)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        tags = protocol.parse_memory_tags(await self._body(request), "/resume_memory_occupation")
+        if tags is None or tags:
+            await self.engine.resume_memory(tags)
+        return _json_response(None)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        req = protocol.parse_weights_from_disk(await self._body(request))
+        ok, message = await self._update_weights(req.model_path, req.weight_version, req.abort_all_requests)
+        return _json_response({"success": ok, "message": message, "num_paused_requests": 0}, 200 if ok else 400)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """Accepts base64 of a safetensors blob per TP rank; the embedded engine has one rank and loads
+        the first blob (every rank's blob holds the same full tensors)."""
+        req = protocol.parse_weights_from_tensor(await self._body(request))
+        tensors = protocol.decode_named_tensors(req.serialized[0])
+        ok, message = await self._update_weights(tensors, req.weight_version, req.abort_all_requests)
+        return _json_response({"success": ok, "message": message}, 200 if ok else 400)
+
+    async def _update_weights(self, weights: Any, label: str | None, abort_all: bool) -> tuple[bool, str]:
+        if abort_all:
+            await self.engine.abort()
+        version = self._versions.current + 1
+        new_label = label if label is not None else self._versions.label()
+        try:
+            await self.engine.update_weights(weights, version)
+        except (AprilError, OSError, ValueError) as exc:
+            return False, f"Failed to update weights: {exc}"
+        self._versions.current = version
+        self._versions.relabel(new_label)
+        return True, f"Succeeded to update model weights. Weight version is {new_label}."
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        label, abort_all = protocol.parse_weight_version(await self._body(request))
+        if abort_all:
+            await self.engine.abort()
+        self._versions.relabel(label)
+        return _json_response({"success": True, "message": f"Weight version updated to {label}",
+                               "new_version": label})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self._active:
+            return web.Response(text="Cache not flushed: requests are running or queued.\n", status=400)
+        # An empty weight update is the engine's between-steps flush (same version, no tensors).
+        await self.engine.update_weights({}, self._versions.current)
+        return web.Response(text="Cache flushed.\n", status=200)
+
+    # Health and info ----------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.engine.health()["status"] in ("ok", "paused")
+        return web.Response(status=200 if ok else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """A one-token greedy generation within health_timeout_s; 503 while memory is released."""
+        if self.engine.health()["status"] != "ok":
+            return web.Response(status=503)
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+
+        async def one_token() -> None:
+            async for _ in self.engine.generate([0], SamplingParams(max_new_tokens=1, temperature=0.0), rid):
+                pass
+
+        try:
+            await asyncio.wait_for(one_token(), self.config.health_timeout_s)
+        except (asyncio.TimeoutError, AprilError):
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        core = self.engine.core
+        stats = dataclasses.asdict(self.engine.stats())
+        return _json_response({
+            "model_path": self.config.model_path, "host": self.config.host, "port": self.port,
+            "tp_size": 1, "skip_tokenizer_init": True, "enable_memory_saver": self.config.enable_memory_saver,
+            "weight_version": self._versions.label(), "page_size": core.config.block_size,
+            "max_total_num_tokens": core.config.num_blocks * core.config.block_size,
+            "max_running_requests": core.config.max_num_seqs, "context_length": core.max_model_len,
+            "device": core.config.device, "paused": not self._unpaused.is_set(),
+            "internal_states": [{**stats, "paused_tags": list(stats["paused_tags"]),
+                                 "requests_in_flight": len(self._active)}],
+            "version": __version__, "engine": "april_ext",
+        })
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return _json_response({"model_path": self.config.model_path, "tokenizer_path": None, "is_generation": True,
+                               "weight_version": self._versions.label()})
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return _json_response({"weight_version": self._versions.label()})
+
+    @staticmethod
+    async def _body(request: web.Request) -> Any:
+        text = await request.text()
+        if not text.strip():
+            return None
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"{request.path}: the body is not valid JSON ({exc})") from exc

@@ -1,0 +1,28 @@
+"""Errors of the SGLang adapter: every HTTP failure names the url, the status and the body."""
+
+from __future__ import annotations
+
+from april_ext.errors import AprilError, InvalidArgumentError
+
+
+class SGLangHTTPError(AprilError, RuntimeError):
+    """An SGLang server (or router) answered an error, or could not be reached (status None)."""
+
+    def __init__(self, url: str, status: int | None, body: str) -> None:
+        self.url = url
+        self.status = status
+        self.body = body
+        what = "could not be reached" if status is None else f"answered HTTP {status}"
+        super().__init__(f"{url} {what}: {body[:2000]}")
+
+
+class SGLangBadRequestError(SGLangHTTPError, InvalidArgumentError):
+    """The server refused the request's content (HTTP 400, or an in-band error of a stream)."""
+
+
+class SGLangConnectionError(SGLangHTTPError, ConnectionError):
+    """No answer: connection refused or reset, or a timeout (after the retries of idempotent calls)."""
+
+
+class SGLangLaunchError(AprilError, RuntimeError):
+    """A launched server exited or did not become healthy in time; the message ends with its log tail."""

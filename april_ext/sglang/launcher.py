@@ -1,0 +1,165 @@
+"""launch_sglang_server: starts `python -m sglang.launch_server` with the flags RL needs, waits for
+/health, and stops the whole process group when the `with` block ends.
+
+`module` replaces sglang.launch_server by any server module that takes the same flags, e.g.
+"april_ext.server" (the embedded engine), which is how the launcher is tested without SGLang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import IO
+
+from april_ext.errors import ConfigError
+from april_ext.sglang.errors import SGLangLaunchError
+
+
+@dataclass(frozen=True)
+class SGLangServerArgs:
+    """The launch flags. port None picks a free port. enable_memory_saver allows releasing memory
+    between rollouts (colocated RL); skip_tokenizer_init makes the server token-only;
+    enable_weights_cpu_backup keeps a host copy of released weights. extra_args are appended as given."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int | None = None
+    tp: int = 1
+    mem_fraction_static: float | None = None
+    enable_memory_saver: bool = True
+    skip_tokenizer_init: bool = True
+    enable_weights_cpu_backup: bool = False
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_path, str) or not self.model_path:
+            raise ConfigError(f"SGLangServerArgs.model_path must be a non-empty string, got {self.model_path!r}")
+        if self.port is not None and (not isinstance(self.port, int) or not 1 <= self.port <= 65535):
+            raise ConfigError(f"SGLangServerArgs.port must be None or in [1, 65535], got {self.port!r}")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError(f"SGLangServerArgs.tp must be an integer >= 1, got {self.tp!r}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ConfigError(
+                f"SGLangServerArgs.mem_fraction_static must be in (0, 1], got {self.mem_fraction_static!r}")
+        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+
+    def argv(self, port: int) -> list[str]:
+        args = ["--model-path", self.model_path, "--host", self.host, "--port", str(port), "--tp", str(self.tp)]
+        if self.mem_fraction_static is not None:
+            args += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        for flag, on in (("--enable-memory-saver", self.enable_memory_saver),
+                         ("--skip-tokenizer-init", self.skip_tokenizer_init),
+                         ("--enable-weights-cpu-backup", self.enable_weights_cpu_backup)):
+            if on:
+                args.append(flag)
+        return args + list(self.extra_args)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (another process may still take it before the server binds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class SGLangServerProcess:
+    """A launched server: `url`, `process`, `log_path`. stop() (or leaving the `with` block) sends
+    SIGTERM to its process group, then SIGKILL after `stop_timeout_s`."""
+
+    def __init__(self, process: subprocess.Popen[bytes], url: str, log_path: str, log: IO[bytes],
+                 stop_timeout_s: float = 30.0) -> None:
+        self.process = process
+        self.url = url
+        self.log_path = log_path
+        self._log = log
+        self.stop_timeout_s = stop_timeout_s
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Polls /health until 200; raises SGLangLaunchError (with the log tail) if the process exits
+        or the time runs out, after stopping it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.stop()
+                raise SGLangLaunchError(f"the server exited with code {self.process.returncode} before it was "
+                                        f"healthy; log {self.log_path}:\n{self.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.25)
+        self.stop()
+        raise SGLangLaunchError(f"the server at {self.url} was not healthy within {timeout_s} s; "
+                                f"log {self.log_path}:\n{self.log_tail()}")
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        with open(self.log_path, "rb") as handle:
+            handle.seek(max(0, os.path.getsize(self.log_path) - max_bytes))
+            return handle.read().decode(errors="replace")
+
+    def stop(self) -> int:
+        """Stops the server and its children; returns its exit code. Safe to call twice."""
+        if self.process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.process.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.process.wait()
+        if not self._log.closed:
+            self._log.close()
+        return int(self.process.returncode)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            return
+
+    def __enter__(self) -> SGLangServerProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def launch_sglang_server(args: SGLangServerArgs, *, module: str = "sglang.launch_server",
+                         python: str = sys.executable, env: Mapping[str, str] | None = None,
+                         timeout_s: float = 600.0, log_path: str | None = None) -> SGLangServerProcess:
+    """Starts `python -m module <args>` in its own process group, waits until /health answers 200 and
+    returns the running server (a context manager). The output goes to log_path (default: a new
+    temporary file, kept for inspection)."""
+    port = args.port if args.port is not None else free_port(args.host)
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
+        os.close(fd)
+    log = open(log_path, "wb")  # noqa: SIM115 - owned by the returned SGLangServerProcess
+    command = [python, "-m", module, *args.argv(port)]
+    try:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=None if env is None else {**os.environ, **env}, start_new_session=True)
+    except OSError as exc:
+        log.close()
+        raise SGLangLaunchError(f"could not start {command!r}: {exc}") from exc
+    # A server bound to every interface is reached over loopback.
+    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(args.host, args.host)
+    host = host if ":" not in host or host.startswith("[") else f"[{host}]"
+    server = SGLangServerProcess(process, f"http://{host}:{port}", log_path, log)
+    server.wait_healthy(timeout_s)
+    return server
