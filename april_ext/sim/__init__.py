@@ -1,0 +1,28 @@
+"""Rollout simulator: a simulated engine on a virtual clock driven by the real scheduler and rollout loop."""
+
+from __future__ import annotations
+
+from april_ext.sim.cost import CLUSTER_PRESETS, ClusterConfig, CostModel, GpuSpec, ModelSpec, cluster_preset
+from april_ext.sim.engine import ClusterCounters, SimulatedEngine
+from april_ext.sim.lengths import (LENGTH_PRESETS, LengthModel, LogNormalLengths, SampleDraw, TraceLengths,
+                                   length_preset)
+from april_ext.sim.tokens import SyntheticPrompts, answer_reward
+
+__all__ = [
+    "CLUSTER_PRESETS",
+    "ClusterConfig",
+    "ClusterCounters",
+    "CostModel",
+    "GpuSpec",
+    "LENGTH_PRESETS",
+    "LengthModel",
+    "LogNormalLengths",
+    "ModelSpec",
+    "SampleDraw",
+    "SimulatedEngine",
+    "SyntheticPrompts",
+    "TraceLengths",
+    "answer_reward",
+    "cluster_preset",
+    "length_preset",
+]
