@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from april_ext import ConfigError, InvalidArgumentError
-from april_ext.data import DatasetConfig, Prompt, PromptDataset, PromptSource, load_tokenizer, read_records
+from april_ext import ConfigError, DataSource, InvalidArgumentError, Prompt
+from april_ext.data import DatasetConfig, PromptDataset, load_tokenizer, read_records
 
 WORDS = ["[PAD]", "[UNK]", "[BOS]", "[EOS]", "<user>", "<assistant>", "what", "is", "1+1", "2+2", "?",
          "solve", "x", "ok"]
@@ -47,12 +47,14 @@ def test_load_tokenizer_from_local_dir(tokenizer_dir, tmp_path):
 def test_jsonl_text_prompts(tokenizer_dir, tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "what is 1+1 ?", "label": "2"},
                                                {"prompt": "what is 2+2 ?", "label": 4}])
-    ds = PromptDataset.from_file(path, load_tokenizer(tokenizer_dir), DatasetConfig(shuffle=False))
-    assert isinstance(ds, PromptSource) and ds.size == 2
-    first = ds.prompt_at(0)
+    ds = PromptDataset.from_file(path, load_tokenizer(tokenizer_dir), DatasetConfig(shuffle=False, num_epochs=2))
+    assert isinstance(ds, DataSource) and len(ds) == 4 and len(ds.prompts) == 2
+    first = ds[0]
     assert first.token_ids == (2, 6, 7, 8, 10) and first.label == "2" and first.id == "p.jsonl:1"
-    assert ds.prompt_at(1).label == 4
-    assert ds.prompt_at(2) == first  # second epoch
+    assert ds[1].label == 4
+    assert ds[2] == first  # second epoch
+    with pytest.raises(IndexError, match="out of range"):
+        ds[4]  # the data has run out
 
 
 def test_chat_prompts_and_nested_keys(tokenizer_dir, tmp_path):
@@ -62,7 +64,7 @@ def test_chat_prompts_and_nested_keys(tokenizer_dir, tmp_path):
     path = _write_jsonl(tmp_path / "math.jsonl", records)
     cfg = DatasetConfig(label_key="reward_model.ground_truth", id_key="extra_info.index")
     ds = PromptDataset.from_file(path, load_tokenizer(tokenizer_dir), cfg)
-    prompt = ds.prompt_at(0)
+    prompt = ds[0]
     assert prompt.token_ids == (4, 11, 12, 5)
     assert prompt.label == "7" and prompt.id == "31"
 
@@ -80,7 +82,7 @@ def test_missing_key_names_key_and_available(tokenizer_dir, tmp_path):
         PromptDataset.from_file(path, load_tokenizer(tokenizer_dir))
     ds = PromptDataset.from_file(path, load_tokenizer(tokenizer_dir),
                                  DatasetConfig(prompt_key="question", label_key="answer"))
-    assert ds.prompt_at(0).label == "1"
+    assert ds[0].label == "1"
 
 
 def test_parquet_prompts(tokenizer_dir, tmp_path):
@@ -107,18 +109,20 @@ def test_not_parquet_file_is_a_clear_error(tmp_path):
 
 def test_shuffled_epochs_are_permutations_and_reproducible():
     prompts = [Prompt(id=str(i), token_ids=(i,), metadata={"label": i}) for i in range(10)]
-    ds = PromptDataset(prompts, DatasetConfig(seed=5))
-    epoch0 = [ds.prompt_at(p).id for p in range(10)]
-    epoch1 = [ds.prompt_at(p).id for p in range(10, 20)]
+    ds = PromptDataset(prompts, DatasetConfig(seed=5, num_epochs=2))
+    epoch0 = [ds[p].id for p in range(10)]
+    epoch1 = [ds[p].id for p in range(10, 20)]
     assert sorted(epoch0) == sorted(epoch1) == [str(i) for i in range(10)]
     assert epoch0 != epoch1
-    again = PromptDataset(prompts, DatasetConfig(seed=5))
-    assert [again.prompt_at(p).id for p in (13, 2, 11)] == [epoch1[3], epoch0[2], epoch1[1]]
+    again = PromptDataset(prompts, DatasetConfig(seed=5, num_epochs=2))
+    assert [again[p].id for p in (13, 2, 11)] == [epoch1[3], epoch0[2], epoch1[1]]
 
 
 def test_config_validation_and_unknown_format(tmp_path):
     with pytest.raises(ConfigError, match="DatasetConfig.max_prompt_len"):
         DatasetConfig(max_prompt_len=0)
+    with pytest.raises(ConfigError, match="DatasetConfig.num_epochs"):
+        DatasetConfig(num_epochs=0)
     with pytest.raises(ConfigError, match="DatasetConfig.prompt_key"):
         DatasetConfig(prompt_key="")
     with pytest.raises(InvalidArgumentError, match="cannot tell the format"):

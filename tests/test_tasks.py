@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from april_ext import ConfigError
-from april_ext.data import Prompt
+from april_ext import ConfigError, DataSource, Prompt
 from april_ext.tasks import (
     CountingTask,
     CountingTaskConfig,
@@ -20,14 +19,17 @@ from april_ext.tasks import (
 
 def test_counting_prompts_are_deterministic_and_well_formed():
     task = CountingTask(CountingTaskConfig(seed=3))
-    a, b = task.prompt_at(17), CountingTask(CountingTaskConfig(seed=3)).prompt_at(17)
+    a, b = task[17], CountingTask(CountingTaskConfig(seed=3))[17]
     assert a == b
     assert a.token_ids[0] == task.bos_id and a.token_ids[-1] == task.sep_id
     assert a.token_ids[1] == a.metadata["symbol"]
     assert a.token_ids[2] == task.count_id(a.label)
     assert all(0 <= t < task.vocab_size for t in a.token_ids)
-    assert task.prompt_at(18) != a or task.prompt_at(19) != a
+    assert task[18] != a or task[19] != a
     assert CountingTask(CountingTaskConfig(seed=4)).prompts(0, 20) != task.prompts(0, 20)
+    assert isinstance(task, DataSource) and len(CountingTask(CountingTaskConfig(num_prompts=5))) == 5
+    with pytest.raises(IndexError, match="out of range"):
+        CountingTask(CountingTaskConfig(num_prompts=5))[5]
 
 
 def test_counting_lengths_are_long_tailed_and_capped():

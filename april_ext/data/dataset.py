@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from april_ext.data.prompt import Prompt
+from april_ext.data_source import Prompt
 from april_ext.data.records import lookup, read_records
 from april_ext.data.tokenizer import encode_prompt
 from april_ext.errors import ConfigError, InvalidArgumentError
@@ -22,7 +21,8 @@ class DatasetConfig:
     prompt_key: a string or a chat (list of {"role", "content"}). label_key: the reference answer.
     id_key: a stable id (default: "<file name>:<line>"). max_prompt_len: longer prompts are skipped
     (counted in ``PromptDataset.skipped``). shuffle: each epoch visits the prompts in a permutation drawn
-    from (seed, epoch).
+    from (seed, epoch). num_epochs: passes over the file; the data source's length is
+    num_epochs x prompts, and training ends when it is used up.
     """
 
     prompt_key: str = "prompt"
@@ -31,6 +31,7 @@ class DatasetConfig:
     max_prompt_len: int | None = None
     shuffle: bool = True
     seed: int = 0
+    num_epochs: int = 1
 
     def __post_init__(self) -> None:
         for name in ("prompt_key", "label_key"):
@@ -46,10 +47,13 @@ class DatasetConfig:
                               f"got {self.max_prompt_len!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ConfigError(f"DatasetConfig.seed must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.num_epochs, int) or isinstance(self.num_epochs, bool) or self.num_epochs < 1:
+            raise ConfigError(f"DatasetConfig.num_epochs must be an integer >= 1, got {self.num_epochs!r}")
 
 
 class PromptDataset:
-    """A finite PromptSource: ``prompt_at(position)`` walks epochs of (optionally shuffled) prompts."""
+    """A DataSource over a prompt file: position ``p`` is prompt ``p % n`` of epoch ``p // n`` (each epoch
+    optionally shuffled); ``len()`` is ``num_epochs * n``."""
 
     def __init__(self, prompts: list[Prompt], config: DatasetConfig | None = None, *, skipped: int = 0) -> None:
         if not prompts:
@@ -84,19 +88,12 @@ class PromptDataset:
                                        f"max_prompt_len={config.max_prompt_len})")
         return cls(prompts, config, skipped=skipped)
 
-    @property
-    def size(self) -> int:
-        return len(self.prompts)
-
     def __len__(self) -> int:
-        return len(self.prompts)
+        return self.config.num_epochs * len(self.prompts)
 
-    def __iter__(self) -> Iterator[Prompt]:
-        return iter(self.prompts)
-
-    def prompt_at(self, position: int) -> Prompt:
-        if position < 0:
-            raise InvalidArgumentError(f"position must be >= 0, got {position}")
+    def __getitem__(self, position: int) -> Prompt:
+        if not 0 <= position < len(self):
+            raise IndexError(f"prompt position {position} is out of range [0, {len(self)})")
         epoch, index = divmod(position, len(self.prompts))
         if self.config.shuffle and epoch != self._order_epoch:
             self._order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.prompts))

@@ -1,7 +1,8 @@
 """The built-in synthetic task: "emit symbol X exactly N times, then EOS", with long-tailed N.
 
 Prompt: [BOS, X, COUNT_N, SEP]. Target response: X repeated N times, then EOS. N is drawn log-normally
-(capped), so most answers are short and a few are long: the length profile APRIL is built for. The reward
+(capped), so most answers are short and a few are long: the length profile APRIL is built for. The task
+is a DataSource: ``task[p]`` is the prompt at stream position p, ``len(task)`` is ``num_prompts``. The reward
 gives partial credit, so a randomly initialised model already earns small, varied rewards in a group:
 
     content = (number of the first N response positions that hold X) / N
@@ -18,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from april_ext.data.prompt import Prompt
-from april_ext.errors import ConfigError, InvalidArgumentError
+from april_ext.data_source import Prompt
+from april_ext.errors import ConfigError
 
 PAD_ID = 0
 BOS_ID = 1
@@ -31,16 +32,18 @@ _FIRST_SYMBOL = 4
 @dataclass(frozen=True)
 class CountingTaskConfig:
     """n_symbols: how many distinct X tokens. max_count: the cap of N. median_count, sigma: N is
-    round(median_count * exp(sigma * z)) for standard normal z, clipped to [1, max_count]. seed: the stream."""
+    round(median_count * exp(sigma * z)) for standard normal z, clipped to [1, max_count]. seed: the stream.
+    num_prompts: the stream's length (the data source's len)."""
 
     n_symbols: int = 8
     max_count: int = 52
     median_count: float = 6.0
     sigma: float = 0.8
     seed: int = 0
+    num_prompts: int = 1_000_000
 
     def __post_init__(self) -> None:
-        for name in ("n_symbols", "max_count"):
+        for name in ("n_symbols", "max_count", "num_prompts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"CountingTaskConfig.{name} must be an integer >= 1, got {value!r}")
@@ -59,7 +62,7 @@ class CountingTaskConfig:
 
 
 class CountingTask:
-    """Prompt generator (a PromptSource), reward function and tokenizer-free vocabulary of the task."""
+    """Prompt stream (a DataSource), reward function and tokenizer-free vocabulary of the task."""
 
     pad_id = PAD_ID
     bos_id = BOS_ID
@@ -73,9 +76,8 @@ class CountingTask:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    @property
-    def size(self) -> int | None:
-        return None
+    def __len__(self) -> int:
+        return self.config.num_prompts
 
     def symbol_id(self, index: int) -> int:
         return _FIRST_SYMBOL + index
@@ -83,10 +85,10 @@ class CountingTask:
     def count_id(self, n: int) -> int:
         return _FIRST_SYMBOL + self.config.n_symbols + n - 1
 
-    def prompt_at(self, position: int) -> Prompt:
+    def __getitem__(self, position: int) -> Prompt:
         """The prompt at a stream position; the same (seed, position) always gives the same prompt."""
-        if position < 0:
-            raise InvalidArgumentError(f"position must be >= 0, got {position}")
+        if not 0 <= position < self.config.num_prompts:
+            raise IndexError(f"prompt position {position} is out of range [0, {self.config.num_prompts})")
         cfg = self.config
         rng = np.random.default_rng([cfg.seed, position])
         symbol = int(rng.integers(cfg.n_symbols))
@@ -96,7 +98,7 @@ class CountingTask:
                       metadata={"label": n, "symbol": self.symbol_id(symbol), "task": "counting"})
 
     def prompts(self, start: int, count: int) -> list[Prompt]:
-        return [self.prompt_at(p) for p in range(start, start + count)]
+        return [self[p] for p in range(start, start + count)]
 
     def target(self, prompt: Prompt) -> list[int]:
         """The response that earns reward 1."""

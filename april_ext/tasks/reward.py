@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from april_ext.data.prompt import Prompt
+from april_ext.data_source import Prompt
 from april_ext.tasks.math_verify import math_reward
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from april_ext.batch import FinishReason, TrainingBatch
-from april_ext.data.prompt import Prompt
+from april_ext.data_source import Prompt
 from april_ext.errors import InvalidArgumentError
 from april_ext.model import LlamaForCausalLM
 

@@ -1,0 +1,38 @@
+"""The ``april-ext`` command line. Each subcommand lives in its own module, which exposes
+``add_parser(subparsers)`` (registering its parser with ``set_defaults(func=...)``, a function taking
+the parsed arguments and returning an exit code); registering a subcommand is one line in COMMANDS."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from april_ext.errors import AprilError
+
+COMMANDS: list[str] = [
+    "april_ext.training.command",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="april-ext", description="Active Partial Rollouts (APRIL) for LLM RL.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMANDS:
+        importlib.import_module(module).add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except AprilError as err:
+        print(f"april-ext {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

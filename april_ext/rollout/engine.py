@@ -1,0 +1,62 @@
+"""RolloutEngine: what the rollout loop needs from any generation engine (embedded, simulated, SGLang).
+
+The embedded ``april_ext.engine.AsyncEngine`` satisfies it as is. An engine whose time is not the wall
+clock (a simulator with a virtual clock) exposes ``clock() -> float``; the loop then measures every
+duration with it (see :func:`engine_clock`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from april_ext.engine.outputs import GenerationChunk, GenerationOutput
+from april_ext.engine.sampling import SamplingParams
+
+Clock = Callable[[], float]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Streaming generation by token ids, abort with partial output, versioned weights, memory, health.
+
+    - ``generate`` streams :class:`GenerationChunk` s (new token ids, their behavior logprobs, the weight
+      version that produced them); the last chunk carries a finish reason (STOP, LENGTH or ABORT).
+    - ``abort(None)`` ends every request, ``abort(ids)`` the given ones; it returns each aborted request's
+      whole output so far (all response tokens, logprobs and per-token versions), and their streams end
+      with an ABORT chunk.
+    - ``update_weights(weights, version)``: named tensors (Hugging Face names) or a checkpoint directory;
+      later tokens carry ``version``.
+    - ``release_memory(tags)`` / ``resume_memory(tags)``: tags "weights" and "kv_cache"; None means all.
+    - ``stats()``: a snapshot of load and counters; ``health()``: a dict with at least "status".
+    """
+
+    def generate(self, input_ids: Sequence[int], params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[GenerationChunk]: ...
+
+    async def abort(self, request_ids: str | Iterable[str] | None = None) -> list[GenerationOutput]: ...
+
+    async def update_weights(self, weights: Any, version: int) -> Any: ...
+
+    async def release_memory(self, tags: Iterable[str] | None = None) -> None: ...
+
+    async def resume_memory(self, tags: Iterable[str] | None = None) -> None: ...
+
+    def stats(self) -> Any: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+
+def engine_clock(engine: object, clock: Clock | None = None) -> Clock:
+    """The clock the loop measures with: the one given, else the engine's ``clock()``, else
+    ``time.perf_counter`` (an engine that runs in real time)."""
+    if clock is not None:
+        return clock
+    own = getattr(engine, "clock", None)
+    if callable(own):
+        return own
+    return time.perf_counter
+
+
+__all__ = ["Clock", "RolloutEngine", "engine_clock"]

@@ -1,0 +1,17 @@
+"""The APRIL training loop: TrainConfig, the run (scheduler + engine + rewards + trainer), checkpoints."""
+
+from april_ext.training.checkpoint import CheckpointInfo, CheckpointManager
+from april_ext.training.config import TrainConfig
+from april_ext.training.run import METRICS_FILE, StepMemory, TrainResult, summarize, train, train_async
+
+__all__ = [
+    "METRICS_FILE",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "StepMemory",
+    "TrainConfig",
+    "TrainResult",
+    "summarize",
+    "train",
+    "train_async",
+]

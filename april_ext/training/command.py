@@ -1,0 +1,106 @@
+"""``april-ext train``: flags for every TrainConfig field, an optional TOML config, and --compare."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+from typing import Any
+
+from april_ext.training.config import TrainConfig, field_type
+
+_GROUPS = {
+    "data and task": ("task", "data", "tokenizer", "prompt_key", "label_key", "num_epochs", "counting_median",
+                      "counting_sigma", "counting_max_count", "counting_symbols"),
+    "model and engine": ("model", "hidden_size", "num_layers", "max_num_seqs", "num_blocks", "block_size", "device"),
+    "rollout": ("rollout_batch_size", "n_samples_per_prompt", "over_sampling_batch_size", "max_response_len",
+                "partial_rollout", "refill", "max_staleness", "staleness_policy", "mask_offpolicy", "temperature",
+                "top_p"),
+}
+
+
+def _value_parser(base: type, optional: bool) -> Any:
+    def parse(text: str) -> Any:
+        if optional and text.lower() == "none":
+            return None
+        try:
+            return base(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a valid {base.__name__}" + (" (or none)" if optional else "")) from None
+    parse.__name__ = base.__name__
+    return parse
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "train", help="train with APRIL (or the synchronous baseline) on the embedded engine and trainer",
+        description="Flags override the --config file, which overrides the defaults. Optional settings "
+                    "accept 'none'.")
+    parser.add_argument("--config", help="TOML file whose keys are the setting names below (underscores)")
+    parser.add_argument("--compare", action="store_true",
+                        help="run the baseline and APRIL on the same seed; print their rollout throughput and reward")
+    groups = {name: parser.add_argument_group(name) for name in (*_GROUPS, "training and outputs")}
+    owner = {f: g for g, names in _GROUPS.items() for f in names}
+    for f in fields(TrainConfig):
+        base, optional = field_type(f.name)
+        group = groups[owner.get(f.name, "training and outputs")]
+        flag = "--" + f.name.replace("_", "-")
+        if base is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+        else:
+            group.add_argument(flag, type=_value_parser(base, optional), default=argparse.SUPPRESS,
+                               metavar=base.__name__.upper())
+    parser.set_defaults(func=run)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    if "data" in overrides and "task" not in overrides:
+        overrides["task"] = None
+    if args.config:
+        return TrainConfig.from_toml(args.config, **overrides)
+    return TrainConfig.from_dict(overrides, where="command line")
+
+
+def run(args: argparse.Namespace) -> int:
+    from april_ext.training.run import train
+
+    config = config_from_args(args)
+    if not args.compare:
+        result = train(config)
+        _print_summary({"run": result.summary})
+        print(f"metrics: {os.path.join(result.output_dir, 'metrics.jsonl')}  checkpoint: {result.checkpoint}")
+        return 0
+    from april_ext.plots import plot_compare
+
+    results = {}
+    for name, partial in (("baseline", False), ("april", True)):
+        results[name] = train(config.replace(partial_rollout=partial,
+                                             output_dir=os.path.join(config.output_dir, name),
+                                             save=None if config.save is None else os.path.join(config.save, name)))
+    _print_summary({name: r.summary for name, r in results.items()})
+    base, april = results["baseline"].summary, results["april"].summary
+    if base.get("rollout_tokens_per_s"):
+        gain = april["rollout_tokens_per_s"] / base["rollout_tokens_per_s"] - 1
+        print(f"APRIL rollout throughput vs baseline: {gain:+.1%}")
+    if config.plots:
+        path = plot_compare({n: r.history for n, r in results.items()}, os.path.join(config.output_dir, "compare.png"))
+        print(f"plot: {path}")
+    return 0
+
+
+def _print_summary(summaries: dict[str, dict[str, float]]) -> None:
+    rows = (("steps", "steps", "{:.0f}"), ("rollout tokens/s", "rollout_tokens_per_s", "{:.1f}"),
+            ("rollout s/step", "rollout_s_per_step", "{:.2f}"), ("reward (first 1/4)", "reward_first", "{:.3f}"),
+            ("reward (last 1/4)", "reward_last", "{:.3f}"), ("tokens from partials", "partial_token_ratio", "{:.1%}"),
+            ("off-policy tokens", "off_policy_token_ratio", "{:.1%}"), ("engine occupancy", "occupancy", "{:.1%}"))
+    names = list(summaries)
+    print(f"{'':22s}" + "".join(f"{n:>14s}" for n in names))
+    for label, key, fmt in rows:
+        cells = "".join(f"{fmt.format(summaries[n][key]) if key in summaries[n] else '-':>14s}" for n in names)
+        print(f"{label:22s}{cells}")
+
+
+__all__ = ["add_parser", "config_from_args", "run"]

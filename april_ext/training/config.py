@@ -1,0 +1,220 @@
+"""TrainConfig: every setting of an ``april-ext train`` run, validated; read from TOML and command-line flags.
+
+Field names are the flag names RL users know from slime / Megatron (``rollout_batch_size`` is
+``--rollout-batch-size``); a TOML config file uses the same names as keys. Precedence: defaults, then
+the config file, then flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import typing
+from dataclasses import dataclass, fields
+from typing import Any
+
+from april_ext.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+TASKS = ("counting",)
+ALGORITHMS = ("grpo", "drgrpo", "dapo", "gspo")
+REFILLS = ("batch", "continuous")
+STALENESS_POLICIES = ("keep", "mask", "restart", "drop")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. See docs/loop.md for the table of fields."""
+
+    # --- data and task
+    task: str | None = "counting"
+    """Built-in task ("counting"), or None when --data gives a prompt file."""
+    data: str | None = None
+    """JSONL / Parquet prompt file (math answers are verified against label_key)."""
+    tokenizer: str | None = None
+    """Local Hugging Face tokenizer directory (required with data)."""
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    num_epochs: int = 1
+    counting_median: float = 4.0
+    """Counting task: median target count N (log-normal, so a long tail of large N)."""
+    counting_sigma: float = 1.0
+    counting_max_count: int = 24
+    counting_symbols: int = 4
+    # --- model
+    model: str | None = None
+    """Hugging Face checkpoint directory; None builds a tiny random model for the counting task."""
+    hidden_size: int = 64
+    num_layers: int = 2
+    # --- rollout (scheduler)
+    rollout_batch_size: int = 8
+    n_samples_per_prompt: int = 8
+    over_sampling_batch_size: int | None = None
+    """N' groups in flight; None: 2 x rollout_batch_size. Ignored (N' = N) without partial_rollout."""
+    max_response_len: int | None = None
+    """Response cap; None: the counting task's longest answer, or 1024 with data."""
+    partial_rollout: bool = True
+    """APRIL (over-sample, abort when N groups are done, resume partials) vs the synchronous baseline."""
+    refill: str = "batch"
+    max_staleness: int | None = None
+    staleness_policy: str = "keep"
+    mask_offpolicy: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # --- engine
+    max_num_seqs: int = 256
+    num_blocks: int = 2048
+    block_size: int = 16
+    device: str = "cpu"
+    # --- training
+    algorithm: str = "grpo"
+    lr: float = 2e-3
+    kl_coef: float = 0.0
+    micro_batch_tokens: int = 8192
+    num_steps: int = 20
+    seed: int = 0
+    colocate: bool = False
+    """Pause the trainer's memory while the engine generates and the engine's while the trainer trains."""
+    num_threads: int | None = None
+    """torch intra-op threads; None leaves torch's default."""
+    # --- outputs
+    output_dir: str = "april_runs/run"
+    """metrics.jsonl, plots and (unless save is set) checkpoints go here."""
+    save: str | None = None
+    """Checkpoint directory; None: <output_dir>/checkpoints."""
+    save_interval: int = 0
+    """Checkpoint every k steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    resume: bool = False
+    """Continue from the newest checkpoint in the checkpoint directory (a fresh start when there is none)."""
+    plots: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), _hints()[f.name])
+        if self.task is not None and self.task not in TASKS:
+            _bad("task", self.task, f"one of {TASKS}, or None with data")
+        if (self.task is None) == (self.data is None):
+            _bad("task", self.task, f"exactly one of task and data (data={self.data!r})")
+        if self.data is not None and self.tokenizer is None:
+            _bad("tokenizer", None, "a tokenizer directory when data is given")
+        if self.data is not None and self.model is None:
+            _bad("model", None, "a checkpoint directory when data is given (the tiny model is for the counting task)")
+        for name in ("num_epochs", "counting_max_count", "counting_symbols", "hidden_size", "num_layers",
+                     "rollout_batch_size", "n_samples_per_prompt", "max_num_seqs", "num_blocks", "block_size",
+                     "micro_batch_tokens", "num_steps", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                _bad(name, getattr(self, name), "an int >= 1")
+        for name in ("seed", "save_interval"):
+            if getattr(self, name) < 0:
+                _bad(name, getattr(self, name), "an int >= 0")
+        if self.num_threads is not None and self.num_threads < 1:
+            _bad("num_threads", self.num_threads, "None or an int >= 1")
+        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
+            _bad("over_sampling_batch_size", self.over_sampling_batch_size,
+                 f"None or an int >= rollout_batch_size ({self.rollout_batch_size})")
+        if self.max_response_len is not None and self.max_response_len < 1:
+            _bad("max_response_len", self.max_response_len, "None or an int >= 1")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            _bad("max_staleness", self.max_staleness, "None or an int >= 0")
+        for name, allowed in (("algorithm", ALGORITHMS), ("refill", REFILLS),
+                              ("staleness_policy", STALENESS_POLICIES)):
+            if getattr(self, name) not in allowed:
+                _bad(name, getattr(self, name), f"one of {allowed}")
+        for name in ("counting_median", "lr"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                _bad(name, getattr(self, name), "a finite number > 0")
+        if self.counting_median < 1:
+            _bad("counting_median", self.counting_median, "a finite number >= 1")
+        for name in ("counting_sigma", "kl_coef", "temperature"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                _bad(name, getattr(self, name), "a finite number >= 0")
+        if not 0 < self.top_p <= 1:
+            _bad("top_p", self.top_p, "a number in (0, 1]")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.save if self.save is not None else os.path.join(self.output_dir, "checkpoints")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> TrainConfig:
+        """A config from a mapping of field names (dashes allowed); unknown names raise ConfigError."""
+        names = {f.name for f in fields(cls)}
+        clean = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in names:
+                raise ConfigError(f"{where}: unknown setting {key!r}; known settings: {sorted(names)}")
+            clean[name] = value
+        return cls(**clean)
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str], **overrides: Any) -> TrainConfig:
+        """Reads a TOML file (top-level keys, or a [train] table) and applies ``overrides`` on top."""
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as handle:
+                values = tomllib.load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} does not exist") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML ({err})") from None
+        if set(values) == {"train"} and isinstance(values["train"], dict):
+            values = values["train"]
+        # TOML has no null: the string "none" stands for None in optional settings.
+        values = {k: (None if isinstance(v, str) and v.lower() == "none" else v) for k, v in values.items()}
+        values.update(overrides)
+        return cls.from_dict(values, where=path)
+
+
+def _bad(name: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"TrainConfig.{name}={value!r} is not allowed: {allowed}")
+
+
+_HINTS: dict[str, Any] = {}
+
+
+def _hints() -> dict[str, Any]:
+    if not _HINTS:
+        _HINTS.update(typing.get_type_hints(TrainConfig))
+    return _HINTS
+
+
+def field_type(name: str) -> tuple[type, bool]:
+    """(base type, optional) of a TrainConfig field, e.g. (int, True) for ``int | None``."""
+    hint = _hints()[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if args:
+        return args[0], True
+    return hint, False
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    base, optional = field_type(name)
+    if value is None:
+        if not optional:
+            _bad(name, value, f"a {base.__name__}")
+        return
+    if base is bool:
+        ok = isinstance(value, bool)
+    elif base is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, base)
+    if not ok:
+        _bad(name, value, f"a {base.__name__}" + (" or None" if optional else ""))
+
+
+__all__ = ["ALGORITHMS", "TASKS", "TrainConfig", "field_type"]

@@ -1,0 +1,87 @@
+"""Helpers of the rollout-loop and training tests: a scripted RolloutEngine on a virtual clock, tiny configs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any
+
+from april_ext.batch import FinishReason
+from april_ext.engine import GenerationChunk, GenerationOutput, SamplingParams
+
+
+class ScriptedEngine:
+    """A RolloutEngine whose responses are scripted: ``length_of(input_ids)`` tokens (the prompt's target
+    length), one token per ``tick`` virtual seconds, token id = 10 + position. Its clock is virtual: it
+    advances by ``tick`` per generated round, so durations measured with ``clock()`` do not depend on
+    the machine; ``delay`` real seconds pass per token (0: just yield to the event loop). ``abort_extra_tokens`` tokens are produced by an abort without ever being streamed (as an
+    HTTP engine whose final abort response carries text the stream did not deliver)."""
+
+    def __init__(self, length_of: Callable[[Sequence[int]], int], *, tick: float = 0.01, delay: float = 0.0,
+                 abort_extra_tokens: int = 0) -> None:
+        self.length_of = length_of
+        self.tick = tick
+        self.delay = delay
+        self.abort_extra_tokens = abort_extra_tokens
+        self.version = 0
+        self.now = 0.0
+        self.abort_calls: list[float] = []
+        self.memory_calls: list[tuple[str, tuple[str, ...] | None]] = []
+        self._running: dict[str, dict[str, Any]] = {}
+
+    def clock(self) -> float:
+        return self.now
+
+    async def generate(self, input_ids: Sequence[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+        params = params or SamplingParams()
+        rid = request_id or f"r{len(self._running)}"
+        prompt_len = next(i for i, t in enumerate(input_ids) if t == 3) + 1  # up to the counting task's SEP
+        done = len(input_ids) - prompt_len
+        target = min(self.length_of(input_ids), done + params.max_new_tokens)
+        state = {"tokens": [], "versions": [], "aborted": False}
+        self._running[rid] = state
+        while True:
+            await asyncio.sleep(self.delay)
+            if state["aborted"]:
+                yield GenerationChunk(rid, [], [], self.version, FinishReason.ABORT)
+                return
+            position = done + len(state["tokens"])
+            if position >= target:
+                self._running.pop(rid, None)
+                reason = FinishReason.LENGTH if target - done >= params.max_new_tokens else FinishReason.STOP
+                yield GenerationChunk(rid, [], [], self.version, reason)
+                return
+            self.now += self.tick / max(1, len(self._running))
+            token = 10 + position
+            state["tokens"].append(token)
+            state["versions"].append(self.version)
+            yield GenerationChunk(rid, [token], [-0.5], self.version)
+
+    async def abort(self, request_ids: str | Iterable[str] | None = None) -> list[GenerationOutput]:
+        self.abort_calls.append(self.now)
+        ids = list(self._running) if request_ids is None else (
+            [request_ids] if isinstance(request_ids, str) else list(request_ids))
+        outputs = []
+        for rid in ids:
+            state = self._running.pop(rid)
+            state["aborted"] = True
+            extra = [99] * self.abort_extra_tokens
+            outputs.append(GenerationOutput(rid, [], state["tokens"] + extra, [-0.5] * (len(state["tokens"]) + len(extra)),
+                                            state["versions"] + [self.version] * len(extra), FinishReason.ABORT))
+        return outputs
+
+    async def update_weights(self, weights: Any, version: int) -> None:
+        self.version = version
+
+    async def release_memory(self, tags: Iterable[str] | None = None) -> None:
+        self.memory_calls.append(("release", None if tags is None else tuple(tags)))
+
+    async def resume_memory(self, tags: Iterable[str] | None = None) -> None:
+        self.memory_calls.append(("resume", None if tags is None else tuple(tags)))
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": len(self._running)}
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "weight_version": self.version}

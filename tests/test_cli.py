@@ -1,0 +1,69 @@
+"""The april-ext command line: subcommand registry, flags named after the config fields, config-file
+precedence, error reporting and ``train --compare``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from april_ext import cli
+from april_ext.training.command import config_from_args
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_train_is_registered_and_help_lists_rl_flags(capsys):
+    assert "april_ext.training.command" in cli.COMMANDS
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--rollout-batch-size", "--n-samples-per-prompt", "--over-sampling-batch-size",
+                 "--partial-rollout", "--no-partial-rollout", "--max-response-len", "--num-steps", "--lr",
+                 "--seed", "--save", "--save-interval", "--resume", "--colocate", "--output-dir", "--compare"):
+        assert flag in out
+
+
+def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('rollout_batch_size = 4\nlr = 0.01\nover_sampling_batch_size = "none"\nmax_response_len = 9\n')
+    parser = cli.build_parser()
+    args = parser.parse_args(["train", "--config", str(path), "--lr", "0.5", "--no-partial-rollout",
+                              "--max-response-len", "none"])
+    cfg = config_from_args(args)
+    assert cfg.rollout_batch_size == 4 and cfg.lr == 0.5 and cfg.partial_rollout is False
+    assert cfg.over_sampling_batch_size is None and cfg.max_response_len is None
+    assert cfg.n_samples_per_prompt == 8  # default
+    data = config_from_args(parser.parse_args(["train", "--data", "x.jsonl", "--tokenizer", "t", "--model", "m"]))
+    assert data.task is None and data.data == "x.jsonl"
+
+
+def test_errors_are_reported_with_exit_code_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "--rollout-batch-size", "many"])
+    assert exc.value.code == 2
+    assert "'many' is not a valid int" in capsys.readouterr().err
+    assert cli.main(["train", "--rollout-batch-size", "0"]) == 2
+    assert "TrainConfig.rollout_batch_size=0 is not allowed" in capsys.readouterr().err
+
+
+def test_compare_runs_baseline_and_april_side_by_side(tmp_path, capsys):
+    path = tmp_path / "tiny.toml"
+    path.write_text("\n".join([
+        "counting_median = 3.0", "counting_max_count = 12", "counting_symbols = 2", "hidden_size = 16",
+        "num_layers = 1", "rollout_batch_size = 2", "n_samples_per_prompt = 4", "num_steps = 2",
+        "max_num_seqs = 64", "num_blocks = 256", "progress = false", f'output_dir = "{tmp_path / "cmp"}"']))
+    assert cli.main(["train", "--config", str(path), "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "baseline" in out and "april" in out and "rollout tokens/s" in out
+    assert "APRIL rollout throughput vs baseline:" in out
+    for name in ("baseline", "april"):
+        assert (tmp_path / "cmp" / name / "metrics.jsonl").is_file()
+        assert (tmp_path / "cmp" / name / "checkpoints" / "step_000002").is_dir()
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0

@@ -1,0 +1,191 @@
+"""End-to-end training runs (seconds each): APRIL and baseline, resume, colocated memory hand-off, a run
+killed with SIGKILL and resumed, a prompt file running out, and clear errors for bad configs and data."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from april_ext import ConfigError, InvalidArgumentError, Scheduler, SchedulerConfig, memory
+from april_ext.tasks import CountingTask, CountingTaskConfig
+from april_ext.training import CheckpointManager, TrainConfig, train
+
+TINY = dict(counting_median=3.0, counting_sigma=0.8, counting_max_count=12, counting_symbols=2, hidden_size=16,
+            num_layers=1, rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=4,
+            max_num_seqs=64, num_blocks=256, lr=0.003, progress=False, plots=False)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(tmp_path, name: str = "run", **changes) -> TrainConfig:
+    return TrainConfig(**{**TINY, "output_dir": str(tmp_path / name), "num_steps": 3, **changes})
+
+
+def _rows(path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_end_to_end_run_writes_metrics_plots_and_checkpoint(tmp_path, partial):
+    result = train(tiny(tmp_path, partial_rollout=partial, plots=partial))
+    rows = _rows(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] == [r["step"] for r in result.history]
+    assert [r["policy_version"] for r in rows] == [0, 1, 2]
+    assert all(r["mode"] == ("april" if partial else "baseline") for r in rows)
+    for r in rows:
+        assert r["rollout/batch_groups"] == 2 and len(r["rollout/response_lens"]) == 8
+        assert r["train/version"] == r["policy_version"] + 1
+    if not partial:
+        assert all(r["rollout/aborted_samples"] == 0 and r["rollout/carried_token_ratio"] == 0 for r in rows)
+    else:
+        assert (tmp_path / "run" / "training.png").stat().st_size > 0
+        assert (tmp_path / "run" / "response_lengths.png").stat().st_size > 0
+    assert result.checkpoint is not None and result.checkpoint.endswith("step_000003")
+    assert result.summary["steps"] == 3 and result.summary["rollout_tokens_per_s"] > 0
+
+
+def test_resume_continues_from_the_newest_checkpoint(tmp_path):
+    first = train(tiny(tmp_path, num_steps=3, save_interval=1, keep_checkpoints=2))
+    saved = CheckpointManager(tmp_path / "run" / "checkpoints").list()
+    assert [c.step for c in saved] == [2, 3]  # keep the newest 2
+    resumed = train(tiny(tmp_path, num_steps=5, save_interval=1, resume=True))
+    assert resumed.resumed_from == 3
+    rows = _rows(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[:3] == first.history
+    assert [r["policy_version"] for r in rows] == [0, 1, 2, 3, 4]
+    # Resuming a finished run trains nothing more.
+    again = train(tiny(tmp_path, num_steps=5, resume=True))
+    assert again.resumed_from == 5 and len(again.history) == 5
+
+
+def test_colocated_run_pauses_trainer_and_engine_memory_in_turn(tmp_path):
+    result = train(tiny(tmp_path, colocate=True, num_steps=2))
+    assert len(result.history) == 2
+    tags = memory.stats()
+    prefix = result.memory_tag_prefix
+    trainer, kv, weights = (tags[prefix + t] for t in ("trainer", "kv_cache", "weights"))
+    # The trainer's memory is paused for each rollout, the engine's for each training step; both are
+    # resident again at the end.
+    assert trainer.pauses == 2 and trainer.resumes == 2 and not trainer.paused
+    assert kv.pauses == 2 and kv.resumes >= 2 and not kv.paused
+    assert weights.pauses == 2 and not weights.paused
+
+
+def test_killed_run_resumes_from_its_checkpoint_with_buffered_partials(tmp_path):
+    out = tmp_path / "killed"
+    ckpt = out / "checkpoints"
+    cmd = [sys.executable, "-m", "april_ext.cli", "train", "--output-dir", str(out), "--num-steps", "200",
+           "--save-interval", "1", "--keep-checkpoints", "3", "--no-progress", "--no-plots", "--num-threads", "1"]
+    for key, value in TINY.items():
+        if isinstance(value, bool):
+            continue
+        cmd += ["--" + key.replace("_", "-"), str(value)]
+    # With a 9-token vocabulary a random-init model emits EOS at random (mean length ~9, cap 40): groups
+    # finish at very different times and many samples are still running at each step's end.
+    shape = {"counting_symbols": 1, "counting_max_count": 4, "max_response_len": 40, "over_sampling_batch_size": 6}
+    for key, value in shape.items():
+        cmd += ["--" + key.replace("_", "-"), str(value)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ})
+    manager = CheckpointManager(ckpt)
+    deadline = time.monotonic() + 120
+    try:
+        while manager.latest() is None:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    latest = manager.latest()
+    assert latest is not None and latest.step < 200
+    task = CountingTask(CountingTaskConfig(n_symbols=1, max_count=4, median_count=3.0, sigma=0.8, seed=0))
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=6,
+                                      max_response_len=40), task)
+    sched.load(os.path.join(latest.path, "scheduler.state"))
+    buffered = sched.stats()["buffered_samples"]
+    assert buffered > 0
+    steps = latest.step + 2
+    result = train(tiny(tmp_path, "killed", num_steps=steps, resume=True, save_interval=1, **shape))
+    assert result.resumed_from == latest.step
+    rows = _rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    # The first step after the restart resumes the checkpoint's partial samples before new prompts.
+    assert rows[latest.step]["rollout/resumed_requests"] >= 1
+
+
+def test_prompt_file_running_out_ends_training(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from april_ext.model import LlamaForCausalLM, ModelConfig, save_pretrained
+
+    words = ["[PAD]", "[BOS]", "[EOS]", "what", "is", "1+1", "2+2", "3+3", "?", "2", "4", "6", "answer:"]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[PAD]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="[EOS]", pad_token="[PAD]").save_pretrained(
+        tmp_path / "tok")
+    model = LlamaForCausalLM(ModelConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=64, eos_token_id=2))
+    model.init_weights(0)
+    save_pretrained(model, tmp_path / "model")
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"question": f"what is {a}+{a} ?", "answer": str(2 * a)}) + "\n"
+                            for a in (1, 2, 3)))
+    result = train(tiny(tmp_path, task=None, data=str(data), tokenizer=str(tmp_path / "tok"),
+                        model=str(tmp_path / "model"), prompt_key="question", label_key="answer",
+                        max_response_len=6, num_steps=10))
+    assert result.data_exhausted
+    assert [r["rollout/batch_groups"] for r in result.history] == [2, 1]
+
+
+def test_bad_configs_name_the_setting(tmp_path):
+    with pytest.raises(ConfigError, match=r"TrainConfig.rollout_batch_size=0 is not allowed: an int >= 1"):
+        TrainConfig(rollout_batch_size=0)
+    with pytest.raises(ConfigError, match=r"TrainConfig.lr='fast' is not allowed: a float"):
+        TrainConfig(lr="fast")
+    with pytest.raises(ConfigError, match=r"TrainConfig.algorithm='ppo2' is not allowed: one of"):
+        TrainConfig(algorithm="ppo2")
+    with pytest.raises(ConfigError, match="exactly one of task and data"):
+        TrainConfig(data="x.jsonl", tokenizer="t", model="m")
+    with pytest.raises(ConfigError, match="TrainConfig.tokenizer=None"):
+        TrainConfig(task=None, data="x.jsonl", model="m")
+    with pytest.raises(ConfigError, match=r"over_sampling_batch_size=4 is not allowed.*>= rollout_batch_size \(8\)"):
+        TrainConfig(over_sampling_batch_size=4)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('rollout_batch_size = 4\nrollout_batchsize = 8\n')
+    with pytest.raises(ConfigError, match=r"bad.toml: unknown setting 'rollout_batchsize'"):
+        TrainConfig.from_toml(bad)
+    bad.write_text('rollout_batch_size = \n')
+    with pytest.raises(ConfigError, match="bad.toml: not valid TOML"):
+        TrainConfig.from_toml(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        TrainConfig.from_toml(tmp_path / "missing.toml")
+
+
+def test_bad_jsonl_line_names_file_and_line(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={"[PAD]": 0, "hi": 1}, unk_token="[PAD]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]").save_pretrained(tmp_path / "tok")
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "hi", "label": "1"}\n{"prompt": "hi", "label": \n')
+    with pytest.raises(InvalidArgumentError, match=r"bad\.jsonl:2: invalid JSON"):
+        train(tiny(tmp_path, task=None, data=str(data), tokenizer=str(tmp_path / "tok"), model=str(tmp_path)))
