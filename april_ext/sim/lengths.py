@@ -128,9 +128,9 @@ LENGTH_PRESETS: dict[str, LogNormalLengths] = {
         incorrect_length_factor=3.0, runaway_prob=0.04, drift_per_version=0.004, name="deepscaler",
         description="AIME/AMC/Omni-MATH/STILL mix; easier (~60% accuracy), shorter responses"),
     "deepmath-103k": LogNormalLengths(
-        median_tokens=3200, prompt_sigma=0.6, within_sigma=0.35, accuracy_mean=0.4, accuracy_concentration=1.5,
+        median_tokens=2400, prompt_sigma=0.6, within_sigma=0.35, accuracy_mean=0.45, accuracy_concentration=1.5,
         incorrect_length_factor=3.0, runaway_prob=0.08, drift_per_version=0.004, name="deepmath-103k",
-        description="difficulty 5-9 problems with verifiable answers; hardest, longest tail (~40% accuracy)"),
+        description="difficulty 5-9 problems with verifiable answers; hardest, longest tail (~45% accuracy)"),
 }
 
 
