@@ -37,7 +37,8 @@ class SimConfig:
     lengths: str | LengthModel = "dapo-math-17k"
     mode: Mode = "april-batch"
     algorithm: str = "grpo"
-    """"grpo": every complete group is trained; "dapo": dynamic sampling drops groups with equal rewards."""
+    """"grpo": every complete group is trained; "dapo": dynamic sampling drops groups with equal rewards (and its
+    baseline over-samples N' groups, discarding unfinished ones: see scheduler_config)."""
     rollout_batch_size: int = 32
     n_samples_per_prompt: int = 8
     over_sampling_batch_size: int | None = 64
@@ -63,10 +64,15 @@ class SimConfig:
                               f"or the path of a .csv / .jsonl length trace")
 
     def scheduler_config(self) -> SchedulerConfig:
+        """APRIL as configured; the baseline is what slime does without partial rollout: GRPO launches N
+        groups and waits for all of them; DAPO's dynamic sampling launches N' groups, stops once N pass the
+        filter and throws the unfinished and surplus groups away (max_staleness 0 with the drop policy)."""
         base = SchedulerConfig(
             rollout_batch_size=self.rollout_batch_size, n_samples_per_prompt=self.n_samples_per_prompt,
             over_sampling_batch_size=self.over_sampling_batch_size, max_response_len=self.max_response_len,
             refill="continuous" if self.mode == "april-continuous" else "batch")
+        if self.mode == "baseline" and self.algorithm == "dapo":
+            return replace(base, max_staleness=0, staleness_policy="drop")
         return scheduler_config_for(base, partial_rollout=self.mode != "baseline")
 
     def cluster_config(self) -> ClusterConfig:
