@@ -2,6 +2,7 @@
 
 Definitions (docs/sim.md has the reasoning):
 - throughput: response tokens generated in the step / rollout time (virtual seconds, begin_step to batch).
+  Useful throughput leaves out tokens a discarding baseline throws away (DAPO over-sampling without recycling).
 - full-occupancy bound: tokens/s of the same cluster fed an endless queue of fresh samples from the same
   length model (never idle, no step boundaries, no aborts, no resumes); efficiency = throughput / bound.
 - bubble fraction: idle slot-time. A replica has B_sat slots, the mean batch that the never-idle replica
@@ -113,6 +114,7 @@ class StepReport:
     time_to_done_s: float
     generated_tokens: int
     trained_tokens: int
+    discarded_tokens: int  # thrown away by a discarding baseline (stale groups dropped at this step's start)
     tokens_per_s: float
     efficiency: float
     bubble_fraction: float
@@ -146,7 +148,8 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
     replica_time = counters.num_engines * wall
     return StepReport(
         step=step, rollout_s=wall, time_to_done_s=metrics.time_to_done_s, generated_tokens=metrics.generated_tokens,
-        trained_tokens=int(sched["batch_response_tokens"]), tokens_per_s=metrics.tokens_per_s,
+        trained_tokens=int(sched["batch_response_tokens"]), discarded_tokens=int(sched["stale_tokens_discarded"]),
+        tokens_per_s=metrics.tokens_per_s,
         efficiency=metrics.tokens_per_s / bound.tokens_per_s if bound.tokens_per_s > 0 else 0.0,
         bubble_fraction=min(1.0, max(0.0, 1.0 - busy / slots)) if slots > 0 else 0.0,
         partial_token_ratio=float(sched["carried_token_ratio"]),

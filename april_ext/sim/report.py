@@ -12,7 +12,7 @@ import numpy as np
 from april_ext.sim.runner import SimResult, gain
 
 _COLUMNS = (
-    ("mode", "{}"), ("tok/s", "{:,.0f}"), ("gain", "{}"), ("eff", "{:.2f}"), ("bubble", "{:.2f}"),
+    ("mode", "{}"), ("tok/s", "{:,.0f}"), ("gain", "{}"), ("useful tok/s", "{:,.0f}"), ("eff", "{:.2f}"), ("bubble", "{:.2f}"),
     ("partial", "{:.2f}"), ("offpol", "{:.2f}"), ("stale<=", "{:.0f}"), ("reprefill", "{:.3f}"),
     ("step s", "{:.1f}"), ("len ratio", "{:.2f}"), ("W1 first->last", "{}"),
 )
@@ -26,6 +26,7 @@ def summary_rows(results: dict[str, SimResult]) -> list[dict[str, Any]]:
         rows.append({
             "mode": mode, "tok/s": s["tokens_per_s"],
             "gain": f"{gain(results, mode):+.1%}" if "baseline" in results else "-",
+            "useful tok/s": s["useful_tokens_per_s"],
             "eff": s["efficiency"], "bubble": s["bubble_fraction"], "partial": s["partial_token_ratio"],
             "offpol": s["offpolicy_token_ratio"], "stale<=": s["max_staleness"],
             "reprefill": s["re_prefill_time_fraction"], "step s": s["rollout_s"],

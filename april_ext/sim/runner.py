@@ -109,10 +109,12 @@ def _summarize(steps: list[StepReport], natural: np.ndarray) -> dict[str, float]
     steady = steps[1:] if len(steps) > 1 else steps
     time = sum(s.rollout_s for s in steady)
     tokens = sum(s.generated_tokens for s in steady)
+    discarded = sum(s.discarded_tokens for s in steady)
     trained = np.concatenate([np.asarray(s.response_lens, np.int64) for s in steps])
     bias = length_bias(trained, natural)
     return {
         "tokens_per_s": tokens / time if time > 0 else 0.0,
+        "useful_tokens_per_s": (tokens - discarded) / time if time > 0 else 0.0,
         "efficiency": float(np.mean([s.efficiency for s in steady])),
         "bubble_fraction": float(np.mean([s.bubble_fraction for s in steady])),
         "partial_token_ratio": float(np.mean([s.partial_token_ratio for s in steady])),
@@ -170,10 +172,10 @@ def compare(config: SimConfig, modes: tuple[str, ...] = MODES) -> dict[str, SimR
     return {mode: simulate(replace(config, mode=mode), bound) for mode in modes}  # type: ignore[arg-type]
 
 
-def gain(results: dict[str, SimResult], mode: str, baseline: str = "baseline") -> float:
-    """Relative throughput gain of ``mode`` over ``baseline`` (0.25 = +25%)."""
-    base = results[baseline].summary["tokens_per_s"]
-    return results[mode].summary["tokens_per_s"] / base - 1 if base > 0 else math.nan
+def gain(results: dict[str, SimResult], mode: str, baseline: str = "baseline", metric: str = "tokens_per_s") -> float:
+    """Relative gain of ``mode`` over ``baseline`` in a summary metric (0.25 = +25%)."""
+    base = results[baseline].summary[metric]
+    return results[mode].summary[metric] / base - 1 if base > 0 else math.nan
 
 
 __all__ = ["ALGORITHMS", "MODES", "SimConfig", "SimResult", "compare", "gain", "simulate", "simulate_async"]
