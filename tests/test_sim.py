@@ -21,7 +21,7 @@ from april_ext.rollout import RolloutEngine, RolloutLoop
 from april_ext.scheduler import Scheduler, SchedulerConfig
 from april_ext.sim import (ClusterConfig, CostModel, LogNormalLengths, SampleDraw, SimulatedEngine, TraceLengths,
                            cluster_preset, length_preset)
-from april_ext.sim.metrics import full_occupancy_bound, length_bias
+from april_ext.sim.metrics import length_bias
 from april_ext.sim.runner import SimConfig, simulate
 from april_ext.sim.tokens import CORRECT_TOKEN, WRONG_TOKEN, answer_reward, prompt_key, synthetic_prompt
 

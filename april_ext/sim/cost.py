@@ -9,7 +9,7 @@ derive every term from bandwidth, FLOPs and model shape; docs/sim.md shows the a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from april_ext.errors import ConfigError
 
@@ -36,7 +36,8 @@ class CostModel:
     prefill_per_token_s: float
     """Per prefilled token: linear-layer FLOPs at prefill efficiency."""
     prefill_attn_per_token_pair_s: float = 0.0
-    """Per (query, key) pair of causal prefill attention: extending a context from a to b costs (b^2 - a^2) / 2 pairs."""
+    """Per (query, key) pair of causal prefill attention: extending a context from a to b costs (b^2 - a^2) / 2
+    pairs."""
     prefill_fixed_s: float = 0.0
     """Per prefill batch (one admission round)."""
     kv_capacity_tokens: int = 1 << 20
@@ -169,7 +170,6 @@ class ClusterConfig:
     router: str = "least_loaded"
     """"least_loaded": the replica with the fewest running + waiting requests; "round_robin"."""
     name: str = "custom"
-    notes: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cost, CostModel):
@@ -186,8 +186,7 @@ def cluster_preset(name: str, num_engines: int = 8) -> ClusterConfig:
     if gpu_name not in GPUS or model_name not in MODELS:
         raise ConfigError(f"cluster preset {name!r} is not known: one of {sorted(CLUSTER_PRESETS)}")
     gpu, model = GPUS[gpu_name], MODELS[model_name]
-    return ClusterConfig(cost=derive_cost_model(gpu, model), num_engines=num_engines, name=name,
-                         notes=(f"{gpu.name} serving {model.name}, one engine (TP=1) per GPU",))
+    return ClusterConfig(cost=derive_cost_model(gpu, model), num_engines=num_engines, name=name)
 
 
 CLUSTER_PRESETS = tuple(f"{g}-{m}" for g in GPUS for m in MODELS)

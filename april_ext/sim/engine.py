@@ -67,13 +67,12 @@ class ClusterCounters:
 
 
 class _Stream:
-    __slots__ = ("request", "items", "waiter", "open")
+    __slots__ = ("request", "items", "waiter")
 
     def __init__(self, request: SimRequest) -> None:
         self.request = request
         self.items: deque[GenerationChunk] = deque()
         self.waiter: asyncio.Future[None] | None = None
-        self.open = True
 
 
 class SimulatedEngine:
@@ -289,7 +288,7 @@ class SimulatedEngine:
             self._ordinals[key] += 1
             draw = self.lengths.draw(key, ordinal, self.weight_version)
             sample = SimSample(uid=next(self._uids), prompt_len=int(ids.size), target=int(draw.length),
-                               correct=bool(draw.correct), version_drawn=self.weight_version)
+                               correct=bool(draw.correct))
             is_resume = False
         base = int(ids.size) - sample.prompt_len
         left = max(sample.target - base, 1)
@@ -356,8 +355,8 @@ class SimulatedEngine:
             self._deliver(request, self._chunk(request, FinishReason.ABORT))
             s = request.sample
             out_tokens = response_tokens(s.uid, request.base, request.base + request.generated, None, s.correct)
-            request.hasher.update(out_tokens.tobytes())  # type: ignore[attr-defined]
-            self._resumable.setdefault(request.hasher.digest(), deque()).append(s)  # type: ignore[attr-defined]
+            request.hasher.update(out_tokens.tobytes())
+            self._resumable.setdefault(request.hasher.digest(), deque()).append(s)
             versions = [v for v, n in request.chunk_versions for _ in range(n)]
             outputs.append(GenerationOutput(
                 request_id=rid, prompt_ids=request.input_ids.tolist(), token_ids=out_tokens.tolist(),

@@ -152,7 +152,8 @@ class TraceLengths:
         self.lengths = [[int(x) for x in row] for row in lengths]
         for p, row in enumerate(self.lengths):
             if not row or min(row) < 1:
-                raise InvalidArgumentError(f"trace prompt {p}: lengths must be a non-empty list of ints >= 1, got {row}")
+                raise InvalidArgumentError(
+                    f"trace prompt {p}: lengths must be a non-empty list of ints >= 1, got {row}")
         if correct is None:
             self.correct = [[True] * len(row) for row in self.lengths]
         else:

@@ -59,7 +59,7 @@ def full_occupancy_bound(cluster: ClusterConfig, lengths: LengthModel, max_respo
                 key = next(keys)
                 for i in range(n_per_prompt):
                     d = lengths.draw(key, i, version)
-                    pending.append(SimSample(next(uids), prompt_len, int(d.length), bool(d.correct), version))
+                    pending.append(SimSample(next(uids), prompt_len, int(d.length), bool(d.correct)))
             s = pending.pop()
             new_total = min(s.target, max_response_len)
             replica.enqueue(SimRequest(
@@ -73,7 +73,7 @@ def full_occupancy_bound(cluster: ClusterConfig, lengths: LengthModel, max_respo
                              cluster.cost.kv_capacity_tokens // max(1, prompt_len + max_response_len // 4)))
     warm = warmup_finishes if warmup_finishes is not None else 3 * concurrency
     measure = measure_finishes if measure_finishes is not None else 10 * concurrency
-    finished = 0
+    finished = finished_at_start = 0
     start = None
     while True:
         t = replica.next_event()

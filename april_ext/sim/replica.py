@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +29,6 @@ class SimSample:
     prompt_len: int
     target: int  # natural total response length; the request's cap may cut it
     correct: bool
-    version_drawn: int
 
 
 @dataclass
@@ -42,14 +42,13 @@ class SimRequest:
     new_total: int
     finish: FinishReason
     is_resume: bool
-    hasher: object  # blake2b over the input ids, extended with the output on abort
+    hasher: Any  # blake2b over the input ids, extended with the output on abort
     input_ids: np.ndarray
     generated: int = 0
     delivered: int = 0
     chunk_versions: list[tuple[int, int]] = field(default_factory=list)  # (version, count) per delivered chunk
     replica: int = -1
     running: bool = False
-    done: bool = False
     prefilled_once: bool = False
 
     @property
@@ -156,7 +155,6 @@ class Replica:
             self.running = [r for r in self.running if r.remaining > 0]
             for r in done:
                 r.running = False
-                r.done = True
                 self.kv -= r.context
             self.counters.finished += len(done)
             self._next = None

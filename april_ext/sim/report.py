@@ -12,7 +12,8 @@ import numpy as np
 from april_ext.sim.runner import SimResult, gain
 
 _COLUMNS = (
-    ("mode", "{}"), ("tok/s", "{:,.0f}"), ("gain", "{}"), ("useful tok/s", "{:,.0f}"), ("eff", "{:.2f}"), ("bubble", "{:.2f}"),
+    ("mode", "{}"), ("tok/s", "{:,.0f}"), ("gain", "{}"), ("useful tok/s", "{:,.0f}"), ("eff", "{:.2f}"),
+    ("bubble", "{:.2f}"),
     ("partial", "{:.2f}"), ("offpol", "{:.2f}"), ("stale<=", "{:.0f}"), ("reprefill", "{:.3f}"),
     ("step s", "{:.1f}"), ("len ratio", "{:.2f}"), ("W1 first->last", "{}"),
 )
@@ -53,10 +54,12 @@ def describe(results: dict[str, SimResult]) -> str:
     c = first.config
     cluster = c.cluster_config()
     lengths = c.length_model()
-    head = (f"cluster {cluster.name} x{cluster.num_engines} | lengths {getattr(lengths, 'name', type(lengths).__name__)}"
+    name = getattr(lengths, "name", type(lengths).__name__)
+    head = (f"cluster {cluster.name} x{cluster.num_engines} | lengths {name}"
             f" | {c.algorithm} | N={c.rollout_batch_size} x n={c.n_samples_per_prompt}, "
             f"N'={c.over_sampling_batch_size}, cap {c.max_response_len} | {c.steps} steps (summary over steps 1..)\n"
-            f"full-occupancy bound {first.bound.tokens_per_s:,.0f} tok/s (B_sat {first.bound.mean_batch:.1f} per engine)"
+            f"full-occupancy bound {first.bound.tokens_per_s:,.0f} tok/s "
+            f"(B_sat {first.bound.mean_batch:.1f} per engine)"
             f", natural mean length {first.natural_mean:,.0f}")
     return head + "\n" + format_table(summary_rows(results))
 
