@@ -264,6 +264,18 @@ def test_every_metric_of_a_tiny_april_run_is_hand_computable():
     assert s1.length_w1_rel == pytest.approx(length_bias(np.array([5, 5]), natural)["w1_rel"])
 
 
+def test_scheduler_settings_per_mode():
+    config = SimConfig(over_sampling_batch_size=96, max_inflight_samples=600)
+    april = replace(config, mode="april-continuous").scheduler_config()
+    assert (april.over_sampling_batch_size, april.refill, april.max_inflight_samples) == (96, "continuous", 600)
+    base = replace(config, mode="baseline").scheduler_config()
+    assert (base.over_sampling_batch_size, base.refill, base.max_inflight_samples) == (32, "batch", None)
+    dapo = replace(config, mode="baseline", algorithm="dapo").scheduler_config()
+    assert (dapo.over_sampling_batch_size, dapo.max_staleness, dapo.staleness_policy) == (96, 0, "drop")
+    with pytest.raises(ConfigError, match="SimConfig.mode='fast'"):
+        SimConfig(mode="fast")
+
+
 def test_baseline_waits_for_the_whole_wave():
     result = _tiny_run(mode="baseline", steps=2)
     s0, s1 = result.steps

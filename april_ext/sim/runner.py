@@ -43,6 +43,8 @@ class SimConfig:
     n_samples_per_prompt: int = 8
     over_sampling_batch_size: int | None = 64
     max_response_len: int = 16384
+    max_inflight_samples: int | None = None
+    """Scheduler cap on samples in flight (None: no cap); with a large N' it holds the engines at a target load."""
     num_engines: int = 8
     steps: int = 6
     prompt_len: int = 256
@@ -70,6 +72,7 @@ class SimConfig:
         base = SchedulerConfig(
             rollout_batch_size=self.rollout_batch_size, n_samples_per_prompt=self.n_samples_per_prompt,
             over_sampling_batch_size=self.over_sampling_batch_size, max_response_len=self.max_response_len,
+            max_inflight_samples=self.max_inflight_samples if self.mode != "baseline" else None,
             refill="continuous" if self.mode == "april-continuous" else "batch")
         if self.mode == "baseline" and self.algorithm == "dapo":
             return replace(base, max_staleness=0, staleness_policy="drop")
