@@ -197,6 +197,50 @@ async def _collect_chunks(engine: SimulatedEngine, ids, rid: str = "w", max_new:
     return [c async for c in engine.generate(ids, SamplingParams(max_new_tokens=max_new), rid)]
 
 
+def test_clock_waits_for_consumers_and_reactions_within_the_settle_passes():
+    async def run():
+        async with SimulatedEngine(_one(), TraceLengths([[10]])) as engine:
+            long = engine.generate(synthetic_prompt(0, 4), SamplingParams(max_new_tokens=16), "long")
+            first = asyncio.ensure_future(long.__anext__())
+            await _collect(engine, synthetic_prompt(1, 4), "tick", max_new=2)
+            await engine.update_weights({}, 1)  # flushes "long": a chunk of its 2 tokens so far
+            chunk = await first
+            for _ in range(200):  # a slow consumer holds the clock while its stream is not drained
+                await asyncio.sleep(0)
+            held = engine.clock()
+            pending = asyncio.ensure_future(long.__anext__())
+            for _ in range(10):  # a reaction within settle_passes happens at the same virtual instant
+                await asyncio.sleep(0)
+            [out] = await engine.abort(["long"])
+            return chunk, held, out, await pending
+
+    chunk, held, out, last = asyncio.run(run())
+    assert (len(chunk.token_ids), chunk.weight_version, held) == (2, 0, 2.0)
+    assert out.token_ids[:2] == chunk.token_ids and len(out.token_ids) == 2 and out.versions == [0, 0]
+    assert last.finish_reason == FinishReason.ABORT and last.token_ids == []
+
+
+def test_released_memory_stops_the_clock_and_kv_release_recomputes():
+    async def run():
+        async with SimulatedEngine(_one(), TraceLengths([[6]])) as engine:
+            task = asyncio.ensure_future(_collect_chunks(engine, synthetic_prompt(0, 4)))
+            await _collect(engine, synthetic_prompt(1, 4), "tick", max_new=2)
+            await engine.release_memory(["kv_cache"])
+            assert engine.health()["status"] == "paused"
+            for _ in range(100):
+                await asyncio.sleep(0)
+            paused_at = engine.clock()
+            await engine.resume_memory()
+            chunks = await task
+            with pytest.raises(InvalidArgumentError, match="unknown memory tags"):
+                await engine.release_memory(["gpu"])
+            return paused_at, chunks, engine.clock(), engine.counters()
+
+    paused_at, chunks, end, counters = asyncio.run(run())
+    assert paused_at == 2.0 and end == 6.0  # 4 more tokens after the resume (recompute costs 0 here)
+    assert [len(c.token_ids) for c in chunks] == [2, 4] and counters.recompute_tokens == 4 + 2
+
+
 def test_kv_capacity_preempts_and_recomputes():
     cost = replace(UNIT, kv_capacity_tokens=40, max_num_seqs=8, prefill_per_token_s=0.001)
 
