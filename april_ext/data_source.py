@@ -24,20 +24,10 @@ class Prompt:
     token_ids: Sequence[int]
     metadata: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def label(self) -> Any:
-        """The reference answer, ``metadata["label"]`` (None when absent)."""
-        return self.metadata.get("label")
-
 
 @runtime_checkable
 class DataSource(Protocol):
-    """Random-access prompts. ``len()`` bounds the run: when the scheduler reaches it, data has run out.
-
-    Implementations: ListDataSource, april_ext.data.PromptDataset (prompt files, epochs) and
-    april_ext.tasks.CountingTask (a generated stream whose length is a config field). An index at or
-    past ``len()`` raises IndexError.
-    """
+    """Random-access prompts. ``len()`` bounds the run: when the scheduler reaches it, data has run out."""
 
     def __len__(self) -> int: ...
 
@@ -57,8 +47,6 @@ class ListDataSource:
         return len(self._prompts)
 
     def __getitem__(self, index: int) -> Prompt:
-        if not 0 <= index < len(self._prompts):
-            raise IndexError(f"prompt index {index} is out of range [0, {len(self._prompts)})")
         return self._prompts[index]
 
 

@@ -132,9 +132,13 @@ class SampleView:
     token_ids: np.ndarray  # int32
     logprobs: np.ndarray  # float32
     versions: np.ndarray  # int32, policy version per token
+    resumes: int  # times the sample was dispatched as a resume
 
 
 def _array(values: Any, dtype: type, name: str) -> np.ndarray:
+    if (isinstance(values, np.ndarray) and values.dtype == dtype and values.ndim == 1
+            and values.flags.c_contiguous):
+        return values  # the engine's arrays pass through untouched
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise InvalidArgumentError(f"{name} must be 1-D, got shape {arr.shape}")
@@ -237,15 +241,20 @@ class Scheduler:
             for index in range(start, min(start + wanted, len(self._data))):
                 self._core.add_group(index, prompt_token_array(self._data[index], index))
             d = self._core.dispatch()
-        offsets = d["offsets"]
+        # Plain lists first: indexing numpy arrays element by element costs more than the requests themselves.
+        offsets = d["offsets"].tolist()
+        ids, gids, indices = d["sample_ids"].tolist(), d["group_ids"].tolist(), d["prompt_indices"].tolist()
+        prompt_lens, budgets, resumes = d["prompt_lens"].tolist(), d["max_new_tokens"].tolist(), d["is_resume"].tolist()
+        input_ids = d["input_ids"]
+        prompt_ids: dict[int, Any] = {}
         requests = []
-        for r in range(d["sample_ids"].shape[0]):
-            index = int(d["prompt_indices"][r])
+        for r, index in enumerate(indices):
+            if index not in prompt_ids:
+                prompt_ids[index] = self._data[index].id
             requests.append(GenerationRequest(
-                sample_id=int(d["sample_ids"][r]), group_id=int(d["group_ids"][r]), prompt_index=index,
-                prompt_id=self._data[index].id, input_ids=d["input_ids"][offsets[r]:offsets[r + 1]],
-                prompt_len=int(d["prompt_lens"][r]), max_new_tokens=int(d["max_new_tokens"][r]),
-                is_resume=bool(d["is_resume"][r])))
+                sample_id=ids[r], group_id=gids[r], prompt_index=index, prompt_id=prompt_ids[index],
+                input_ids=input_ids[offsets[r]:offsets[r + 1]], prompt_len=prompt_lens[r],
+                max_new_tokens=budgets[r], is_resume=bool(resumes[r])))
         return requests
 
     # ------------------------------------------------------------------ engine events
@@ -332,8 +341,8 @@ class Scheduler:
 
     def sample(self, sample_id: int) -> SampleView:
         """A copy of one sample's response, logprobs and per-token versions."""
-        tokens, logprobs, versions, state = self._core.sample_response(int(sample_id))
-        return SampleView(int(sample_id), _SAMPLE_STATES[state], tokens, logprobs, versions)
+        tokens, logprobs, versions, state, resumes = self._core.sample_response(int(sample_id))
+        return SampleView(int(sample_id), _SAMPLE_STATES[state], tokens, logprobs, versions, int(resumes))
 
     # ------------------------------------------------------------------ persistence
 

@@ -66,12 +66,15 @@ def _memcpy_seconds(dst: np.ndarray, src: np.ndarray) -> float:
     return time.perf_counter() - start
 
 
-def test_backup_copy_bandwidth_vs_memcpy(benchmark):
-    """Backup (device -> fresh host buffer) and restore (host -> device) copy bandwidth, each over a
-    plain single memcpy of the same bytes, interleaved in the same run. The backup's destination is
-    freshly mapped host memory, so it is compared both with a memcpy into an already-touched buffer
-    (warm) and with one into a fresh buffer (the same first-touch cost)."""
+@pytest.mark.parametrize("cache", [False, True], ids=["fresh-backup", "cached-backup"])
+def test_backup_copy_bandwidth_vs_memcpy(benchmark, cache):
+    """Backup (device -> host buffer) and restore (host -> device) copy bandwidth, each over a plain
+    single memcpy of the same bytes, interleaved in the same run. Without the backup cache the
+    backup's destination is freshly mapped host memory, so it is compared both with a memcpy into an
+    already-touched buffer (warm) and with one into a fresh buffer (the same first-touch cost); with
+    the cache the buffer of the previous cycle is reused."""
     tag, t = _tensor(cpu_backup=True)
+    mem.set_backup_cache_limit(SIZE if cache else 0)
     src = np.ones(SIZE, np.uint8)
     warm = np.zeros(SIZE, np.uint8)
     backup, restore, memcpy_warm, memcpy_fresh = [], [], [], []
@@ -98,6 +101,7 @@ def test_backup_copy_bandwidth_vs_memcpy(benchmark):
     info["backup_over_memcpy_fresh"] = med(memcpy_fresh) / med(backup)
     info["restore_over_memcpy_warm"] = med(memcpy_warm) / med(restore)
     print({k: round(v, 3) for k, v in info.items()})
+    mem.set_backup_cache_limit(0)
     del t
 
 

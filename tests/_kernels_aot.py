@@ -95,50 +95,60 @@ def compile_one(kernel: object, name: str, gen: str, variant: str, constexprs: d
     return Result(name, gen, variant, True, compiled.metadata.shared, regs, spill)
 
 
-def variants(gen: str, dtypes: list[torch.dtype], head_dims: list[int]) -> list[Result]:
-    device_cfg = {"extend": config._EXTEND, "decode": config._DECODE}
+def variants(gen: str, cases: list[tuple[torch.dtype, int]]) -> list[Result]:
+    """Extend and decode-split for each (dtype, head_dim) with the table's block sizes, then merge and store."""
     out = []
-    for dtype in dtypes:
+    for dtype, head_dim in cases:
         ptr = "*" + _TYPE[dtype]
-        for head_dim in head_dims:
-            d_pad = config.padded_head_dim(head_dim)
-            ext = device_cfg["extend"][(gen, config.row_tier(head_dim, dtype))]
-            dec = device_cfg["decode"][(gen, config.row_tier(head_dim, dtype))]
-            tag = f"{_TYPE[dtype]} d{head_dim}"
+        d_pad = config.padded_head_dim(head_dim)
+        ext = config._EXTEND[(gen, config.row_tier(head_dim, dtype))]
+        dec = config._DECODE[(gen, config.row_tier(head_dim, dtype))]
+        tag = f"{_TYPE[dtype]} d{head_dim}"
+        # The plain variant (interior tiles unmasked) for every case; all options on for the first.
+        for options in ((False,), (False, True)) if not out else ((False,),):
+            flag = options[-1]
             out.append(compile_one(
-                _extend_attention_kernel, "extend", gen, tag,
+                _extend_attention_kernel, "extend", gen, tag + (" window+softcap+lse" if flag else ""),
                 {"GROUP": 4, "HEAD_DIM": head_dim, "D_PAD": d_pad, "PAGE_SIZE": 16, "BLOCK_M": ext.block_m,
-                 "BLOCK_N": ext.block_n, "HAS_WINDOW": True, "HAS_SOFTCAP": True, "WRITE_LSE": True,
+                 "BLOCK_N": ext.block_n, "MASK_D": d_pad != head_dim, "HAS_WINDOW": flag, "HAS_SOFTCAP": flag, "WRITE_LSE": flag,
                  "UPCAST": False},
                 {"QO_INDPTR": "*i32", "BLOCK_TABLE": "*i32", "PREFIX_LENS": "*i32", "LSE": "*fp32"}, ptr,
                 ext.num_warps, ext.num_stages))
-            out.append(compile_one(
-                _decode_split_kernel, "decode_split", gen, tag,
-                {"GROUP": 4, "BLOCK_H": max(dec.block_m, 4), "HEAD_DIM": head_dim, "D_PAD": d_pad, "PAGE_SIZE": 16,
-                 "BLOCK_N": dec.block_n, "HAS_WINDOW": True, "HAS_SOFTCAP": True, "UPCAST": False},
-                {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "O_PART": "*fp32", "LSE_PART": "*fp32"}, ptr,
-                dec.num_warps, dec.num_stages))
         out.append(compile_one(
-            _decode_merge_kernel, "decode_merge", gen, f"{_TYPE[dtype]} d128",
-            {"HEAD_DIM": 128, "D_PAD": 128, "SPLITS_PAD": 16, "WRITE_LSE": True},
-            {"O_PART": "*fp32", "LSE_PART": "*fp32", "LSE": "*fp32"}, ptr, 4, 1))
-        out.append(compile_one(
-            _store_kv_kernel, "store_kv", gen, f"{_TYPE[dtype]} d128",
-            {"KV_HEADS": 8, "HEAD_DIM": 128, "H_PAD": 8, "D_PAD": 128, "PAGE_SIZE": 16},
-            {"SLOTS": "*i64"}, ptr, 4, 1))
+            _decode_split_kernel, "decode_split", gen, tag,
+            {"GROUP": 4, "BLOCK_H": dec.block_m, "HEAD_DIM": head_dim, "D_PAD": d_pad, "PAGE_SIZE": 16,
+             "BLOCK_N": dec.block_n, "HAS_WINDOW": True, "HAS_SOFTCAP": True, "UPCAST": False},
+            {"BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32", "O_PART": "*fp32", "LSE_PART": "*fp32"}, ptr,
+            dec.num_warps, dec.num_stages))
+    out.append(compile_one(
+        _decode_merge_kernel, "decode_merge", gen, "bf16 d128",
+        {"HEAD_DIM": 128, "D_PAD": 128, "SPLITS_PAD": 16, "WRITE_LSE": True},
+        {"O_PART": "*fp32", "LSE_PART": "*fp32", "LSE": "*fp32"}, "*bf16", 4, 1))
+    out.append(compile_one(
+        _store_kv_kernel, "store_kv", gen, "bf16 d128",
+        {"KV_HEADS": 8, "HEAD_DIM": 128, "H_PAD": 8, "D_PAD": 128, "PAGE_SIZE": 16},
+        {"SLOTS": "*i64"}, "*bf16", 4, 1))
     return out
+
+
+# The CI subset: each table row of the generations the project targets (H100/H200, MI300) once.
+QUICK = {
+    "hopper": [(torch.bfloat16, 128), (torch.bfloat16, 256), (torch.float32, 128)],
+    "mi300": [(torch.bfloat16, 128), (torch.bfloat16, 256), (torch.float32, 256)],
+}
 
 
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run without TRITON_INTERPRET=1: the kernels must be compiled, not interpreted", file=sys.stderr)
         return 2
-    full = "--all" in sys.argv[1:]
-    gens = list(TARGETS) if full else ["hopper", "mi300"]
-    dtypes = [torch.bfloat16, torch.float16, torch.float32] if full else [torch.bfloat16, torch.float32]
-    head_dims = [64, 80, 96, 128, 256] if full else [80, 128, 256]
-    for gen in gens:
-        for result in variants(gen, dtypes, head_dims):
+    if "--all" in sys.argv[1:]:
+        every = [(dtype, d) for dtype in (torch.bfloat16, torch.float16, torch.float32) for d in (64, 80, 96, 128, 256)]
+        plan = {gen: every for gen in TARGETS}
+    else:
+        plan = QUICK
+    for gen, cases in plan.items():
+        for result in variants(gen, cases):
             record = asdict(result)
             record["shared_limit"] = SMEM_LIMIT[gen]
             print(json.dumps(record), flush=True)

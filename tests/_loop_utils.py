@@ -14,15 +14,20 @@ class ScriptedEngine:
     """A RolloutEngine whose responses are scripted: ``length_of(input_ids)`` tokens (the prompt's target
     length), one token per ``tick`` virtual seconds, token id = 10 + position. Its clock is virtual: it
     advances by ``tick`` per generated round, so durations measured with ``clock()`` do not depend on
-    the machine; ``delay`` real seconds pass per token (0: just yield to the event loop). ``abort_extra_tokens`` tokens are produced by an abort without ever being streamed (as an
-    HTTP engine whose final abort response carries text the stream did not deliver)."""
+    the machine; ``delay`` real seconds pass per token (0: just yield to the event loop).
+    ``abort_extra_tokens`` tokens are produced by an abort without ever being streamed (as an HTTP
+    engine whose final abort response carries text the stream did not deliver). With
+    ``preempt_first_after=k`` the engine itself ends its first request with ABORT after k tokens (as an
+    engine that drops a request under memory pressure)."""
 
     def __init__(self, length_of: Callable[[Sequence[int]], int], *, tick: float = 0.01, delay: float = 0.0,
-                 abort_extra_tokens: int = 0) -> None:
+                 abort_extra_tokens: int = 0, preempt_first_after: int | None = None) -> None:
         self.length_of = length_of
         self.tick = tick
         self.delay = delay
         self.abort_extra_tokens = abort_extra_tokens
+        self.preempt_first_after = preempt_first_after
+        self.requests = 0
         self.version = 0
         self.now = 0.0
         self.abort_calls: list[float] = []
@@ -41,12 +46,18 @@ class ScriptedEngine:
         target = min(self.length_of(input_ids), done + params.max_new_tokens)
         state = {"tokens": [], "versions": [], "aborted": False}
         self._running[rid] = state
+        preempt_at = self.preempt_first_after if self.requests == 0 else None
+        self.requests += 1
         while True:
             await asyncio.sleep(self.delay)
             if state["aborted"]:
                 yield GenerationChunk(rid, [], [], self.version, FinishReason.ABORT)
                 return
             position = done + len(state["tokens"])
+            if preempt_at is not None and len(state["tokens"]) == preempt_at:
+                self._running.pop(rid, None)
+                yield GenerationChunk(rid, [], [], self.version, FinishReason.ABORT)
+                return
             if position >= target:
                 self._running.pop(rid, None)
                 reason = FinishReason.LENGTH if target - done >= params.max_new_tokens else FinishReason.STOP
@@ -67,7 +78,8 @@ class ScriptedEngine:
             state = self._running.pop(rid)
             state["aborted"] = True
             extra = [99] * self.abort_extra_tokens
-            outputs.append(GenerationOutput(rid, [], state["tokens"] + extra, [-0.5] * (len(state["tokens"]) + len(extra)),
+            tokens = state["tokens"] + extra
+            outputs.append(GenerationOutput(rid, [], tokens, [-0.5] * len(tokens),
                                             state["versions"] + [self.version] * len(extra), FinishReason.ABORT))
         return outputs
 

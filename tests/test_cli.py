@@ -28,6 +28,7 @@ def test_train_is_registered_and_help_lists_rl_flags(capsys):
                  "--partial-rollout", "--no-partial-rollout", "--max-response-len", "--num-steps", "--lr",
                  "--seed", "--save", "--save-interval", "--resume", "--colocate", "--output-dir", "--compare"):
         assert flag in out
+    assert "N: groups (prompts) per training step" in out  # help texts come from the config's field docs
 
 
 def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):

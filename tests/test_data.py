@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from april_ext import ConfigError, DataSource, InvalidArgumentError, Prompt
+from april_ext import ConfigError, InvalidArgumentError
 from april_ext.data import DatasetConfig, PromptDataset, load_tokenizer, read_records
+from april_ext.data_source import DataSource, Prompt
 
 WORDS = ["[PAD]", "[UNK]", "[BOS]", "[EOS]", "<user>", "<assistant>", "what", "is", "1+1", "2+2", "?",
          "solve", "x", "ok"]
@@ -47,14 +48,15 @@ def test_load_tokenizer_from_local_dir(tokenizer_dir, tmp_path):
 def test_jsonl_text_prompts(tokenizer_dir, tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "what is 1+1 ?", "label": "2"},
                                                {"prompt": "what is 2+2 ?", "label": 4}])
-    ds = PromptDataset.from_file(path, load_tokenizer(tokenizer_dir), DatasetConfig(shuffle=False, num_epochs=2))
-    assert isinstance(ds, DataSource) and len(ds) == 4 and len(ds.prompts) == 2
+    ds = PromptDataset.from_file(path, load_tokenizer(tokenizer_dir), DatasetConfig(shuffle=False))
+    assert isinstance(ds, DataSource) and len(ds) == 2
     first = ds[0]
-    assert first.token_ids == (2, 6, 7, 8, 10) and first.label == "2" and first.id == "p.jsonl:1"
-    assert ds[1].label == 4
-    assert ds[2] == first  # second epoch
-    with pytest.raises(IndexError, match="out of range"):
-        ds[4]  # the data has run out
+    assert first.token_ids == (2, 6, 7, 8, 10) and first.metadata["label"] == "2" and first.id == "p.jsonl:1"
+    assert ds[1].metadata["label"] == 4
+    with pytest.raises(IndexError):
+        ds[2]
+    two_epochs = PromptDataset.from_file(path, load_tokenizer(tokenizer_dir), DatasetConfig(shuffle=False, epochs=2))
+    assert len(two_epochs) == 4 and two_epochs[2] == first
 
 
 def test_chat_prompts_and_nested_keys(tokenizer_dir, tmp_path):
@@ -66,7 +68,7 @@ def test_chat_prompts_and_nested_keys(tokenizer_dir, tmp_path):
     ds = PromptDataset.from_file(path, load_tokenizer(tokenizer_dir), cfg)
     prompt = ds[0]
     assert prompt.token_ids == (4, 11, 12, 5)
-    assert prompt.label == "7" and prompt.id == "31"
+    assert prompt.metadata["label"] == "7" and prompt.id == "31"
 
 
 def test_bad_jsonl_line_names_file_and_line(tokenizer_dir, tmp_path):
@@ -82,7 +84,7 @@ def test_missing_key_names_key_and_available(tokenizer_dir, tmp_path):
         PromptDataset.from_file(path, load_tokenizer(tokenizer_dir))
     ds = PromptDataset.from_file(path, load_tokenizer(tokenizer_dir),
                                  DatasetConfig(prompt_key="question", label_key="answer"))
-    assert ds[0].label == "1"
+    assert ds[0].metadata["label"] == "1"
 
 
 def test_parquet_prompts(tokenizer_dir, tmp_path):
@@ -95,7 +97,7 @@ def test_parquet_prompts(tokenizer_dir, tmp_path):
     pq.write_table(table, path)
     cfg = DatasetConfig(prompt_key="problem", label_key="solution", max_prompt_len=5, shuffle=False)
     ds = PromptDataset.from_file(path, load_tokenizer(tokenizer_dir), cfg)
-    assert [p.label for p in ds] == ["2", "4"] and ds.skipped == 1
+    assert [p.metadata["label"] for p in ds] == ["2", "4"] and ds.skipped == 1
     assert [line for line, _ in read_records(path)] == [1, 2, 3]
 
 
@@ -109,20 +111,20 @@ def test_not_parquet_file_is_a_clear_error(tmp_path):
 
 def test_shuffled_epochs_are_permutations_and_reproducible():
     prompts = [Prompt(id=str(i), token_ids=(i,), metadata={"label": i}) for i in range(10)]
-    ds = PromptDataset(prompts, DatasetConfig(seed=5, num_epochs=2))
+    ds = PromptDataset(prompts, DatasetConfig(seed=5, epochs=2))
     epoch0 = [ds[p].id for p in range(10)]
     epoch1 = [ds[p].id for p in range(10, 20)]
     assert sorted(epoch0) == sorted(epoch1) == [str(i) for i in range(10)]
     assert epoch0 != epoch1
-    again = PromptDataset(prompts, DatasetConfig(seed=5, num_epochs=2))
+    again = PromptDataset(prompts, DatasetConfig(seed=5, epochs=2))
     assert [again[p].id for p in (13, 2, 11)] == [epoch1[3], epoch0[2], epoch1[1]]
 
 
 def test_config_validation_and_unknown_format(tmp_path):
     with pytest.raises(ConfigError, match="DatasetConfig.max_prompt_len"):
         DatasetConfig(max_prompt_len=0)
-    with pytest.raises(ConfigError, match="DatasetConfig.num_epochs"):
-        DatasetConfig(num_epochs=0)
+    with pytest.raises(ConfigError, match="DatasetConfig.epochs"):
+        DatasetConfig(epochs=0)
     with pytest.raises(ConfigError, match="DatasetConfig.prompt_key"):
         DatasetConfig(prompt_key="")
     with pytest.raises(InvalidArgumentError, match="cannot tell the format"):

@@ -9,7 +9,7 @@ from _engine_utils import GREEDY, TINY, engine, greedy_reference, prompts, tiny_
 from april_ext.batch import FinishReason
 from april_ext.engine import EngineConfig, EngineCore, SamplingParams, processed_logprobs
 from april_ext.errors import ConfigError, InvalidArgumentError, UnknownIdError
-from april_ext.model import save_pretrained
+from april_ext.model import LlamaForCausalLM, save_pretrained
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +232,11 @@ def test_duplicate_request_ids_and_bad_configs(model) -> None:
         EngineConfig(attention_backend="flash")
     with pytest.raises(ConfigError, match="max_model_len"):
         EngineCore(model, EngineConfig(max_model_len=10_000))
+
+
+def test_bfloat16_engine_follows_the_bfloat16_model(model) -> None:
+    bf16 = LlamaForCausalLM(TINY, dtype=torch.bfloat16)
+    bf16.load_weights(model.named_parameters())
+    out = engine(bf16).generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_new_tokens=6))[0]
+    assert bf16.lm_head.weight.dtype == torch.bfloat16
+    assert out.token_ids == greedy_reference(bf16, [1, 2, 3, 4], 6)

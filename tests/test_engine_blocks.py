@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from april_ext.engine.batch_scheduler import BatchScheduler
@@ -128,3 +130,40 @@ def test_remove_and_preempt_all_release_every_block(prefix_caching: bool) -> Non
     sched.preempt_all()
     assert [s.request_id for s in sched.waiting] == ["s0", "s2"]
     assert bm.num_free == 16 and sched.running == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_traffic_keeps_block_accounting_consistent(seed: int) -> None:
+    """Random joins, steps, finishes and removals under a small KV pool, with shared prompts."""
+    rng = random.Random(seed)
+    bm = BlockManager(24, 4)
+    sched = BatchScheduler(bm, max_num_seqs=5, max_num_batched_tokens=12)
+    shared = [rng.randrange(50) for _ in range(9)]
+    live: list[Sequence] = []
+    for step in range(300):
+        if rng.random() < 0.3 and len(live) < 12:
+            prompt = shared + [rng.randrange(50) for _ in range(rng.randrange(1, 8))] if rng.random() < 0.5 \
+                else [rng.randrange(50) for _ in range(rng.randrange(1, 20))]
+            s = seq(prompt, f"s{step}")
+            sched.add(s)
+            live.append(s)
+        for chunk in sched.schedule():
+            s = chunk.seq
+            assert len(s.block_table) * 4 >= s.num_computed + chunk.num_tokens
+            s.num_computed += chunk.num_tokens
+            bm.register_computed(s)
+            if chunk.samples:
+                s.token_ids.append(rng.randrange(50))
+                if len(s) > 40 or rng.random() < 0.05:
+                    sched.remove(s)
+                    live.remove(s)
+        if live and rng.random() < 0.05:
+            victim = rng.choice(live)
+            sched.remove(victim)
+            live.remove(victim)
+        held = [b for s in sched.running for b in s.block_table]
+        assert all(not s.block_table for s in sched.waiting)
+        assert sum(bm.ref_counts) == len(held)
+        assert bm.num_free == sum(1 for r in bm.ref_counts if r == 0)
+        assert set(sched.running) | set(sched.waiting) == set(live)
+    assert sched.num_preemptions > 0

@@ -6,9 +6,8 @@ import asyncio
 import itertools
 
 import pytest
-import torch
 
-from _engine_utils import GREEDY, engine, greedy_reference, tiny_model, TINY
+from _engine_utils import GREEDY, TINY, engine, greedy_reference, tiny_model
 from april_ext.engine import AsyncEngine
 from april_ext.errors import InvalidArgumentError, InvalidStateError
 

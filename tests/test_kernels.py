@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from april_ext.triton_kernels import (
     BlockConfig,
@@ -343,3 +345,70 @@ def test_decode_reference_against_naive_loop() -> None:
             values = [v_cache[pages[p // 2], p % 2, h // 2].cpu() for p in range(n)]
             expect = naive_attention(q[b, h].cpu(), keys, values, list(range(n)), n - 1, 0.25, 4, 2.0)
             assert_close(ref[b, h], expect, 1e-5)
+
+
+# --- without index checks (no host synchronization) --------------------------------------------------
+
+def test_unchecked_calls_give_the_same_results() -> None:
+    batch = make_batch(*RAGGED, seed=9)
+    checked = extend_attention(*batch.args(), window=5)
+    unchecked = extend_attention(*batch.args(), window=5, check_indices=False, max_extend_len=9)
+    assert torch.equal(checked, unchecked)
+    # Without max_extend_len it is read from qo_indptr.
+    assert torch.equal(checked, extend_attention(*batch.args(), window=5, check_indices=False))
+    q, k_cache, v_cache, table, lens = make_decode(DECODE_LENS, page_size=5)
+    # Unchecked decode sizes its splits from the block table's capacity.
+    assert_close(decode_attention(q, k_cache, v_cache, table, lens, check_indices=False),
+                 decode_attention_reference(q, k_cache, v_cache, table, lens), ATOL[torch.float32])
+    caches = [torch.zeros_like(k_cache), torch.zeros_like(v_cache)]
+    slots = torch.tensor([3, -1, 7], device=DEVICE)
+    store_kv(q[:3, :2], q[:3, 2:], caches[0], caches[1], slots, check_indices=False)
+    assert torch.equal(caches[0].view(-1, 2, 64)[7], q[2, :2])
+
+
+def test_max_extend_len_is_checked_when_indices_are() -> None:
+    batch = make_batch(*RAGGED)
+    with pytest.raises(ValueError, match=r"^max_extend_len: 8 is below sequence 2's 9 new tokens"):
+        extend_attention(*batch.args(), max_extend_len=8)
+    with pytest.raises(ValueError, match=r"^max_extend_len: -1 is not allowed"):
+        extend_attention(*batch.args(), max_extend_len=-1, check_indices=False)
+
+
+def test_auto_split_count() -> None:
+    from april_ext.triton_kernels.decode_attention import choose_num_splits
+
+    # A full GPU already (64 x 8 programs on 132 SMs): split only so that no chunk exceeds 4096 keys.
+    assert choose_num_splits(64, 8, 16384, 64, 132) == 4
+    assert choose_num_splits(64, 8, 4096, 64, 132) == 1
+    # One long sequence: enough chunks for two programs per SM.
+    assert choose_num_splits(1, 8, 100_000, 64, 132) == 33
+    # Never more chunks than tiles, nor than 64.
+    assert choose_num_splits(4, 2, 10, 64, 132) == 1
+    assert choose_num_splits(1, 1, 10**7, 16, 132) == 64
+
+
+# --- random ragged batches ----------------------------------------------------------------------------
+
+@st.composite
+def ragged_batches(draw: st.DrawFn) -> tuple[dict, dict]:
+    batch = draw(st.integers(1, 4))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    layout = {
+        "prefix": draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch)),
+        "extend": draw(st.lists(st.integers(0, 20), min_size=batch, max_size=batch)),
+        "page_size": draw(st.sampled_from([1, 2, 7, 16])),
+        "kv_heads": kv_heads,
+        "q_heads": kv_heads * draw(st.sampled_from([1, 3])),
+        "head_dim": draw(st.sampled_from([16, 48])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+    opts = {"window": draw(st.one_of(st.none(), st.integers(1, 30))),
+            "softcap": draw(st.one_of(st.none(), st.floats(0.5, 10.0)))}
+    return layout, opts
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(ragged_batches())
+def test_extend_random_ragged_batches(case: tuple[dict, dict]) -> None:
+    layout, opts = case
+    check_extend(make_batch(**layout), config=SMALL, **opts)

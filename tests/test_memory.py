@@ -94,7 +94,16 @@ def test_backup_restores_contents_bit_exactly(numel):
     assert mem.stats()[tag].backup_bytes == 0
 
 
-def test_tags_pause_and_resume_independently_and_together():
+def run_isolated(body: str) -> None:
+    """Runs a scenario that pauses every tag of the process in a fresh interpreter, so it cannot
+    touch tensors other tests of the session keep alive."""
+    script = "import torch\nimport april_ext.memory as mem\n" + body + "\nprint('ok')\n"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_tags_pause_and_resume_independently():
     a, b = new_tag("a"), new_tag("b")
     ta = mem.empty((1000,), torch.int64, tag=a, cpu_backup=True)
     tb = mem.empty((3, 5), torch.bfloat16, tag=b, cpu_backup=True)
@@ -103,16 +112,35 @@ def test_tags_pause_and_resume_independently_and_together():
     mem.pause(a)
     assert mem.stats()[a].paused and not mem.stats()[b].paused
     tb.add_(1)  # b stays usable while a is paused
+    mem.pause(b)
     mem.resume(a)
     assert torch.equal(ta, torch.arange(1000))
-    mem.pause()
-    assert mem.stats()[a].paused and mem.stats()[b].paused
-    mem.resume()
-    assert not mem.stats()[a].paused and not mem.stats()[b].paused
-    assert torch.equal(ta, torch.arange(1000)) and bool((tb == 3.5).all())
+    mem.resume(b)
+    assert bool((tb == 3.5).all())
 
 
-def test_state_errors_and_idempotent_transitions():
+def test_pause_and_resume_of_every_tag_are_idempotent():
+    run_isolated(
+        """
+ta = mem.empty((1000,), torch.int64, tag="a", cpu_backup=True)
+tb = mem.empty((3, 5), torch.bfloat16, tag="b", cpu_backup=True)
+ta.copy_(torch.arange(1000))
+tb.fill_(2.5)
+mem.pause("a")
+mem.pause()  # pauses b, skips a (already paused)
+assert mem.stats()["a"].paused and mem.stats()["b"].paused
+assert mem.stats()["a"].pauses == 1 and mem.stats()["b"].pauses == 1
+mem.pause()  # nothing left to pause: a no-op, not an error
+mem.resume("b")
+mem.resume()  # resumes a, skips b (already active)
+mem.resume()
+assert mem.stats()["a"].resumes == 1 and mem.stats()["b"].resumes == 1
+assert torch.equal(ta, torch.arange(1000)) and bool((tb == 2.5).all())
+"""
+    )
+
+
+def test_state_errors():
     tag = new_tag("state")
     t = mem.empty((10,), torch.float32, tag=tag)
     with pytest.raises(mem.InvalidStateError, match="not paused"):
@@ -122,11 +150,8 @@ def test_state_errors_and_idempotent_transitions():
         mem.pause(tag)
     with pytest.raises(mem.InvalidStateError, match="resume it before allocating"):
         mem.empty((4,), torch.float32, tag=tag)
-    mem.pause()  # every-tag pause skips tags that are already paused
-    assert mem.stats()[tag].pauses == 1
     mem.resume(tag)
-    mem.resume()  # every-tag resume skips active tags
-    assert mem.stats()[tag].resumes == 1
+    assert mem.stats()[tag].pauses == 1 and mem.stats()[tag].resumes == 1
     with pytest.raises(mem.UnknownIdError, match="unknown tag"):
         mem.pause(new_tag("never-used"))
     with pytest.raises(mem.UnknownIdError):
@@ -145,6 +170,28 @@ def test_free_while_paused_releases_the_allocation_and_its_backup():
     assert s.allocations == 0 and s.backup_bytes == 0
     mem.resume(tag)
     assert not mem.stats()[tag].paused
+
+
+def test_backup_cache_reuses_host_buffers_up_to_its_limit():
+    tag = new_tag("cache")
+    t = mem.empty((3 * MiB,), torch.uint8, tag=tag, cpu_backup=True)
+    t.fill_(4)
+    try:
+        mem.set_backup_cache_limit(4 * MiB)
+        mem.pause(tag)
+        mem.resume(tag)
+        assert mem.backup_cache() == (4 * MiB, 3 * MiB)  # the backup buffer was kept
+        t.fill_(6)
+        mem.pause(tag)
+        assert mem.backup_cache()[1] == 0  # and taken again by the next pause
+        mem.resume(tag)
+        assert bool((t == 6).all())
+        mem.set_backup_cache_limit(2 * MiB)  # lowering the limit frees what no longer fits
+        assert mem.backup_cache() == (2 * MiB, 0)
+    finally:
+        mem.set_backup_cache_limit(0)
+    with pytest.raises(mem.InvalidArgumentError, match="nbytes"):
+        mem.set_backup_cache_limit(-1)
 
 
 def test_nested_regions_supply_the_innermost_tag():
@@ -219,6 +266,23 @@ def test_out_of_memory_on_allocate_is_an_exception(capacity):
         mem.empty((3 * MiB,), torch.uint8, tag=new_tag("too-big"))
     t = mem.empty((MiB,), torch.uint8, tag=new_tag("fits"))
     assert t.numel() == MiB
+
+
+def test_memory_info_reports_the_simulated_capacity(capacity):
+    capacity(5 * MiB)
+    free, total = mem.memory_info("cpu")
+    assert free == 5 * MiB and total == mem.cpu_capacity()
+
+
+@pytest.mark.skipif(
+    not any(b.name == gpu_kind() and b.compiled and not b.usable for b in mem.backends()),
+    reason="needs a GPU backend that is compiled in but cannot be used here",
+)
+def test_an_unusable_gpu_backend_is_a_driver_error_with_its_reason():
+    reason = next(b.reason for b in mem.backends() if b.name == gpu_kind())
+    with pytest.raises(mem.DriverError) as info:
+        mem.empty((4,), torch.float32, tag=new_tag("gpu"), device="cuda:0")
+    assert reason and reason in str(info.value)
 
 
 def test_sizes_are_rounded_to_the_granularity():

@@ -110,7 +110,7 @@ def test_baseline_config_is_one_flag():
 @pytest.mark.parametrize("kind", ["async", "thread"])
 def test_slow_reward_of_a_surplus_group_does_not_delay_the_abort(kind):
     """Groups 0 and 1 finish together; group 0 is rewarded at once (step done), group 1's reward takes
-    0.3 s; group 2 is long (1.5 s). The abort must be issued before group 1's reward finishes, and that
+    0.5 s; group 2 is long (1.5 s). The abort must be issued before group 1's reward finishes, and that
     reward must still reach the scheduler (group 1 is the next step's batch, without generating)."""
     engine = ScriptedEngine(_length, delay=0.01)
     sched = Scheduler(SchedulerConfig(rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_batch_size=3,
@@ -120,13 +120,13 @@ def test_slow_reward_of_a_surplus_group_does_not_delay_the_abort(kind):
     if kind == "async":
         async def reward(prompt: Prompt, response: np.ndarray) -> float:
             if prompt.id == "p1":
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.5)
                 slow_done.append(time.perf_counter())
             return float(response[0] % 2 + len(response))
     else:
         def reward(prompt: Prompt, response: np.ndarray) -> float:
             if prompt.id == "p1":
-                time.sleep(0.3)
+                time.sleep(0.5)
                 slow_done.append(time.perf_counter())
             return float(response[0] % 2 + len(response))
 
@@ -143,7 +143,7 @@ def test_slow_reward_of_a_surplus_group_does_not_delay_the_abort(kind):
     assert first.batch.prompt_ids == ["p0"]
     assert first.metrics.aborted_samples == 2  # group 2 (long) was cut
     assert pending >= 1 and slow_done and abort_at < slow_done[0]
-    assert first.metrics.wall_s < 0.3
+    assert first.metrics.wall_s < 0.5
     # Group 1's reward arrived after the abort; it is the next batch, and group 2 resumes meanwhile.
     assert second.batch.prompt_ids == ["p1"]
     assert second.metrics.scheduler["carried_token_ratio"] == 1.0
@@ -167,6 +167,22 @@ def test_abort_results_deliver_tokens_the_stream_never_sent():
     # Streamed tokens 10, 11, ... then the two abort-only tokens, all kept in order for the resume.
     assert tokens[-2:] == [99, 99] and tokens[:-2] == list(range(10, 10 + len(tokens) - 2))
     assert first.metrics.generated_tokens == 2 + len(tokens)
+
+
+def test_a_request_the_engine_drops_is_resumed_within_the_step():
+    engine = ScriptedEngine(_length, preempt_first_after=3)
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=1, over_sampling_batch_size=2,
+                                      max_response_len=20), _scripted_data([8, 5]))
+
+    async def run():
+        return await RolloutLoop(engine, sched, _reward_by_length).run_step(0)
+
+    result = asyncio.run(run())
+    batch = result.batch
+    assert result.metrics.resumed_requests == 1 and result.metrics.aborted_samples == 0
+    i = batch.prompt_ids.index("p0")  # groups are in acceptance order
+    dropped = batch.tokens[batch.offsets[i] + batch.prompt_lens[i]:batch.offsets[i + 1]].tolist()
+    assert dropped == list(range(10, 18))  # 3 tokens, then the resume's 5, in order
 
 
 def test_metrics_use_the_engine_clock():

@@ -333,7 +333,7 @@ def test_versions_per_token_right_across_several_resumes():
     _partial_over_versions(sched, [0, 1, 3, 4])
     view = sched.sample(0)
     assert view.state == "queued"
-    assert view.versions.tolist() == [0, 0, 1, 1, 3, 3, 4, 4]
+    assert view.versions.tolist() == [0, 0, 1, 1, 3, 3, 4, 4] and view.resumes == 3
     assert np.array_equal(view.token_ids, token_at(0, np.arange(8)))
     sched.begin_step(5)
     reqs = {r.sample_id: r for r in sched.dispatch()}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from april_ext import ConfigError, DataSource, Prompt
+from april_ext import ConfigError
+from april_ext.data_source import DataSource, Prompt
 from april_ext.tasks import (
     CountingTask,
     CountingTaskConfig,
@@ -20,21 +21,20 @@ from april_ext.tasks import (
 def test_counting_prompts_are_deterministic_and_well_formed():
     task = CountingTask(CountingTaskConfig(seed=3))
     a, b = task[17], CountingTask(CountingTaskConfig(seed=3))[17]
-    assert a == b
+    assert a == b and isinstance(task, DataSource) and len(task) == 1_000_000
     assert a.token_ids[0] == task.bos_id and a.token_ids[-1] == task.sep_id
     assert a.token_ids[1] == a.metadata["symbol"]
-    assert a.token_ids[2] == task.count_id(a.label)
+    assert a.token_ids[2] == task.count_id(a.metadata["label"])
     assert all(0 <= t < task.vocab_size for t in a.token_ids)
     assert task[18] != a or task[19] != a
+    with pytest.raises(IndexError):
+        CountingTask(CountingTaskConfig(n_prompts=5))[5]
     assert CountingTask(CountingTaskConfig(seed=4)).prompts(0, 20) != task.prompts(0, 20)
-    assert isinstance(task, DataSource) and len(CountingTask(CountingTaskConfig(num_prompts=5))) == 5
-    with pytest.raises(IndexError, match="out of range"):
-        CountingTask(CountingTaskConfig(num_prompts=5))[5]
 
 
 def test_counting_lengths_are_long_tailed_and_capped():
     task = CountingTask()
-    counts = np.array([p.label for p in task.prompts(0, 4000)])
+    counts = np.array([p.metadata["label"] for p in task.prompts(0, 4000)])
     assert counts.min() >= 1 and counts.max() <= task.config.max_count
     median, p99 = np.median(counts), np.percentile(counts, 99)
     # Log-normal with sigma 0.8 around a median of 6: the 99th percentile is ~6x the median.
@@ -50,6 +50,7 @@ def test_counting_reward_partial_credit():
     assert task.reward(p, task.target(p)) == 1.0
     # 3 of 4 right symbols, right length: (0.75 + 1) / 2.
     assert task.reward(p, [x, x, y, x, eos]) == pytest.approx(0.875)
+    assert task.reward_parts(p, [x, x, y, x, eos]) == pytest.approx((0.75, 1.0))
     # Right symbols but 6 long: content 1, length 1 - 2/4.
     assert task.reward(p, [x] * 6 + [eos]) == pytest.approx(0.75)
     # No EOS: length credit 0.

@@ -86,6 +86,20 @@ def test_colocated_run_pauses_trainer_and_engine_memory_in_turn(tmp_path):
     assert weights.pauses == 2 and not weights.paused
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
+def test_colocated_run_on_the_gpu(tmp_path):
+    result = train(tiny(tmp_path, device="cuda", colocate=True, num_steps=3, save_interval=1))
+    assert [r["step"] for r in result.history] == [1, 2, 3]
+    tags = memory.stats()
+    trainer = tags[result.memory_tag_prefix + "trainer"]
+    kv = tags[result.memory_tag_prefix + "kv_cache"]
+    assert trainer.pauses == 3 and not trainer.paused and trainer.resident_bytes > 0
+    assert kv.pauses == 3 and not kv.paused
+    resumed = train(tiny(tmp_path, device="cuda", colocate=True, num_steps=4, resume=True))
+    assert resumed.resumed_from == 3 and len(resumed.history) == 4
+
+
 def test_killed_run_resumes_from_its_checkpoint_with_buffered_partials(tmp_path):
     out = tmp_path / "killed"
     ckpt = out / "checkpoints"
@@ -189,3 +203,29 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path):
     data.write_text('{"prompt": "hi", "label": "1"}\n{"prompt": "hi", "label": \n')
     with pytest.raises(InvalidArgumentError, match=r"bad\.jsonl:2: invalid JSON"):
         train(tiny(tmp_path, task=None, data=str(data), tokenizer=str(tmp_path / "tok"), model=str(tmp_path)))
+
+
+def test_checkpoint_directory_ignores_and_cleans_partial_writes(tmp_path):
+    """A kill during a save leaves a temporary directory (or, before run.json, an incomplete one): the
+    newest complete checkpoint is still the one found, and the next save removes the leftovers."""
+    first = train(tiny(tmp_path, num_steps=1))
+    ckpt = tmp_path / "run" / "checkpoints"
+    (ckpt / ".step_000002.tmp-abc").mkdir()
+    (ckpt / "step_000003").mkdir()  # no run.json: never completed
+    manager = CheckpointManager(ckpt)
+    assert manager.latest().step == 1 and manager.latest().path == first.checkpoint
+    resumed = train(tiny(tmp_path, num_steps=2, resume=True))
+    assert resumed.resumed_from == 1 and resumed.checkpoint.endswith("step_000002")
+    assert not (ckpt / ".step_000002.tmp-abc").exists()
+    assert [c.step for c in manager.list()] == [1, 2]
+
+
+def test_resumed_baseline_run_equals_an_uninterrupted_one(tmp_path):
+    """The baseline is deterministic, so a run stopped and resumed must reproduce the uninterrupted run:
+    weights, optimizer, RNG, data position and per-sample seeds all come back from the checkpoint."""
+    straight = train(tiny(tmp_path, "a", partial_rollout=False, num_steps=4))
+    train(tiny(tmp_path, "b", partial_rollout=False, num_steps=2))
+    resumed = train(tiny(tmp_path, "b", partial_rollout=False, num_steps=4, resume=True))
+    keys = ("rollout/reward_mean", "rollout/generated_tokens", "rollout/response_lens", "train/loss",
+            "train/grad_norm")
+    assert [[r[k] for k in keys] for r in resumed.history] == [[r[k] for k in keys] for r in straight.history]

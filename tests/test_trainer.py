@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from april_ext import ConfigError, CorruptStateError, InvalidStateError, PersistenceError
+from april_ext import ConfigError, CorruptStateError, InvalidArgumentError, InvalidStateError, PersistenceError
 from april_ext.algorithms import AlgorithmConfig
 from april_ext.trainer import TorchTrainer, Trainer, TrainerConfig, split_by_token_budget
 
@@ -125,6 +125,9 @@ def test_checkpoint_overwrite_is_atomic_and_leaves_no_temporaries(tmp_path):
 
 def test_checkpoint_errors(tmp_path):
     trainer = TorchTrainer(make_model(), config())
+    with pytest.raises(InvalidArgumentError, match=r"extra\['data'\]\[1\] is a ndarray"):
+        trainer.save_checkpoint(tmp_path / "x", extra={"data": [1, np.zeros(2)]})
+    assert not os.path.exists(tmp_path / "x")
     with pytest.raises(PersistenceError, match="trainer_state.pt is missing"):
         trainer.load_checkpoint(tmp_path)
     trainer.save_checkpoint(tmp_path / "c")

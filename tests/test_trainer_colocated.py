@@ -63,3 +63,19 @@ def test_colocated_checkpoint_round_trip(tmp_path):
         assert torch.equal(a, b), name
     batch = make_batch(trainer.model, 1, seed=1)
     assert trainer.train_step(batch)["loss"] == fresh.train_step(batch)["loss"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
+def test_colocated_offload_frees_gpu_memory():
+    tag = f"trainer-{uuid.uuid4().hex[:8]}"
+    trainer = TorchTrainer(make_model(), colocated_config(tag, device="cuda"))
+    trainer.train_step(make_batch(make_model(), 0))
+    before = {n: t.cpu() for n, t in trainer.export_weights()}
+    resident = mem.stats()[tag].resident_bytes
+    trainer.offload()
+    assert mem.stats()[tag].resident_bytes == 0 < resident
+    trainer.onload()
+    for name, t in trainer.export_weights():
+        assert torch.equal(before[name], t.cpu()), name
+    assert trainer.train_step(make_batch(make_model(), 1, seed=1))["version"] == 2

@@ -8,7 +8,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 def interpreting(kernel: object) -> bool:
@@ -28,36 +27,49 @@ def check_launchable(kernel: object, device_type: str) -> None:
 
 @triton.jit
 def load_paged_tile(CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head, stride_p, stride_s, stride_h,
-                    stride_d, PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+                    stride_d, PAGE_SIZE: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
+                    UPCAST: tl.constexpr):
     """Loads cache rows for key positions offs_n of one sequence: [BLOCK_N, D_PAD], masked lanes zero.
 
     row_pages points at the sequence's block-table row; each position reads its page id from it, so
-    pages may be in any order and shared with other sequences.
+    pages may be in any order and shared with other sequences. MASK_N=False promises every position is
+    inside the sequence (interior tiles skip the predicate); MASK_D masks the head-dim padding.
     """
-    page = tl.load(row_pages + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    if MASK_N:
+        page = tl.load(row_pages + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        page = tl.load(row_pages + offs_n // PAGE_SIZE).to(tl.int64)
     slot = (offs_n % PAGE_SIZE).to(tl.int64)
     ptrs = (CACHE + page[:, None] * stride_p + slot[:, None] * stride_s + kv_head * stride_h
             + offs_d[None, :] * stride_d)
-    tile = tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    if MASK_N:
+        tile = tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    elif MASK_D:
+        tile = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
     if UPCAST:
         tile = tile.to(tl.float32)
     return tile
 
 
 @triton.jit
-def softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+def softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr,
+                   HAS_MASK: tl.constexpr):
     """One online-softmax step over a key tile, in the log2 domain.
 
     acc [M, D_PAD] float32, m_i / l_i [M] running max and sum; q [M, D_PAD], k / v [N, D_PAD];
-    allowed [M, N] the mask. With a soft-cap, qk_scale is the plain softmax scale and the log2 factor
-    is applied after the cap; otherwise qk_scale already includes it. m_i starts finite (-1e30) so a
-    row without any allowed key stays NaN-free.
+    allowed [M, N] the mask, applied when HAS_MASK (interior tiles have none). With a soft-cap,
+    qk_scale is the plain softmax scale and the log2 factor is applied after the cap; otherwise
+    qk_scale already includes it. m_i starts finite (-1e30) so a row without any allowed key stays
+    NaN-free.
     """
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     if HAS_SOFTCAP:
         # tanh(x) = 2 * sigmoid(2x) - 1: portable across Triton versions and backends.
         s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
-    s = tl.where(allowed, s, float("-inf"))
+    if HAS_MASK:
+        s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])

@@ -35,7 +35,6 @@ class ExtendShape:
     q_heads: int
     cache: CacheShape
     max_extend_len: int
-    max_prefix_len: int
 
 
 @dataclass(frozen=True)
@@ -150,7 +149,13 @@ def check_options(head_dim: int, sm_scale: object, window: object, softcap: obje
 
 
 def check_extend(q: object, k: object, v: object, k_cache: object, v_cache: object, qo_indptr: object,
-                 block_table: object, prefix_lens: object) -> ExtendShape:
+                 block_table: object, prefix_lens: object, check_indices: bool = True,
+                 max_extend_len: object = None) -> ExtendShape:
+    """Shapes, dtypes and devices always; index ranges (a host copy of the index tensors) when check_indices.
+
+    max_extend_len, when given, must bound every sequence's new tokens; with check_indices=False it spares
+    the launcher its only host synchronization.
+    """
     cache = check_cache(k_cache, v_cache)
     q = _tensor("q", q, 3, FLOAT_DTYPES)
     k = _tensor("k", k, 3, FLOAT_DTYPES)
@@ -173,6 +178,13 @@ def check_extend(q: object, k: object, v: object, k_cache: object, v_cache: obje
         raise _fail("qo_indptr", "must have B + 1 >= 1 entries")
     batch = qo_indptr.shape[0] - 1
     _shape("prefix_lens", prefix_lens, (batch,))
+    if max_extend_len is not None and (isinstance(max_extend_len, bool) or not isinstance(max_extend_len, int)
+                                       or max_extend_len < 0):
+        raise _fail("max_extend_len", f"{max_extend_len!r} is not allowed (None or an int >= 0)")
+    if not check_indices:
+        if max_extend_len is None:
+            max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if batch else 0
+        return ExtendShape(batch, tokens, q_heads, cache, max_extend_len)
     indptr = qo_indptr.to("cpu", torch.int64)
     if int(indptr[0]) != 0 or int(indptr[-1]) != tokens:
         raise _fail("qo_indptr", f"must start at 0 and end at the token count {tokens}, "
@@ -182,13 +194,17 @@ def check_extend(q: object, k: object, v: object, k_cache: object, v_cache: obje
         seq = int(extend_lens.argmin())
         raise _fail("qo_indptr", f"is not monotone: entry {seq + 1} = {int(indptr[seq + 1])} < "
                                  f"entry {seq} = {int(indptr[seq])}")
-    max_prefix = _check_block_table(block_table, batch, prefix_lens, "prefix_lens", cache)
+    _check_block_table(block_table, batch, prefix_lens, "prefix_lens", cache)
     max_extend = int(extend_lens.max()) if batch else 0
-    return ExtendShape(batch, tokens, q_heads, cache, max_extend, max_prefix)
+    if max_extend_len is not None and max_extend_len < max_extend:
+        seq = int(extend_lens.argmax())
+        raise _fail("max_extend_len", f"{max_extend_len} is below sequence {seq}'s {max_extend} new tokens")
+    return ExtendShape(batch, tokens, q_heads, cache, max_extend)
 
 
-def check_decode(q: object, k_cache: object, v_cache: object, block_table: object,
-                 seq_lens: object) -> DecodeShape:
+def check_decode(q: object, k_cache: object, v_cache: object, block_table: object, seq_lens: object,
+                 check_indices: bool = True) -> DecodeShape:
+    """As check_extend; without check_indices, max_seq_len is the block table's capacity (no host copy)."""
     cache = check_cache(k_cache, v_cache)
     q = _tensor("q", q, 3, FLOAT_DTYPES)
     block_table = _tensor("block_table", block_table, 2, INDEX_DTYPES)
@@ -201,6 +217,8 @@ def check_decode(q: object, k_cache: object, v_cache: object, block_table: objec
         raise _fail("q", f"head_dim {head_dim} differs from the cache head_dim {cache.head_dim}")
     _check_heads(q_heads, cache)
     _shape("seq_lens", seq_lens, (batch,))
+    if not check_indices:
+        return DecodeShape(batch, q_heads, cache, block_table.shape[1] * cache.page_size)
     if batch and int(seq_lens.min()) < 1:
         seq = int(seq_lens.argmin())
         raise _fail("seq_lens", f"sequence {seq} has length {int(seq_lens[seq])}; a decode step needs >= 1 key "
@@ -209,7 +227,8 @@ def check_decode(q: object, k_cache: object, v_cache: object, block_table: objec
     return DecodeShape(batch, q_heads, cache, max_seq)
 
 
-def check_store(k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object) -> CacheShape:
+def check_store(k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object,
+                check_indices: bool = True) -> CacheShape:
     cache = check_cache(k_cache, v_cache)
     k = _tensor("k", k, 3, FLOAT_DTYPES)
     v = _tensor("v", v, 3, FLOAT_DTYPES)
@@ -222,7 +241,7 @@ def check_store(k: object, v: object, k_cache: object, v_cache: object, slot_map
     for name, t in (("k", k), ("v", v)):
         if t.dtype != k_cache.dtype:
             raise _fail(name, f"dtype {t.dtype} differs from the cache dtype {k_cache.dtype}")
-    if tokens == 0:
+    if tokens == 0 or not check_indices:
         return cache
     host = slots.to("cpu", torch.int64)
     capacity = cache.num_pages * cache.page_size

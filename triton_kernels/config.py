@@ -41,43 +41,44 @@ class BlockConfig:
             raise InvalidArgumentError(f"BlockConfig.num_stages: {self.num_stages} is not allowed (1..6)")
 
 
-# Keyed by (generation, tier); the tier is the bytes of one padded K/V row (see row_tier): "narrow" up to
-# 256 bytes (16-bit, head_dim <= 128), "wide" up to 512 (16-bit 256, fp32 <= 128), "huge" beyond. For
-# decode, block_m is the least number of rows of the head tile (the query heads of one kv head, padded
-# up for tl.dot).
+# Keyed by (generation, tier); the tier (see row_tier) is "narrow" for 16-bit inputs with a padded head dim
+# <= 128, "wide" for 16-bit 256, "fp32" for float32 inputs, whose dots run on FMA units without tensor
+# cores and need small tiles not to spill registers (tests/_kernels_aot.py --all: no spills on sm_90;
+# on sm_80 / sm_86 at most 112 bytes, in a few extend rows). For decode, block_m is the least number of rows of
+# the head tile (the query heads of one kv head, padded up for tl.dot).
 _EXTEND = {
     ("hopper", "narrow"): BlockConfig(128, 64, 8, 3),
-    ("hopper", "wide"): BlockConfig(64, 32, 4, 2),
-    ("hopper", "huge"): BlockConfig(32, 16, 4, 1),
-    ("ampere", "narrow"): BlockConfig(128, 64, 8, 2),
-    ("ampere", "wide"): BlockConfig(64, 32, 4, 2),
-    ("ampere", "huge"): BlockConfig(32, 16, 4, 1),
-    ("ampere_small_smem", "narrow"): BlockConfig(64, 64, 4, 2),
+    ("hopper", "wide"): BlockConfig(64, 32, 8, 2),
+    ("hopper", "fp32"): BlockConfig(16, 16, 4, 2),
+    ("ampere", "narrow"): BlockConfig(128, 32, 8, 2),
+    ("ampere", "wide"): BlockConfig(64, 32, 8, 2),
+    ("ampere", "fp32"): BlockConfig(32, 16, 4, 2),
+    ("ampere_small_smem", "narrow"): BlockConfig(64, 64, 8, 2),
     ("ampere_small_smem", "wide"): BlockConfig(32, 32, 4, 1),
-    ("ampere_small_smem", "huge"): BlockConfig(16, 16, 4, 1),
+    ("ampere_small_smem", "fp32"): BlockConfig(16, 16, 4, 1),
     ("mi300", "narrow"): BlockConfig(128, 64, 8, 2),
     ("mi300", "wide"): BlockConfig(64, 32, 4, 1),
-    ("mi300", "huge"): BlockConfig(16, 16, 4, 1),
+    ("mi300", "fp32"): BlockConfig(16, 16, 4, 1),
     ("default", "narrow"): BlockConfig(64, 32, 4, 1),
     ("default", "wide"): BlockConfig(32, 16, 4, 1),
-    ("default", "huge"): BlockConfig(16, 16, 4, 1),
+    ("default", "fp32"): BlockConfig(16, 16, 4, 1),
 }
 _DECODE = {
     ("hopper", "narrow"): BlockConfig(16, 64, 4, 3),
     ("hopper", "wide"): BlockConfig(16, 32, 4, 2),
-    ("hopper", "huge"): BlockConfig(16, 16, 4, 2),
+    ("hopper", "fp32"): BlockConfig(16, 32, 8, 2),
     ("ampere", "narrow"): BlockConfig(16, 64, 4, 2),
     ("ampere", "wide"): BlockConfig(16, 32, 4, 2),
-    ("ampere", "huge"): BlockConfig(16, 16, 4, 2),
+    ("ampere", "fp32"): BlockConfig(16, 32, 4, 2),
     ("ampere_small_smem", "narrow"): BlockConfig(16, 64, 4, 2),
     ("ampere_small_smem", "wide"): BlockConfig(16, 32, 4, 1),
-    ("ampere_small_smem", "huge"): BlockConfig(16, 16, 4, 1),
+    ("ampere_small_smem", "fp32"): BlockConfig(16, 16, 4, 1),
     ("mi300", "narrow"): BlockConfig(16, 64, 4, 1),
     ("mi300", "wide"): BlockConfig(16, 32, 4, 1),
-    ("mi300", "huge"): BlockConfig(16, 16, 4, 1),
+    ("mi300", "fp32"): BlockConfig(16, 16, 4, 1),
     ("default", "narrow"): BlockConfig(16, 32, 4, 1),
     ("default", "wide"): BlockConfig(16, 16, 4, 1),
-    ("default", "huge"): BlockConfig(16, 16, 4, 1),
+    ("default", "fp32"): BlockConfig(16, 16, 4, 1),
 }
 # The interpreter runs one program at a time in numpy: few large tiles are fastest.
 _INTERPRETER_EXTEND = BlockConfig(64, 64, 1, 1)
@@ -113,9 +114,10 @@ def generation(device: torch.device) -> str:
 
 
 def row_tier(head_dim: int, dtype: torch.dtype) -> str:
-    """narrow / wide / huge by the bytes of one padded K/V row, which set the shared memory per tile."""
-    row_bytes = padded_head_dim(head_dim) * torch.empty((), dtype=dtype).element_size()
-    return "narrow" if row_bytes <= 256 else "wide" if row_bytes <= 512 else "huge"
+    """narrow / wide / fp32: the row of the block-size table for these inputs."""
+    if dtype == torch.float32:
+        return "fp32"
+    return "narrow" if padded_head_dim(head_dim) <= 128 else "wide"
 
 
 def extend_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> BlockConfig:

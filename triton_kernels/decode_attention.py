@@ -59,16 +59,17 @@ def _decode_split_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         k = load_paged_tile(K_CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head,
-                            stride_kcp, stride_kcs, stride_kch, stride_kcd, PAGE_SIZE, UPCAST)
+                            stride_kcp, stride_kcs, stride_kch, stride_kcd, PAGE_SIZE, True, True, UPCAST)
         v = load_paged_tile(V_CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head,
-                            stride_vcp, stride_vcs, stride_vch, stride_vcd, PAGE_SIZE, UPCAST)
+                            stride_vcp, stride_vcs, stride_vch, stride_vcd, PAGE_SIZE, True, True, UPCAST)
         allowed = h_mask[:, None] & n_mask[None, :]
-        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP)
+        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP, True)
 
     # An empty chunk reports lse = -inf and a zero output, so the merge gives it zero weight.
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
     out = acc / l_safe[:, None]
+    # m_i and log2(l) are in log2 units; x ln 2 gives the natural-log LSE the API reports.
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     part = seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :] * stride_od
     tl.store(O_PART + part, out.to(O_PART.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
@@ -112,10 +113,16 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
+# Longest key range one program streams when num_splits is chosen automatically: with rollout lengths
+# of 1K-16K in one batch, the longest sequences would otherwise finish long after the rest.
+MAX_CHUNK_KEYS = 4096
+
+
 def choose_num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int, num_sms: int) -> int:
-    """Enough chunks for about two programs per SM, never more than the longest sequence has tiles."""
+    """Enough chunks for about two programs per SM and for chunks of at most MAX_CHUNK_KEYS keys, never
+    more than the longest sequence has tiles."""
     programs = max(1, batch * kv_heads)
-    wanted = triton.cdiv(2 * num_sms, programs)
+    wanted = max(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_keys, MAX_CHUNK_KEYS))
     tiles = max(1, triton.cdiv(max_keys, block_n))
     return max(1, min(wanted, tiles, MAX_SPLITS))
 
@@ -123,7 +130,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int, nu
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, *, sm_scale: float | None = None, window: int | None = None,
                      softcap: float | None = None, num_splits: int | None = None, return_lse: bool = False,
-                     config: BlockConfig | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     config: BlockConfig | None = None,
+                     check_indices: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence over its paged cache.
 
     q [B, Hq, D]; seq_lens[b] keys of sequence b (including the current token, already stored) in the
@@ -131,8 +139,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     position >= seq_lens[b] - W; softcap as in extend_attention. num_splits chunks the keys (None:
     chosen from the batch, the heads and the SM count). Returns out [B, Hq, D] in q's dtype, and lse
     [B, Hq] float32 when return_lse. config overrides the per-GPU block sizes.
+
+    check_indices=False skips the index-range checks and their host synchronization (for a caller that
+    validated seq_lens / block_table already, or captures the call in a CUDA graph); num_splits is then
+    chosen from the block table's capacity instead of the longest sequence.
     """
-    shape = check_decode(q, k_cache, v_cache, block_table, seq_lens)
+    shape = check_decode(q, k_cache, v_cache, block_table, seq_lens, check_indices)
     opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
     check_num_splits(num_splits)
     check_launchable(_decode_split_kernel, q.device.type)

@@ -10,9 +10,26 @@ import torch
 import triton
 import triton.language as tl
 
+from april_ext.errors import InvalidArgumentError
 from april_ext.triton_kernels._tile import LOG2E, check_launchable, interpreting, load_paged_tile, softmax_update
 from april_ext.triton_kernels._validation import check_extend, check_options
 from april_ext.triton_kernels.config import BlockConfig, extend_config, padded_head_dim
+
+
+@triton.jit
+def _load_rows(X, rows, head, offs_d, d_mask, n_mask, stride_t, stride_h, stride_d, MASK_N: tl.constexpr,
+               MASK_D: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows `rows` of one head of a packed [T, H, D] tensor: [BLOCK_N, D_PAD], masked lanes zero."""
+    ptrs = X + rows[:, None] * stride_t + head * stride_h + offs_d[None, :] * stride_d
+    if MASK_N:
+        tile = tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    elif MASK_D:
+        tile = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
 
 
 @triton.jit
@@ -29,7 +46,8 @@ def _extend_attention_kernel(
     stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+    MASK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # Longest-running blocks (last rows of a sequence: the largest causal range) are scheduled first.
     block = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -59,60 +77,78 @@ def _extend_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    # Prefix keys (positions 0 .. prefix_len - 1 in the paged cache): all causally visible.
-    lo = 0
+    # Prefix keys (positions 0 .. prefix_len - 1 in the paged cache): all causally visible. Without a
+    # window, whole tiles need no mask; the partial last tile and windowed tiles do.
     if HAS_WINDOW:
         lo = tl.maximum(prefix_len + m_start - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
-    for start_n in range(lo, prefix_len, BLOCK_N):
+        masked_from = lo
+    else:
+        lo = 0
+        masked_from = (prefix_len // BLOCK_N) * BLOCK_N
+        for start_n in range(0, masked_from, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = load_paged_tile(K_CACHE, row_pages, offs_n, None, offs_d, d_mask, kv_head,
+                                stride_kcp, stride_kcs, stride_kch, stride_kcd, PAGE_SIZE, False, MASK_D, UPCAST)
+            v = load_paged_tile(V_CACHE, row_pages, offs_n, None, offs_d, d_mask, kv_head,
+                                stride_vcp, stride_vcs, stride_vch, stride_vcd, PAGE_SIZE, False, MASK_D, UPCAST)
+            acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, None, qk_scale, softcap, HAS_SOFTCAP, False)
+    for start_n in range(masked_from, prefix_len, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < prefix_len
         k = load_paged_tile(K_CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head,
-                            stride_kcp, stride_kcs, stride_kch, stride_kcd, PAGE_SIZE, UPCAST)
+                            stride_kcp, stride_kcs, stride_kch, stride_kcd, PAGE_SIZE, True, MASK_D, UPCAST)
         v = load_paged_tile(V_CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head,
-                            stride_vcp, stride_vcs, stride_vch, stride_vcd, PAGE_SIZE, UPCAST)
+                            stride_vcp, stride_vcs, stride_vch, stride_vcd, PAGE_SIZE, True, MASK_D, UPCAST)
         allowed = n_mask[None, :]
         if HAS_WINDOW:
             allowed = allowed & ((q_pos[:, None] - offs_n[None, :]) < window)
-        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP)
+        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP, True)
 
-    # New keys of this sequence (positions prefix_len + j), causal: j <= i.
-    new_lo = 0
+    # New keys of this sequence (positions prefix_len + j), causal: j <= i. Without a window, tiles
+    # wholly before this query block (j < m_start <= i; BLOCK_M is a multiple of BLOCK_N) need no mask.
     if HAS_WINDOW:
         new_lo = tl.maximum(m_start - window + 1, 0)
         new_lo = (new_lo // BLOCK_N) * BLOCK_N
+    else:
+        new_lo = m_start
+        for start_n in range(0, m_start, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            key_rows = q_start + offs_n.to(tl.int64)
+            k = _load_rows(K, key_rows, kv_head, offs_d, d_mask, None, stride_kt, stride_kh, stride_kd,
+                           False, MASK_D, UPCAST)
+            v = _load_rows(V, key_rows, kv_head, offs_d, d_mask, None, stride_vt, stride_vh, stride_vd,
+                           False, MASK_D, UPCAST)
+            acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, None, qk_scale, softcap, HAS_SOFTCAP, False)
     new_hi = tl.minimum(m_start + BLOCK_M, extend_len)
     for start_n in range(new_lo, new_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < extend_len
         key_rows = q_start + offs_n.to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + key_rows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + key_rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = _load_rows(K, key_rows, kv_head, offs_d, d_mask, n_mask, stride_kt, stride_kh, stride_kd,
+                       True, MASK_D, UPCAST)
+        v = _load_rows(V, key_rows, kv_head, offs_d, d_mask, n_mask, stride_vt, stride_vh, stride_vd,
+                       True, MASK_D, UPCAST)
         allowed = n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None])
         if HAS_WINDOW:
             allowed = allowed & ((offs_m[:, None] - offs_n[None, :]) < window)
-        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP)
+        acc, m_i, l_i = softmax_update(acc, m_i, l_i, q, k, v, allowed, qk_scale, softcap, HAS_SOFTCAP, True)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(OUT + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
              out.to(OUT.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
     if WRITE_LSE:
-        lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+        lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # log2 units -> natural log
         tl.store(LSE + rows * stride_lt + head * stride_lh, lse, mask=m_mask)
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, qo_indptr: torch.Tensor, block_table: torch.Tensor,
                      prefix_lens: torch.Tensor, *, sm_scale: float | None = None, window: int | None = None,
-                     softcap: float | None = None, return_lse: bool = False,
-                     config: BlockConfig | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     softcap: float | None = None, return_lse: bool = False, config: BlockConfig | None = None,
+                     check_indices: bool = True,
+                     max_extend_len: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed new tokens over their paged prefix and causally over themselves.
 
     q [T, Hq, D], k / v [T, Hkv, D]: the new tokens of B sequences packed back to back, sequence b
@@ -122,8 +158,14 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     and new tokens 0 .. i; window=W keeps keys with p - key_pos < W; softcap=c maps each scaled logit
     x to c * tanh(x / c). Returns out [T, Hq, D] in q's dtype, and lse [T, Hq] float32 (natural log
     of the softmax denominator) when return_lse. config overrides the per-GPU block sizes.
+
+    The index checks copy qo_indptr, prefix_lens and block_table to the host (a synchronization). A
+    caller that validated them already (e.g. once per step, not per layer) passes check_indices=False
+    and max_extend_len (the longest sequence's new tokens), and the call neither synchronizes nor
+    checks index ranges: out-of-range indices are then the caller's responsibility.
     """
-    shape = check_extend(q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens)
+    shape = check_extend(q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, check_indices,
+                         max_extend_len)
     opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
     check_launchable(_extend_attention_kernel, q.device.type)
     out = torch.empty_like(q)
@@ -131,6 +173,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     if shape.max_extend_len == 0:
         return (out, lse) if return_lse else out
     cfg = config if config is not None else extend_config(q.device, shape.cache.head_dim, q.dtype)
+    if cfg.block_m % cfg.block_n:
+        raise InvalidArgumentError(f"config: block_m {cfg.block_m} must be a multiple of block_n {cfg.block_n} "
+                                   "for extend_attention")
     upcast = q.dtype == torch.bfloat16 and interpreting(_extend_attention_kernel)
     qk_scale = opts.sm_scale if opts.softcap is not None else opts.sm_scale * LOG2E
     grid = (triton.cdiv(shape.max_extend_len, cfg.block_m), shape.q_heads, shape.batch)
@@ -141,7 +186,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         block_table.stride(0), *out.stride(), *lse.stride(),
         GROUP=shape.q_heads // shape.cache.kv_heads, HEAD_DIM=shape.cache.head_dim,
         D_PAD=padded_head_dim(shape.cache.head_dim), PAGE_SIZE=shape.cache.page_size,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_D=padded_head_dim(shape.cache.head_dim) != shape.cache.head_dim,
         HAS_WINDOW=opts.window is not None, HAS_SOFTCAP=opts.softcap is not None, WRITE_LSE=return_lse,
         UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

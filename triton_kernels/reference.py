@@ -20,9 +20,9 @@ from april_ext.triton_kernels._validation import (
 
 
 def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+                       slot_mapping: torch.Tensor, *, check_indices: bool = True) -> None:
     """Writes token t of k / v to slot slot_mapping[t] = page * page_size + offset; slot -1 is skipped."""
-    cache = check_store(k, v, k_cache, v_cache, slot_mapping)
+    cache = check_store(k, v, k_cache, v_cache, slot_mapping, check_indices)
     slots = slot_mapping.to(torch.int64)
     keep = slots >= 0
     pages = slots[keep] // cache.page_size
@@ -62,9 +62,11 @@ def extend_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                v_cache: torch.Tensor, qo_indptr: torch.Tensor, block_table: torch.Tensor,
                                prefix_lens: torch.Tensor, *, sm_scale: float | None = None,
                                window: int | None = None, softcap: float | None = None,
-                               return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Reference of extend_attention (same arguments and semantics)."""
-    shape = check_extend(q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens)
+                               return_lse: bool = False, check_indices: bool = True,
+                               max_extend_len: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Reference of extend_attention (same arguments and semantics; no config)."""
+    shape = check_extend(q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, check_indices,
+                         max_extend_len)
     opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -85,10 +87,10 @@ def extend_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_table: torch.Tensor, seq_lens: torch.Tensor, *, sm_scale: float | None = None,
                                window: int | None = None, softcap: float | None = None,
-                               num_splits: int | None = None,
-                               return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Reference of decode_attention (same arguments; num_splits is accepted and has no effect here)."""
-    shape = check_decode(q, k_cache, v_cache, block_table, seq_lens)
+                               num_splits: int | None = None, return_lse: bool = False,
+                               check_indices: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Reference of decode_attention (same arguments, no config; num_splits has no effect here)."""
+    shape = check_decode(q, k_cache, v_cache, block_table, seq_lens, check_indices)
     opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
     check_num_splits(num_splits)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)

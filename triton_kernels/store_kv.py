@@ -38,13 +38,14 @@ def _store_kv_kernel(
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, check_indices: bool = True) -> None:
     """Writes k[t], v[t] ([T, Hkv, D]) to cache slot slot_mapping[t] = page * page_size + offset.
 
     k_cache / v_cache are [pages, page_size, Hkv, D] and are updated in place; slot -1 skips a token.
-    Slots must be distinct (apart from -1) and inside the cache.
+    Slots must be distinct (apart from -1) and inside the cache; check_indices=False skips checking
+    that (and its host synchronization) for a caller that guarantees it.
     """
-    cache = check_store(k, v, k_cache, v_cache, slot_mapping)
+    cache = check_store(k, v, k_cache, v_cache, slot_mapping, check_indices)
     check_launchable(_store_kv_kernel, k.device.type)
     if k.shape[0] == 0:
         return

@@ -1,4 +1,4 @@
-"""Prompt data (april_ext.data_source.Prompt records): prompt files (JSONL / Parquet) and tokenizer loading."""
+"""Prompt data: prompt files (JSONL / Parquet) as scheduler data sources, and tokenizer loading."""
 
 from april_ext.data.dataset import DatasetConfig, PromptDataset
 from april_ext.data.records import read_records

@@ -1,4 +1,4 @@
-"""PromptDataset: prompts with labels from a JSONL or Parquet file, tokenized, served by stream position."""
+"""PromptDataset: prompts with labels from a JSONL or Parquet file, tokenized; a scheduler DataSource."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from april_ext.data_source import Prompt
 from april_ext.data.records import lookup, read_records
 from april_ext.data.tokenizer import encode_prompt
+from april_ext.data_source import Prompt
 from april_ext.errors import ConfigError, InvalidArgumentError
 
 
@@ -20,18 +20,18 @@ class DatasetConfig:
 
     prompt_key: a string or a chat (list of {"role", "content"}). label_key: the reference answer.
     id_key: a stable id (default: "<file name>:<line>"). max_prompt_len: longer prompts are skipped
-    (counted in ``PromptDataset.skipped``). shuffle: each epoch visits the prompts in a permutation drawn
-    from (seed, epoch). num_epochs: passes over the file; the data source's length is
-    num_epochs x prompts, and training ends when it is used up.
+    (counted in ``PromptDataset.skipped``). epochs: how many passes the data source offers before the
+    scheduler sees it run out. shuffle: each epoch visits the prompts in a permutation drawn from
+    (seed, epoch).
     """
 
     prompt_key: str = "prompt"
     label_key: str = "label"
     id_key: str | None = None
     max_prompt_len: int | None = None
+    epochs: int = 1
     shuffle: bool = True
     seed: int = 0
-    num_epochs: int = 1
 
     def __post_init__(self) -> None:
         for name in ("prompt_key", "label_key"):
@@ -45,15 +45,15 @@ class DatasetConfig:
                                                 or self.max_prompt_len < 1):
             raise ConfigError(f"DatasetConfig.max_prompt_len must be None or an integer >= 1, "
                               f"got {self.max_prompt_len!r}")
+        if not isinstance(self.epochs, int) or isinstance(self.epochs, bool) or self.epochs < 1:
+            raise ConfigError(f"DatasetConfig.epochs must be an integer >= 1, got {self.epochs!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ConfigError(f"DatasetConfig.seed must be an integer >= 0, got {self.seed!r}")
-        if not isinstance(self.num_epochs, int) or isinstance(self.num_epochs, bool) or self.num_epochs < 1:
-            raise ConfigError(f"DatasetConfig.num_epochs must be an integer >= 1, got {self.num_epochs!r}")
 
 
 class PromptDataset:
-    """A DataSource over a prompt file: position ``p`` is prompt ``p % n`` of epoch ``p // n`` (each epoch
-    optionally shuffled); ``len()`` is ``num_epochs * n``."""
+    """A scheduler DataSource: ``len()`` = epochs x prompts; ``dataset[position]`` walks the epochs, each a
+    (seeded) permutation of the prompts when shuffling. ``prompts`` holds the distinct prompts in file order."""
 
     def __init__(self, prompts: list[Prompt], config: DatasetConfig | None = None, *, skipped: int = 0) -> None:
         if not prompts:
@@ -89,11 +89,12 @@ class PromptDataset:
         return cls(prompts, config, skipped=skipped)
 
     def __len__(self) -> int:
-        return self.config.num_epochs * len(self.prompts)
+        return len(self.prompts) * self.config.epochs
 
     def __getitem__(self, position: int) -> Prompt:
         if not 0 <= position < len(self):
-            raise IndexError(f"prompt position {position} is out of range [0, {len(self)})")
+            raise IndexError(f"position {position} is outside [0, {len(self)}) ({len(self.prompts)} prompts x "
+                             f"{self.config.epochs} epochs)")
         epoch, index = divmod(position, len(self.prompts))
         if self.config.shuffle and epoch != self._order_epoch:
             self._order = np.random.default_rng([self.config.seed, epoch]).permutation(len(self.prompts))

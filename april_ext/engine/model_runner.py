@@ -74,10 +74,10 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         meta = StepMetadata(
-            num_decode=num_decode, num_decode_tokens=num_decode, slot_mapping=tensor(slots),
+            num_decode=num_decode, slot_mapping=tensor(slots),
             block_table=tensor(table_rows, torch.int32), prefix_lens=tensor(prefix_lens, torch.int32),
             seq_lens=tensor(seq_lens, torch.int32), qo_indptr=tensor(indptr, torch.int32),
-            max_new=max(new, default=1), max_seq_len=max(seq_lens))
+            max_new=max(new, default=1))
         attention = PagedAttention(self.k_caches, self.v_caches, meta, use_triton=self.use_triton)
         hidden = self.model.hidden_states(tensor(ids), tensor(positions), attention)
         if not sampling:

@@ -27,14 +27,12 @@ class StepMetadata:
     """
 
     num_decode: int
-    num_decode_tokens: int
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
     prefix_lens: torch.Tensor
     seq_lens: torch.Tensor
     qo_indptr: torch.Tensor
     max_new: int
-    max_seq_len: int
 
 
 class PagedAttention:
@@ -50,7 +48,7 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
         kc, vc, m = self.k_caches[layer], self.v_caches[layer], self.meta
-        d = m.num_decode_tokens
+        d = m.num_decode  # one token per decode sequence
         if self.use_triton:
             from april_ext.triton_kernels import decode_attention, extend_attention, store_kv
 

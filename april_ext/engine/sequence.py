@@ -37,7 +37,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.matched_stop: int | None = None
         self.num_preemptions = 0
-        # Output tokens not yet handed to the caller (streaming cursor).
+        # Output tokens already handed to the caller in chunks (the streaming cursor).
         self.num_reported = 0
 
     def __len__(self) -> int:

@@ -68,6 +68,14 @@ def granularity(device: str | torch.device = "cpu") -> int:
     return int(_mem.granularity(kind, index))
 
 
+def memory_info(device: str | torch.device = "cpu") -> tuple[int, int]:
+    """(free, total) bytes of device as its backend sees them (the simulated capacity on the CPU
+    when one is set)."""
+    kind, index, _ = resolve(device)
+    free, total = _mem.memory_info(kind, index)
+    return int(free), int(total)
+
+
 def set_cpu_capacity(nbytes: int | None) -> None:
     """Simulates a device of nbytes on the CPU backend: creating physical memory beyond it raises
     OutOfMemoryError, as a full GPU would. None removes the limit."""
@@ -80,6 +88,21 @@ def cpu_capacity() -> int | None:
     """The simulated CPU device size set by set_cpu_capacity, or None."""
     cap = int(_mem.cpu_capacity())
     return cap or None
+
+
+def set_backup_cache_limit(nbytes: int) -> None:
+    """Keeps host buffers of resumed backups, up to nbytes in all, for the next pause of the same
+    size: repeated pause / resume cycles then copy into memory that is already faulted in instead of
+    fresh pages. Kept buffers hold host memory while their tags are active. 0 (the default) keeps
+    none; lowering the limit frees what no longer fits."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise InvalidArgumentError(f"nbytes={nbytes!r} is not allowed: use an int >= 0")
+    _mem.set_backup_cache_limit(nbytes)
+
+
+def backup_cache() -> tuple[int, int]:
+    """(limit, bytes kept now) of the backup buffer cache."""
+    return int(_mem.backup_cache_limit()), int(_mem.backup_cache_held())
 
 
 def current_region() -> tuple[str, bool] | None:

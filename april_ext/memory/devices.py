@@ -22,6 +22,9 @@ def resolve(device: str | torch.device) -> tuple[str, int, torch.device]:
     if dev.type == "cpu":
         return "cpu", 0, torch.device("cpu")
     if dev.type == "cuda":
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if dev.index is not None:
+            index = dev.index
+        else:
+            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         return gpu_kind(), index, torch.device("cuda", index)
     raise InvalidArgumentError(f"device={device!r} is not allowed: use 'cpu', 'cuda' or 'cuda:N'")

@@ -1,8 +1,7 @@
 """The built-in synthetic task: "emit symbol X exactly N times, then EOS", with long-tailed N.
 
 Prompt: [BOS, X, COUNT_N, SEP]. Target response: X repeated N times, then EOS. N is drawn log-normally
-(capped), so most answers are short and a few are long: the length profile APRIL is built for. The task
-is a DataSource: ``task[p]`` is the prompt at stream position p, ``len(task)`` is ``num_prompts``. The reward
+(capped), so most answers are short and a few are long: the length profile APRIL is built for. The reward
 gives partial credit, so a randomly initialised model already earns small, varied rewards in a group:
 
     content = (number of the first N response positions that hold X) / N
@@ -33,17 +32,17 @@ _FIRST_SYMBOL = 4
 class CountingTaskConfig:
     """n_symbols: how many distinct X tokens. max_count: the cap of N. median_count, sigma: N is
     round(median_count * exp(sigma * z)) for standard normal z, clipped to [1, max_count]. seed: the stream.
-    num_prompts: the stream's length (the data source's len)."""
+    n_prompts: the length of the stream as a data source (prompts are generated on access)."""
 
     n_symbols: int = 8
     max_count: int = 52
     median_count: float = 6.0
     sigma: float = 0.8
     seed: int = 0
-    num_prompts: int = 1_000_000
+    n_prompts: int = 1_000_000
 
     def __post_init__(self) -> None:
-        for name in ("n_symbols", "max_count", "num_prompts"):
+        for name in ("n_symbols", "max_count", "n_prompts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"CountingTaskConfig.{name} must be an integer >= 1, got {value!r}")
@@ -62,7 +61,7 @@ class CountingTaskConfig:
 
 
 class CountingTask:
-    """Prompt stream (a DataSource), reward function and tokenizer-free vocabulary of the task."""
+    """Prompt generator (a scheduler DataSource), reward function and vocabulary of the task."""
 
     pad_id = PAD_ID
     bos_id = BOS_ID
@@ -76,19 +75,19 @@ class CountingTask:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def __len__(self) -> int:
-        return self.config.num_prompts
-
     def symbol_id(self, index: int) -> int:
         return _FIRST_SYMBOL + index
 
     def count_id(self, n: int) -> int:
         return _FIRST_SYMBOL + self.config.n_symbols + n - 1
 
+    def __len__(self) -> int:
+        return self.config.n_prompts
+
     def __getitem__(self, position: int) -> Prompt:
         """The prompt at a stream position; the same (seed, position) always gives the same prompt."""
-        if not 0 <= position < self.config.num_prompts:
-            raise IndexError(f"prompt position {position} is out of range [0, {self.config.num_prompts})")
+        if not 0 <= position < self.config.n_prompts:
+            raise IndexError(f"position {position} is outside [0, n_prompts={self.config.n_prompts})")
         cfg = self.config
         rng = np.random.default_rng([cfg.seed, position])
         symbol = int(rng.integers(cfg.n_symbols))
@@ -110,6 +109,11 @@ class CountingTask:
 
     def reward(self, prompt: Prompt, response: Sequence[int]) -> float:
         """Partial credit in [0, 1] (module docstring); 1 only for the exact target."""
+        content, length = self.reward_parts(prompt, response)
+        return 0.5 * (content + length)
+
+    def reward_parts(self, prompt: Prompt, response: Sequence[int]) -> tuple[float, float]:
+        """(content, length) credits of the module docstring, each in [0, 1]."""
         n = int(prompt.metadata["label"])
         symbol = int(prompt.metadata["symbol"])
         tokens = list(response)
@@ -117,7 +121,7 @@ class CountingTask:
         body = tokens[:tokens.index(EOS_ID)] if ended else tokens
         content = sum(1 for t in body[:n] if t == symbol) / n
         length = max(0.0, 1.0 - abs(len(body) - n) / n) if ended else 0.0
-        return 0.5 * (content + length)
+        return content, length
 
     def model_config(self, **overrides: Any) -> Any:
         """A tiny Llama ModelConfig for this vocabulary (hidden 64, 2 layers, 4 heads) that learns the task

@@ -14,14 +14,14 @@ class RewardFunction(Protocol):
 
 
 class MathReward:
-    """Decodes the response with the tokenizer and checks its final answer against ``prompt.label``."""
+    """Decodes the response with the tokenizer and checks its final answer against ``prompt.metadata["label"]``."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
     def __call__(self, prompt: Prompt, response: Sequence[int]) -> float:
         text = self.tokenizer.decode(list(response), skip_special_tokens=True)
-        return math_reward(text, prompt.label)
+        return math_reward(text, prompt.metadata["label"])
 
 
 def score_group(reward_fn: RewardFunction, prompt: Prompt, responses: Sequence[Sequence[int]]) -> list[float]:

@@ -126,12 +126,34 @@ def split_by_token_budget(lengths: list[int], budget: int) -> list[tuple[int, in
     return runs
 
 
+@dataclass
+class _StepInputs:
+    """One batch on the trainer's device. Per token [T]: tokens, seq_index, token_advantages, versions,
+    trainable (loss mask without sample starts), mask (trainable after off-policy masking), behavior.
+    Per sample: offsets [S + 1] (CPU), group_index [S] (CPU), advantages [S]."""
+
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    seq_index: torch.Tensor
+    group_index: torch.Tensor
+    advantages: torch.Tensor
+    token_advantages: torch.Tensor
+    versions: torch.Tensor
+    trainable: torch.Tensor
+    mask: torch.Tensor
+    behavior: torch.Tensor
+
+
 class TorchTrainer:
     """Trains a LlamaForCausalLM on TrainingBatches with the configured RL objective.
 
     The reference policy for the KL term (kl_coef > 0) is a frozen copy of the model at construction.
     ``version`` starts at ``initial_version`` and grows by one per ``train_step``.
     """
+
+    # Saved in the trainer state; a checkpoint loads only into a trainer of the same format (the
+    # optimizer state is keyed by parameter order, which differs between trainers).
+    checkpoint_format = _FORMAT
 
     def __init__(self, model: LlamaForCausalLM, config: TrainerConfig | None = None, *,
                  initial_version: int = 0) -> None:
@@ -140,8 +162,7 @@ class TorchTrainer:
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.model.train()
-        self._autocast = (self.device.type == "cuda" and self.config.mixed_precision in ("auto", "bf16")) or \
-            (self.device.type == "cpu" and self.config.mixed_precision == "bf16")
+        self._autocast = _use_bf16_autocast(self.config.mixed_precision, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
                                            eps=self.config.adam_eps, weight_decay=self.config.weight_decay)
@@ -168,49 +189,13 @@ class TorchTrainer:
             raise InvalidStateError(f"batch.policy_version is {batch.policy_version} but the trainer holds "
                                     f"version {self._version}; the batch must be built for the current version")
         start = time.perf_counter()
-        algo = self.config.algorithm
-        data = batch.to_torch()
-        dev = self.device
-        tokens = data["tokens"].to(dev, torch.int64)
-        offsets = data["offsets"].to(torch.int64)
-        lengths = offsets.diff()
-        n_samples = batch.n_samples
-        seq_index = torch.repeat_interleave(torch.arange(n_samples), lengths).to(dev)
-        advantages = group_advantages(data["rewards"], data["group_index"],
-                                      normalize_std=algo.advantage == "grpo", eps=algo.adv_eps).to(dev)
-        loss_mask = data["loss_mask"].to(dev)
-        versions = data["versions"].to(dev)
-        # The first token of a sample has no prediction to train.
-        trainable = loss_mask.to(torch.float32).index_fill(0, offsets[:-1].to(dev), 0.0)
-        mask = offpolicy_loss_mask(trainable, versions, batch.policy_version, mode=algo.offpolicy_mask,
-                                   max_staleness=algo.max_staleness)
-        behavior = data["behavior_logprobs"].to(dev, torch.float32)
-        token_adv = advantages[seq_index]
-        parts = _minibatch_bounds(data["group_index"], self.config.minibatches)
-        old_logprobs = self._logprobs_no_grad(self.model, tokens, offsets) if len(parts) > 1 else None
+        inputs = self._prepare(batch)
+        parts = _minibatch_bounds(inputs.group_index, self.config.minibatches)
+        old_logprobs = self._logprobs_no_grad(self.model, inputs.tokens, inputs.offsets) if len(parts) > 1 else None
         sums: dict[str, float] = {}
         grad_norms = []
         for s0, s1 in parts:
-            t0, t1 = int(offsets[s0]), int(offsets[s1])
-            weights = aggregation_weights(mask[t0:t1], seq_index[t0:t1] - s0, s1 - s0, algo.aggregation)
-            for a, b in split_by_token_budget(lengths[s0:s1].tolist(), self.config.micro_batch_tokens):
-                a, b = a + s0, b + s0
-                u0, u1 = int(offsets[a]), int(offsets[b])
-                cu = (offsets[a:b + 1] - offsets[a]).to(dev)
-                logprobs, entropy = self._logprobs(self.model, tokens[u0:u1], cu, with_entropy=True)
-                ref = (self._logprobs_no_grad(self.ref_model, tokens[u0:u1], offsets[a:b + 1] - offsets[a])
-                       if self.ref_model is not None else None)
-                w = weights[u0 - t0:u1 - t0]
-                out = policy_loss(algo, PolicyLossInputs(
-                    logprobs=logprobs,
-                    old_logprobs=(old_logprobs[u0:u1] if old_logprobs is not None else logprobs.detach()),
-                    behavior_logprobs=behavior[u0:u1], advantages=token_adv[u0:u1], mask=mask[u0:u1],
-                    weights=w, seq_index=seq_index[u0:u1] - a, n_seqs=b - a, ref_logprobs=ref))
-                out.loss.backward()
-                _accumulate(sums, "loss", float(out.loss.detach()))
-                _accumulate(sums, "entropy", float((w * entropy).sum()))
-                for name, value in out.metrics.items():
-                    _accumulate(sums, name, float(value))
+            self._accumulate_gradients(inputs, s0, s1, old_logprobs, sums)
             clip = self.config.grad_clip if self.config.grad_clip is not None else math.inf
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, clip)))
             self.optimizer.step()
@@ -220,19 +205,19 @@ class TorchTrainer:
         self._version += 1
         self.step += 1
         metrics = {name: value / len(parts) for name, value in sums.items()}
-        staleness = (batch.policy_version - versions.to(torch.int64))[loss_mask.bool()]
-        rewards = data["rewards"].to(torch.float32)
+        staleness = (batch.policy_version - inputs.versions.to(torch.int64))[inputs.trainable.bool()]
+        rewards = torch.from_numpy(batch.rewards).to(torch.float32)
         elapsed = time.perf_counter() - start
         metrics.update({
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": self.config.lr,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(unbiased=False)),
-            "advantage_abs_mean": float(advantages.abs().mean()),
-            "response_len_mean": float(torch.from_numpy(batch.response_lens).float().mean()),
+            "advantage_abs_mean": float(inputs.advantages.abs().mean()),
+            "response_len_mean": float(batch.response_lens.mean()),
             "n_tokens": float(batch.n_tokens),
-            "n_loss_tokens": float(mask.sum()),
-            "n_masked_offpolicy_tokens": float(trainable.sum() - mask.sum()),
+            "n_loss_tokens": float(inputs.mask.sum()),
+            "n_masked_offpolicy_tokens": float(inputs.trainable.sum() - inputs.mask.sum()),
             "offpolicy_token_frac": float((staleness > 0).float().mean()) if staleness.numel() else 0.0,
             "max_staleness": float(staleness.max()) if staleness.numel() else 0.0,
             "optimizer_steps": float(len(parts)),
@@ -241,6 +226,52 @@ class TorchTrainer:
             "version": float(self._version),
         })
         return metrics
+
+    def _prepare(self, batch: TrainingBatch) -> _StepInputs:
+        """Device tensors of the batch plus advantages and the effective loss mask."""
+        algo = self.config.algorithm
+        data = batch.to_torch()
+        dev = self.device
+        offsets = data["offsets"].to(torch.int64)
+        seq_index = torch.repeat_interleave(torch.arange(batch.n_samples), offsets.diff()).to(dev)
+        advantages = group_advantages(data["rewards"], data["group_index"],
+                                      normalize_std=algo.advantage == "grpo", eps=algo.adv_eps).to(dev)
+        versions = data["versions"].to(dev)
+        # The first token of a sample has no prediction to train.
+        trainable = data["loss_mask"].to(dev, torch.float32).index_fill(0, offsets[:-1].to(dev), 0.0)
+        mask = offpolicy_loss_mask(trainable, versions, batch.policy_version, mode=algo.offpolicy_mask,
+                                   max_staleness=algo.max_staleness)
+        return _StepInputs(tokens=data["tokens"].to(dev, torch.int64), offsets=offsets, seq_index=seq_index,
+                           group_index=data["group_index"], advantages=advantages,
+                           token_advantages=advantages[seq_index], versions=versions, trainable=trainable,
+                           mask=mask, behavior=data["behavior_logprobs"].to(dev, torch.float32))
+
+    def _accumulate_gradients(self, inputs: _StepInputs, s0: int, s1: int, old_logprobs: torch.Tensor | None,
+                              sums: dict[str, float]) -> None:
+        """Forward and backward of samples [s0, s1) in micro-batches; adds their metrics to ``sums``."""
+        algo = self.config.algorithm
+        offsets, seq_index = inputs.offsets, inputs.seq_index
+        t0, t1 = int(offsets[s0]), int(offsets[s1])
+        weights = aggregation_weights(inputs.mask[t0:t1], seq_index[t0:t1] - s0, s1 - s0, algo.aggregation)
+        for a, b in split_by_token_budget(offsets[s0:s1 + 1].diff().tolist(), self.config.micro_batch_tokens):
+            a, b = a + s0, b + s0
+            u0, u1 = int(offsets[a]), int(offsets[b])
+            cu = offsets[a:b + 1] - offsets[a]
+            tokens = inputs.tokens[u0:u1]
+            logprobs, entropy = self._logprobs(self.model, tokens, cu, with_entropy=True)
+            ref = self._logprobs_no_grad(self.ref_model, tokens, cu) if self.ref_model is not None else None
+            w = weights[u0 - t0:u1 - t0]
+            out = policy_loss(algo, PolicyLossInputs(
+                logprobs=logprobs,
+                old_logprobs=old_logprobs[u0:u1] if old_logprobs is not None else logprobs.detach(),
+                behavior_logprobs=inputs.behavior[u0:u1], advantages=inputs.token_advantages[u0:u1],
+                mask=inputs.mask[u0:u1], weights=w, seq_index=seq_index[u0:u1] - a, n_seqs=b - a,
+                ref_logprobs=ref))
+            out.loss.backward()
+            _accumulate(sums, "loss", float(out.loss.detach()))
+            _accumulate(sums, "entropy", float((w * entropy).sum()))
+            for name, value in out.metrics.items():
+                _accumulate(sums, name, float(value))
 
     def _logprobs(self, model: LlamaForCausalLM, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *,
                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,6 +316,7 @@ class TorchTrainer:
         either the previous checkpoint or the complete new one. ``extra`` must hold tensors, numbers,
         strings, bytes, lists, tuples and dicts."""
         self._require_onloaded("save_checkpoint")
+        _check_extra(extra or {}, "extra")
         path = os.path.abspath(os.fspath(path))
         parent = os.path.dirname(path)
         try:
@@ -293,12 +325,9 @@ class TorchTrainer:
         except OSError as err:
             raise PersistenceError(f"cannot create a checkpoint next to {path!r}: {err}") from None
         try:
-            save_pretrained(self.model, tmp)
-            if self.ref_model is not None:
-                save_file({n: p.detach().to("cpu").contiguous() for n, p in self.ref_model.named_parameters()},
-                          os.path.join(tmp, _REFERENCE_FILE))
+            self._save_weights(tmp)
             state = {
-                "format": _FORMAT,
+                "format": self.checkpoint_format,
                 "version": self._version,
                 "step": self.step,
                 "optimizer": self.optimizer.state_dict(),
@@ -315,6 +344,13 @@ class TorchTrainer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
+    def _save_weights(self, directory: str) -> None:
+        """The policy as a Hugging Face checkpoint directory, and the KL reference beside it."""
+        save_pretrained(self.model, directory)
+        if self.ref_model is not None:
+            save_file({n: p.detach().to("cpu").contiguous() for n, p in self.ref_model.named_parameters()},
+                      os.path.join(directory, _REFERENCE_FILE))
+
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         self._require_onloaded("load_checkpoint")
         path = os.fspath(path)
@@ -325,8 +361,8 @@ class TorchTrainer:
             state = torch.load(state_file, map_location="cpu", weights_only=True)
         except Exception as err:  # torch.load raises pickle / zip / runtime errors for damaged files
             raise CorruptStateError(f"{state_file}: unreadable trainer state ({err})") from None
-        if not isinstance(state, dict) or state.get("format") != _FORMAT:
-            raise CorruptStateError(f"{state_file}: not a {_FORMAT} state")
+        if not isinstance(state, dict) or state.get("format") != self.checkpoint_format:
+            raise CorruptStateError(f"{state_file}: not a {self.checkpoint_format} state")
         if (self.ref_model is None) != (not os.path.isfile(os.path.join(path, _REFERENCE_FILE))):
             raise InvalidStateError(f"{path!r} was saved with kl_coef "
                                     f"{'0' if self.ref_model is not None else '> 0'}, this trainer has "
@@ -394,6 +430,13 @@ class TorchTrainer:
         self._optimizer_in_region = True
 
 
+def _use_bf16_autocast(mode: str, device: torch.device) -> bool:
+    """"auto": bf16 on GPUs that support it, fp32 elsewhere; "bf16" / "fp32" as asked."""
+    if mode == "auto":
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return mode == "bf16"
+
+
 def _validate_batch(batch: TrainingBatch) -> None:
     s, t = batch.n_samples, batch.n_tokens
     if s < 1:
@@ -420,6 +463,25 @@ def _minibatch_bounds(group_index: torch.Tensor, minibatches: int) -> list[tuple
     parts = min(minibatches, n_groups)
     bounds = [starts[(n_groups * k) // parts] for k in range(parts)] + [int(group_index.shape[0])]
     return [(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+_EXTRA_LEAVES = (type(None), bool, int, float, str, bytes, torch.Tensor)
+
+
+def _check_extra(value: Any, where: str) -> None:
+    """Rejects at save time what torch.load(weights_only=True) could not read back."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise InvalidArgumentError(f"{where} has a key {key!r} of type {type(key).__name__}; "
+                                           f"keys must be str or int")
+            _check_extra(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_extra(item, f"{where}[{i}]")
+    elif not isinstance(value, _EXTRA_LEAVES):
+        raise InvalidArgumentError(f"{where} is a {type(value).__name__}; a checkpoint's extra may hold "
+                                   f"tensors, numbers, strings, bytes, None, lists, tuples and dicts")
 
 
 def _accumulate(sums: dict[str, float], name: str, value: float) -> None:

@@ -2,7 +2,16 @@
 
 from april_ext.training.checkpoint import CheckpointInfo, CheckpointManager
 from april_ext.training.config import TrainConfig
-from april_ext.training.run import METRICS_FILE, StepMemory, TrainResult, summarize, train, train_async
+from april_ext.training.run import (
+    METRICS_FILE,
+    StepMemory,
+    TrainingRun,
+    TrainResult,
+    summarize,
+    train,
+    train_async,
+    train_side_by_side,
+)
 
 __all__ = [
     "METRICS_FILE",
@@ -11,7 +20,9 @@ __all__ = [
     "StepMemory",
     "TrainConfig",
     "TrainResult",
+    "TrainingRun",
     "summarize",
     "train",
     "train_async",
+    "train_side_by_side",
 ]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 from dataclasses import fields
 from typing import Any
 
-from april_ext.training.config import TrainConfig, field_type
+from april_ext.training.config import TrainConfig, field_docs, field_type
 
 _GROUPS = {
     "data and task": ("task", "data", "tokenizer", "prompt_key", "label_key", "num_epochs", "counting_median",
@@ -42,15 +43,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="run the baseline and APRIL on the same seed; print their rollout throughput and reward")
     groups = {name: parser.add_argument_group(name) for name in (*_GROUPS, "training and outputs")}
     owner = {f: g for g, names in _GROUPS.items() for f in names}
+    docs = field_docs()
     for f in fields(TrainConfig):
         base, optional = field_type(f.name)
         group = groups[owner.get(f.name, "training and outputs")]
         flag = "--" + f.name.replace("_", "-")
+        # "%%": argparse formats help strings with %.
+        help_text = (docs.get(f.name, "") + f" (default: {f.default!r})").strip().replace("%", "%%")
         if base is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=help_text)
         else:
             group.add_argument(flag, type=_value_parser(base, optional), default=argparse.SUPPRESS,
-                               metavar=base.__name__.upper())
+                               metavar=base.__name__.upper(), help=help_text)
     parser.set_defaults(func=run)
     return parser
 
@@ -65,7 +70,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from april_ext.training.run import train
+    from april_ext.training.run import train, train_side_by_side
 
     config = config_from_args(args)
     if not args.compare:
@@ -75,11 +80,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from april_ext.plots import plot_compare
 
-    results = {}
-    for name, partial in (("baseline", False), ("april", True)):
-        results[name] = train(config.replace(partial_rollout=partial,
-                                             output_dir=os.path.join(config.output_dir, name),
-                                             save=None if config.save is None else os.path.join(config.save, name)))
+    # Side by side: the two runs take steps in turn, so both see the same machine load.
+    results = asyncio.run(train_side_by_side({
+        name: config.replace(partial_rollout=partial, output_dir=os.path.join(config.output_dir, name),
+                             save=None if config.save is None else os.path.join(config.save, name))
+        for name, partial in (("baseline", False), ("april", True))}))
     _print_summary({name: r.summary for name, r in results.items()})
     base, april = results["baseline"].summary, results["april"].summary
     if base.get("rollout_tokens_per_s"):

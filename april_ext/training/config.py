@@ -7,7 +7,9 @@ the config file, then flags.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
 import os
 import sys
@@ -40,21 +42,31 @@ class TrainConfig:
     tokenizer: str | None = None
     """Local Hugging Face tokenizer directory (required with data)."""
     prompt_key: str = "prompt"
+    """Record field holding the prompt (text or chat); dotted keys walk nested objects."""
     label_key: str = "label"
+    """Record field holding the reference answer."""
     num_epochs: int = 1
+    """Passes over the prompt file before the data runs out."""
     counting_median: float = 4.0
     """Counting task: median target count N (log-normal, so a long tail of large N)."""
     counting_sigma: float = 1.0
+    """Counting task: log-normal sigma of N (larger: longer tail)."""
     counting_max_count: int = 24
+    """Counting task: the cap of N."""
     counting_symbols: int = 4
+    """Counting task: distinct symbols X."""
     # --- model
     model: str | None = None
     """Hugging Face checkpoint directory; None builds a tiny random model for the counting task."""
     hidden_size: int = 64
+    """Tiny counting model: hidden size (intermediate size is 3x)."""
     num_layers: int = 2
+    """Tiny counting model: decoder layers."""
     # --- rollout (scheduler)
     rollout_batch_size: int = 8
+    """N: groups (prompts) per training step."""
     n_samples_per_prompt: int = 8
+    """Samples (responses) per group."""
     over_sampling_batch_size: int | None = None
     """N' groups in flight; None: 2 x rollout_batch_size. Ignored (N' = N) without partial_rollout."""
     max_response_len: int | None = None
@@ -62,23 +74,41 @@ class TrainConfig:
     partial_rollout: bool = True
     """APRIL (over-sample, abort when N groups are done, resume partials) vs the synchronous baseline."""
     refill: str = "batch"
+    """"batch": waves of N' groups (paper); "continuous": top up as groups finish."""
     max_staleness: int | None = None
+    """Most policy versions a sample may lag (None: unlimited)."""
     staleness_policy: str = "keep"
+    """Past max_staleness: keep, mask, restart or drop."""
     mask_offpolicy: bool = False
+    """Train only tokens of the current policy version."""
     temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling mass."""
     # --- engine
     max_num_seqs: int = 256
+    """Engine: sequences running at once."""
     num_blocks: int = 2048
+    """Engine: KV cache pages."""
     block_size: int = 16
+    """Engine: tokens per KV page."""
     device: str = "cpu"
+    """Engine and trainer device ("cpu", "cuda", "cuda:1")."""
     # --- training
     algorithm: str = "grpo"
+    """grpo, drgrpo, dapo (clip-higher + dynamic-sampling filter) or gspo."""
     lr: float = 2e-3
+    """AdamW learning rate."""
     kl_coef: float = 0.0
+    """KL penalty to the initial policy (0: none)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling cap for off-policy tokens (resumed partials); None: off."""
     micro_batch_tokens: int = 8192
+    """Trainer: token budget of one forward/backward."""
     num_steps: int = 20
+    """Training steps of the run (a resumed run counts its earlier steps)."""
     seed: int = 0
+    """Seeds the task stream, model init, request sampling and RNGs."""
     colocate: bool = False
     """Pause the trainer's memory while the engine generates and the engine's while the trainer trains."""
     num_threads: int | None = None
@@ -91,10 +121,13 @@ class TrainConfig:
     save_interval: int = 0
     """Checkpoint every k steps (0: only at the end)."""
     keep_checkpoints: int = 2
+    """Newest checkpoints kept."""
     resume: bool = False
     """Continue from the newest checkpoint in the checkpoint directory (a fresh start when there is none)."""
     plots: bool = True
+    """Write PNG plots at the end."""
     progress: bool = True
+    """Show tqdm progress bars."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -136,6 +169,8 @@ class TrainConfig:
         for name in ("counting_sigma", "kl_coef", "temperature"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 _bad(name, getattr(self, name), "a finite number >= 0")
+        if self.tis_cap is not None and (not math.isfinite(self.tis_cap) or self.tis_cap <= 0):
+            _bad("tis_cap", self.tis_cap, "None or a finite number > 0")
         if not 0 < self.top_p <= 1:
             _bad("top_p", self.top_p, "a number in (0, 1]")
 
@@ -190,6 +225,17 @@ def _hints() -> dict[str, Any]:
     return _HINTS
 
 
+def field_docs() -> dict[str, str]:
+    """The docstring under each TrainConfig field (the flags' help texts), read from this module's source."""
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(after.value.value).split())  # type: ignore[union-attr]
+    return docs
+
+
 def field_type(name: str) -> tuple[type, bool]:
     """(base type, optional) of a TrainConfig field, e.g. (int, True) for ``int | None``."""
     hint = _hints()[name]
@@ -217,4 +263,4 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
         _bad(name, value, f"a {base.__name__}" + (" or None" if optional else ""))
 
 
-__all__ = ["ALGORITHMS", "TASKS", "TrainConfig", "field_type"]
+__all__ = ["ALGORITHMS", "TASKS", "TrainConfig", "field_docs", "field_type"]

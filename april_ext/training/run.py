@@ -10,6 +10,7 @@ steps and at the end; ``resume`` continues from the newest checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import json
@@ -28,7 +29,7 @@ from april_ext.algorithms import AlgorithmConfig, reject_uniform_groups
 from april_ext.data_source import DataSource
 from april_ext.engine import AsyncEngine, EngineConfig, EngineCore, SamplingParams
 from april_ext.model import LlamaForCausalLM, load_pretrained
-from april_ext.rollout import GroupFilter, RewardFn, RolloutLoop, scheduler_config_for
+from april_ext.rollout import RewardFn, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler, SchedulerConfig
 from april_ext.trainer import TorchTrainer, TrainerConfig
 from april_ext.training.checkpoint import CheckpointManager
@@ -88,7 +89,7 @@ def _build_task(config: TrainConfig) -> _Task:
     assert config.data is not None and config.tokenizer is not None and config.model is not None
     tokenizer = load_tokenizer(config.tokenizer)
     dataset = PromptDataset.from_file(config.data, tokenizer, DatasetConfig(
-        prompt_key=config.prompt_key, label_key=config.label_key, seed=config.seed, num_epochs=config.num_epochs))
+        prompt_key=config.prompt_key, label_key=config.label_key, seed=config.seed, epochs=config.num_epochs))
     eos = tokenizer.eos_token_id
     model_dir = config.model
     return _Task(dataset, MathReward(tokenizer), () if eos is None else (int(eos),),
@@ -98,7 +99,7 @@ def _build_task(config: TrainConfig) -> _Task:
 def _algorithm(config: TrainConfig) -> AlgorithmConfig:
     build = {"grpo": AlgorithmConfig.grpo, "drgrpo": AlgorithmConfig.drgrpo, "dapo": AlgorithmConfig.dapo,
              "gspo": AlgorithmConfig.gspo}[config.algorithm]
-    return build(kl_coef=config.kl_coef)
+    return build(kl_coef=config.kl_coef, tis_cap=config.tis_cap)
 
 
 def _seed_everything(seed: int) -> None:
@@ -149,103 +150,163 @@ def train(config: TrainConfig) -> TrainResult:
 
 
 async def train_async(config: TrainConfig) -> TrainResult:
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-    _seed_everything(config.seed)
-    task = _build_task(config)
-    mode = "april" if config.partial_rollout else "baseline"
-    sched_config = scheduler_config_for(SchedulerConfig(
-        rollout_batch_size=config.rollout_batch_size, n_samples_per_prompt=config.n_samples_per_prompt,
-        over_sampling_batch_size=config.over_sampling_batch_size, max_response_len=task.max_response_len,
-        refill=config.refill, max_staleness=config.max_staleness, staleness_policy=config.staleness_policy,
-        mask_offpolicy=config.mask_offpolicy), config.partial_rollout)
-    scheduler = Scheduler(sched_config, task.data)
-    prefix = f"run{next(_run_ids)}-"
-    model = task.make_model()
-    engine_model = copy.deepcopy(model)
-    algorithm = _algorithm(config)
-    trainer = TorchTrainer(model, TrainerConfig(
-        algorithm=algorithm, lr=config.lr, micro_batch_tokens=config.micro_batch_tokens, device=config.device,
-        colocated=config.colocate, memory_tag=prefix + "trainer"))
-    core = EngineCore(engine_model, EngineConfig(
-        num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-        device=config.device, seed=config.seed, memory_tag_prefix=prefix), weight_version=trainer.version)
-    checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.keep_checkpoints)
-    os.makedirs(config.output_dir, exist_ok=True)
-    metrics_path = os.path.join(config.output_dir, METRICS_FILE)
-    history: list[dict[str, Any]] = []
-    resumed_from = None
-    latest = checkpoints.latest() if config.resume else None
-    if latest is not None:
-        checkpoints.load(latest, trainer, scheduler)
-        resumed_from = latest.step
-        history = _read_metrics(metrics_path, latest.step)
-    with open(metrics_path + ".tmp", "w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps(row) + "\n" for row in history)
-    os.replace(metrics_path + ".tmp", metrics_path)
-    group_filter: GroupFilter | None = reject_uniform_groups if algorithm.dynamic_sampling else None
-    sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p,
-                              stop_token_ids=task.stop_token_ids)
-    start_step = resumed_from or 0
-    last_saved: str | None = latest.path if latest is not None else None
-    data_exhausted = False
-    from tqdm import tqdm
+    async with TrainingRun(config) as run:
+        while not run.done:
+            await run.step()
+        return await run.finish()
 
-    bar = tqdm(total=config.num_steps, initial=start_step, desc=f"train[{mode}]", unit="step",
-               disable=not config.progress, dynamic_ncols=True)
-    async with AsyncEngine(core) as engine:
-        if resumed_from is not None:
+
+async def train_side_by_side(configs: dict[str, TrainConfig]) -> dict[str, TrainResult]:
+    """Several runs in one process, stepping in turn (one step of each, then the next round), so that
+    they see the same machine load and their throughput ratio is fair on a busy machine."""
+    async with contextlib.AsyncExitStack() as stack:
+        runs = {name: await stack.enter_async_context(TrainingRun(cfg, bar_position=i))
+                for i, (name, cfg) in enumerate(configs.items())}
+        while not all(run.done for run in runs.values()):
+            for run in runs.values():
+                if not run.done:
+                    await run.step()
+        return {name: await run.finish() for name, run in runs.items()}
+
+
+class TrainingRun:
+    """One run, step by step: ``async with TrainingRun(cfg) as run: while not run.done: await run.step()``
+    then ``await run.finish()`` (final checkpoint, plots, result). Entering builds the data source,
+    model, trainer, engine and scheduler, and restores the newest checkpoint when ``cfg.resume``."""
+
+    def __init__(self, config: TrainConfig, *, bar_position: int = 0) -> None:
+        self.config = config
+        self.bar_position = bar_position
+        self.mode = "april" if config.partial_rollout else "baseline"
+        self.history: list[dict[str, Any]] = []
+        self.resumed_from: int | None = None
+        self.last_saved: str | None = None
+        self.data_exhausted = False
+        self.steps_done = 0
+        self.memory_tag_prefix = f"run{next(_run_ids)}-"
+        self._stack = contextlib.AsyncExitStack()
+
+    @property
+    def done(self) -> bool:
+        return self.data_exhausted or self.steps_done >= self.config.num_steps
+
+    async def __aenter__(self) -> TrainingRun:
+        try:
+            return await self._open()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+
+    async def _open(self) -> TrainingRun:
+        config = self.config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        _seed_everything(config.seed)
+        task = _build_task(config)
+        self.scheduler = Scheduler(scheduler_config_for(SchedulerConfig(
+            rollout_batch_size=config.rollout_batch_size, n_samples_per_prompt=config.n_samples_per_prompt,
+            over_sampling_batch_size=config.over_sampling_batch_size, max_response_len=task.max_response_len,
+            refill=config.refill, max_staleness=config.max_staleness, staleness_policy=config.staleness_policy,
+            mask_offpolicy=config.mask_offpolicy), config.partial_rollout), task.data)
+        model = task.make_model()
+        engine_model = copy.deepcopy(model)
+        algorithm = _algorithm(config)
+        prefix = self.memory_tag_prefix
+        self.trainer = TorchTrainer(model, TrainerConfig(
+            algorithm=algorithm, lr=config.lr, micro_batch_tokens=config.micro_batch_tokens, device=config.device,
+            colocated=config.colocate, memory_tag=prefix + "trainer"))
+        core = EngineCore(engine_model, EngineConfig(
+            num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+            device=config.device, seed=config.seed, memory_tag_prefix=prefix), weight_version=self.trainer.version)
+        self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.keep_checkpoints)
+        os.makedirs(config.output_dir, exist_ok=True)
+        self.metrics_path = os.path.join(config.output_dir, METRICS_FILE)
+        latest = self.checkpoints.latest() if config.resume else None
+        if latest is not None:
+            self.checkpoints.load(latest, self.trainer, self.scheduler)
+            self.resumed_from = self.steps_done = latest.step
+            self.last_saved = latest.path
+            self.history = _read_metrics(self.metrics_path, latest.step)
+        # A resumed run drops the metrics rows written after its checkpoint.
+        with open(self.metrics_path + ".tmp", "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in self.history)
+        os.replace(self.metrics_path + ".tmp", self.metrics_path)
+        from tqdm import tqdm
+
+        self.bar = self._stack.enter_context(tqdm(
+            total=config.num_steps, initial=self.steps_done, desc=f"train[{self.mode}]", unit="step",
+            disable=not config.progress, dynamic_ncols=True, position=self.bar_position))
+        self.metrics_file = self._stack.enter_context(open(self.metrics_path, "a", encoding="utf-8"))
+        self.engine = await self._stack.enter_async_context(AsyncEngine(core))
+        if latest is not None:
+            await self.engine.update_weights(self.trainer.export_weights(), self.trainer.version)
+        self.rollout = RolloutLoop(
+            self.engine, self.scheduler, task.reward_fn,
+            sampling=SamplingParams(temperature=config.temperature, top_p=config.top_p,
+                                    stop_token_ids=task.stop_token_ids),
+            group_filter=reject_uniform_groups if algorithm.dynamic_sampling else None,
+            seed=config.seed, engine_capacity=config.max_num_seqs)
+        self.memory = StepMemory(self.engine, self.trainer) if config.colocate else None
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._stack.aclose()
+
+    async def step(self) -> dict[str, Any] | None:
+        """One training step (rollout, update, weight sync, metrics row, periodic checkpoint); None when
+        the data ran out before a batch could be formed."""
+        config, trainer, engine = self.config, self.trainer, self.engine
+        step_start = time.perf_counter()
+        if self.memory is not None:
+            await self.memory.to_rollout()
+        result = await self.rollout.run_step(trainer.version)
+        batch, rm = result.batch, result.metrics
+        self.data_exhausted = bool(rm.scheduler["data_exhausted"]) and batch.n_groups < config.rollout_batch_size
+        if batch.n_groups == 0:
+            return None
+        if self.memory is not None:
+            await self.memory.to_training()
+        train_start = time.perf_counter()
+        # In a worker thread, so that reward tasks of surplus groups keep running meanwhile.
+        tm = await asyncio.to_thread(trainer.train_step, batch)
+        train_s = time.perf_counter() - train_start
+        sync_start = time.perf_counter()
+        if self.memory is not None:
+            await self.memory.sync_weights()
+        else:
             await engine.update_weights(trainer.export_weights(), trainer.version)
-        rollout = RolloutLoop(engine, scheduler, task.reward_fn, sampling=sampling, group_filter=group_filter,
-                              seed=config.seed, engine_capacity=config.max_num_seqs)
-        colocated = StepMemory(engine, trainer) if config.colocate else None
-        with open(metrics_path, "a", encoding="utf-8") as metrics_file:
-            step = start_step
-            while step < config.num_steps:
-                step_start = time.perf_counter()
-                if colocated is not None:
-                    await colocated.to_rollout()
-                result = await rollout.run_step(trainer.version)
-                batch, rm = result.batch, result.metrics
-                data_exhausted = bool(rm.scheduler["data_exhausted"]) and batch.n_groups < config.rollout_batch_size
-                if batch.n_groups == 0:
-                    break
-                if colocated is not None:
-                    await colocated.to_training()
-                train_start = time.perf_counter()
-                tm = await asyncio.to_thread(trainer.train_step, batch)
-                train_s = time.perf_counter() - train_start
-                sync_start = time.perf_counter()
-                if colocated is not None:
-                    await colocated.sync_weights()
-                else:
-                    await engine.update_weights(trainer.export_weights(), trainer.version)
-                step += 1
-                row = _row(step, mode, rm, tm, train_s, time.perf_counter() - sync_start,
-                           time.perf_counter() - step_start)
-                history.append(row)
-                metrics_file.write(json.dumps(row) + "\n")
-                metrics_file.flush()
-                bar.update(1)
-                bar.set_postfix(reward=f"{rm.reward_mean:.3f}", tok_s=f"{rm.tokens_per_s:.0f}",
-                                partial=f"{rm.scheduler['carried_token_ratio']:.2f}")
-                if data_exhausted:
-                    break
-                if config.save_interval and step % config.save_interval == 0 and step < config.num_steps:
-                    await rollout.drain_rewards()
-                    last_saved = checkpoints.save(step, trainer, scheduler, {"mode": mode})
-        await rollout.drain_rewards()
-        if colocated is not None:
-            await colocated.finish()
-        if history and (resumed_from is None or step > resumed_from):
-            last_saved = checkpoints.save(step, trainer, scheduler, {"mode": mode})
-    bar.close()
-    if config.plots and history:
-        from april_ext.plots import plot_run
+        self.steps_done += 1
+        row = _row(self.steps_done, self.mode, rm, tm, train_s, time.perf_counter() - sync_start,
+                   time.perf_counter() - step_start)
+        self.history.append(row)
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{rm.reward_mean:.3f}", tok_s=f"{rm.tokens_per_s:.0f}",
+                             partial=f"{rm.scheduler['carried_token_ratio']:.2f}")
+        if config.save_interval and self.steps_done % config.save_interval == 0 and not self.done:
+            await self.save()
+        return row
 
-        plot_run(history, config.output_dir)
-    return TrainResult(config, history, config.output_dir, last_saved, resumed_from, data_exhausted,
-                       summarize(history), prefix)
+    async def save(self) -> str:
+        """Checkpoints now (after every pending reward reached the scheduler)."""
+        await self.rollout.drain_rewards()
+        self.last_saved = self.checkpoints.save(self.steps_done, self.trainer, self.scheduler, {"mode": self.mode})
+        return self.last_saved
+
+    async def finish(self) -> TrainResult:
+        """Final checkpoint (when this session trained), plots, and the result."""
+        await self.rollout.drain_rewards()
+        if self.memory is not None:
+            await self.memory.finish()
+        if self.history and (self.resumed_from is None or self.steps_done > self.resumed_from):
+            await self.save()
+        if self.config.plots and self.history:
+            from april_ext.plots import plot_run
+
+            plot_run(self.history, self.config.output_dir)
+        return TrainResult(self.config, self.history, self.config.output_dir, self.last_saved, self.resumed_from,
+                           self.data_exhausted, summarize(self.history), self.memory_tag_prefix)
 
 
 class StepMemory:
@@ -295,4 +356,5 @@ def _row(step: int, mode: str, rm: Any, tm: dict[str, float], train_s: float, sy
     return row
 
 
-__all__ = ["METRICS_FILE", "StepMemory", "TrainResult", "summarize", "train", "train_async"]
+__all__ = ["METRICS_FILE", "StepMemory", "TrainResult", "TrainingRun", "summarize", "train", "train_async",
+           "train_side_by_side"]

@@ -196,7 +196,7 @@ void Allocator::pause_tag(const std::string& tag, TagRecord& record) {
   std::vector<HostBuffer> backups(todo.size());
   try {
     for (std::size_t i = 0; i < todo.size(); ++i) {
-      if (todo[i]->cpu_backup) backups[i] = HostBuffer(todo[i]->backend, todo[i]->logical);
+      if (todo[i]->cpu_backup) backups[i] = HostBuffer(&backup_cache_, todo[i]->backend, todo[i]->logical);
     }
   } catch (const Error& e) {
     throw Error(e.kind(), "pause of tag '" + tag + "': " + e.what() + "; the tag stays active");
@@ -213,9 +213,10 @@ void Allocator::pause_tag(const std::string& tag, TagRecord& record) {
       copy_seconds += seconds_since(copy_start);
       copied += a->logical;
     }
+    // The backup belongs to the allocation before the unmap, so a failing unmap cannot lose it.
+    a->backup = std::move(backups[i]);
     a->mapping.reset();
     a->memory.reset();
-    a->backup = std::move(backups[i]);
     if (a->backend->pause_frees_va()) {
       std::size_t size = a->va.size();
       std::size_t gran = a->backend->granularity(a->device.index);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "allocator/backend.h"
+#include "allocator/backup_cache.h"
 #include "allocator/cpu_backend.h"
 #include "allocator/resources.h"
 
@@ -89,6 +90,7 @@ class Allocator {
   std::size_t granularity(Device device);
   void memory_info(Device device, std::size_t* free_bytes, std::size_t* total_bytes);
   CpuBackend& cpu_backend() { return cpu_; }
+  BackupCache& backup_cache() { return backup_cache_; }
 
  private:
   struct Allocation {
@@ -128,6 +130,9 @@ class Allocator {
   std::unique_ptr<Backend> hip_;
   std::string cuda_error_;
   std::string hip_error_;
+  // Declared after the backends and before the allocations: allocations give their backups back to
+  // it when they die, and it frees what it keeps through the backends.
+  BackupCache backup_cache_;
   std::map<std::uintptr_t, std::unique_ptr<Allocation>> allocations_;
   std::map<std::string, TagRecord> tags_;
 };

@@ -2,6 +2,7 @@
 // the headers alone and a build imports on machines without a driver.
 #include <cuda.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -131,6 +132,7 @@ class CudaBackend final : public Backend {
   }
 
   std::uintptr_t reserve(std::size_t size, std::size_t alignment, std::uintptr_t fixed_addr) override {
+    make_current(last_device_);
     CUdeviceptr ptr = 0;
     CUresult r = api_.address_reserve(&ptr, size, alignment, static_cast<CUdeviceptr>(fixed_addr), 0);
     check_call(r, "cuMemAddressReserve");
@@ -142,10 +144,13 @@ class CudaBackend final : public Backend {
   }
 
   void free_va(std::uintptr_t addr, std::size_t size) override {
+    make_current(last_device_);
     check_call(api_.address_free(static_cast<CUdeviceptr>(addr), size), "cuMemAddressFree");
   }
 
   PhysicalHandle create(std::size_t size, int device) override {
+    make_current(device);
+    last_device_ = device;
     CUmemAllocationProp prop = properties(device);
     CUmemGenericAllocationHandle handle = 0;
     check_call(api_.create(&handle, size, &prop, 0), "cuMemCreate");
@@ -153,15 +158,18 @@ class CudaBackend final : public Backend {
   }
 
   void release(PhysicalHandle handle) override {
+    make_current(last_device_);
     check_call(api_.release(static_cast<CUmemGenericAllocationHandle>(handle)), "cuMemRelease");
   }
 
   void map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) override {
+    make_current(last_device_);
     check_call(api_.map(static_cast<CUdeviceptr>(addr), size, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0),
                "cuMemMap");
   }
 
   void set_access(std::uintptr_t addr, std::size_t size, int device) override {
+    make_current(device);
     CUmemAccessDesc desc = {};
     desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     desc.location.id = device;
@@ -170,6 +178,7 @@ class CudaBackend final : public Backend {
   }
 
   void unmap(std::uintptr_t addr, std::size_t size) override {
+    make_current(last_device_);
     check_call(api_.unmap(static_cast<CUdeviceptr>(addr), size), "cuMemUnmap");
   }
 
@@ -202,8 +211,9 @@ class CudaBackend final : public Backend {
 
   const CudaApi& api() const { return api_; }
 
-  // The calling thread needs a context for copies and queries; the device's primary context is the
-  // one torch uses too.
+  // Driver calls need a current context on the calling thread, which may be any thread (a tensor
+  // deleter, torch's free hook). When it has none, the device's primary context is made current:
+  // the one torch uses too. Calls that name no device use the device of the last creation.
   void make_current(int device) {
     CUcontext current = nullptr;
     check_call(api_.ctx_get_current(&current), "cuCtxGetCurrent");
@@ -258,6 +268,7 @@ class CudaBackend final : public Backend {
   DynamicLibrary lib_;
   CudaApi api_;
   int device_count_ = 0;
+  std::atomic<int> last_device_{0};
   std::mutex mutex_;
   std::map<int, bool> rdma_;
   std::map<int, CUcontext> contexts_;

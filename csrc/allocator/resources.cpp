@@ -122,8 +122,10 @@ void Mapping::reset() {
   b->unmap(addr_, size_);
 }
 
-HostBuffer::HostBuffer(Backend* backend, std::size_t size) : backend_(backend), size_(size) {
-  data_ = backend->alloc_host(size);
+HostBuffer::HostBuffer(BackupCache* cache, Backend* backend, std::size_t size)
+    : cache_(cache), backend_(backend), size_(size) {
+  data_ = cache->take(backend, size);
+  if (data_ == nullptr) data_ = backend->alloc_host(size);
   if (data_ == nullptr) {
     backend_ = nullptr;
     throw Error(ErrorKind::OutOfMemory, "no host memory for a backup of " + std::to_string(size) + " bytes");
@@ -133,11 +135,15 @@ HostBuffer::HostBuffer(Backend* backend, std::size_t size) : backend_(backend), 
 HostBuffer::~HostBuffer() { reset(); }
 
 HostBuffer::HostBuffer(HostBuffer&& other) noexcept
-    : backend_(std::exchange(other.backend_, nullptr)), data_(std::exchange(other.data_, nullptr)), size_(other.size_) {}
+    : cache_(other.cache_),
+      backend_(std::exchange(other.backend_, nullptr)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(other.size_) {}
 
 HostBuffer& HostBuffer::operator=(HostBuffer&& other) noexcept {
   if (this != &other) {
     reset();
+    cache_ = other.cache_;
     backend_ = std::exchange(other.backend_, nullptr);
     data_ = std::exchange(other.data_, nullptr);
     size_ = other.size_;
@@ -147,7 +153,7 @@ HostBuffer& HostBuffer::operator=(HostBuffer&& other) noexcept {
 
 void HostBuffer::reset() noexcept {
   if (data_ == nullptr) return;
-  backend_->free_host(data_, size_);
+  cache_->give(backend_, data_, size_);
   backend_ = nullptr;
   data_ = nullptr;
 }

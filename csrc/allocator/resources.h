@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "allocator/backend.h"
+#include "allocator/backup_cache.h"
 
 namespace april::alloc {
 
@@ -71,12 +72,12 @@ class Mapping {
   std::size_t size_ = 0;
 };
 
-// A host buffer holding the backup of a paused allocation.
+// A host buffer holding the backup of a paused allocation, taken from and given back to the cache.
 class HostBuffer {
  public:
   HostBuffer() = default;
   // Throws Error(OutOfMemory) when the host has no room.
-  HostBuffer(Backend* backend, std::size_t size);
+  HostBuffer(BackupCache* cache, Backend* backend, std::size_t size);
   ~HostBuffer();
   HostBuffer(HostBuffer&& other) noexcept;
   HostBuffer& operator=(HostBuffer&& other) noexcept;
@@ -89,6 +90,7 @@ class HostBuffer {
   void reset() noexcept;
 
  private:
+  BackupCache* cache_ = nullptr;
   Backend* backend_ = nullptr;
   void* data_ = nullptr;
   std::size_t size_ = 0;

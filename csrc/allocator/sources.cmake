@@ -1,6 +1,7 @@
 # Allocator core and backends, compiled into april_core. GPU backends only when their headers exist.
 target_sources(april_core PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/allocator.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/backup_cache.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cpu_backend.cpp
   ${CMAKE_CURRENT_LIST_DIR}/dlpack_export.cpp
   ${CMAKE_CURRENT_LIST_DIR}/dynamic_library.cpp

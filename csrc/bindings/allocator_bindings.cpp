@@ -105,6 +105,10 @@ void bind_allocator(py::module_& parent) {
         py::arg("bytes"));
   m.def("cpu_capacity", [] { return global_allocator().cpu_backend().capacity(); });
   m.def("cpu_committed", [] { return global_allocator().cpu_backend().committed(); });
+  m.def("set_backup_cache_limit", [](std::size_t bytes) { global_allocator().backup_cache().set_limit(bytes); },
+        py::arg("bytes"), Release());
+  m.def("backup_cache_limit", [] { return global_allocator().backup_cache().limit(); });
+  m.def("backup_cache_held", [] { return global_allocator().backup_cache().held(); });
 
   m.def("push_region", &alloc::push_region, py::arg("tag"), py::arg("cpu_backup"));
   m.def("pop_region", &alloc::pop_region);

@@ -195,9 +195,10 @@ void bind_scheduler(py::module_& m) {
              std::vector<int32_t> tokens, versions;
              std::vector<float> logprobs;
              uint8_t state = 0;
-             s.sample_response(sample_id, tokens, logprobs, versions, state);
+             int64_t resumes = 0;
+             s.sample_response(sample_id, tokens, logprobs, versions, state, resumes);
              return py::make_tuple(to_numpy(std::move(tokens)), to_numpy(std::move(logprobs)),
-                                   to_numpy(std::move(versions)), state);
+                                   to_numpy(std::move(versions)), state, resumes);
            })
       .def("serialize",
            [](const Scheduler& s) {

@@ -56,11 +56,17 @@ bool Scheduler::step_open() const {
 }
 
 Group& Scheduler::group_of(int64_t sample_id, int64_t* index) {
+  return const_cast<Group&>(static_cast<const Scheduler*>(this)->group_of(sample_id, index));
+}
+
+const Group& Scheduler::group_of(int64_t sample_id, int64_t* index) const {
   const int64_t n = config_.n_samples_per_prompt;
   auto it = sample_id >= 0 ? s_.groups.find(sample_id / n) : s_.groups.end();
-  check(it != s_.groups.end(), ErrorKind::UnknownId,
-        "sample id " + id_str(sample_id) +
-            " is not known: it was never dispatched, or its group was trained, filtered or dropped");
+  if (it == s_.groups.end()) {
+    throw Error(ErrorKind::UnknownId,
+                "sample id " + id_str(sample_id) +
+                    " is not known: it was never dispatched, or its group was trained, filtered or dropped");
+  }
   *index = sample_id % n;
   return it->second;
 }
@@ -405,59 +411,83 @@ Dispatch Scheduler::dispatch() {
 // ---------------------------------------------------------------- engine events
 
 std::vector<Sample*>& Scheduler::validate_events(const EventBatch& ev, bool finishing) {
-  check(ev.n_tokens == ev.n_logprobs, ErrorKind::InvalidArgument,
-        "logprobs has " + id_str(static_cast<int64_t>(ev.n_logprobs)) + " entries but tokens has " +
-            id_str(static_cast<int64_t>(ev.n_tokens)) + ": one behavior logprob per token");
+  // Hot path: messages are built only on failure.
+  if (ev.n_tokens != ev.n_logprobs) {
+    throw Error(ErrorKind::InvalidArgument, "logprobs has " + id_str(static_cast<int64_t>(ev.n_logprobs)) +
+                                                " entries but tokens has " + id_str(static_cast<int64_t>(ev.n_tokens)) +
+                                                ": one behavior logprob per token");
+  }
   epoch_ += 1;
   scratch_samples_.clear();
+  scratch_samples_.reserve(ev.n_events);
+  const int64_t n = config_.n_samples_per_prompt;
+  int64_t cached_gid = -1;  // events of one group usually arrive together
+  Group* cached = nullptr;
   size_t sum = 0;
   for (size_t e = 0; e < ev.n_events; ++e) {
     const int64_t sid = ev.sample_ids[e];
     const int64_t cnt = ev.counts[e];
-    check(cnt >= 0, ErrorKind::InvalidArgument,
-          "token count " + id_str(cnt) + " of sample " + id_str(sid) + " is negative");
+    if (cnt < 0) {
+      throw Error(ErrorKind::InvalidArgument, "token count " + id_str(cnt) + " of sample " + id_str(sid) + " is negative");
+    }
     sum += static_cast<size_t>(cnt);
-    check(sum <= ev.n_tokens, ErrorKind::InvalidArgument,
-          "token counts add up to more than the " + id_str(static_cast<int64_t>(ev.n_tokens)) + " tokens given");
+    if (sum > ev.n_tokens) {
+      throw Error(ErrorKind::InvalidArgument, "token counts add up to more than the " +
+                                                  id_str(static_cast<int64_t>(ev.n_tokens)) + " tokens given");
+    }
     int64_t idx = 0;
-    Group& g = group_of(sid, &idx);
-    Sample& smp = g.samples[idx];
-    check(smp.in_flight(), ErrorKind::InvalidState,
-          smp.state == SampleState::Done
-              ? "sample " + id_str(sid) + " already finished; tokens and finish are accepted once, while it runs"
-              : "sample " + id_str(sid) + " is not running (state " + state_name(smp.state) +
-                    "): tokens and finish are accepted between dispatch and finish");
+    if (sid >= 0 && sid / n == cached_gid) {
+      idx = sid % n;
+    } else {
+      cached = &group_of(sid, &idx);
+      cached_gid = sid / n;
+    }
+    Sample& smp = cached->samples[idx];
+    if (!smp.in_flight()) {
+      throw Error(ErrorKind::InvalidState,
+                  smp.state == SampleState::Done
+                      ? "sample " + id_str(sid) + " already finished; tokens and finish are accepted once, while it runs"
+                      : "sample " + id_str(sid) + " is not running (state " + state_name(smp.state) +
+                            "): tokens and finish are accepted between dispatch and finish");
+    }
     if (smp.scratch_epoch != epoch_) {
       smp.scratch_epoch = epoch_;
       smp.scratch_len = static_cast<int64_t>(smp.tokens.size());
       smp.scratch_version = std::max(smp.last_version(), smp.dispatch_version);
       smp.scratch_finished = false;
     }
-    check(!smp.scratch_finished, ErrorKind::InvalidState,
-          "sample " + id_str(sid) + " is finished twice in one call");
+    if (smp.scratch_finished) {
+      throw Error(ErrorKind::InvalidState, "sample " + id_str(sid) + " is finished twice in one call");
+    }
     if (finishing) {
-      check(ev.reasons[e] <= static_cast<uint8_t>(FinishReason::Abort), ErrorKind::InvalidArgument,
-            "finish reason " + id_str(ev.reasons[e]) + " of sample " + id_str(sid) +
-                " is not allowed: 0 (stop), 1 (length) or 2 (abort)");
+      if (ev.reasons[e] > static_cast<uint8_t>(FinishReason::Abort)) {
+        throw Error(ErrorKind::InvalidArgument, "finish reason " + id_str(ev.reasons[e]) + " of sample " + id_str(sid) +
+                                                    " is not allowed: 0 (stop), 1 (length) or 2 (abort)");
+      }
       smp.scratch_finished = true;
     }
     if (cnt > 0) {
       const int64_t ver = ev.versions[e];
-      check(ver >= smp.scratch_version && ver <= s_.policy_version, ErrorKind::InvalidArgument,
-            "version " + id_str(ver) + " of sample " + id_str(sid) + " is not allowed: must be in [" +
-                id_str(smp.scratch_version) + ", " + id_str(s_.policy_version) +
-                "] (not below its dispatch version or earlier tokens, not above the current policy)");
-      check(smp.scratch_len + cnt <= config_.max_response_len, ErrorKind::InvalidArgument,
-            "sample " + id_str(sid) + " would have " + id_str(smp.scratch_len + cnt) +
-                " response tokens, over max_response_len=" + id_str(config_.max_response_len));
+      if (ver < smp.scratch_version || ver > s_.policy_version) {
+        throw Error(ErrorKind::InvalidArgument,
+                    "version " + id_str(ver) + " of sample " + id_str(sid) + " is not allowed: must be in [" +
+                        id_str(smp.scratch_version) + ", " + id_str(s_.policy_version) +
+                        "] (not below its dispatch version or earlier tokens, not above the current policy)");
+      }
+      if (smp.scratch_len + cnt > config_.max_response_len) {
+        throw Error(ErrorKind::InvalidArgument, "sample " + id_str(sid) + " would have " +
+                                                    id_str(smp.scratch_len + cnt) + " response tokens, over max_response_len=" +
+                                                    id_str(config_.max_response_len));
+      }
       smp.scratch_len += cnt;
       smp.scratch_version = ver;
     }
     scratch_samples_.push_back(&smp);
   }
-  check(sum == ev.n_tokens, ErrorKind::InvalidArgument,
-        "token counts add up to " + id_str(static_cast<int64_t>(sum)) + " but " +
-            id_str(static_cast<int64_t>(ev.n_tokens)) + " tokens were given");
+  if (sum != ev.n_tokens) {
+    throw Error(ErrorKind::InvalidArgument, "token counts add up to " + id_str(static_cast<int64_t>(sum)) + " but " +
+                                                id_str(static_cast<int64_t>(ev.n_tokens)) + " tokens were given");
+  }
   return scratch_samples_;
 }
 
@@ -629,10 +659,10 @@ std::vector<int64_t> Scheduler::sample_ids(SampleState state) const {
 }
 
 void Scheduler::sample_response(int64_t sample_id, std::vector<int32_t>& tokens, std::vector<float>& logprobs,
-                                std::vector<int32_t>& versions, uint8_t& state) const {
+                                std::vector<int32_t>& versions, uint8_t& state, int64_t& resumes) const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t idx = 0;
-  const Sample& smp = const_cast<Scheduler*>(this)->group_of(sample_id, &idx).samples[idx];
+  const Sample& smp = group_of(sample_id, &idx).samples[idx];
   tokens = smp.tokens;
   logprobs = smp.logprobs;
   versions.clear();
@@ -641,6 +671,7 @@ void Scheduler::sample_response(int64_t sample_id, std::vector<int32_t>& tokens,
     versions.insert(versions.end(), end - smp.segments[k].start, smp.segments[k].version);
   }
   state = static_cast<uint8_t>(smp.state);
+  resumes = smp.resumes;
 }
 
 // ---------------------------------------------------------------- persistence

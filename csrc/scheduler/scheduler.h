@@ -74,8 +74,6 @@ class Scheduler {
  public:
   explicit Scheduler(const Config& config);
 
-  const Config& config() const { return config_; }
-
   // Data source
   void set_data_size(int64_t size);  // -1: unknown
   int64_t prompts_consumed() const;
@@ -104,9 +102,9 @@ class Scheduler {
   StepStats stats() const;
   MemoryUsage buffered_memory() const;
   std::vector<int64_t> sample_ids(SampleState state) const;
-  // The response of one sample: tokens, logprobs, per-token versions.
+  // The response of one sample: tokens, logprobs, per-token versions, state and times resumed.
   void sample_response(int64_t sample_id, std::vector<int32_t>& tokens, std::vector<float>& logprobs,
-                       std::vector<int32_t>& versions, uint8_t& state) const;
+                       std::vector<int32_t>& versions, uint8_t& state, int64_t& resumes) const;
   int64_t policy_version() const;
 
   // Persistence: running samples are stored as buffered partials (the engine's requests do not survive).
@@ -116,6 +114,7 @@ class Scheduler {
   void load(const std::string& path);
 
  private:
+  const Group& group_of(int64_t sample_id, int64_t* index) const;
   Group& group_of(int64_t sample_id, int64_t* index);
   bool step_done_locked() const;
   int64_t groups_to_launch_locked() const;

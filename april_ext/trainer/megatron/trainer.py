@@ -1,0 +1,114 @@
+"""MegatronTrainer: the Trainer protocol over a megatron-core GPTModel.
+
+The RL step is the torch trainer's (same advantages, off-policy mask, policy loss, micro-batching and
+minibatches): only the model differs. Weights leave and enter in Hugging Face names through the
+conversion module, so the embedded engine and SGLang load what ``export_weights`` returns.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import save_file
+
+from april_ext.errors import ConfigError
+from april_ext.model import ModelConfig, iter_safetensors
+from april_ext.trainer.megatron import parallel
+from april_ext.trainer.megatron.model import MegatronCausalLM
+from april_ext.trainer.protocol import ExportedWeights
+from april_ext.trainer.torch_trainer import TorchTrainer, TrainerConfig
+
+_REFERENCE_FILE = "reference.safetensors"
+_MODEL_FILE = "model.safetensors"
+
+WeightsSource = str | os.PathLike[str] | Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class MegatronTrainerConfig:
+    """model: the architecture (Llama / Qwen2 / Mistral without sliding window).
+    trainer: optimisation settings, shared with the torch trainer (algorithm, lr, AdamW betas and eps,
+        grad_clip, micro_batch_tokens, minibatches, mixed_precision, device, colocated, memory_tag).
+    seed: seeds Megatron's initialisation when no weights are given, and its model-parallel RNG stream.
+    """
+
+    model: ModelConfig
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelConfig):
+            raise ConfigError(f"MegatronTrainerConfig.model must be a ModelConfig, got {type(self.model).__name__}")
+        if not isinstance(self.trainer, TrainerConfig):
+            raise ConfigError(f"MegatronTrainerConfig.trainer must be a TrainerConfig, got "
+                              f"{type(self.trainer).__name__}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ConfigError(f"MegatronTrainerConfig.seed must be an integer >= 0, got {self.seed!r}")
+
+
+class MegatronTrainer(TorchTrainer):
+    """Trains a megatron-core GPTModel (local layer spec, tensor / pipeline parallel size 1) with the torch
+    trainer's RL objective and torch.optim.AdamW.
+
+    weights: a Hugging Face checkpoint directory or (name, tensor) pairs in HF names; None keeps
+    Megatron's own initialisation (seeded by ``config.seed``). The parameters are float32 (the
+    ``model.dtype`` of a checkpoint is not used for training); ``mixed_precision`` adds bf16 autocast.
+    The process group and model-parallel state are created on first use (``parallel.initialize``) and
+    torn down by ``parallel.shutdown()``.
+    """
+
+    checkpoint_format = "april_ext.megatron_trainer/1"
+
+    def __init__(self, config: MegatronTrainerConfig, weights: WeightsSource | None = None, *,
+                 initial_version: int = 0) -> None:
+        if not isinstance(config, MegatronTrainerConfig):
+            raise ConfigError(f"config must be a MegatronTrainerConfig, got {type(config).__name__}")
+        self.megatron_config = config
+        parallel.initialize(config.seed)
+        rng = torch.get_rng_state()
+        torch.manual_seed(config.seed)
+        try:
+            model = MegatronCausalLM(config.model)
+        finally:
+            torch.set_rng_state(rng)
+        if weights is not None:
+            model.load_weights(_weights(weights))
+        super().__init__(model, config.trainer, initial_version=initial_version)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str], trainer: TrainerConfig | None = None, *,
+                        seed: int = 0, initial_version: int = 0) -> MegatronTrainer:
+        """A trainer for the Hugging Face checkpoint directory ``path`` (config.json + safetensors)."""
+        config = MegatronTrainerConfig(model=ModelConfig.from_pretrained(path), trainer=trainer or TrainerConfig(),
+                                       seed=seed)
+        return cls(config, path, initial_version=initial_version)
+
+    def export_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
+        """HF-named tensors of the current weights. The fused q/k/v and gate/up parameters are split
+        into views where the layout allows (otherwise into copies); ``to_cpu`` always copies."""
+        self._require_onloaded("export_weights")
+        tensors = [(name, t.to("cpu", copy=True) if to_cpu else t) for name, t in self.model.hf_weights().items()]
+        return ExportedWeights(version=self._version, tensors=tensors)
+
+    def _save_weights(self, directory: str) -> None:
+        # An HF checkpoint directory, so the policy of a Megatron checkpoint loads straight into an engine.
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        self.megatron_config.model.replace(dtype=dtype).save_pretrained(directory)
+        _save_hf(self.model.hf_weights(), os.path.join(directory, _MODEL_FILE))
+        if self.ref_model is not None:
+            _save_hf(self.ref_model.hf_weights(), os.path.join(directory, _REFERENCE_FILE))
+
+
+def _weights(source: WeightsSource) -> Iterable[tuple[str, torch.Tensor]]:
+    if isinstance(source, (str, os.PathLike)):
+        return iter_safetensors(source)
+    return source
+
+
+def _save_hf(tensors: dict[str, torch.Tensor], file: str) -> None:
+    partial = file + ".partial"
+    save_file({n: t.to("cpu").contiguous() for n, t in tensors.items()}, partial, metadata={"format": "pt"})
+    os.replace(partial, file)

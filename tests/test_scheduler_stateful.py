@@ -1,0 +1,344 @@
+"""Random interleavings of every scheduler call, with the DESIGN.md invariants checked after each one."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from _scheduler_utils import logprob_at, prompts, token_at
+from april_ext import (
+    AprilError,
+    InvalidArgumentError,
+    InvalidStateError,
+    Scheduler,
+    SchedulerConfig,
+    UnknownIdError,
+)
+
+MAX_LEN = 6
+STATES = ("queued", "running", "aborting", "done")
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(n=st.integers(1, 3), big_n=st.integers(1, 2), extra=st.integers(0, 2),
+                refill=st.sampled_from(["batch", "continuous"]),
+                policy=st.sampled_from(["keep", "mask", "restart", "drop"]),
+                max_staleness=st.sampled_from([None, 0, 1, 2]), mask_offpolicy=st.booleans(),
+                order=st.sampled_from(["oldest_first", "newest_first", "longest_first"]),
+                keep_surplus=st.booleans(), cap=st.sampled_from([None, 3, 5]), n_prompts=st.integers(2, 12))
+    def setup(self, n, big_n, extra, refill, policy, max_staleness, mask_offpolicy, order, keep_surplus, cap,
+              n_prompts):
+        self.cfg = SchedulerConfig(
+            rollout_batch_size=big_n, n_samples_per_prompt=n, over_sampling_batch_size=big_n + extra,
+            max_response_len=MAX_LEN, refill=refill, max_staleness=max_staleness, staleness_policy=policy,
+            mask_offpolicy=mask_offpolicy, resume_order=order, keep_surplus=keep_surplus,
+            max_inflight_samples=None if cap is None else max(cap, n))
+        self.data = prompts(n_prompts)
+        self.sched = Scheduler(self.cfg, self.data)
+        self.version = -1
+        self.engine: dict[int, int] = {}  # sample id -> dispatch version, for requests the engine holds
+        self.to_abort: set[int] = set()
+        self.fed: dict[int, int] = {}  # response tokens the engine produced per sample
+        self.last_version: dict[int, int] = {}
+        self.pending: list[int] = []  # popped groups awaiting reward
+        self.alive: set[int] = set()
+        self.gone: set[int] = set()  # trained or filtered
+        self.trained_groups: set[int] = set()
+
+    @property
+    def enforced(self) -> bool:
+        return self.cfg.max_staleness is not None and self.cfg.staleness_policy in ("restart", "drop")
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(bump=st.integers(0, 2))
+    def begin_step(self, bump):
+        if not (not self.sched.step_open):
+            return
+        self.version = max(self.version, 0) + bump
+        self.sched.begin_step(self.version)
+
+    @rule()
+    def dispatch(self):
+        if not (self.sched.step_open):
+            return
+        for r in self.sched.dispatch():
+            assert r.sample_id not in self.engine, "dispatched twice"
+            done = r.input_ids.size - r.prompt_len
+            self._reconcile(r.sample_id, done)
+            assert np.array_equal(r.input_ids[:r.prompt_len], np.asarray(self.data[r.prompt_index].token_ids))
+            assert np.array_equal(r.input_ids[r.prompt_len:], token_at(r.sample_id, np.arange(done)))
+            assert r.max_new_tokens == MAX_LEN - done and r.is_resume == (done > 0)
+            self.engine[r.sample_id] = self.version
+
+    def _chunk(self, sid: int, count: int, use_current: bool):
+        start = self.fed.get(sid, 0)
+        count = min(count, MAX_LEN - start)
+        floor = max(self.engine[sid], self.last_version.get(sid, -1))
+        version = self.version if use_current else floor
+        return np.arange(start, start + count), version
+
+    def _fed(self, sid: int, pos: np.ndarray, version: int) -> None:
+        if pos.size:
+            self.fed[sid] = int(pos[-1]) + 1
+            self.last_version[sid] = version
+
+    @rule(data=st.data(), count=st.integers(0, 3), use_current=st.booleans())
+    def tokens(self, data, count, use_current):
+        if not (self.engine):
+            return
+        sid = data.draw(st.sampled_from(sorted(self.engine)))
+        pos, version = self._chunk(sid, count, use_current)
+        self.sched.on_tokens_batch([sid], [pos.size], token_at(sid, pos), logprob_at(pos), [version])
+        self._fed(sid, pos, version)
+
+    @rule(data=st.data(), reason=st.sampled_from(["stop", "length", "abort"]), count=st.integers(0, 2),
+          use_current=st.booleans())
+    def finish(self, data, reason, count, use_current):
+        if not (self.engine):
+            return
+        sid = data.draw(st.sampled_from(sorted(self.engine)))
+        pos, version = self._chunk(sid, count, use_current)
+        self.sched.on_finish(sid, reason, token_at(sid, pos), logprob_at(pos), version)
+        self._fed(sid, pos, version)
+        del self.engine[sid]
+        self.to_abort.discard(sid)
+
+    @rule(count=st.integers(0, 2), stop=st.booleans())
+    def finish_all(self, count, stop):
+        """The engine's whole batch finishes at once (drives steps to completion)."""
+        if not (self.engine):
+            return
+        ids, counts, toks, lps, vers = [], [], [], [], []
+        for sid in sorted(self.engine):
+            pos, version = self._chunk(sid, count, True)
+            ids.append(sid)
+            counts.append(pos.size)
+            toks.append(token_at(sid, pos))
+            lps.append(logprob_at(pos))
+            vers.append(version)
+            self._fed(sid, pos, version)
+        reasons = [0 if stop else (1 if sid % 2 else 2) for sid in ids]
+        self.sched.on_finish_batch(ids, reasons, counts, np.concatenate(toks), np.concatenate(lps), vers)
+        self.engine.clear()
+        self.to_abort.clear()
+
+    @rule()
+    def accept_all(self):
+        if not (self.pending):
+            return
+        for gid in list(self.pending):
+            self.pending.remove(gid)
+            n = self.cfg.n_samples_per_prompt
+            try:
+                self.sched.report_rewards(gid, [float(i % 2) for i in range(n)], True)
+            except (UnknownIdError, InvalidStateError):
+                assert self.enforced, "only a staleness restart / drop may take a popped group back"
+
+    @rule()
+    def request_aborts(self):
+        if not (self.sched.step_open):
+            return
+        ids = self.sched.samples_to_abort()
+        if ids:
+            assert self.sched.step_done
+        for sid in ids:
+            assert sid in self.engine and sid not in self.to_abort
+        self.to_abort.update(ids)
+
+    @rule(data=st.data(), count=st.integers(0, 2))
+    def abort_result(self, data, count):
+        if not (self.to_abort):
+            return
+        sid = data.draw(st.sampled_from(sorted(self.to_abort)))
+        pos, version = self._chunk(sid, count, False)
+        self.sched.on_finish_batch([sid], [2], [pos.size], token_at(sid, pos), logprob_at(pos), [version])
+        self._fed(sid, pos, version)
+        del self.engine[sid]
+        self.to_abort.discard(sid)
+
+    @rule()
+    def pop_completed(self):
+        for g in self.sched.pop_completed_groups():
+            assert g.group_id not in self.pending and g.group_id not in self.trained_groups
+            for sid, resp in zip(g.sample_ids, g.responses):
+                assert np.array_equal(resp, token_at(int(sid), np.arange(self.fed.get(int(sid), 0))))
+            self.pending.append(g.group_id)
+
+    @rule(data=st.data(), equal=st.booleans(), accepted=st.booleans())
+    def report_rewards(self, data, equal, accepted):
+        if not (self.pending):
+            return
+        gid = data.draw(st.sampled_from(self.pending))
+        self.pending.remove(gid)
+        n = self.cfg.n_samples_per_prompt
+        rewards = [1.0] * n if equal else [float(i % 2) for i in range(n)]
+        try:
+            self.sched.report_rewards(gid, rewards, accepted and not equal)
+        except (UnknownIdError, InvalidStateError):
+            assert self.enforced, "only a staleness restart / drop may take a popped group back"
+            return
+        if not (accepted and not equal):
+            self.gone.update(range(gid * n, gid * n + n))
+
+    @rule()
+    def take_batch(self):
+        if not (self.sched.step_open):
+            return
+        if not self.sched.step_done or self.sched.sample_ids("running"):
+            try:
+                self.sched.take_batch()
+            except InvalidStateError:
+                return
+            raise AssertionError("take_batch succeeded before the step was done and aborted")
+        self._take_and_check()
+
+    @rule(stop=st.booleans(), turns=st.integers(1, 3))
+    def progress(self, stop, turns):
+        """Turns of the step loop: dispatch, the engine finishes everything, rewards accept all."""
+        if not self.sched.step_open:
+            self.begin_step(1)
+        for _ in range(turns):
+            if self.sched.step_done:
+                return
+            self.dispatch()
+            if self.engine:
+                self.finish_all(1, stop)
+            self.pop_completed()
+            self.accept_all()
+
+    @rule(count=st.integers(0, 2))
+    def end_step(self, count):
+        """Once done: abort what runs (with partial output), then take and check the batch."""
+        if not (self.sched.step_open and self.sched.step_done):
+            return
+        self.request_aborts()
+        self._abort_all(count)
+        self._take_and_check()
+
+    def _abort_all(self, count: int) -> None:
+        for sid in sorted(self.to_abort):
+            pos, version = self._chunk(sid, count, False)
+            self.sched.on_finish(sid, "abort", token_at(sid, pos), logprob_at(pos), version)
+            self._fed(sid, pos, version)
+            del self.engine[sid]
+        self.to_abort.clear()
+
+    def _take_and_check(self) -> None:
+        stats_before = self.sched.stats()
+        done_before = set(self.sched.sample_ids("done"))
+        batch = self.sched.take_batch()
+        if not self.cfg.keep_surplus:  # completed extras are dropped with the batch
+            self.gone |= done_before - set(batch.sample_ids.tolist()) - set(self.sched.sample_ids("done"))
+        event(f"batch of {batch.n_groups} groups")
+        n, big_n = self.cfg.n_samples_per_prompt, self.cfg.rollout_batch_size
+        if batch.n_groups != big_n:
+            assert batch.n_groups < big_n and stats_before["data_exhausted"]
+        assert batch.n_samples == batch.n_groups * n
+        v = batch.policy_version
+        for j in range(batch.n_groups):
+            sids = batch.sample_ids[j * n:(j + 1) * n].tolist()
+            gid = sids[0] // n
+            assert sids == list(range(gid * n, gid * n + n)), "a group is trained without all its samples"
+            assert gid not in self.trained_groups, "a group is trained twice"
+            self.trained_groups.add(gid)
+        for i in range(batch.n_samples):
+            sid = int(batch.sample_ids[i])
+            lo, hi, p = batch.offsets[i], batch.offsets[i + 1], batch.prompt_lens[i]
+            resp = np.arange(hi - lo - p)
+            assert resp.size == self.fed.get(sid, 0)
+            assert np.array_equal(batch.tokens[lo + p:hi], token_at(sid, resp))
+            assert np.array_equal(batch.behavior_logprobs[lo + p:hi], logprob_at(resp))
+            vers, mask = batch.versions[lo + p:hi], batch.loss_mask[lo + p:hi]
+            assert np.all(np.diff(vers) >= 0) and np.all(vers <= v)
+            s = self.cfg.max_staleness
+            if s is not None and self.cfg.staleness_policy in ("restart", "drop"):
+                assert np.all(vers >= v - s), "a sample staler than max_staleness was trained"
+            expect = np.ones_like(mask)
+            if s is not None and self.cfg.staleness_policy == "mask":
+                expect[vers < v - s] = 0
+            if self.cfg.mask_offpolicy:
+                expect[vers != v] = 0
+            assert np.array_equal(mask, expect)
+            self.gone.add(sid)
+
+    @rule()
+    def save_and_load(self):
+        restored = Scheduler(self.cfg, self.data)
+        restored.load_state_dict(self.sched.state_dict())
+        self.sched = restored
+        event("save and load")
+        # A restart loses the engine's requests; their samples come back buffered.
+        self.engine.clear()
+        self.to_abort.clear()
+        self.pending.clear()
+
+    @rule(data=st.data(), kind=st.integers(0, 5))
+    def bad_input(self, data, kind):
+        before = self.sched.state_dict()
+        idle = sorted(set(self.sched.sample_ids("queued")) | set(self.sched.sample_ids("done")))
+        try:
+            if kind == 0:
+                self.sched.on_tokens(10**9, [1], [0.0], max(self.version, 0))
+            elif kind == 1 and idle:
+                self.sched.on_tokens(data.draw(st.sampled_from(idle)), [1], [0.0], max(self.version, 0))
+            elif kind == 2 and self.engine:
+                self.sched.on_tokens(data.draw(st.sampled_from(sorted(self.engine))), [1, 2], [0.0], self.version)
+            elif kind == 3 and idle:
+                self.sched.on_finish(data.draw(st.sampled_from(idle)), "stop")
+            elif kind == 4 and self.pending:
+                self.sched.report_rewards(self.pending[0], [0.0] * (self.cfg.n_samples_per_prompt + 1))
+            elif kind == 5 and self.sched.step_open and not self.sched.step_done:
+                self.sched.take_batch()
+            else:
+                return
+        except (UnknownIdError, InvalidStateError, InvalidArgumentError):
+            assert self.sched.state_dict() == before, "a rejected call changed the state"
+            return
+        except AprilError as e:
+            raise AssertionError(f"unexpected error class {type(e).__name__}") from e
+        raise AssertionError("bad input was accepted")
+
+    # ------------------------------------------------------------------ invariants
+
+    def _reconcile(self, sid: int, length: int) -> None:
+        """The scheduler holds ``length`` response tokens of ``sid``: all the engine sent, or none after a restart."""
+        if length < self.fed.get(sid, 0):
+            assert length == 0 and self.enforced and self.cfg.staleness_policy == "restart", "tokens lost"
+            self.fed[sid] = 0
+            self.last_version.pop(sid, None)
+            event("sample restarted for staleness")
+        assert length == self.fed.get(sid, 0)
+
+    @invariant()
+    def samples_consistent(self):
+        if not hasattr(self, "sched"):
+            return
+        present: dict[int, str] = {}
+        for state in STATES:
+            for sid in self.sched.sample_ids(state):
+                assert sid not in present, "a sample is in two states"
+                present[sid] = state
+        for sid, state in present.items():
+            view = self.sched.sample(sid)
+            k = view.token_ids.size
+            assert k == view.logprobs.size == view.versions.size <= MAX_LEN
+            self._reconcile(sid, k)
+            assert np.array_equal(view.token_ids, token_at(sid, np.arange(k)))
+            assert np.array_equal(view.logprobs, logprob_at(np.arange(k)))
+            assert np.all(np.diff(view.versions) >= 0)
+            assert (state in ("running", "aborting")) == (sid in self.engine)
+        assert set(self.engine) <= set(present)
+        missing = self.alive - set(present) - self.gone
+        if missing:
+            assert self.enforced and self.cfg.staleness_policy == "drop", f"samples lost: {sorted(missing)}"
+            self.gone |= missing
+            event("group dropped for staleness")
+        self.alive |= set(present)
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+TestScheduler = SchedulerMachine.TestCase
