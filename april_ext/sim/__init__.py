@@ -6,6 +6,8 @@ from april_ext.sim.cost import CLUSTER_PRESETS, ClusterConfig, CostModel, GpuSpe
 from april_ext.sim.engine import ClusterCounters, SimulatedEngine
 from april_ext.sim.lengths import (LENGTH_PRESETS, LengthModel, LogNormalLengths, SampleDraw, TraceLengths,
                                    length_preset)
+from april_ext.sim.metrics import OccupancyBound, StepReport, full_occupancy_bound
+from april_ext.sim.runner import MODES, SimConfig, SimResult, compare, gain, simulate, simulate_async
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
 
 __all__ = [
@@ -17,12 +19,22 @@ __all__ = [
     "LENGTH_PRESETS",
     "LengthModel",
     "LogNormalLengths",
+    "MODES",
     "ModelSpec",
+    "OccupancyBound",
     "SampleDraw",
+    "SimConfig",
+    "SimResult",
     "SimulatedEngine",
+    "StepReport",
     "SyntheticPrompts",
     "TraceLengths",
     "answer_reward",
     "cluster_preset",
+    "compare",
+    "full_occupancy_bound",
+    "gain",
     "length_preset",
+    "simulate",
+    "simulate_async",
 ]
