@@ -38,3 +38,12 @@ def test_simulate_replays_a_trace_and_names_bad_values(tmp_path, capsys):
     assert "SimConfig.lengths='nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*SMALL, "--modes", "fast"])
+
+
+def test_simulate_compares_several_over_sampling_ratios(capsys):
+    assert main([*SMALL, "--over-sampling-batch-size", "4,8", "--modes", "baseline,april-continuous"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    labels = [line.split("  ")[0].strip() for line in lines[4:]]
+    assert labels == ["baseline", "april-continuous N'=4", "april-continuous N'=8"]
+    with pytest.raises(SystemExit):
+        main([*SMALL, "--over-sampling-batch-size", "4,x"])
