@@ -13,6 +13,7 @@ from april_ext.errors import AprilError
 
 COMMANDS: list[str] = [
     "april_ext.training.command",
+    "april_ext.sim.command",
     "april_ext.server.cli",
 ]
 

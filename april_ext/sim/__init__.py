@@ -1,0 +1,40 @@
+"""Rollout simulator: a simulated engine on a virtual clock driven by the real scheduler and rollout loop."""
+
+from __future__ import annotations
+
+from april_ext.sim.cost import CLUSTER_PRESETS, ClusterConfig, CostModel, GpuSpec, ModelSpec, cluster_preset
+from april_ext.sim.engine import ClusterCounters, SimulatedEngine
+from april_ext.sim.lengths import (LENGTH_PRESETS, LengthModel, LogNormalLengths, SampleDraw, TraceLengths,
+                                   length_preset)
+from april_ext.sim.metrics import OccupancyBound, StepReport, full_occupancy_bound
+from april_ext.sim.runner import MODES, SimConfig, SimResult, compare, gain, simulate, simulate_async
+from april_ext.sim.tokens import SyntheticPrompts, answer_reward
+
+__all__ = [
+    "CLUSTER_PRESETS",
+    "ClusterConfig",
+    "ClusterCounters",
+    "CostModel",
+    "GpuSpec",
+    "LENGTH_PRESETS",
+    "LengthModel",
+    "LogNormalLengths",
+    "MODES",
+    "ModelSpec",
+    "OccupancyBound",
+    "SampleDraw",
+    "SimConfig",
+    "SimResult",
+    "SimulatedEngine",
+    "StepReport",
+    "SyntheticPrompts",
+    "TraceLengths",
+    "answer_reward",
+    "cluster_preset",
+    "compare",
+    "full_occupancy_bound",
+    "gain",
+    "length_preset",
+    "simulate",
+    "simulate_async",
+]

@@ -1,0 +1,195 @@
+"""Cost model of one simulated inference engine (one GPU serving one model), and presets derived from specs.
+
+Decode is memory-bound: a step streams the weights once (fixed term), does a little per-sequence work
+(per-sequence term) and reads every running sequence's KV cache (per-KV-token term). Prefill is
+compute-bound: linear FLOPs per token plus causal attention that grows with the context. The presets
+derive every term from bandwidth, FLOPs and model shape; docs/sim.md shows the arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from april_ext.errors import ConfigError
+
+GIB = 1024**3
+
+
+def _positive(owner: str, name: str, value: float, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        allowed = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise ConfigError(f"{owner}.{name}={value!r} is not allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Virtual-time costs of one engine replica, in seconds, and its capacity."""
+
+    decode_fixed_s: float
+    """Per decode step, independent of the batch: streaming the weights once, launch/scheduling overhead."""
+    decode_per_seq_s: float
+    """Per decode step and running sequence: the token's linear-layer FLOPs, sampling."""
+    decode_per_kv_token_s: float
+    """Per decode step and KV token read: KV bytes per token / effective HBM bandwidth."""
+    prefill_per_token_s: float
+    """Per prefilled token: linear-layer FLOPs at prefill efficiency."""
+    prefill_attn_per_token_pair_s: float = 0.0
+    """Per (query, key) pair of causal prefill attention: extending a context from a to b costs (b^2 - a^2) / 2
+    pairs."""
+    prefill_fixed_s: float = 0.0
+    """Per prefill batch (one admission round)."""
+    kv_capacity_tokens: int = 1 << 20
+    """KV cache tokens of the replica; running sequences' contexts must fit."""
+    max_num_seqs: int = 256
+    """Running sequences at most (the engine's max running requests)."""
+    admission_headroom: float = 0.05
+    """New sequences are admitted only while the KV cache stays below (1 - headroom) x capacity; growth past the
+    capacity preempts the newest sequence (recomputed later). The gap keeps admission and preemption from thrashing."""
+
+    def __post_init__(self) -> None:
+        for name in ("decode_fixed_s", "decode_per_seq_s", "decode_per_kv_token_s", "prefill_per_token_s",
+                     "prefill_attn_per_token_pair_s", "prefill_fixed_s"):
+            _positive("CostModel", name, getattr(self, name), allow_zero=name != "decode_fixed_s")
+        for name in ("kv_capacity_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"CostModel.{name}={value!r} is not allowed: an int >= 1")
+        if not (isinstance(self.admission_headroom, (int, float)) and 0 <= self.admission_headroom < 1):
+            raise ConfigError(f"CostModel.admission_headroom={self.admission_headroom!r} is not allowed: in [0, 1)")
+
+    def decode_time(self, batch: int, kv_tokens: int, steps: int) -> float:
+        """Time of ``steps`` decode steps of ``batch`` sequences starting with ``kv_tokens`` cached tokens."""
+        base = self.decode_fixed_s + self.decode_per_seq_s * batch + self.decode_per_kv_token_s * kv_tokens
+        return base * steps + self.decode_per_kv_token_s * batch * steps * (steps - 1) / 2
+
+    def steps_within(self, batch: int, kv_tokens: int, elapsed: float) -> int:
+        """Whole decode steps that complete within ``elapsed`` seconds (inverse of decode_time)."""
+        if elapsed <= 0:
+            return 0
+        base = self.decode_fixed_s + self.decode_per_seq_s * batch + self.decode_per_kv_token_s * kv_tokens
+        g = self.decode_per_kv_token_s * batch
+        if g == 0:
+            m = int(elapsed / base)
+        else:
+            b = base - g / 2
+            m = int((-b + math.sqrt(b * b + 2 * g * elapsed)) / g)
+        # Closed form in floating point: correct by one step where rounding put it on the wrong side.
+        while m > 0 and self.decode_time(batch, kv_tokens, m) > elapsed:
+            m -= 1
+        while self.decode_time(batch, kv_tokens, m + 1) <= elapsed:
+            m += 1
+        return m
+
+    def prefill_time(self, start: int, end: int) -> float:
+        """Time to prefill context positions [start, end) of one sequence (a resume prefills prompt + partial)."""
+        n = end - start
+        return self.prefill_per_token_s * n + self.prefill_attn_per_token_pair_s * (end * end - start * start) / 2
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Datasheet numbers of an accelerator and the efficiencies assumed for them."""
+
+    name: str
+    hbm_bytes: float
+    hbm_bandwidth: float  # bytes/s
+    bf16_flops: float  # dense FLOP/s
+    bandwidth_efficiency: float = 0.7  # achieved / peak HBM bandwidth in decode kernels
+    prefill_mfu: float = 0.5  # achieved / peak FLOPs in prefill
+    decode_mfu: float = 0.3  # achieved / peak FLOPs of the per-sequence decode work (small GEMMs)
+    step_overhead_s: float = 1.0e-3  # scheduling, sampling, launches per decode step (CUDA graphs on)
+    memory_fraction: float = 0.85  # share of HBM the engine may use (weights + KV)
+    activation_reserve_bytes: float = 4 * GIB  # workspace kept free of KV
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model's shape: what the weights and the KV cache of one token weigh."""
+
+    name: str
+    params: float
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes  # K and V
+
+
+def derive_cost_model(gpu: GpuSpec, model: ModelSpec, max_num_seqs: int = 256,
+                      admission_headroom: float = 0.05) -> CostModel:
+    """A CostModel from datasheet numbers (see docs/sim.md for the formulas and their assumptions)."""
+    bandwidth = gpu.hbm_bandwidth * gpu.bandwidth_efficiency
+    kv_budget = gpu.hbm_bytes * gpu.memory_fraction - model.weight_bytes - gpu.activation_reserve_bytes
+    if kv_budget <= 0:
+        raise ConfigError(f"{model.name} does not fit on {gpu.name}: no memory left for the KV cache")
+    return CostModel(
+        decode_fixed_s=model.weight_bytes / bandwidth + gpu.step_overhead_s,
+        decode_per_seq_s=2 * model.params / (gpu.bf16_flops * gpu.decode_mfu),
+        decode_per_kv_token_s=model.kv_bytes_per_token / bandwidth,
+        prefill_per_token_s=2 * model.params / (gpu.bf16_flops * gpu.prefill_mfu),
+        # QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add, per query head and head dim.
+        prefill_attn_per_token_pair_s=4 * model.layers * model.q_heads * model.head_dim / (
+            gpu.bf16_flops * gpu.prefill_mfu),
+        prefill_fixed_s=gpu.step_overhead_s,
+        kv_capacity_tokens=int(kv_budget // model.kv_bytes_per_token),
+        max_num_seqs=max_num_seqs,
+        admission_headroom=admission_headroom,
+    )
+
+
+GPUS: dict[str, GpuSpec] = {
+    "h100": GpuSpec("H100 SXM 80GB", hbm_bytes=80 * GIB, hbm_bandwidth=3.35e12, bf16_flops=989e12),
+    "mi300x": GpuSpec("MI300X 192GB", hbm_bytes=192 * GIB, hbm_bandwidth=5.3e12, bf16_flops=1307e12,
+                      bandwidth_efficiency=0.6, prefill_mfu=0.4, decode_mfu=0.25),
+}
+
+MODELS: dict[str, ModelSpec] = {
+    # Qwen3-4B: tied embeddings (151936 x 2560 counted once), GQA 32 query / 8 KV heads of 128.
+    "qwen3-4b": ModelSpec("Qwen3-4B", params=4.02e9, layers=36, q_heads=32, kv_heads=8, head_dim=128),
+    # Qwen3-8B: untied embeddings and LM head, GQA 32 / 8 heads of 128.
+    "qwen3-8b": ModelSpec("Qwen3-8B", params=8.19e9, layers=36, q_heads=32, kv_heads=8, head_dim=128),
+}
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Engine replicas behind a router, all with the same cost model."""
+
+    cost: CostModel
+    num_engines: int = 8
+    router: str = "least_loaded"
+    """"least_loaded": the replica with the fewest running + waiting requests; "round_robin"."""
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cost, CostModel):
+            raise ConfigError(f"ClusterConfig.cost is a {type(self.cost).__name__}; a CostModel is required")
+        if not isinstance(self.num_engines, int) or isinstance(self.num_engines, bool) or self.num_engines < 1:
+            raise ConfigError(f"ClusterConfig.num_engines={self.num_engines!r} is not allowed: an int >= 1")
+        if self.router not in ("least_loaded", "round_robin"):
+            raise ConfigError(f"ClusterConfig.router={self.router!r} is not allowed: 'least_loaded' or 'round_robin'")
+
+
+def cluster_preset(name: str, num_engines: int = 8) -> ClusterConfig:
+    """``<gpu>-<model>``: h100-qwen3-4b, h100-qwen3-8b, mi300x-qwen3-4b, mi300x-qwen3-8b (one engine per GPU)."""
+    gpu_name, _, model_name = name.partition("-")
+    if gpu_name not in GPUS or model_name not in MODELS:
+        raise ConfigError(f"cluster preset {name!r} is not known: one of {sorted(CLUSTER_PRESETS)}")
+    gpu, model = GPUS[gpu_name], MODELS[model_name]
+    return ClusterConfig(cost=derive_cost_model(gpu, model), num_engines=num_engines, name=name)
+
+
+CLUSTER_PRESETS = tuple(f"{g}-{m}" for g in GPUS for m in MODELS)
+
+__all__ = ["CLUSTER_PRESETS", "ClusterConfig", "CostModel", "GPUS", "GpuSpec", "MODELS", "ModelSpec",
+           "cluster_preset", "derive_cost_model"]

@@ -1,0 +1,438 @@
+"""SimulatedEngine: the RolloutEngine API (as april_ext.engine.AsyncEngine) over replicas on a virtual clock.
+
+Virtual time advances only when the rollout loop has consumed everything delivered so far: every open
+stream is drained and its consumer waits for more, no call arrived while the engine let the event loop
+run ``settle_passes`` more rounds, and no memory tag is released. Then the engine jumps to the earliest
+event of any replica (finish, KV full), so a step of 512 responses x 16K tokens takes a few thousand
+events, not millions of token steps. A request receives its tokens in few chunks: at finish, at abort,
+and when a weight update flushes it (chunks never mix versions).
+
+A sample's length is drawn once, from the length model keyed by (prompt, sample ordinal, weight
+version), when the engine first sees it; a resumed request (prompt + partial response, exactly as aborted)
+is recognised by a hash of its ids and continues to the same target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import math
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from april_ext.batch import FinishReason
+from april_ext.engine.outputs import EngineStats, GenerationChunk, GenerationOutput
+from april_ext.engine.sampling import SamplingParams
+from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError, UnknownIdError
+from april_ext.sim.cost import ClusterConfig
+from april_ext.sim.lengths import LengthModel
+from april_ext.sim.replica import Replica, ReplicaCounters, SimRequest, SimSample
+from april_ext.sim.tokens import as_ids, prompt_key, response_logprobs, response_tokens
+
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+@dataclass(frozen=True)
+class ClusterCounters:
+    """Cumulative counters summed over replicas, at virtual time ``now``."""
+
+    now: float
+    num_engines: int
+    decode_steps: int
+    decode_tokens: int
+    decode_time: float
+    slot_time: float
+    prefill_time: float
+    prefill_tokens: int
+    resume_prefill_time: float
+    resume_prefill_tokens: int
+    recompute_time: float
+    recompute_tokens: int
+    preemptions: int
+    finished: int
+    aborted: int
+    delivered_tokens: int
+
+    def minus(self, earlier: ClusterCounters) -> ClusterCounters:
+        """Counters accumulated since ``earlier`` (``now`` becomes the elapsed time)."""
+        a, b = asdict(self), asdict(earlier)
+        out = {k: a[k] - b[k] for k in a}
+        out["num_engines"] = self.num_engines
+        return ClusterCounters(**out)
+
+
+class _Stream:
+    __slots__ = ("request", "items", "waiter")
+
+    def __init__(self, request: SimRequest) -> None:
+        self.request = request
+        self.items: deque[GenerationChunk] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+
+class SimulatedEngine:
+    """A cluster of simulated engine replicas behind a router, with the AsyncEngine API and a virtual clock.
+
+    Use ``async with SimulatedEngine(cluster, lengths) as engine:``; ``engine.clock()`` is the virtual time.
+    """
+
+    def __init__(self, cluster: ClusterConfig, lengths: LengthModel, weight_version: int = 0,
+                 settle_passes: int = 16) -> None:
+        if not isinstance(cluster, ClusterConfig):
+            raise ConfigError(f"cluster is a {type(cluster).__name__}; a ClusterConfig is required")
+        if not isinstance(lengths, LengthModel):
+            raise ConfigError(f"lengths is a {type(lengths).__name__}; a LengthModel (draw, natural_lengths) "
+                              "is required")
+        if not isinstance(settle_passes, int) or settle_passes < 1:
+            raise ConfigError(f"settle_passes={settle_passes!r} is not allowed: an int >= 1")
+        self.cluster = cluster
+        self.lengths = lengths
+        self.settle_passes = settle_passes
+        self.replicas = [Replica(i, cluster.cost) for i in range(cluster.num_engines)]
+        self.weight_version = weight_version
+        self.now = 0.0
+        self.paused_tags: set[str] = set()
+        self._requests: dict[str, SimRequest] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._waiting = 0  # open streams whose consumer waits for a chunk
+        self._activity = 0  # bumped by every call and every consumer wait
+        self._resumable: dict[bytes, deque[SimSample]] = {}
+        self._ordinals: defaultdict[int, int] = defaultdict(int)
+        self._uids = itertools.count()
+        self._ids = itertools.count()
+        self._rr = itertools.cycle(range(cluster.num_engines))
+        self._delivered_tokens = 0
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._closing = False
+        self.last_error: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> SimulatedEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._closing = False
+            self._task = asyncio.create_task(self._drive(), name="april_ext-sim-engine")
+
+    async def close(self) -> None:
+        """Aborts every request and stops the clock task."""
+        if self._task is None:
+            return
+        await self.abort()
+        self._closing = True
+        self._poke()
+        await self._task
+        self._task = None
+
+    def clock(self) -> float:
+        """Virtual seconds since the engine was created."""
+        return self.now
+
+    # ------------------------------------------------------------------ RolloutEngine API
+
+    async def generate(self, input_ids: Sequence[int] | np.ndarray, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+        """Streams the request's chunks until one carries a finish reason; leaving early aborts it."""
+        self._require_running()
+        rid = request_id if request_id is not None else f"sim-{next(self._ids)}"
+        if rid in self._requests:
+            raise InvalidArgumentError(f"request_id {rid!r} is already in use")
+        request = self._new_request(rid, input_ids, params or SamplingParams())
+        stream = _Stream(request)
+        self._requests[rid] = request
+        self._streams[rid] = stream
+        self._route(request)
+        self._poke()
+        finished = False
+        try:
+            while True:
+                if stream.items:
+                    item = stream.items.popleft()
+                    if item.finish_reason is not None:
+                        finished = True
+                        self._close_stream(rid)
+                    yield item
+                    if finished:
+                        return
+                    continue
+                loop = asyncio.get_running_loop()
+                stream.waiter = loop.create_future()
+                self._waiting += 1
+                self._poke()
+                try:
+                    await stream.waiter
+                finally:
+                    if stream.waiter is not None:  # cancelled while waiting: nobody woke it
+                        stream.waiter = None
+                        self._waiting -= 1
+        finally:
+            if not finished:
+                self._close_stream(rid)
+                if rid in self._requests and not self._closing:
+                    self._abort_now([rid])
+
+    async def abort(self, request_ids: str | Iterable[str] | None = None) -> list[GenerationOutput]:
+        """Ends the requests (all when None) at the current virtual time and returns their partial outputs;
+        their streams end with an ABORT chunk carrying the tokens not yet delivered. Unknown ids raise
+        UnknownIdError and nothing is aborted."""
+        if request_ids is None:
+            ids = list(self._requests)
+        else:
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+            unknown = [i for i in ids if i not in self._requests]
+            if unknown:
+                raise UnknownIdError(f"abort: unknown request ids {unknown[:8]}")
+        self._poke()
+        return self._abort_now(ids)
+
+    async def update_weights(self, weights: Any, version: int) -> list[str]:
+        """Sets the weight version (the weights themselves are not simulated). Running requests deliver their
+        tokens so far under the old version and are recomputed, as the embedded engine flushes its cache."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise InvalidArgumentError(f"version={version!r} is not allowed: an int")
+        if "weights" in self.paused_tags:
+            raise InvalidStateError("update_weights: the 'weights' tag is released; resume_memory first")
+        self._flush_all()
+        self.weight_version = version
+        self._poke()
+        return list(weights) if isinstance(weights, dict) else []
+
+    async def release_memory(self, tags: Iterable[str] | None = None) -> None:
+        """Marks tags released; while any is, the clock stands still. Releasing kv_cache flushes running work."""
+        names = self._tags(tags)
+        if "kv_cache" in names and "kv_cache" not in self.paused_tags:
+            self._flush_all()
+        self.paused_tags.update(names)
+        self._poke()
+
+    async def resume_memory(self, tags: Iterable[str] | None = None) -> None:
+        self.paused_tags.difference_update(self._tags(tags))
+        self._poke()
+
+    def stats(self) -> EngineStats:
+        c = self.counters()
+        cap = self.cluster.cost.kv_capacity_tokens * len(self.replicas)
+        used = sum(r.kv for r in self.replicas)
+        return EngineStats(
+            running=sum(len(r.running) for r in self.replicas), waiting=sum(len(r.waiting) for r in self.replicas),
+            free_blocks=(cap - used) // 16, total_blocks=cap // 16, weight_version=self.weight_version,
+            steps=c.decode_steps, prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
+            generated_tokens=c.decode_tokens, preemptions=c.preemptions, prefix_cache_hit_tokens=0,
+            tokens_per_s=c.decode_tokens / c.now if c.now > 0 else 0.0, paused_tags=tuple(sorted(self.paused_tags)))
+
+    def health(self) -> dict[str, Any]:
+        if self._task is None or self._task.done():
+            status = "stopped"
+        elif self.last_error is not None:
+            status = "error"
+        elif self.paused_tags:
+            status = "paused"
+        else:
+            status = "ok"
+        return {"status": status, "weight_version": self.weight_version, "paused_tags": sorted(self.paused_tags),
+                "error": None if self.last_error is None else repr(self.last_error), "virtual_time": self.now}
+
+    def counters(self) -> ClusterCounters:
+        """Cumulative counters over all replicas (diff two snapshots with ClusterCounters.minus)."""
+        total = ReplicaCounters()
+        for rep in self.replicas:
+            for key, value in asdict(rep.counters).items():
+                setattr(total, key, getattr(total, key) + value)
+        return ClusterCounters(now=self.now, num_engines=len(self.replicas),
+                               delivered_tokens=self._delivered_tokens, **asdict(total))
+
+    # ------------------------------------------------------------------ requests
+
+    def _require_running(self) -> None:
+        if self._task is None or self._closing:
+            raise InvalidStateError("the engine is not running: use `async with SimulatedEngine(...)` or start()")
+
+    def _tags(self, tags: Iterable[str] | None) -> set[str]:
+        names = set(MEMORY_TAGS if tags is None else ([tags] if isinstance(tags, str) else list(tags)))
+        bad = sorted(names - set(MEMORY_TAGS))
+        if bad:
+            raise InvalidArgumentError(f"unknown memory tags {bad}: allowed {list(MEMORY_TAGS)}")
+        return names
+
+    def _new_request(self, rid: str, input_ids: Any, params: SamplingParams) -> SimRequest:
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgumentError(f"params is a {type(params).__name__}; a SamplingParams is required")
+        ids = as_ids(input_ids)
+        capacity = self.cluster.cost.kv_capacity_tokens
+        if ids.size + params.max_new_tokens > capacity:
+            raise InvalidArgumentError(f"request {rid!r}: {ids.size} input ids + max_new_tokens "
+                                       f"{params.max_new_tokens} exceed the KV capacity of {capacity} tokens")
+        hasher = hashlib.blake2b(ids.tobytes(), digest_size=16)
+        known = self._resumable.get(hasher.digest())
+        if known:
+            sample = known.popleft()
+            if not known:
+                del self._resumable[hasher.digest()]
+            is_resume = ids.size > sample.prompt_len
+        else:
+            key = prompt_key(ids)
+            ordinal = self._ordinals[key]
+            self._ordinals[key] += 1
+            draw = self.lengths.draw(key, ordinal, self.weight_version)
+            sample = SimSample(uid=next(self._uids), prompt_len=int(ids.size), target=int(draw.length),
+                               correct=bool(draw.correct))
+            is_resume = False
+        base = int(ids.size) - sample.prompt_len
+        left = max(sample.target - base, 1)
+        if params.ignore_eos or left > params.max_new_tokens:
+            new_total, finish = params.max_new_tokens, FinishReason.LENGTH
+        else:
+            new_total, finish = left, FinishReason.STOP
+        return SimRequest(request_id=rid, sample=sample, base=base, input_len=int(ids.size), new_total=new_total,
+                          finish=finish, is_resume=is_resume, hasher=hasher, input_ids=ids)
+
+    def _route(self, request: SimRequest) -> None:
+        if self.cluster.router == "round_robin":
+            replica = self.replicas[next(self._rr)]
+        else:
+            replica = min(self.replicas, key=lambda r: (r.load, r.index))
+        replica.enqueue(request)
+
+    def _chunk(self, request: SimRequest, reason: FinishReason | None) -> GenerationChunk:
+        """A chunk with the request's undelivered tokens, produced by the current weight version."""
+        s = request.sample
+        start, end = request.base + request.delivered, request.base + request.generated
+        stop_at = request.base + request.new_total if request.finish == FinishReason.STOP else None
+        tokens = response_tokens(s.uid, start, end, stop_at, s.correct).tolist()
+        logprobs = response_logprobs(s.uid, start, end).tolist()
+        if end > start:
+            request.chunk_versions.append((self.weight_version, end - start))
+        request.delivered = request.generated
+        self._delivered_tokens += end - start
+        matched = tokens[-1] if reason == FinishReason.STOP and tokens else None
+        return GenerationChunk(request.request_id, tokens, logprobs, self.weight_version, reason, matched)
+
+    def _deliver(self, request: SimRequest, chunk: GenerationChunk) -> None:
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return
+        stream.items.append(chunk)
+        if stream.waiter is not None:
+            if not stream.waiter.done():
+                stream.waiter.set_result(None)
+            stream.waiter = None
+            self._waiting -= 1
+
+    def _close_stream(self, rid: str) -> None:
+        stream = self._streams.pop(rid, None)
+        if stream is not None and stream.waiter is not None:
+            stream.waiter = None
+            self._waiting -= 1
+        self._poke()
+
+    def _finish(self, request: SimRequest) -> None:
+        del self._requests[request.request_id]
+        self._deliver(request, self._chunk(request, request.finish))
+
+    def _abort_now(self, ids: list[str]) -> list[GenerationOutput]:
+        synced: set[int] = set()
+        outputs = []
+        for rid in ids:
+            request = self._requests.pop(rid)
+            replica = self.replicas[request.replica]
+            if replica.index not in synced:
+                replica.sync(self.now, finish_step=False)
+                synced.add(replica.index)
+            replica.remove(request)
+            self._deliver(request, self._chunk(request, FinishReason.ABORT))
+            s = request.sample
+            out_tokens = response_tokens(s.uid, request.base, request.base + request.generated, None, s.correct)
+            request.hasher.update(out_tokens.tobytes())
+            self._resumable.setdefault(request.hasher.digest(), deque()).append(s)
+            versions = [v for v, n in request.chunk_versions for _ in range(n)]
+            outputs.append(GenerationOutput(
+                request_id=rid, prompt_ids=request.input_ids.tolist(), token_ids=out_tokens.tolist(),
+                logprobs=response_logprobs(s.uid, request.base, request.base + request.generated).tolist(),
+                versions=versions, finish_reason=FinishReason.ABORT))
+        return outputs
+
+    def _flush_all(self) -> None:
+        for replica in self.replicas:
+            replica.sync(self.now, finish_step=False)
+            for request in replica.running:
+                if request.generated > request.delivered:
+                    self._deliver(request, self._chunk(request, None))
+            replica.flush()
+
+    # ------------------------------------------------------------------ the clock
+
+    def _poke(self) -> None:
+        self._activity += 1
+        if self._wake is not None:
+            self._wake.set()
+
+    def _quiescent(self) -> bool:
+        return self._waiting == len(self._streams)
+
+    async def _settle(self) -> None:
+        """Returns once every consumer waits and the event loop ran settle_passes rounds with no call."""
+        assert self._wake is not None
+        while True:
+            while not self._closing and not (self._quiescent() and not self.paused_tags):
+                self._wake.clear()
+                await self._wake.wait()
+            if self._closing:
+                return
+            mark = self._activity
+            for _ in range(self.settle_passes):
+                await asyncio.sleep(0)
+            if mark == self._activity and self._quiescent() and not self.paused_tags:
+                return
+
+    def _step(self) -> bool:
+        """Admit queued work, then jump to the earliest replica event and deliver what finished there."""
+        for replica in self.replicas:
+            if replica.dirty:
+                replica.sync(self.now, finish_step=True)
+                for request in replica.reap():
+                    self._finish(request)
+                replica.admit()
+        t = min(r.next_event() for r in self.replicas)
+        if math.isinf(t):
+            return False
+        self.now = max(self.now, t)
+        for replica in self.replicas:
+            if replica.next_event() == t:
+                for request in replica.run_event():
+                    self._finish(request)
+        return True
+
+    async def _drive(self) -> None:
+        assert self._wake is not None
+        try:
+            while True:
+                await self._settle()
+                if self._closing:
+                    return
+                if not self._step():
+                    self._wake.clear()
+                    if self._closing:
+                        return
+                    await self._wake.wait()
+        except Exception as exc:  # the clock failed: fail every stream instead of hanging the loop
+            self.last_error = exc
+            for stream in list(self._streams.values()):
+                if stream.waiter is not None and not stream.waiter.done():
+                    stream.waiter.set_exception(exc)
+            raise
+
+
+__all__ = ["ClusterCounters", "MEMORY_TAGS", "SimulatedEngine"]

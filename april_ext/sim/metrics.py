@@ -1,0 +1,167 @@
+"""Simulation metrics: the full-occupancy bound, per-step figures and the length bias.
+
+Definitions (docs/sim.md has the reasoning):
+- throughput: response tokens generated in the step / rollout time (virtual seconds, begin_step to batch).
+  Useful throughput leaves out tokens a discarding baseline throws away (DAPO over-sampling without recycling).
+- full-occupancy bound: tokens/s of the same cluster fed an endless queue of fresh samples from the same
+  length model (never idle, no step boundaries, no aborts, no resumes); efficiency = throughput / bound.
+- bubble fraction: idle slot-time. A replica has B_sat slots, the mean batch that the never-idle replica
+  sustains (KV- or max_num_seqs-bound); busy slot-time is the decode batch integrated over time plus B_sat
+  for every prefill second. bubble = 1 - busy / (B_sat x replicas x rollout time), clipped to [0, 1].
+- length bias: the trained response lengths against the natural ones (the model's lengths cut at the cap):
+  mean ratio and the Wasserstein-1 distance relative to the natural mean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from april_ext.batch import FinishReason
+from april_ext.sim.cost import ClusterConfig
+from april_ext.sim.engine import ClusterCounters
+from april_ext.sim.lengths import LengthModel
+from april_ext.sim.replica import Replica, SimRequest, SimSample
+
+
+@dataclass(frozen=True)
+class OccupancyBound:
+    """What a never-idle cluster produces under a length model."""
+
+    tokens_per_s: float
+    mean_batch: float  # B_sat: mean decode batch per replica
+    measured_s: float
+    finished: int
+
+
+def full_occupancy_bound(cluster: ClusterConfig, lengths: LengthModel, max_response_len: int, prompt_len: int,
+                         version: int = 0, warmup_finishes: int | None = None,
+                         measure_finishes: int | None = None) -> OccupancyBound:
+    """Runs one replica with an endless queue of fresh samples; the cluster bound is replicas x its rate.
+
+    Warm-up (default 3 x the replica's concurrency finishes) lets the running mix reach its steady state,
+    in which long responses are over-represented exactly as in a busy engine; the rate is then measured over
+    the next measure_finishes (default 10 x concurrency) finishes.
+    """
+    replica = Replica(0, cluster.cost)
+    uids = itertools.count()
+    keys = itertools.count(1 << 41)  # a prompt population apart from data-source indices
+    n_per_prompt = 8
+    pending: list[SimSample] = []
+
+    def top_up() -> None:
+        while len(replica.waiting) < cluster.cost.max_num_seqs:
+            if not pending:
+                key = next(keys)
+                for i in range(n_per_prompt):
+                    d = lengths.draw(key, i, version)
+                    pending.append(SimSample(next(uids), prompt_len, int(d.length), bool(d.correct)))
+            s = pending.pop()
+            new_total = min(s.target, max_response_len)
+            replica.enqueue(SimRequest(
+                request_id=str(s.uid), sample=s, base=0, input_len=prompt_len, new_total=new_total,
+                finish=FinishReason.STOP if s.target <= max_response_len else FinishReason.LENGTH,
+                is_resume=False, hasher=hashlib.blake2b(), input_ids=np.empty(0, np.int32)))
+
+    top_up()
+    replica.admit()
+    concurrency = max(1, min(cluster.cost.max_num_seqs,
+                             cluster.cost.kv_capacity_tokens // max(1, prompt_len + max_response_len // 4)))
+    warm = warmup_finishes if warmup_finishes is not None else 3 * concurrency
+    measure = measure_finishes if measure_finishes is not None else 10 * concurrency
+    finished = finished_at_start = 0
+    start = None
+    while True:
+        t = replica.next_event()
+        done = replica.run_event()
+        finished += len(done)
+        top_up()
+        if replica.dirty:
+            replica.admit()
+        if start is None and finished >= warm:
+            start = (t, replica.counters.decode_tokens, replica.counters.slot_time, replica.counters.decode_time)
+            finished_at_start = finished
+        elif start is not None and finished - finished_at_start >= measure:
+            c = replica.counters
+            elapsed = t - start[0]
+            decode = c.decode_time - start[3]
+            return OccupancyBound(
+                tokens_per_s=cluster.num_engines * (c.decode_tokens - start[1]) / elapsed,
+                mean_batch=(c.slot_time - start[2]) / decode if decode > 0 else 0.0,
+                measured_s=elapsed, finished=finished - finished_at_start)
+
+
+def length_bias(trained: np.ndarray, natural: np.ndarray) -> dict[str, float]:
+    """Mean ratio and relative Wasserstein-1 distance of trained vs natural response lengths."""
+    if trained.size == 0 or natural.size == 0:
+        return {"mean_ratio": float("nan"), "w1_rel": float("nan")}
+    q = np.linspace(0.0, 1.0, 1001)
+    w1 = float(np.mean(np.abs(np.quantile(trained, q) - np.quantile(natural, q))))
+    mean = float(natural.mean())
+    return {"mean_ratio": float(trained.mean()) / mean, "w1_rel": w1 / mean}
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One simulated rollout step."""
+
+    step: int
+    rollout_s: float
+    time_to_done_s: float
+    generated_tokens: int
+    trained_tokens: int
+    discarded_tokens: int  # thrown away by a discarding baseline (stale groups dropped at this step's start)
+    tokens_per_s: float
+    efficiency: float
+    bubble_fraction: float
+    partial_token_ratio: float  # batch tokens carried over from earlier steps (resumed partials)
+    offpolicy_token_ratio: float
+    staleness_histogram: list[int]
+    re_prefill_tokens: int
+    re_prefill_time_fraction: float  # replica time spent re-prefilling resumed requests / (replicas x rollout)
+    recompute_time_fraction: float  # replica time re-prefilling after preemptions / (replicas x rollout)
+    preemptions: int
+    aborted_samples: int
+    surplus_groups: int
+    buffered_groups: int
+    filtered_groups: int
+    reward_mean: float
+    response_mean: float
+    length_mean_ratio: float
+    length_w1_rel: float
+    response_lens: list[int] = field(default_factory=list, repr=False)
+
+
+def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: OccupancyBound,
+                natural: np.ndarray) -> StepReport:
+    """Combine the loop's RolloutMetrics, the engine's counters over the step and the bound."""
+    sched = metrics.scheduler
+    wall = metrics.wall_s
+    lens = np.asarray(metrics.response_lens, np.int64)
+    slots = bound.mean_batch * counters.num_engines * wall
+    busy = counters.slot_time + bound.mean_batch * counters.prefill_time
+    bias = length_bias(lens, natural)
+    replica_time = counters.num_engines * wall
+    return StepReport(
+        step=step, rollout_s=wall, time_to_done_s=metrics.time_to_done_s, generated_tokens=metrics.generated_tokens,
+        trained_tokens=int(sched["batch_response_tokens"]), discarded_tokens=int(sched["stale_tokens_discarded"]),
+        tokens_per_s=metrics.tokens_per_s,
+        efficiency=metrics.tokens_per_s / bound.tokens_per_s if bound.tokens_per_s > 0 else 0.0,
+        bubble_fraction=min(1.0, max(0.0, 1.0 - busy / slots)) if slots > 0 else 0.0,
+        partial_token_ratio=float(sched["carried_token_ratio"]),
+        offpolicy_token_ratio=float(sched["off_policy_token_ratio"]),
+        staleness_histogram=list(sched["staleness_histogram"]), re_prefill_tokens=int(sched["re_prefill_tokens"]),
+        re_prefill_time_fraction=counters.resume_prefill_time / replica_time if replica_time > 0 else 0.0,
+        recompute_time_fraction=counters.recompute_time / replica_time if replica_time > 0 else 0.0,
+        preemptions=counters.preemptions, aborted_samples=metrics.aborted_samples,
+        surplus_groups=int(sched["surplus_groups"]), buffered_groups=int(sched["buffered_groups"]),
+        filtered_groups=int(sched["groups_filtered"]), reward_mean=metrics.reward_mean,
+        response_mean=float(lens.mean()) if lens.size else 0.0, length_mean_ratio=bias["mean_ratio"],
+        length_w1_rel=bias["w1_rel"], response_lens=lens.tolist())
+
+
+__all__ = ["OccupancyBound", "StepReport", "full_occupancy_bound", "length_bias", "step_report"]

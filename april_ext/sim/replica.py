@@ -1,0 +1,238 @@
+"""One simulated engine replica: continuous batching over a virtual clock, in closed form between events.
+
+Between two events the running set is fixed, so decode step k of B sequences holding S tokens costs
+fixed + per_seq * B + per_kv * (S + B * k): the time of m steps and the steps within a time are closed
+forms (CostModel.decode_time / steps_within). Events are a request finishing, the KV cache filling up
+(the newest sequence is preempted and recomputed later, as SGLang retracts), and changes from outside
+(admissions, aborts, weight flushes). Admission runs a prefill batch during which decoding pauses.
+Pure bookkeeping, no asyncio: engine.py drives it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from april_ext.batch import FinishReason
+from april_ext.sim.cost import CostModel
+
+
+@dataclass
+class SimSample:
+    """A response as the engine remembers it across requests: its fixed target and its token stream id."""
+
+    uid: int
+    prompt_len: int
+    target: int  # natural total response length; the request's cap may cut it
+    correct: bool
+
+
+@dataclass
+class SimRequest:
+    """One generate call. Its context is input_len + generated; it ends after new_total tokens."""
+
+    request_id: str
+    sample: SimSample
+    base: int  # response tokens the sample had before this request
+    input_len: int
+    new_total: int
+    finish: FinishReason
+    is_resume: bool
+    hasher: Any  # blake2b over the input ids, extended with the output on abort
+    input_ids: np.ndarray
+    generated: int = 0
+    delivered: int = 0
+    chunk_versions: list[tuple[int, int]] = field(default_factory=list)  # (version, count) per delivered chunk
+    replica: int = -1
+    running: bool = False
+    prefilled_once: bool = False
+
+    @property
+    def context(self) -> int:
+        return self.input_len + self.generated
+
+    @property
+    def remaining(self) -> int:
+        return self.new_total - self.generated
+
+
+@dataclass
+class ReplicaCounters:
+    """Cumulative accounting of one replica (virtual seconds and tokens)."""
+
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_time: float = 0.0
+    slot_time: float = 0.0  # integral of the running batch size over decode time
+    prefill_time: float = 0.0
+    prefill_tokens: int = 0
+    resume_prefill_time: float = 0.0  # first prefill of resumed requests (prompt + partial)
+    resume_prefill_tokens: int = 0
+    recompute_time: float = 0.0  # prefill again after a preemption or a weight/KV flush
+    recompute_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    aborted: int = 0
+
+
+class Replica:
+    """Running and waiting requests of one engine and its position on the virtual clock."""
+
+    def __init__(self, index: int, cost: CostModel) -> None:
+        self.index = index
+        self.cost = cost
+        self.running: list[SimRequest] = []  # admission order: the newest is preempted first
+        self.waiting: deque[SimRequest] = deque()
+        self.seg_t0 = 0.0  # decode of the current segment starts here (after any prefill)
+        self.kv = 0  # KV tokens of the running requests at seg_t0
+        self.counters = ReplicaCounters()
+        self.dirty = False  # waiting requests may be admissible
+        self._next: tuple[float, int] | None = None  # (time, steps) of the next own event
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ------------------------------------------------------------------ moving along the clock
+
+    def _apply_steps(self, m: int) -> None:
+        b = len(self.running)
+        if m <= 0 or b == 0:
+            return
+        dt = self.cost.decode_time(b, self.kv, m)
+        c = self.counters
+        c.decode_steps += m
+        c.decode_tokens += b * m
+        c.decode_time += dt
+        c.slot_time += b * dt
+        for r in self.running:
+            r.generated += m
+        self.kv += b * m
+        self.seg_t0 += dt
+
+    def sync(self, now: float, finish_step: bool) -> None:
+        """Bring the running requests to ``now``. ``finish_step``: the step in progress completes (its tokens
+        count) and the segment restarts at its end; otherwise it is cut and the segment restarts at now."""
+        if self.running and now > self.seg_t0:
+            m = self.cost.steps_within(len(self.running), self.kv, now - self.seg_t0)
+            self._apply_steps(m)
+            if finish_step and self.seg_t0 < now and self.running:
+                self._apply_steps(1)
+        self.seg_t0 = max(self.seg_t0, now)
+        self._next = None
+
+    def next_event(self) -> float:
+        """Time of this replica's next own event (a finish or a full KV cache); inf when it has none."""
+        if self._next is None:
+            if not self.running:
+                return math.inf
+            b = len(self.running)
+            m = min(r.remaining for r in self.running)
+            m = min(m, max(1, (self.cost.kv_capacity_tokens - self.kv) // b))
+            self._next = (self.seg_t0 + self.cost.decode_time(b, self.kv, m), m)
+        return self._next[0]
+
+    def run_event(self) -> list[SimRequest]:
+        """Advance to the next own event; returns the requests that finished there (caller delivers them)."""
+        self.next_event()
+        assert self._next is not None
+        _, m = self._next
+        self._apply_steps(m)
+        self._next = None
+        done = self.reap()
+        self._preempt_overflow()
+        self.admit()
+        return done
+
+    def reap(self) -> list[SimRequest]:
+        """Take out the running requests that generated all their tokens."""
+        done = [r for r in self.running if r.remaining <= 0]
+        if done:
+            self.running = [r for r in self.running if r.remaining > 0]
+            for r in done:
+                r.running = False
+                self.kv -= r.context
+            self.counters.finished += len(done)
+            self._next = None
+        return done
+
+    # ------------------------------------------------------------------ membership
+
+    def _preempt_overflow(self) -> None:
+        # The next step appends one token per sequence: keep that within the KV capacity.
+        while len(self.running) > 1 and self.kv + len(self.running) > self.cost.kv_capacity_tokens:
+            victim = self.running.pop()
+            victim.running = False
+            self.kv -= victim.context
+            self.waiting.appendleft(victim)
+            self.counters.preemptions += 1
+        self._next = None
+
+    def enqueue(self, request: SimRequest) -> None:
+        request.replica = self.index
+        self.waiting.append(request)
+        self.dirty = True
+
+    def admit(self) -> None:
+        """Admit waiting requests that fit (running slots, KV below the headroom) and run their prefill batch."""
+        self.dirty = False
+        cost = self.cost
+        limit = cost.kv_capacity_tokens * (1 - cost.admission_headroom)
+        batch: list[SimRequest] = []
+        while self.waiting and len(self.running) < cost.max_num_seqs:
+            r = self.waiting[0]
+            alone = not self.running
+            if not alone and self.kv + r.context > limit:
+                break
+            self.waiting.popleft()
+            r.running = True
+            self.running.append(r)
+            self.kv += r.context
+            batch.append(r)
+        if not batch:
+            return
+        c = self.counters
+        total = cost.prefill_fixed_s
+        for r in batch:
+            t = cost.prefill_time(0, r.context)
+            total += t
+            c.prefill_tokens += r.context
+            if r.prefilled_once:
+                c.recompute_time += t
+                c.recompute_tokens += r.context
+            elif r.is_resume:
+                c.resume_prefill_time += t
+                c.resume_prefill_tokens += r.context
+            r.prefilled_once = True
+        c.prefill_time += total
+        self.seg_t0 += total
+        self._next = None
+
+    def remove(self, request: SimRequest) -> None:
+        """Take a request out (abort); the caller has synced the replica to now."""
+        if request.running:
+            self.running.remove(request)
+            self.kv -= request.context
+            request.running = False
+        else:
+            self.waiting.remove(request)
+        self.counters.aborted += 1
+        self._next = None
+        self.dirty = True
+
+    def flush(self) -> None:
+        """Drop the KV cache (weight update, KV release): running requests wait to be recomputed, in order."""
+        self.waiting.extendleft(reversed(self.running))
+        for r in self.running:
+            r.running = False
+        self.running = []
+        self.kv = 0
+        self._next = None
+        self.dirty = True
+
+
+__all__ = ["Replica", "ReplicaCounters", "SimRequest", "SimSample"]

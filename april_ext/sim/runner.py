@@ -1,0 +1,184 @@
+"""Run the real scheduler through the real rollout loop over the simulated engine, step after step."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+
+from april_ext.algorithms.filters import reject_uniform_groups
+from april_ext.data_source import Prompt
+from april_ext.engine.sampling import SamplingParams
+from april_ext.errors import ConfigError
+from april_ext.rollout import RolloutLoop, scheduler_config_for
+from april_ext.scheduler import Scheduler, SchedulerConfig
+from april_ext.sim.cost import ClusterConfig, cluster_preset
+from april_ext.sim.engine import SimulatedEngine
+from april_ext.sim.lengths import LENGTH_PRESETS, LengthModel, TraceLengths, length_preset
+from april_ext.sim.metrics import OccupancyBound, StepReport, full_occupancy_bound, length_bias, step_report
+from april_ext.sim.tokens import SyntheticPrompts, answer_reward
+
+Mode = Literal["baseline", "april-batch", "april-continuous"]
+MODES: tuple[str, ...] = ("baseline", "april-batch", "april-continuous")
+ALGORITHMS = ("grpo", "dapo")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run. ``cluster`` is a preset name (see CLUSTER_PRESETS) or a ClusterConfig; ``lengths``
+    a length preset name (see LENGTH_PRESETS), a .csv / .jsonl trace path, or a LengthModel."""
+
+    cluster: str | ClusterConfig = "h100-qwen3-8b"
+    lengths: str | LengthModel = "dapo-math-17k"
+    mode: Mode = "april-batch"
+    algorithm: str = "grpo"
+    """"grpo": every complete group is trained; "dapo": dynamic sampling drops groups with equal rewards (and its
+    baseline over-samples N' groups, discarding unfinished ones: see scheduler_config)."""
+    rollout_batch_size: int = 32
+    n_samples_per_prompt: int = 8
+    over_sampling_batch_size: int | None = 64
+    max_response_len: int = 16384
+    max_inflight_samples: int | None = None
+    """Scheduler cap on samples in flight (None: no cap); with a large N' it holds the engines at a target load."""
+    num_engines: int = 8
+    steps: int = 6
+    prompt_len: int = 256
+    dataset_size: int = 100_000
+    seed: int = 0
+    settle_passes: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"SimConfig.mode={self.mode!r} is not allowed: one of {MODES}")
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"SimConfig.algorithm={self.algorithm!r} is not allowed: one of {ALGORITHMS}")
+        for name in ("steps", "num_engines", "prompt_len", "dataset_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"SimConfig.{name}={value!r} is not allowed: an int >= 1")
+        if isinstance(self.lengths, str) and self.lengths not in LENGTH_PRESETS and not os.path.isfile(self.lengths):
+            raise ConfigError(f"SimConfig.lengths={self.lengths!r} is not allowed: one of {sorted(LENGTH_PRESETS)} "
+                              f"or the path of a .csv / .jsonl length trace")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """APRIL as configured; the baseline is what slime does without partial rollout: GRPO launches N
+        groups and waits for all of them; DAPO's dynamic sampling launches N' groups, stops once N pass the
+        filter and throws the unfinished and surplus groups away (max_staleness 0 with the drop policy)."""
+        base = SchedulerConfig(
+            rollout_batch_size=self.rollout_batch_size, n_samples_per_prompt=self.n_samples_per_prompt,
+            over_sampling_batch_size=self.over_sampling_batch_size, max_response_len=self.max_response_len,
+            max_inflight_samples=self.max_inflight_samples if self.mode != "baseline" else None,
+            refill="continuous" if self.mode == "april-continuous" else "batch")
+        if self.mode == "baseline" and self.algorithm == "dapo":
+            return replace(base, max_staleness=0, staleness_policy="drop")
+        return scheduler_config_for(base, partial_rollout=self.mode != "baseline")
+
+    def cluster_config(self) -> ClusterConfig:
+        if isinstance(self.cluster, ClusterConfig):
+            return self.cluster
+        return cluster_preset(self.cluster, num_engines=self.num_engines)
+
+    def length_model(self) -> LengthModel:
+        if not isinstance(self.lengths, str):
+            return self.lengths
+        if self.lengths in LENGTH_PRESETS:
+            return length_preset(self.lengths, seed=self.seed)
+        return TraceLengths.from_file(self.lengths)
+
+
+@dataclass
+class SimResult:
+    """Per-step reports of one run, the bound they are measured against, and run-level summaries."""
+
+    config: SimConfig
+    bound: OccupancyBound
+    steps: list[StepReport]
+    natural_mean: float
+    wall_seconds: float = 0.0
+    summary: dict[str, float] = field(default_factory=dict)
+
+
+async def _reward(prompt: Prompt, response: np.ndarray) -> float:
+    return answer_reward(response)
+
+
+def _summarize(steps: list[StepReport], natural: np.ndarray) -> dict[str, float]:
+    """Run-level figures over the steady steps (all but the first, whose buffer starts empty)."""
+    steady = steps[1:] if len(steps) > 1 else steps
+    time = sum(s.rollout_s for s in steady)
+    tokens = sum(s.generated_tokens for s in steady)
+    discarded = sum(s.discarded_tokens for s in steady)
+    trained = np.concatenate([np.asarray(s.response_lens, np.int64) for s in steps])
+    bias = length_bias(trained, natural)
+    return {
+        "tokens_per_s": tokens / time if time > 0 else 0.0,
+        "useful_tokens_per_s": (tokens - discarded) / time if time > 0 else 0.0,
+        "efficiency": float(np.mean([s.efficiency for s in steady])),
+        "bubble_fraction": float(np.mean([s.bubble_fraction for s in steady])),
+        "partial_token_ratio": float(np.mean([s.partial_token_ratio for s in steady])),
+        "offpolicy_token_ratio": float(np.mean([s.offpolicy_token_ratio for s in steady])),
+        "re_prefill_time_fraction": float(np.mean([s.re_prefill_time_fraction for s in steady])),
+        "max_staleness": float(max((len(s.staleness_histogram) - 1 for s in steps), default=0)),
+        "rollout_s": time / len(steady),
+        "length_mean_ratio": bias["mean_ratio"],
+        "length_w1_rel": bias["w1_rel"],
+        "first_step_length_w1_rel": steps[0].length_w1_rel,
+        "last_step_length_w1_rel": steps[-1].length_w1_rel,
+    }
+
+
+async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None) -> SimResult:
+    """Runs ``config.steps`` rollout steps; weights are "updated" to version + 1 after each (training is
+    instantaneous in virtual time: only rollout is measured)."""
+    started = time.perf_counter()
+    cluster = config.cluster_config()
+    lengths = config.length_model()
+    mid_version = (config.steps - 1) // 2
+    if bound is None:
+        bound = full_occupancy_bound(cluster, lengths, config.max_response_len, config.prompt_len, mid_version)
+    natural = np.minimum(lengths.natural_lengths(mid_version), config.max_response_len)
+    scheduler = Scheduler(config.scheduler_config(), SyntheticPrompts(config.dataset_size, config.prompt_len))
+    reports = []
+    async with SimulatedEngine(cluster, lengths, settle_passes=config.settle_passes) as engine:
+        loop = RolloutLoop(engine, scheduler, _reward, sampling=SamplingParams(),
+                           group_filter=reject_uniform_groups if config.algorithm == "dapo" else None,
+                           seed=config.seed, engine_capacity=cluster.num_engines * max(1, round(bound.mean_batch)))
+        for step in range(config.steps):
+            before = engine.counters()
+            result = await loop.run_step(step)
+            after = engine.counters()
+            reports.append(step_report(step, result.metrics, after.minus(before), bound, natural))
+            await engine.update_weights({}, step + 1)
+        await loop.drain_rewards()
+    out = SimResult(config, bound, reports, float(natural.mean()))
+    out.summary = _summarize(reports, natural)
+    out.wall_seconds = time.perf_counter() - started
+    return out
+
+
+def simulate(config: SimConfig, bound: OccupancyBound | None = None) -> SimResult:
+    """Synchronous wrapper of simulate_async (runs its own event loop)."""
+    return asyncio.run(simulate_async(config, bound))
+
+
+def compare(config: SimConfig, modes: tuple[str, ...] = MODES) -> dict[str, SimResult]:
+    """The same configuration in several modes, measured against one shared bound."""
+    cluster = config.cluster_config()
+    lengths = config.length_model()
+    bound = full_occupancy_bound(cluster, lengths, config.max_response_len, config.prompt_len,
+                                 (config.steps - 1) // 2)
+    return {mode: simulate(replace(config, mode=mode), bound) for mode in modes}  # type: ignore[arg-type]
+
+
+def gain(results: dict[str, SimResult], mode: str, baseline: str = "baseline", metric: str = "tokens_per_s") -> float:
+    """Relative gain of ``mode`` over ``baseline`` in a summary metric (0.25 = +25%)."""
+    base = results[baseline].summary[metric]
+    return results[mode].summary[metric] / base - 1 if base > 0 else math.nan
+
+
+__all__ = ["ALGORITHMS", "MODES", "SimConfig", "SimResult", "compare", "gain", "simulate", "simulate_async"]
