@@ -105,7 +105,7 @@ class Allocator {
     PhysicalMemory memory;
     Mapping mapping;
     HostBuffer backup;
-    bool paused() const { return !mapping.active(); }
+    bool paused() const { return !mapping.held(); }
   };
   struct TagRecord {
     bool paused = false;

@@ -11,73 +11,23 @@ std::size_t round_up(std::size_t size, std::size_t granularity) {
   return (size + granularity - 1) / granularity * granularity;
 }
 
-// Destructors run on failure paths that already carry an error; a second failure while cleaning
-// up cannot be reported better than the first, so it is dropped there and reported by reset().
+void free_va_span(Backend& backend, const AddressSpan& span) { backend.free_va(span.addr, span.size); }
+
+void unmap_span(Backend& backend, const AddressSpan& span) { backend.unmap(span.addr, span.size); }
+
+void release_handle(Backend& backend, const PhysicalHandle& handle) { backend.release(handle); }
 
 VaRange::VaRange(Backend* backend, std::size_t size, std::size_t alignment, std::uintptr_t fixed_addr)
-    : backend_(backend), addr_(backend->reserve(size, alignment, fixed_addr)), size_(size) {}
-
-VaRange::~VaRange() {
-  try {
-    reset();
-  } catch (const Error&) {
-  }
-}
-
-VaRange::VaRange(VaRange&& other) noexcept
-    : backend_(std::exchange(other.backend_, nullptr)), addr_(other.addr_), size_(other.size_) {}
-
-VaRange& VaRange::operator=(VaRange&& other) noexcept {
-  if (this != &other) {
-    try {
-      reset();
-    } catch (const Error&) {
-    }
-    backend_ = std::exchange(other.backend_, nullptr);
-    addr_ = other.addr_;
-    size_ = other.size_;
-  }
-  return *this;
-}
-
-void VaRange::reset() {
-  if (backend_ == nullptr) return;
-  Backend* b = std::exchange(backend_, nullptr);
-  b->free_va(addr_, size_);
-}
+    : BackendResource(backend, AddressSpan{backend->reserve(size, alignment, fixed_addr), size}) {}
 
 PhysicalMemory::PhysicalMemory(Backend* backend, std::size_t size, int device)
-    : backend_(backend), handle_(backend->create(size, device)) {}
+    : BackendResource(backend, backend->create(size, device)) {}
 
-PhysicalMemory::~PhysicalMemory() {
-  try {
-    reset();
-  } catch (const Error&) {
-  }
-}
+namespace {
 
-PhysicalMemory::PhysicalMemory(PhysicalMemory&& other) noexcept
-    : backend_(std::exchange(other.backend_, nullptr)), handle_(other.handle_) {}
-
-PhysicalMemory& PhysicalMemory::operator=(PhysicalMemory&& other) noexcept {
-  if (this != &other) {
-    try {
-      reset();
-    } catch (const Error&) {
-    }
-    backend_ = std::exchange(other.backend_, nullptr);
-    handle_ = other.handle_;
-  }
-  return *this;
-}
-
-void PhysicalMemory::reset() {
-  if (backend_ == nullptr) return;
-  Backend* b = std::exchange(backend_, nullptr);
-  b->release(handle_);
-}
-
-Mapping::Mapping(Backend* backend, std::uintptr_t addr, std::size_t size, const PhysicalMemory& memory, int device) {
+// Maps memory at addr and grants the device access, unmapping again when access cannot be granted.
+AddressSpan map_accessible(Backend* backend, std::uintptr_t addr, std::size_t size, const PhysicalMemory& memory,
+                           int device) {
   backend->map(addr, size, memory.handle());
   try {
     backend->set_access(addr, size, device);
@@ -88,39 +38,13 @@ Mapping::Mapping(Backend* backend, std::uintptr_t addr, std::size_t size, const 
     }
     throw;
   }
-  backend_ = backend;
-  addr_ = addr;
-  size_ = size;
+  return AddressSpan{addr, size};
 }
 
-Mapping::~Mapping() {
-  try {
-    reset();
-  } catch (const Error&) {
-  }
-}
+}  // namespace
 
-Mapping::Mapping(Mapping&& other) noexcept
-    : backend_(std::exchange(other.backend_, nullptr)), addr_(other.addr_), size_(other.size_) {}
-
-Mapping& Mapping::operator=(Mapping&& other) noexcept {
-  if (this != &other) {
-    try {
-      reset();
-    } catch (const Error&) {
-    }
-    backend_ = std::exchange(other.backend_, nullptr);
-    addr_ = other.addr_;
-    size_ = other.size_;
-  }
-  return *this;
-}
-
-void Mapping::reset() {
-  if (backend_ == nullptr) return;
-  Backend* b = std::exchange(backend_, nullptr);
-  b->unmap(addr_, size_);
-}
+Mapping::Mapping(Backend* backend, std::uintptr_t addr, std::size_t size, const PhysicalMemory& memory, int device)
+    : BackendResource(backend, map_accessible(backend, addr, size, memory, device)) {}
 
 HostBuffer::HostBuffer(BackupCache* cache, Backend* backend, std::size_t size)
     : cache_(cache), backend_(backend), size_(size) {

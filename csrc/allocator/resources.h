@@ -4,72 +4,75 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "allocator/backend.h"
 #include "allocator/backup_cache.h"
+#include "common/error.h"
 
 namespace april::alloc {
 
+// Where a range or mapping lies in the address space.
+struct AddressSpan {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;
+};
+
+// The backend call that gives each kind of resource back.
+void free_va_span(Backend& backend, const AddressSpan& span);
+void unmap_span(Backend& backend, const AddressSpan& span);
+void release_handle(Backend& backend, const PhysicalHandle& handle);
+
+// Owns one backend resource, described by a Value, and gives it back through Release when it dies
+// or is reset. Moving transfers ownership; the moved-from owner holds nothing. The value stays
+// readable after reset (pause re-reserves the same address it just freed).
+template <class Value, void (*Release)(Backend&, const Value&)>
+class BackendResource {
+ public:
+  BackendResource() = default;
+  BackendResource(Backend* backend, Value value) : backend_(backend), value_(value) {}
+  ~BackendResource();
+  BackendResource(BackendResource&& other) noexcept;
+  BackendResource& operator=(BackendResource&& other) noexcept;
+  BackendResource(const BackendResource&) = delete;
+  BackendResource& operator=(const BackendResource&) = delete;
+
+  bool held() const { return backend_ != nullptr; }
+  // Gives the resource back now, reporting a failure (the destructor swallows it).
+  void reset();
+
+ protected:
+  const Value& value() const { return value_; }
+
+ private:
+  Backend* backend_ = nullptr;
+  Value value_{};
+};
+
 // A reserved virtual address range.
-class VaRange {
+class VaRange : public BackendResource<AddressSpan, free_va_span> {
  public:
   VaRange() = default;
   VaRange(Backend* backend, std::size_t size, std::size_t alignment, std::uintptr_t fixed_addr);
-  ~VaRange();
-  VaRange(VaRange&& other) noexcept;
-  VaRange& operator=(VaRange&& other) noexcept;
-  VaRange(const VaRange&) = delete;
-  VaRange& operator=(const VaRange&) = delete;
 
-  std::uintptr_t addr() const { return addr_; }
-  std::size_t size() const { return size_; }
-  // Frees the range now, reporting a failure (the destructor swallows it).
-  void reset();
-
- private:
-  Backend* backend_ = nullptr;
-  std::uintptr_t addr_ = 0;
-  std::size_t size_ = 0;
+  std::uintptr_t addr() const { return value().addr; }
+  std::size_t size() const { return value().size; }
 };
 
 // Physical memory on a device, as long as the handle has not been released.
-class PhysicalMemory {
+class PhysicalMemory : public BackendResource<PhysicalHandle, release_handle> {
  public:
   PhysicalMemory() = default;
   PhysicalMemory(Backend* backend, std::size_t size, int device);
-  ~PhysicalMemory();
-  PhysicalMemory(PhysicalMemory&& other) noexcept;
-  PhysicalMemory& operator=(PhysicalMemory&& other) noexcept;
-  PhysicalMemory(const PhysicalMemory&) = delete;
-  PhysicalMemory& operator=(const PhysicalMemory&) = delete;
 
-  bool held() const { return backend_ != nullptr; }
-  PhysicalHandle handle() const { return handle_; }
-  void reset();
-
- private:
-  Backend* backend_ = nullptr;
-  PhysicalHandle handle_ = 0;
+  PhysicalHandle handle() const { return value(); }
 };
 
 // Physical memory mapped into a reserved range and made accessible.
-class Mapping {
+class Mapping : public BackendResource<AddressSpan, unmap_span> {
  public:
   Mapping() = default;
   Mapping(Backend* backend, std::uintptr_t addr, std::size_t size, const PhysicalMemory& memory, int device);
-  ~Mapping();
-  Mapping(Mapping&& other) noexcept;
-  Mapping& operator=(Mapping&& other) noexcept;
-  Mapping(const Mapping&) = delete;
-  Mapping& operator=(const Mapping&) = delete;
-
-  bool active() const { return backend_ != nullptr; }
-  void reset();
-
- private:
-  Backend* backend_ = nullptr;
-  std::uintptr_t addr_ = 0;
-  std::size_t size_ = 0;
 };
 
 // A host buffer holding the backup of a paused allocation, taken from and given back to the cache.
@@ -95,5 +98,39 @@ class HostBuffer {
   void* data_ = nullptr;
   std::size_t size_ = 0;
 };
+
+// Destructors run on failure paths that already carry an error; a second failure while cleaning
+// up cannot be reported better than the first, so it is dropped there and reported by reset().
+template <class Value, void (*Release)(Backend&, const Value&)>
+BackendResource<Value, Release>::~BackendResource() {
+  try {
+    reset();
+  } catch (const Error&) {
+  }
+}
+
+template <class Value, void (*Release)(Backend&, const Value&)>
+BackendResource<Value, Release>::BackendResource(BackendResource&& other) noexcept
+    : backend_(std::exchange(other.backend_, nullptr)), value_(other.value_) {}
+
+template <class Value, void (*Release)(Backend&, const Value&)>
+BackendResource<Value, Release>& BackendResource<Value, Release>::operator=(BackendResource&& other) noexcept {
+  if (this != &other) {
+    try {
+      reset();
+    } catch (const Error&) {
+    }
+    backend_ = std::exchange(other.backend_, nullptr);
+    value_ = other.value_;
+  }
+  return *this;
+}
+
+template <class Value, void (*Release)(Backend&, const Value&)>
+void BackendResource<Value, Release>::reset() {
+  if (backend_ == nullptr) return;
+  Backend* b = std::exchange(backend_, nullptr);
+  Release(*b, value_);
+}
 
 }  // namespace april::alloc
