@@ -15,49 +15,26 @@ from typing import Any, TypeVar
 
 from april_ext.batch import FinishReason
 from april_ext.engine.core import EngineCore, WeightsSource
+from april_ext.engine.loop_task import LoopTaskEngine
 from april_ext.engine.outputs import EngineStats, GenerationChunk, GenerationOutput
 from april_ext.engine.sampling import SamplingParams
-from april_ext.errors import InvalidArgumentError, InvalidStateError
+from april_ext.errors import InvalidArgumentError
 
 T = TypeVar("T")
 _Command = Callable[[], tuple[Any, list[GenerationChunk]]]
 
 
-class AsyncEngine:
+class AsyncEngine(LoopTaskEngine):
     """Serves an EngineCore from an asyncio task. Use `async with AsyncEngine(core) as engine:`."""
 
+    _task_name = "april_ext-engine-loop"
+
     def __init__(self, core: EngineCore) -> None:
+        super().__init__()
         self.core = core
         self._streams: dict[str, asyncio.Queue[GenerationChunk | BaseException]] = {}
         self._commands: deque[tuple[_Command, asyncio.Future[Any]]] = deque()
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._closing = False
         self._ids = itertools.count()
-        self.last_error: BaseException | None = None
-
-    async def __aenter__(self) -> AsyncEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    async def start(self) -> None:
-        if self._task is None:
-            self._wake = asyncio.Event()
-            self._closing = False
-            self._task = asyncio.create_task(self._loop(), name="april_ext-engine-loop")
-
-    async def close(self) -> None:
-        """Aborts every request and stops the loop task."""
-        if self._task is None:
-            return
-        await self.abort()
-        self._closing = True
-        self._notify()
-        await self._task
-        self._task = None
 
     # Public API -------------------------------------------------------------------------------------
 
@@ -122,15 +99,7 @@ class AsyncEngine:
 
     def health(self) -> dict[str, Any]:
         """{"status": "ok" | "paused" | "stopped" | "error", "weight_version", "paused_tags", "error"}."""
-        if self._task is None or self._task.done():
-            status = "stopped"
-        elif self.last_error is not None:
-            status = "error"
-        elif self.core.paused:
-            status = "paused"
-        else:
-            status = "ok"
-        return {"status": status, "weight_version": self.core.weight_version,
+        return {"status": self._status(self.core.paused), "weight_version": self.core.weight_version,
                 "paused_tags": sorted(self.core.memory.paused_tags),
                 "error": None if self.last_error is None else repr(self.last_error)}
 
@@ -143,10 +112,6 @@ class AsyncEngine:
     def _abort_chunk(self, output: GenerationOutput) -> GenerationChunk:
         return GenerationChunk(output.request_id, [], [], self.core.weight_version, FinishReason.ABORT)
 
-    def _notify(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
     def _submit(self, command: _Command) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._commands.append((command, future))
@@ -154,8 +119,7 @@ class AsyncEngine:
         return future
 
     async def _call(self, command: _Command) -> Any:
-        if self._task is None or self._closing:
-            raise InvalidStateError("the engine is not running: use `async with AsyncEngine(core)` or start()")
+        self._require_running()
         return await self._submit(command)
 
     def _dispatch(self, chunks: list[GenerationChunk]) -> None:

@@ -20,10 +20,11 @@ from april_ext.engine.config import EngineConfig
 from april_ext.engine.memory import MEMORY_TAGS, MemoryPlacement
 from april_ext.engine.model_runner import ModelRunner
 from april_ext.engine.outputs import EngineStats, GenerationChunk, GenerationOutput
+from april_ext.engine.request_ids import abort_ids
 from april_ext.engine.sampler import uniform
 from april_ext.engine.sampling import SamplingParams
 from april_ext.engine.sequence import Sequence, SequenceStatus
-from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError, UnknownIdError
+from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.model import LlamaForCausalLM, ModelConfig, iter_safetensors
 
 WeightsSource = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike[str]
@@ -172,15 +173,8 @@ class EngineCore:
     def abort(self, request_ids: Iterable[str] | None = None) -> list[GenerationOutput]:
         """Ends the given requests (all when None) at once; returns their partial outputs with finish
         reason ABORT. Unknown ids raise UnknownIdError before anything is aborted."""
-        if request_ids is None:
-            ids = list(self._requests)
-        else:
-            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-            unknown = [i for i in ids if i not in self._requests]
-            if unknown:
-                raise UnknownIdError(f"abort: unknown or finished request ids {unknown[:5]}")
         outputs = []
-        for request_id in dict.fromkeys(ids):
+        for request_id in dict.fromkeys(abort_ids(request_ids, self._requests)):
             seq = self._requests.pop(request_id)
             self.scheduler.remove(seq)
             seq.finish(FinishReason.ABORT)

@@ -26,9 +26,11 @@ from typing import Any
 import numpy as np
 
 from april_ext.batch import FinishReason
+from april_ext.engine.loop_task import LoopTaskEngine
 from april_ext.engine.outputs import EngineStats, GenerationChunk, GenerationOutput
+from april_ext.engine.request_ids import abort_ids
 from april_ext.engine.sampling import SamplingParams
-from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError, UnknownIdError
+from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.sim.cost import ClusterConfig
 from april_ext.sim.lengths import LengthModel
 from april_ext.sim.replica import Replica, ReplicaCounters, SimRequest, SimSample
@@ -75,14 +77,17 @@ class _Stream:
         self.waiter: asyncio.Future[None] | None = None
 
 
-class SimulatedEngine:
+class SimulatedEngine(LoopTaskEngine):
     """A cluster of simulated engine replicas behind a router, with the AsyncEngine API and a virtual clock.
 
     Use ``async with SimulatedEngine(cluster, lengths) as engine:``; ``engine.clock()`` is the virtual time.
     """
 
+    _task_name = "april_ext-sim-engine"
+
     def __init__(self, cluster: ClusterConfig, lengths: LengthModel, weight_version: int = 0,
                  settle_passes: int = 16) -> None:
+        super().__init__()
         if not isinstance(cluster, ClusterConfig):
             raise ConfigError(f"cluster is a {type(cluster).__name__}; a ClusterConfig is required")
         if not isinstance(lengths, LengthModel):
@@ -107,35 +112,8 @@ class SimulatedEngine:
         self._ids = itertools.count()
         self._rr = itertools.cycle(range(cluster.num_engines))
         self._delivered_tokens = 0
-        self._task: asyncio.Task[None] | None = None
-        self._wake: asyncio.Event | None = None
-        self._closing = False
-        self.last_error: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def __aenter__(self) -> SimulatedEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    async def start(self) -> None:
-        if self._task is None:
-            self._wake = asyncio.Event()
-            self._closing = False
-            self._task = asyncio.create_task(self._drive(), name="april_ext-sim-engine")
-
-    async def close(self) -> None:
-        """Aborts every request and stops the clock task."""
-        if self._task is None:
-            return
-        await self.abort()
-        self._closing = True
-        self._poke()
-        await self._task
-        self._task = None
 
     def clock(self) -> float:
         """Virtual seconds since the engine was created."""
@@ -155,7 +133,7 @@ class SimulatedEngine:
         self._requests[rid] = request
         self._streams[rid] = stream
         self._route(request)
-        self._poke()
+        self._notify()
         finished = False
         try:
             while True:
@@ -171,7 +149,7 @@ class SimulatedEngine:
                 loop = asyncio.get_running_loop()
                 stream.waiter = loop.create_future()
                 self._waiting += 1
-                self._poke()
+                self._notify()
                 try:
                     await stream.waiter
                 finally:
@@ -188,14 +166,8 @@ class SimulatedEngine:
         """Ends the requests (all when None) at the current virtual time and returns their partial outputs;
         their streams end with an ABORT chunk carrying the tokens not yet delivered. Unknown ids raise
         UnknownIdError and nothing is aborted."""
-        if request_ids is None:
-            ids = list(self._requests)
-        else:
-            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-            unknown = [i for i in ids if i not in self._requests]
-            if unknown:
-                raise UnknownIdError(f"abort: unknown request ids {unknown[:8]}")
-        self._poke()
+        ids = abort_ids(request_ids, self._requests)
+        self._notify()
         return self._abort_now(ids)
 
     async def update_weights(self, weights: Any, version: int) -> list[str]:
@@ -207,7 +179,7 @@ class SimulatedEngine:
             raise InvalidStateError("update_weights: the 'weights' tag is released; resume_memory first")
         self._flush_all()
         self.weight_version = version
-        self._poke()
+        self._notify()
         return list(weights) if isinstance(weights, dict) else []
 
     async def release_memory(self, tags: Iterable[str] | None = None) -> None:
@@ -216,11 +188,11 @@ class SimulatedEngine:
         if "kv_cache" in names and "kv_cache" not in self.paused_tags:
             self._flush_all()
         self.paused_tags.update(names)
-        self._poke()
+        self._notify()
 
     async def resume_memory(self, tags: Iterable[str] | None = None) -> None:
         self.paused_tags.difference_update(self._tags(tags))
-        self._poke()
+        self._notify()
 
     def stats(self) -> EngineStats:
         c = self.counters()
@@ -234,15 +206,7 @@ class SimulatedEngine:
             tokens_per_s=c.decode_tokens / c.now if c.now > 0 else 0.0, paused_tags=tuple(sorted(self.paused_tags)))
 
     def health(self) -> dict[str, Any]:
-        if self._task is None or self._task.done():
-            status = "stopped"
-        elif self.last_error is not None:
-            status = "error"
-        elif self.paused_tags:
-            status = "paused"
-        else:
-            status = "ok"
-        return {"status": status, "weight_version": self.weight_version, "paused_tags": sorted(self.paused_tags),
+        return {"status": self._status(bool(self.paused_tags)), "weight_version": self.weight_version, "paused_tags": sorted(self.paused_tags),
                 "error": None if self.last_error is None else repr(self.last_error), "virtual_time": self.now}
 
     def counters(self) -> ClusterCounters:
@@ -255,10 +219,6 @@ class SimulatedEngine:
                                delivered_tokens=self._delivered_tokens, **asdict(total))
 
     # ------------------------------------------------------------------ requests
-
-    def _require_running(self) -> None:
-        if self._task is None or self._closing:
-            raise InvalidStateError("the engine is not running: use `async with SimulatedEngine(...)` or start()")
 
     def _tags(self, tags: Iterable[str] | None) -> set[str]:
         names = set(MEMORY_TAGS if tags is None else ([tags] if isinstance(tags, str) else list(tags)))
@@ -336,7 +296,7 @@ class SimulatedEngine:
         if stream is not None and stream.waiter is not None:
             stream.waiter = None
             self._waiting -= 1
-        self._poke()
+        self._notify()
 
     def _finish(self, request: SimRequest) -> None:
         del self._requests[request.request_id]
@@ -374,10 +334,9 @@ class SimulatedEngine:
 
     # ------------------------------------------------------------------ the clock
 
-    def _poke(self) -> None:
+    def _notify(self) -> None:
         self._activity += 1
-        if self._wake is not None:
-            self._wake.set()
+        super()._notify()
 
     def _quiescent(self) -> bool:
         return self._waiting == len(self._streams)
@@ -415,7 +374,7 @@ class SimulatedEngine:
                     self._finish(request)
         return True
 
-    async def _drive(self) -> None:
+    async def _loop(self) -> None:
         assert self._wake is not None
         try:
             while True:
