@@ -10,22 +10,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import torch
 
 from _engine_utils import engine, tiny_model
 from april_ext.model import LlamaForCausalLM
 from april_ext.server import ServerConfig, ServerThread
-
-
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    # The build machine is shared: one thread keeps the tiny model's steps fast and steady.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 _servers = itertools.count()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from april_ext.batch import TrainingBatch
@@ -25,13 +24,3 @@ def make_batch(model: LlamaForCausalLM, version: int, *, seed: int = 0, groups: 
                                eos_ids=[TASK.eos_id], generator=torch.Generator().manual_seed(seed))
     rewards = [[TASK.reward(p, r.tokens) for r in g] for p, g in zip(prompts, sampled)]
     return pack_batch(prompts, sampled, rewards, version)
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny tensors: a second intra-op thread only adds synchronisation, and on a busy machine the
-    oversubscription makes these tests many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

@@ -4,18 +4,13 @@ precedence, error reporting and ``train --compare``."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from april_ext import cli
 from april_ext.training.command import config_from_args
 
+from _torch_threads import one_thread  # noqa: F401 (fixture)
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_train_is_registered_and_help_lists_rl_flags(capsys):

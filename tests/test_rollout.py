@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from april_ext import InvalidArgumentError, ListDataSource, Prompt, Scheduler, SchedulerConfig
 from april_ext.algorithms import reject_uniform_groups
@@ -18,16 +17,9 @@ from april_ext.rollout import RolloutEngine, RolloutLoop, scheduler_config_for
 from april_ext.tasks import CountingTask, CountingTaskConfig
 
 from _loop_utils import ScriptedEngine
+from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 TASK = CountingTask(CountingTaskConfig(n_symbols=2, max_count=8, median_count=3, sigma=0.5, seed=2))
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _scripted_data(lengths: list[int]) -> ListDataSource:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from _engine_utils import greedy_reference, tiny_model
-from _sglang_utils import get, in_flight, live_server, one_torch_thread, post, stream_events, wait_for
+from _sglang_utils import get, in_flight, live_server, post, stream_events, wait_for
+from _torch_threads import one_torch_thread
 from april_ext.batch import FinishReason
 from april_ext.errors import InvalidArgumentError
 from april_ext.model import save_pretrained

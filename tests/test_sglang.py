@@ -16,7 +16,8 @@ import pytest
 from aiohttp import web
 
 from _engine_utils import greedy_reference, tiny_model
-from _sglang_utils import engine_state, in_flight, live_server, one_torch_thread, wait_for
+from _sglang_utils import engine_state, in_flight, live_server, wait_for
+from _torch_threads import one_torch_thread
 from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig
 from april_ext.batch import FinishReason
 from april_ext.engine import GenerationChunk, SamplingParams

@@ -17,17 +17,13 @@ from april_ext import ConfigError, InvalidArgumentError, Scheduler, SchedulerCon
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.training import CheckpointManager, TrainConfig, train
 
+from _torch_threads import one_thread  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TINY = dict(counting_median=3.0, counting_sigma=0.8, counting_max_count=12, counting_symbols=2, hidden_size=16,
             num_layers=1, rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=4,
             max_num_seqs=64, num_blocks=256, lr=0.003, progress=False, plots=False)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny(tmp_path, name: str = "run", **changes) -> TrainConfig:

@@ -12,7 +12,8 @@ from april_ext import ConfigError, CorruptStateError, InvalidArgumentError, Inva
 from april_ext.algorithms import AlgorithmConfig
 from april_ext.trainer import TorchTrainer, Trainer, TrainerConfig, split_by_token_budget
 
-from _trainer_utils import make_batch, make_model, one_thread  # noqa: F401 (fixture)
+from _torch_threads import one_thread  # noqa: F401 (fixture)
+from _trainer_utils import make_batch, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,7 +12,8 @@ import april_ext.memory as mem
 from april_ext import InvalidStateError
 from april_ext.algorithms import AlgorithmConfig
 from april_ext.trainer import TorchTrainer, TrainerConfig
-from _trainer_utils import make_batch, make_model, one_thread  # noqa: F401 (fixture)
+from _torch_threads import one_thread  # noqa: F401 (fixture)
+from _trainer_utils import make_batch, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,7 +10,7 @@ from april_ext.model import LlamaForCausalLM
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.trainer import TorchTrainer, TrainerConfig, pack_batch, sample_responses
 
-from _trainer_utils import one_thread  # noqa: F401 (fixture)
+from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 
 def test_grpo_raises_counting_reward_from_random_init(one_thread):

@@ -13,7 +13,8 @@ from april_ext.algorithms import AlgorithmConfig, reject_uniform_groups
 from april_ext.batch import FinishReason, TrainingBatch
 from april_ext.trainer import TorchTrainer, TrainerConfig, sample_responses
 
-from _trainer_utils import TASK, make_model, one_thread  # noqa: F401 (fixture)
+from _torch_threads import one_thread  # noqa: F401 (fixture)
+from _trainer_utils import TASK, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CHUNK = 2
