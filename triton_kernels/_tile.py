@@ -26,6 +26,22 @@ def check_launchable(kernel: object, device_type: str) -> None:
 
 
 @triton.jit
+def load_tile(ptrs, n_mask, d_mask, MASK_N: tl.constexpr, MASK_D: tl.constexpr, UPCAST: tl.constexpr):
+    """Loads the [BLOCK_N, D_PAD] tile at ptrs, masked lanes zero: rows outside n_mask when MASK_N, the
+    head-dim padding outside d_mask when MASK_N or MASK_D (no predicate at all otherwise); float32 when
+    UPCAST."""
+    if MASK_N:
+        tile = tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    elif MASK_D:
+        tile = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
 def load_paged_tile(CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head, stride_p, stride_s, stride_h,
                     stride_d, PAGE_SIZE: tl.constexpr, MASK_N: tl.constexpr, MASK_D: tl.constexpr,
                     UPCAST: tl.constexpr):
@@ -42,15 +58,7 @@ def load_paged_tile(CACHE, row_pages, offs_n, n_mask, offs_d, d_mask, kv_head, s
     slot = (offs_n % PAGE_SIZE).to(tl.int64)
     ptrs = (CACHE + page[:, None] * stride_p + slot[:, None] * stride_s + kv_head * stride_h
             + offs_d[None, :] * stride_d)
-    if MASK_N:
-        tile = tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    elif MASK_D:
-        tile = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
-    else:
-        tile = tl.load(ptrs)
-    if UPCAST:
-        tile = tile.to(tl.float32)
-    return tile
+    return load_tile(ptrs, n_mask, d_mask, MASK_N, MASK_D, UPCAST)
 
 
 @triton.jit

@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from april_ext.errors import InvalidArgumentError
-from april_ext.triton_kernels._tile import LOG2E, check_launchable, interpreting, load_paged_tile, softmax_update
+from april_ext.triton_kernels._tile import (LOG2E, check_launchable, interpreting, load_paged_tile, load_tile,
+                                            softmax_update)
 from april_ext.triton_kernels._validation import check_extend, check_options
 from april_ext.triton_kernels.config import BlockConfig, extend_config, padded_head_dim
 
@@ -21,15 +22,7 @@ def _load_rows(X, rows, head, offs_d, d_mask, n_mask, stride_t, stride_h, stride
                MASK_D: tl.constexpr, UPCAST: tl.constexpr):
     """Rows `rows` of one head of a packed [T, H, D] tensor: [BLOCK_N, D_PAD], masked lanes zero."""
     ptrs = X + rows[:, None] * stride_t + head * stride_h + offs_d[None, :] * stride_d
-    if MASK_N:
-        tile = tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    elif MASK_D:
-        tile = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
-    else:
-        tile = tl.load(ptrs)
-    if UPCAST:
-        tile = tile.to(tl.float32)
-    return tile
+    return load_tile(ptrs, n_mask, d_mask, MASK_N, MASK_D, UPCAST)
 
 
 @triton.jit
