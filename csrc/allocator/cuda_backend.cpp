@@ -6,7 +6,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <string>
 
 #include "allocator/dynamic_library.h"
 #include "allocator/gpu_backends.h"
@@ -204,9 +203,7 @@ class CudaBackend final : public Backend {
     const char* etext = nullptr;
     api_.get_error_name(r, &ename);
     api_.get_error_string(r, &etext);
-    std::string msg = std::string(call) + " failed: " + (ename ? ename : "CUDA error") + " (" +
-                      std::to_string(static_cast<int>(r)) + "): " + (etext ? etext : "no description");
-    throw Error(r == CUDA_ERROR_OUT_OF_MEMORY ? ErrorKind::OutOfMemory : ErrorKind::Driver, msg);
+    throw runtime_call_error(call, static_cast<int>(r), ename, etext, "CUDA error", r == CUDA_ERROR_OUT_OF_MEMORY);
   }
 
   const CudaApi& api() const { return api_; }

@@ -288,11 +288,8 @@ class HipBackend final : public Backend {
 
   void check_call(hipError_t r, const char* call) const {
     if (r == hipSuccess) return;
-    const char* ename = api_.get_error_name(r);
-    const char* etext = api_.get_error_string(r);
-    std::string msg = std::string(call) + " failed: " + (ename ? ename : "HIP error") + " (" +
-                      std::to_string(static_cast<int>(r)) + "): " + (etext ? etext : "no description");
-    throw Error(r == hipErrorOutOfMemory ? ErrorKind::OutOfMemory : ErrorKind::Driver, msg);
+    throw runtime_call_error(call, static_cast<int>(r), api_.get_error_name(r), api_.get_error_string(r), "HIP error",
+                             r == hipErrorOutOfMemory);
   }
 
   const HipApi& api() const { return api_; }

@@ -6,6 +6,7 @@ target_sources(april_core PRIVATE
   ${CMAKE_CURRENT_LIST_DIR}/dlpack_export.cpp
   ${CMAKE_CURRENT_LIST_DIR}/dynamic_library.cpp
   ${CMAKE_CURRENT_LIST_DIR}/global_allocator.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/gpu_backends.cpp
   ${CMAKE_CURRENT_LIST_DIR}/host_memory.cpp
   ${CMAKE_CURRENT_LIST_DIR}/resources.cpp
   ${CMAKE_CURRENT_LIST_DIR}/staged_copy.cpp
