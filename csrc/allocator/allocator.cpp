@@ -224,10 +224,10 @@ void Allocator::pause_tag(const std::string& tag, TagRecord& record) {
       a->va = VaRange(a->backend, size, gran, addr);
     }
   }
-  record.pauses += 1;
-  record.last_pause_seconds = seconds_since(start);
-  record.last_pause_copied_bytes = copied;
-  record.last_pause_copy_seconds = copy_seconds;
+  record.history.pauses += 1;
+  record.history.last_pause_seconds = seconds_since(start);
+  record.history.last_pause_copied_bytes = copied;
+  record.history.last_pause_copy_seconds = copy_seconds;
 }
 
 void Allocator::resume(const std::optional<std::string>& tag) {
@@ -283,10 +283,10 @@ void Allocator::resume_tag(const std::string& tag, TagRecord& record) {
     a->backup.reset();
   }
   record.paused = false;
-  record.resumes += 1;
-  record.last_resume_seconds = seconds_since(start);
-  record.last_resume_copied_bytes = copied;
-  record.last_resume_copy_seconds = copy_seconds;
+  record.history.resumes += 1;
+  record.history.last_resume_seconds = seconds_since(start);
+  record.history.last_resume_copied_bytes = copied;
+  record.history.last_resume_copy_seconds = copy_seconds;
 }
 
 AllocationInfo Allocator::info(std::uintptr_t addr) const {
@@ -312,14 +312,7 @@ std::vector<TagStats> Allocator::stats() const {
     TagStats& s = by_tag[name];
     s.tag = name;
     s.paused = record.paused;
-    s.pauses = record.pauses;
-    s.resumes = record.resumes;
-    s.last_pause_seconds = record.last_pause_seconds;
-    s.last_resume_seconds = record.last_resume_seconds;
-    s.last_pause_copied_bytes = record.last_pause_copied_bytes;
-    s.last_resume_copied_bytes = record.last_resume_copied_bytes;
-    s.last_pause_copy_seconds = record.last_pause_copy_seconds;
-    s.last_resume_copy_seconds = record.last_resume_copy_seconds;
+    s.history = record.history;
   }
   for (const auto& [addr, a] : allocations_) {
     TagStats& s = by_tag[a->tag];

@@ -37,14 +37,8 @@ struct AllocationInfo {
   bool paused = false;
 };
 
-struct TagStats {
-  std::string tag;
-  bool paused = false;
-  std::size_t allocations = 0;
-  std::size_t logical_bytes = 0;
-  std::size_t physical_bytes = 0;
-  std::size_t resident_bytes = 0;  // physical bytes mapped now
-  std::size_t backup_bytes = 0;    // host bytes holding backups now
+// What pause and resume of a tag have done so far: kept per tag, reported in its TagStats.
+struct PauseHistory {
   std::uint64_t pauses = 0;
   std::uint64_t resumes = 0;
   double last_pause_seconds = 0;
@@ -53,6 +47,17 @@ struct TagStats {
   std::size_t last_resume_copied_bytes = 0;
   double last_pause_copy_seconds = 0;   // the backup copy alone, within last_pause_seconds
   double last_resume_copy_seconds = 0;  // the restore copy alone, within last_resume_seconds
+};
+
+struct TagStats {
+  std::string tag;
+  bool paused = false;
+  std::size_t allocations = 0;
+  std::size_t logical_bytes = 0;
+  std::size_t physical_bytes = 0;
+  std::size_t resident_bytes = 0;  // physical bytes mapped now
+  std::size_t backup_bytes = 0;    // host bytes holding backups now
+  PauseHistory history;
 };
 
 struct BackendStatus {
@@ -109,14 +114,7 @@ class Allocator {
   };
   struct TagRecord {
     bool paused = false;
-    std::uint64_t pauses = 0;
-    std::uint64_t resumes = 0;
-    double last_pause_seconds = 0;
-    double last_resume_seconds = 0;
-    std::size_t last_pause_copied_bytes = 0;
-    std::size_t last_resume_copied_bytes = 0;
-    double last_pause_copy_seconds = 0;
-    double last_resume_copy_seconds = 0;
+    PauseHistory history;
   };
 
   Backend& backend_locked(DeviceKind kind);

@@ -30,14 +30,14 @@ py::dict stats_dict(const alloc::TagStats& s) {
   d["physical_bytes"] = s.physical_bytes;
   d["resident_bytes"] = s.resident_bytes;
   d["backup_bytes"] = s.backup_bytes;
-  d["pauses"] = s.pauses;
-  d["resumes"] = s.resumes;
-  d["last_pause_seconds"] = s.last_pause_seconds;
-  d["last_resume_seconds"] = s.last_resume_seconds;
-  d["last_pause_copied_bytes"] = s.last_pause_copied_bytes;
-  d["last_resume_copied_bytes"] = s.last_resume_copied_bytes;
-  d["last_pause_copy_seconds"] = s.last_pause_copy_seconds;
-  d["last_resume_copy_seconds"] = s.last_resume_copy_seconds;
+  d["pauses"] = s.history.pauses;
+  d["resumes"] = s.history.resumes;
+  d["last_pause_seconds"] = s.history.last_pause_seconds;
+  d["last_resume_seconds"] = s.history.last_resume_seconds;
+  d["last_pause_copied_bytes"] = s.history.last_pause_copied_bytes;
+  d["last_resume_copied_bytes"] = s.history.last_resume_copied_bytes;
+  d["last_pause_copy_seconds"] = s.history.last_pause_copy_seconds;
+  d["last_resume_copy_seconds"] = s.history.last_resume_copy_seconds;
   return d;
 }
 
