@@ -113,8 +113,6 @@ class SimulatedEngine(LoopTaskEngine):
         self._rr = itertools.cycle(range(cluster.num_engines))
         self._delivered_tokens = 0
 
-    # ------------------------------------------------------------------ lifecycle
-
     def clock(self) -> float:
         """Virtual seconds since the engine was created."""
         return self.now
