@@ -83,7 +83,6 @@ void Scheduler::begin_step(int64_t policy_version) {
         ErrorKind::InvalidArgument,
         "begin_step: policy_version=" + id_str(policy_version) + " is not allowed: must be in [" +
             id_str(std::max<int64_t>(s_.policy_version, 0)) + ", 2**31 - 1] (never below the previous step's)");
-  if (config_.over_sampling == OverSampling::Adaptive) retune_over_sampling();
   s_.policy_version = policy_version;
   s_.step_open = true;
   s_.wave_launched = false;
@@ -91,8 +90,11 @@ void Scheduler::begin_step(int64_t policy_version) {
   s_.stats = StepStats{};
   s_.stats.step = s_.step_index;
   s_.stats.policy_version = policy_version;
-  s_.stats.over_sampling_groups = config_.over_sampling == OverSampling::Adaptive ? s_.adaptive_groups
-                                                                                 : config_.over_sampling_batch_size;
+  if (config_.over_sampling == OverSampling::Adaptive) {
+    retune_over_sampling();
+  } else {
+    s_.stats.over_sampling_groups = config_.over_sampling_batch_size;
+  }
   std::vector<int64_t> ids;
   for (auto& [gid, g] : s_.groups) {
     for (auto& smp : g.samples) smp.tokens_at_step_start = static_cast<int64_t>(smp.tokens.size());
@@ -111,10 +113,10 @@ void Scheduler::begin_step(int64_t policy_version) {
 }
 
 void Scheduler::retune_over_sampling() {
-  // The groups in hand at a step's end show how many of a group's samples are still live (queued or
-  // generating) once completion has thinned them; holding T samples live takes T / (n x that share)
-  // groups. Step ends are the sparsest moment (no launches in the step's tail), so the estimate errs
-  // towards more groups: a reserve of queued samples, never a starved engine.
+  // The groups in hand show how many of a group's samples are still live (queued or generating) as
+  // completion thins them out; holding T samples live takes about T / (n x that share) groups. The share
+  // is observed at every step start and dispatch (a running mean, so one sparse moment does not swing
+  // it); the ceiling bounds the groups in hand, and with them the buffer and the staleness of partials.
   const int64_t n = config_.n_samples_per_prompt;
   const int64_t target = config_.target_inflight_samples;
   int64_t active = 0;
@@ -131,6 +133,7 @@ void Scheduler::retune_over_sampling() {
   s_.adaptive_groups =
       std::clamp(static_cast<int64_t>(std::min(wanted, static_cast<double>(ceiling_groups))), floor_groups,
                  ceiling_groups);
+  s_.stats.over_sampling_groups = s_.adaptive_groups;
 }
 
 int64_t Scheduler::inflight_cap() const {
@@ -382,6 +385,7 @@ Dispatch Scheduler::dispatch() {
   std::lock_guard<std::mutex> lock(mu_);
   check(s_.step_open, ErrorKind::InvalidState, "dispatch: no step is open; call begin_step() first");
   Dispatch d;
+  if (config_.over_sampling == OverSampling::Adaptive && !step_done_locked()) retune_over_sampling();
   if (step_done_locked() || s_.queued_samples == 0) return d;
   const int64_t cap = inflight_cap();
   const int64_t slots =
