@@ -5,8 +5,9 @@
 
 32 prompts x 8 samples per step, N' = 64, 16K cap, 8 engines, for each dataset preset and for GRPO and
 DAPO (dynamic sampling). Prints the gain of APRIL (batch refill as in the paper, continuous refill, and
-adaptive over-sampling holding engines x B_sat samples live) over the baseline next to the paper's reported gains, and checks our targets: APRIL efficiency >= 0.9 of
-the full-occupancy bound on every preset, and a mean gain above the paper's 22.5%.
+adaptive over-sampling holding engines x B_sat samples live) over the baseline next to the paper's reported
+gains, and checks our targets: APRIL efficiency >= 0.9 of the full-occupancy bound on every preset, and a
+mean gain above the paper's 22.5%.
 """
 
 from __future__ import annotations

@@ -319,7 +319,8 @@ def test_scheduler_settings_per_mode():
     with pytest.raises(ConfigError, match="SimConfig.mode='fast'"):
         SimConfig(mode="fast")
     adaptive = replace(config, mode="april-adaptive").scheduler_config(engine_capacity=568)
-    assert (adaptive.refill, adaptive.over_sampling, adaptive.target_inflight_samples) == ("continuous", "adaptive", 568)
+    assert (adaptive.refill, adaptive.over_sampling) == ("continuous", "adaptive")
+    assert adaptive.target_inflight_samples == 568
     own = replace(config, mode="april-adaptive", target_inflight_samples=300).scheduler_config(engine_capacity=568)
     assert own.target_inflight_samples == 300
     with pytest.raises(ConfigError, match="SimConfig.target_inflight_samples=None"):

@@ -115,8 +115,9 @@ class RolloutLoop:
         self.sampling = sampling or SamplingParams()
         self.clock = engine_clock(engine, clock)
         cfg = scheduler.config
-        self.capacity = engine_capacity or cfg.max_inflight_samples or cfg.target_inflight_samples or \
-            cfg.over_sampling_batch_size * cfg.n_samples_per_prompt
+        caps = [c for c in (cfg.max_inflight_samples, cfg.target_inflight_samples) if c is not None]
+        self.capacity = engine_capacity or (
+            min(caps) if caps else cfg.over_sampling_batch_size * cfg.n_samples_per_prompt)
         self._seed = seed
         self._prefix = request_prefix
         self._async_reward = inspect.iscoroutinefunction(reward_fn) or \
