@@ -49,6 +49,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.alive: set[int] = set()
         self.gone: set[int] = set()  # trained or filtered
         self.trained_groups: set[int] = set()
+        event(f"over_sampling={self.cfg.over_sampling}")
 
     @property
     def enforced(self) -> bool:
