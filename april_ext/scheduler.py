@@ -20,11 +20,13 @@ from april_ext.data_source import DataSource, Prompt, prompt_token_array
 from april_ext.errors import ConfigError, InvalidArgumentError
 
 RefillMode = Literal["batch", "continuous"]
+OverSamplingMode = Literal["fixed", "adaptive"]
 StalenessPolicy = Literal["keep", "mask", "restart", "drop"]
 ResumeOrder = Literal["oldest_first", "newest_first", "longest_first"]
 SampleState = Literal["queued", "running", "aborting", "done"]
 
 _REFILL = ("batch", "continuous")
+_OVER_SAMPLING = ("fixed", "adaptive")
 _STALENESS = ("keep", "mask", "restart", "drop")
 _RESUME = ("oldest_first", "newest_first", "longest_first")
 _SAMPLE_STATES = ("queued", "running", "aborting", "done")
@@ -66,6 +68,12 @@ class SchedulerConfig:
     """Keep completed groups beyond N for the next step (False: drop them at take_batch)."""
     max_inflight_samples: int | None = None
     """Cap on samples dispatched to the engine at once; None: no cap."""
+    over_sampling: OverSamplingMode = "fixed"
+    """"fixed": N' groups as configured. "adaptive": keep target_inflight_samples samples live (queued or
+    generating) and dispatch at most that many; the most groups in hand each step is retuned from the observed
+    live share of a group's samples (over_sampling_batch_size is its floor)."""
+    target_inflight_samples: int | None = None
+    """Adaptive only (required there): samples to keep generating, e.g. the engines' total running capacity."""
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len"):
@@ -95,6 +103,16 @@ class SchedulerConfig:
                 not _is_int(self.max_inflight_samples) or self.max_inflight_samples < self.n_samples_per_prompt):
             raise _bad("max_inflight_samples", self.max_inflight_samples,
                        f"an int >= n_samples_per_prompt ({self.n_samples_per_prompt}), or None for no cap")
+        if self.over_sampling not in _OVER_SAMPLING:
+            raise _bad("over_sampling", self.over_sampling, f"one of {_OVER_SAMPLING}")
+        if self.over_sampling == "adaptive":
+            if not _is_int(self.target_inflight_samples) or self.target_inflight_samples < self.n_samples_per_prompt:
+                raise _bad("target_inflight_samples", self.target_inflight_samples,
+                           f"an int >= n_samples_per_prompt ({self.n_samples_per_prompt}); "
+                           "adaptive over-sampling needs it")
+        elif self.target_inflight_samples is not None:
+            raise _bad("target_inflight_samples", self.target_inflight_samples,
+                       "None unless over_sampling='adaptive'")
 
 
 @dataclass(frozen=True)
@@ -183,6 +201,8 @@ class Scheduler:
             resume_order=_RESUME.index(config.resume_order),
             keep_surplus=config.keep_surplus,
             max_inflight_samples=config.max_inflight_samples or 0,
+            over_sampling=_OVER_SAMPLING.index(config.over_sampling),
+            target_inflight_samples=config.target_inflight_samples or 0,
         )
         self._core.set_data_size(len(data))
 

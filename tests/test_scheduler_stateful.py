@@ -27,14 +27,17 @@ class SchedulerMachine(RuleBasedStateMachine):
                 policy=st.sampled_from(["keep", "mask", "restart", "drop"]),
                 max_staleness=st.sampled_from([None, 0, 1, 2]), mask_offpolicy=st.booleans(),
                 order=st.sampled_from(["oldest_first", "newest_first", "longest_first"]),
-                keep_surplus=st.booleans(), cap=st.sampled_from([None, 3, 5]), n_prompts=st.integers(2, 12))
+                keep_surplus=st.booleans(), cap=st.sampled_from([None, 3, 5]), n_prompts=st.integers(2, 12),
+                live_target=st.sampled_from([None, 0, 1, 4]))
     def setup(self, n, big_n, extra, refill, policy, max_staleness, mask_offpolicy, order, keep_surplus, cap,
-              n_prompts):
+              n_prompts, live_target):
         self.cfg = SchedulerConfig(
             rollout_batch_size=big_n, n_samples_per_prompt=n, over_sampling_batch_size=big_n + extra,
             max_response_len=MAX_LEN, refill=refill, max_staleness=max_staleness, staleness_policy=policy,
             mask_offpolicy=mask_offpolicy, resume_order=order, keep_surplus=keep_surplus,
-            max_inflight_samples=None if cap is None else max(cap, n))
+            max_inflight_samples=None if cap is None else max(cap, n),
+            over_sampling="fixed" if live_target is None else "adaptive",
+            target_inflight_samples=None if live_target is None else n + live_target)
         self.data = prompts(n_prompts)
         self.sched = Scheduler(self.cfg, self.data)
         self.version = -1
@@ -46,6 +49,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.alive: set[int] = set()
         self.gone: set[int] = set()  # trained or filtered
         self.trained_groups: set[int] = set()
+        event(f"over_sampling={self.cfg.over_sampling}")
 
     @property
     def enforced(self) -> bool:
@@ -331,6 +335,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert np.all(np.diff(view.versions) >= 0)
             assert (state in ("running", "aborting")) == (sid in self.engine)
         assert set(self.engine) <= set(present)
+        for limit in (self.cfg.max_inflight_samples, self.cfg.target_inflight_samples):
+            if limit is not None:
+                assert len(self.engine) <= limit, "more samples in flight than the cap or the adaptive target"
         missing = self.alive - set(present) - self.gone
         if missing:
             assert self.enforced and self.cfg.staleness_policy == "drop", f"samples lost: {sorted(missing)}"

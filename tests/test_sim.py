@@ -318,6 +318,29 @@ def test_scheduler_settings_per_mode():
     assert (dapo.over_sampling_batch_size, dapo.max_staleness, dapo.staleness_policy) == (96, 0, "drop")
     with pytest.raises(ConfigError, match="SimConfig.mode='fast'"):
         SimConfig(mode="fast")
+    adaptive = replace(config, mode="april-adaptive").scheduler_config(engine_capacity=568)
+    assert (adaptive.refill, adaptive.over_sampling) == ("continuous", "adaptive")
+    assert adaptive.target_inflight_samples == 568
+    own = replace(config, mode="april-adaptive", target_inflight_samples=300).scheduler_config(engine_capacity=568)
+    assert own.target_inflight_samples == 300
+    with pytest.raises(ConfigError, match="SimConfig.target_inflight_samples=None"):
+        replace(config, mode="april-adaptive").scheduler_config()
+    with pytest.raises(ConfigError, match="SimConfig.target_inflight_samples=4"):
+        SimConfig(target_inflight_samples=4)
+
+
+def test_adaptive_mode_holds_the_engine_at_its_capacity_in_a_tiny_run():
+    # One engine with B_sat = 4 slots, so the target is 4 live samples. Step 0 starts like batch refill with
+    # groups 0 ([2, 4]) and 1 ([5, 5]); when sample 0 ends at t = 2, a third group is launched and one of its
+    # samples (2 tokens) fills the free slot until the step ends at t = 4: 14 + 2 tokens, no idle slot.
+    result = _tiny_run(mode="april-adaptive", steps=3)
+    batch = _tiny_run(mode="april-batch", steps=3)
+    assert result.config.scheduler_config(4).target_inflight_samples == 4
+    s0, b0 = result.steps[0], batch.steps[0]
+    assert (s0.rollout_s, s0.generated_tokens, b0.generated_tokens) == (4.0, 16, 14)
+    assert s0.bubble_fraction == pytest.approx(0.0) and b0.bubble_fraction == pytest.approx(1 - 14 / 16)
+    assert all(s.trained_tokens > 0 and len(s.response_lens) == 2 for s in result.steps)
+    assert result.summary["efficiency"] == pytest.approx(result.summary["tokens_per_s"] / result.bound.tokens_per_s)
 
 
 def test_baseline_waits_for_the_whole_wave():
@@ -487,3 +510,26 @@ def test_simulator_and_embedded_engine_agree_on_partial_and_surplus_accounting()
     real, sim = asyncio.run(embedded()), asyncio.run(simulated())
     assert _accounting(real) == _accounting(sim)
     assert _accounting(sim)[0][0] == 4  # the step-0 partials exist, so the comparison is not vacuous
+
+
+def test_run_summary_is_a_ratio_of_sums_over_the_steady_steps():
+    from april_ext.sim.runner import _summarize
+
+    result = _tiny_run()
+    bound, s0, s1 = result.bound, *result.steps  # bound 4 tok/s
+    # Two steady steps: 4 tokens in 1 s (efficiency 1.0, bubble 0) and 6 tokens in 3 s (efficiency 0.5,
+    # bubble 0.4). The run made 10 tokens in 4 s = 2.5 tok/s: efficiency 2.5 / 4 = 0.625, not the 0.75 mean
+    # of the step ratios; the bubble is (0 x 1 + 0.4 x 3) / 4 = 0.3 of the time. Token ratios weigh by the
+    # trained tokens: partial (0.8 x 10 + 0.2 x 30) / 40 = 0.35.
+    a = replace(s1, rollout_s=1.0, generated_tokens=4, efficiency=1.0, bubble_fraction=0.0, trained_tokens=10,
+                partial_token_ratio=0.8, re_prefill_time_fraction=0.2)
+    b = replace(s1, rollout_s=3.0, generated_tokens=6, efficiency=0.5, bubble_fraction=0.4, trained_tokens=30,
+                partial_token_ratio=0.2, re_prefill_time_fraction=0.0)
+    summary = _summarize([s0, a, b], np.array([2, 4, 5, 5]), bound)
+    assert summary["tokens_per_s"] == pytest.approx(2.5)
+    assert summary["efficiency"] == pytest.approx(0.625)
+    assert summary["efficiency"] * bound.tokens_per_s == pytest.approx(summary["tokens_per_s"])
+    assert summary["bubble_fraction"] == pytest.approx(0.3)
+    assert summary["re_prefill_time_fraction"] == pytest.approx(0.05)
+    assert summary["partial_token_ratio"] == pytest.approx(0.35)
+    assert summary["rollout_s"] == pytest.approx(2.0)

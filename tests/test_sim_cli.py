@@ -16,11 +16,11 @@ SMALL = ["simulate", "--cluster", "h100-qwen3-4b", "--num-engines", "2", "--leng
 def test_simulate_prints_the_table_and_writes_report_and_plots(tmp_path, capsys):
     assert main([*SMALL, "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for mode in ("baseline", "april-batch", "april-continuous"):
+    for mode in ("baseline", "april-batch", "april-continuous", "april-adaptive"):
         assert mode in out
     assert "full-occupancy bound" in out and "+0.0%" in out
     report = json.loads((tmp_path / "report.json").read_text())
-    assert set(report) == {"baseline", "april-batch", "april-continuous"}
+    assert set(report) == {"baseline", "april-batch", "april-continuous", "april-adaptive"}
     assert len(report["april-batch"]["steps"]) == 3
     assert report["baseline"]["summary"]["partial_token_ratio"] == 0.0
     for name in ("throughput.png", "partial_offpolicy.png", "lengths.png"):

@@ -115,8 +115,9 @@ class RolloutLoop:
         self.sampling = sampling or SamplingParams()
         self.clock = engine_clock(engine, clock)
         cfg = scheduler.config
-        self.capacity = engine_capacity or cfg.max_inflight_samples or \
-            cfg.over_sampling_batch_size * cfg.n_samples_per_prompt
+        caps = [c for c in (cfg.max_inflight_samples, cfg.target_inflight_samples) if c is not None]
+        self.capacity = engine_capacity or (
+            min(caps) if caps else cfg.over_sampling_batch_size * cfg.n_samples_per_prompt)
         self._seed = seed
         self._prefix = request_prefix
         self._async_reward = inspect.iscoroutinefunction(reward_fn) or \
@@ -333,7 +334,8 @@ def scheduler_config_for(config: SchedulerConfig, partial_rollout: bool) -> Sche
     if partial_rollout:
         return config
     # Batch refill: a wave of N groups, no top-ups, so nothing is still running when N are accepted.
-    return replace(config, over_sampling_batch_size=config.rollout_batch_size, refill="batch")
+    return replace(config, over_sampling_batch_size=config.rollout_batch_size, refill="batch", over_sampling="fixed",
+                   target_inflight_samples=None)
 
 
 __all__ = ["GroupFilter", "RewardFn", "RolloutLoop", "RolloutMetrics", "RolloutResult", "scheduler_config_for"]

@@ -67,6 +67,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-response-len", type=int, default=16384)
     parser.add_argument("--max-inflight-samples", type=int, default=None,
                         help="APRIL modes: scheduler cap on samples in flight (e.g. engines x B_sat with a large N')")
+    parser.add_argument("--target-inflight-samples", type=int, default=None,
+                        help="april-adaptive: samples kept live (default: the engines' capacity, engines x B_sat)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         cluster=args.cluster, lengths=args.lengths, algorithm=args.algorithm,
         rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt,
         over_sampling_batch_size=args.over_sampling_batch_size[0], max_response_len=args.max_response_len,
-        max_inflight_samples=args.max_inflight_samples,
+        max_inflight_samples=args.max_inflight_samples, target_inflight_samples=args.target_inflight_samples,
         num_engines=args.num_engines, steps=args.steps, prompt_len=args.prompt_len, seed=args.seed)
     results = run_all(config, args.modes, args.over_sampling_batch_size)
     print(describe(results))

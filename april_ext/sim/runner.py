@@ -23,8 +23,8 @@ from april_ext.sim.lengths import LENGTH_PRESETS, LengthModel, TraceLengths, len
 from april_ext.sim.metrics import OccupancyBound, StepReport, full_occupancy_bound, length_bias, step_report
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
 
-Mode = Literal["baseline", "april-batch", "april-continuous"]
-MODES: tuple[str, ...] = ("baseline", "april-batch", "april-continuous")
+Mode = Literal["baseline", "april-batch", "april-continuous", "april-adaptive"]
+MODES: tuple[str, ...] = ("baseline", "april-batch", "april-continuous", "april-adaptive")
 ALGORITHMS = ("grpo", "dapo")
 
 
@@ -45,6 +45,9 @@ class SimConfig:
     max_response_len: int = 16384
     max_inflight_samples: int | None = None
     """Scheduler cap on samples in flight (None: no cap); with a large N' it holds the engines at a target load."""
+    target_inflight_samples: int | None = None
+    """april-adaptive: samples the scheduler keeps live; None: the engines' capacity (replicas x B_sat of the
+    full-occupancy bound)."""
     num_engines: int = 8
     steps: int = 6
     prompt_len: int = 256
@@ -61,19 +64,33 @@ class SimConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"SimConfig.{name}={value!r} is not allowed: an int >= 1")
+        if self.target_inflight_samples is not None and (
+                not isinstance(self.target_inflight_samples, int) or isinstance(self.target_inflight_samples, bool)
+                or self.target_inflight_samples < self.n_samples_per_prompt):
+            raise ConfigError(f"SimConfig.target_inflight_samples={self.target_inflight_samples!r} is not allowed: "
+                              f"None or an int >= n_samples_per_prompt ({self.n_samples_per_prompt})")
         if isinstance(self.lengths, str) and self.lengths not in LENGTH_PRESETS and not os.path.isfile(self.lengths):
             raise ConfigError(f"SimConfig.lengths={self.lengths!r} is not allowed: one of {sorted(LENGTH_PRESETS)} "
                               f"or the path of a .csv / .jsonl length trace")
 
-    def scheduler_config(self) -> SchedulerConfig:
+    def scheduler_config(self, engine_capacity: int | None = None) -> SchedulerConfig:
         """APRIL as configured; the baseline is what slime does without partial rollout: GRPO launches N
         groups and waits for all of them; DAPO's dynamic sampling launches N' groups, stops once N pass the
-        filter and throws the unfinished and surplus groups away (max_staleness 0 with the drop policy)."""
+        filter and throws the unfinished and surplus groups away (max_staleness 0 with the drop policy).
+        april-adaptive is continuous refill with adaptive over-sampling, its target target_inflight_samples
+        or else ``engine_capacity`` (samples the engines run at once)."""
+        adaptive = self.mode == "april-adaptive"
+        target = self.target_inflight_samples or engine_capacity
+        if adaptive and target is None:
+            raise ConfigError("SimConfig.target_inflight_samples=None is not allowed for mode 'april-adaptive' "
+                              "unless the engine capacity is given: an int >= n_samples_per_prompt")
         base = SchedulerConfig(
             rollout_batch_size=self.rollout_batch_size, n_samples_per_prompt=self.n_samples_per_prompt,
             over_sampling_batch_size=self.over_sampling_batch_size, max_response_len=self.max_response_len,
             max_inflight_samples=self.max_inflight_samples if self.mode != "baseline" else None,
-            refill="continuous" if self.mode == "april-continuous" else "batch")
+            refill="continuous" if self.mode in ("april-continuous", "april-adaptive") else "batch",
+            over_sampling="adaptive" if adaptive else "fixed",
+            target_inflight_samples=target if adaptive else None)
         if self.mode == "baseline" and self.algorithm == "dapo":
             return replace(base, max_staleness=0, staleness_policy="drop")
         return scheduler_config_for(base, partial_rollout=self.mode != "baseline")
@@ -107,22 +124,36 @@ async def _reward(prompt: Prompt, response: np.ndarray) -> float:
     return answer_reward(response)
 
 
-def _summarize(steps: list[StepReport], natural: np.ndarray) -> dict[str, float]:
-    """Run-level figures over the steady steps (all but the first, whose buffer starts empty)."""
+def _weighted(values: list[float], weights: list[float]) -> float:
+    total = float(sum(weights))
+    return float(np.dot(values, weights) / total) if total > 0 else 0.0
+
+
+def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBound) -> dict[str, float]:
+    """Run-level figures over the steady steps (all but the first, whose buffer starts empty).
+
+    Every figure is a ratio of sums over those steps, as the throughput is: efficiency is the run's
+    throughput over the bound, time fractions are weighted by step duration, token ratios by trained
+    tokens. (A plain mean of per-step ratios would let a short step count as much as a long one, and
+    efficiency x bound would not be the reported throughput.)
+    """
     steady = steps[1:] if len(steps) > 1 else steps
     time = sum(s.rollout_s for s in steady)
     tokens = sum(s.generated_tokens for s in steady)
     discarded = sum(s.discarded_tokens for s in steady)
     trained = np.concatenate([np.asarray(s.response_lens, np.int64) for s in steps])
     bias = length_bias(trained, natural)
+    durations = [s.rollout_s for s in steady]
+    batch_tokens = [float(s.trained_tokens) for s in steady]
+    tokens_per_s = tokens / time if time > 0 else 0.0
     return {
-        "tokens_per_s": tokens / time if time > 0 else 0.0,
+        "tokens_per_s": tokens_per_s,
         "useful_tokens_per_s": (tokens - discarded) / time if time > 0 else 0.0,
-        "efficiency": float(np.mean([s.efficiency for s in steady])),
-        "bubble_fraction": float(np.mean([s.bubble_fraction for s in steady])),
-        "partial_token_ratio": float(np.mean([s.partial_token_ratio for s in steady])),
-        "offpolicy_token_ratio": float(np.mean([s.offpolicy_token_ratio for s in steady])),
-        "re_prefill_time_fraction": float(np.mean([s.re_prefill_time_fraction for s in steady])),
+        "efficiency": tokens_per_s / bound.tokens_per_s if bound.tokens_per_s > 0 else 0.0,
+        "bubble_fraction": _weighted([s.bubble_fraction for s in steady], durations),
+        "partial_token_ratio": _weighted([s.partial_token_ratio for s in steady], batch_tokens),
+        "offpolicy_token_ratio": _weighted([s.offpolicy_token_ratio for s in steady], batch_tokens),
+        "re_prefill_time_fraction": _weighted([s.re_prefill_time_fraction for s in steady], durations),
         "max_staleness": float(max((len(s.staleness_histogram) - 1 for s in steps), default=0)),
         "rollout_s": time / len(steady),
         "length_mean_ratio": bias["mean_ratio"],
@@ -142,12 +173,13 @@ async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None)
     if bound is None:
         bound = full_occupancy_bound(cluster, lengths, config.max_response_len, config.prompt_len, mid_version)
     natural = np.minimum(lengths.natural_lengths(mid_version), config.max_response_len)
-    scheduler = Scheduler(config.scheduler_config(), SyntheticPrompts(config.dataset_size, config.prompt_len))
+    capacity = cluster.num_engines * max(1, round(bound.mean_batch))
+    scheduler = Scheduler(config.scheduler_config(capacity), SyntheticPrompts(config.dataset_size, config.prompt_len))
     reports = []
     async with SimulatedEngine(cluster, lengths, settle_passes=config.settle_passes) as engine:
         loop = RolloutLoop(engine, scheduler, _reward, sampling=SamplingParams(),
                            group_filter=reject_uniform_groups if config.algorithm == "dapo" else None,
-                           seed=config.seed, engine_capacity=cluster.num_engines * max(1, round(bound.mean_batch)))
+                           seed=config.seed, engine_capacity=capacity)
         for step in range(config.steps):
             before = engine.counters()
             result = await loop.run_step(step)
@@ -156,7 +188,7 @@ async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None)
             await engine.update_weights({}, step + 1)
         await loop.drain_rewards()
     out = SimResult(config, bound, reports, float(natural.mean()))
-    out.summary = _summarize(reports, natural)
+    out.summary = _summarize(reports, natural, bound)
     out.wall_seconds = time.perf_counter() - started
     return out
 

@@ -67,7 +67,8 @@ void bind_scheduler(py::module_& m) {
   py::class_<Scheduler>(m, "SchedulerCore")
       .def(py::init([](int64_t rollout_batch_size, int64_t n_samples_per_prompt, int64_t over_sampling_batch_size,
                        int64_t max_response_len, int refill, int64_t max_staleness, int staleness_policy,
-                       bool mask_offpolicy, int resume_order, bool keep_surplus, int64_t max_inflight_samples) {
+                       bool mask_offpolicy, int resume_order, bool keep_surplus, int64_t max_inflight_samples,
+                       int over_sampling, int64_t target_inflight_samples) {
              sched::Config c;
              c.rollout_batch_size = rollout_batch_size;
              c.n_samples_per_prompt = n_samples_per_prompt;
@@ -80,12 +81,14 @@ void bind_scheduler(py::module_& m) {
              c.resume_order = static_cast<sched::ResumeOrder>(resume_order);
              c.keep_surplus = keep_surplus;
              c.max_inflight_samples = max_inflight_samples;
+             c.over_sampling = static_cast<sched::OverSampling>(over_sampling);
+             c.target_inflight_samples = target_inflight_samples;
              return new Scheduler(c);
            }),
            py::arg("rollout_batch_size"), py::arg("n_samples_per_prompt"), py::arg("over_sampling_batch_size"),
            py::arg("max_response_len"), py::arg("refill"), py::arg("max_staleness"), py::arg("staleness_policy"),
            py::arg("mask_offpolicy"), py::arg("resume_order"), py::arg("keep_surplus"),
-           py::arg("max_inflight_samples"))
+           py::arg("max_inflight_samples"), py::arg("over_sampling") = 0, py::arg("target_inflight_samples") = 0)
       .def("set_data_size", &Scheduler::set_data_size)
       .def("prompts_consumed", &Scheduler::prompts_consumed)
       .def("policy_version", &Scheduler::policy_version)

@@ -23,6 +23,15 @@ void Config::validate() const {
   require(max_staleness >= -1, "max_staleness", max_staleness, "must be >= 0, or -1 for unlimited");
   require(max_inflight_samples == 0 || max_inflight_samples >= n_samples_per_prompt, "max_inflight_samples",
           max_inflight_samples, "must be 0 (no cap) or >= n_samples_per_prompt");
+  require(static_cast<int32_t>(over_sampling) >= 0 && static_cast<int32_t>(over_sampling) <= 1, "over_sampling",
+          static_cast<int32_t>(over_sampling), "0 (fixed) or 1 (adaptive)");
+  if (over_sampling == OverSampling::Adaptive) {
+    require(target_inflight_samples >= n_samples_per_prompt, "target_inflight_samples", target_inflight_samples,
+            "must be >= n_samples_per_prompt with adaptive over-sampling");
+  } else {
+    require(target_inflight_samples == 0, "target_inflight_samples", target_inflight_samples,
+            "must be 0 (unset) with fixed over-sampling");
+  }
   require(static_cast<int32_t>(refill) >= 0 && static_cast<int32_t>(refill) <= 1, "refill",
           static_cast<int32_t>(refill), "0 (batch) or 1 (continuous)");
   require(static_cast<int32_t>(staleness_policy) >= 0 && static_cast<int32_t>(staleness_policy) <= 3,

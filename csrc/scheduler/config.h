@@ -7,6 +7,7 @@
 namespace april::sched {
 
 enum class Refill : int32_t { Batch = 0, Continuous = 1 };
+enum class OverSampling : int32_t { Fixed = 0, Adaptive = 1 };
 enum class StalenessPolicy : int32_t { Keep = 0, Mask = 1, Restart = 2, Drop = 3 };
 enum class ResumeOrder : int32_t { OldestFirst = 0, NewestFirst = 1, LongestFirst = 2 };
 enum class FinishReason : uint8_t { Stop = 0, Length = 1, Abort = 2 };
@@ -23,6 +24,10 @@ struct Config {
   ResumeOrder resume_order = ResumeOrder::OldestFirst;
   bool keep_surplus = true;
   int64_t max_inflight_samples = 0;  // 0: no cap
+  // Adaptive: launch groups to keep target_inflight_samples live (queued or generating) and dispatch at most
+  // that many; the group ceiling N'_t is retuned each step from the observed live share of groups in hand.
+  OverSampling over_sampling = OverSampling::Fixed;
+  int64_t target_inflight_samples = 0;  // adaptive only; 0 in fixed mode
 
   void validate() const;
 };

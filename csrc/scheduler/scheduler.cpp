@@ -90,6 +90,11 @@ void Scheduler::begin_step(int64_t policy_version) {
   s_.stats = StepStats{};
   s_.stats.step = s_.step_index;
   s_.stats.policy_version = policy_version;
+  if (config_.over_sampling == OverSampling::Adaptive) {
+    retune_over_sampling();
+  } else {
+    s_.stats.over_sampling_groups = config_.over_sampling_batch_size;
+  }
   std::vector<int64_t> ids;
   for (auto& [gid, g] : s_.groups) {
     for (auto& smp : g.samples) smp.tokens_at_step_start = static_cast<int64_t>(smp.tokens.size());
@@ -105,6 +110,37 @@ void Scheduler::begin_step(int64_t policy_version) {
       apply_staleness(gid);
     }
   }
+}
+
+void Scheduler::retune_over_sampling() {
+  // The groups in hand show how many of a group's samples are still live (queued or generating) as
+  // completion thins them out; holding T samples live takes about T / (n x that share) groups. The share
+  // is observed at every step start and dispatch (a running mean, so one sparse moment does not swing
+  // it); the ceiling bounds the groups in hand, and with them the buffer and the staleness of partials.
+  const int64_t n = config_.n_samples_per_prompt;
+  const int64_t target = config_.target_inflight_samples;
+  int64_t active = 0;
+  for (const auto& [gid, g] : s_.groups) active += g.state == GroupState::Active ? 1 : 0;
+  const int64_t live = s_.queued_samples + s_.running_samples + s_.aborting_samples;
+  if (active > 0) {
+    const double observed = static_cast<double>(live) / static_cast<double>(n * active);
+    s_.live_fraction = 0.5 * s_.live_fraction + 0.5 * observed;
+  }
+  // Floor: N' and enough fresh groups for T; ceiling: T groups (an active group has a live sample).
+  const int64_t floor_groups = std::max(config_.over_sampling_batch_size, (target + n - 1) / n);
+  const int64_t ceiling_groups = std::max(floor_groups, target);
+  const double wanted = std::ceil(static_cast<double>(target) / (static_cast<double>(n) * s_.live_fraction));
+  s_.adaptive_groups =
+      std::clamp(static_cast<int64_t>(std::min(wanted, static_cast<double>(ceiling_groups))), floor_groups,
+                 ceiling_groups);
+  s_.stats.over_sampling_groups = s_.adaptive_groups;
+}
+
+int64_t Scheduler::inflight_cap() const {
+  int64_t cap = std::numeric_limits<int64_t>::max();
+  if (config_.max_inflight_samples > 0) cap = config_.max_inflight_samples;
+  if (config_.over_sampling == OverSampling::Adaptive) cap = std::min(cap, config_.target_inflight_samples);
+  return cap;
 }
 
 void Scheduler::apply_staleness(int64_t group_id) {
@@ -295,9 +331,15 @@ int64_t Scheduler::groups_to_launch_locked() const {
   const int64_t accepted = static_cast<int64_t>(s_.accepted.size());
   // Pending groups may still be accepted: launching for them would overshoot N.
   if (accepted + pending >= config_.rollout_batch_size) return 0;
+  if (config_.refill == Refill::Batch && s_.wave_launched && active > 0) return 0;  // the wave still generates
+  const int64_t n = config_.n_samples_per_prompt;
   int64_t k = 0;
-  if (config_.refill == Refill::Batch) {
-    if (s_.wave_launched && active > 0) return 0;  // the current wave is still generating
+  if (config_.over_sampling == OverSampling::Adaptive) {
+    // Enough new groups to bring the live samples up to the target, within the step's group ceiling.
+    const int64_t deficit = config_.target_inflight_samples - s_.queued_samples - s_.running_samples -
+                            s_.aborting_samples;
+    k = std::min(deficit > 0 ? (deficit + n - 1) / n : 0, s_.adaptive_groups - active);
+  } else if (config_.refill == Refill::Batch) {
     k = config_.over_sampling_batch_size - active - accepted - pending;
   } else {
     k = config_.over_sampling_batch_size - active;
@@ -307,7 +349,6 @@ int64_t Scheduler::groups_to_launch_locked() const {
     const int64_t free_slots =
         config_.max_inflight_samples - s_.running_samples - s_.aborting_samples - s_.queued_samples;
     // Round up: a group that only partly fits still fills the free slots; the rest of it waits queued.
-    const int64_t n = config_.n_samples_per_prompt;
     k = std::min(k, free_slots > 0 ? (free_slots + n - 1) / n : 0);
   }
   return std::max<int64_t>(k, 0);
@@ -344,11 +385,11 @@ Dispatch Scheduler::dispatch() {
   std::lock_guard<std::mutex> lock(mu_);
   check(s_.step_open, ErrorKind::InvalidState, "dispatch: no step is open; call begin_step() first");
   Dispatch d;
+  if (config_.over_sampling == OverSampling::Adaptive && !step_done_locked()) retune_over_sampling();
   if (step_done_locked() || s_.queued_samples == 0) return d;
-  int64_t slots = std::numeric_limits<int64_t>::max();
-  if (config_.max_inflight_samples > 0) {
-    slots = config_.max_inflight_samples - s_.running_samples - s_.aborting_samples;
-  }
+  const int64_t cap = inflight_cap();
+  const int64_t slots =
+      cap == std::numeric_limits<int64_t>::max() ? cap : cap - s_.running_samples - s_.aborting_samples;
   if (slots <= 0) return d;
   struct Pick {
     int64_t gid;
@@ -686,6 +727,8 @@ void Scheduler::deserialize(const std::string& bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   fresh.data_size = s_.data_size;  // the size belongs to the data source attached now
   s_ = std::move(fresh);
+  // A state from format version 1, or saved with fixed over-sampling, has no group ceiling yet.
+  if (config_.over_sampling == OverSampling::Adaptive && s_.adaptive_groups == 0) retune_over_sampling();
   std::vector<int64_t> pending;
   for (const auto& [gid, g] : s_.groups) {
     if (g.stale_check_pending) pending.push_back(gid);

@@ -118,6 +118,8 @@ class Scheduler {
   Group& group_of(int64_t sample_id, int64_t* index);
   bool step_done_locked() const;
   int64_t groups_to_launch_locked() const;
+  int64_t inflight_cap() const;  // most samples dispatched at once; INT64_MAX when uncapped
+  void retune_over_sampling();
   void apply_staleness(int64_t group_id);
   void complete_if_done(int64_t group_id, Group& g);
   void erase_group(int64_t group_id);

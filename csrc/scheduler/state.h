@@ -78,6 +78,9 @@ struct State {
   int64_t queued_samples = 0;
   int64_t running_samples = 0;   // state Running
   int64_t aborting_samples = 0;  // state Aborting
+  // Adaptive over-sampling (persisted from format version 2).
+  double live_fraction = 1.0;    // running mean of the live share of active groups' samples at step ends
+  int64_t adaptive_groups = 0;   // N'_t: most groups generating at a time this step (0 before the first step)
   StepStats stats;
 };
 

@@ -152,6 +152,8 @@ std::string encode_state(const Config& config, const State& s) {
   }
   w.put_vec(completed);
   w.put_vec(std::vector<int64_t>(s.accepted.begin(), s.accepted.end()));
+  w.put<double>(s.live_fraction);
+  w.put<int64_t>(s.adaptive_groups);
 
   const std::string& payload = w.bytes();
   std::string out(kMagic, sizeof(kMagic));
@@ -175,8 +177,8 @@ State decode_state(const Config& config, const std::string& bytes) {
   uint64_t len = 0;
   std::memcpy(&version, bytes.data() + sizeof(kMagic), sizeof(version));
   std::memcpy(&len, bytes.data() + sizeof(kMagic) + sizeof(version), sizeof(len));
-  check(version == kStateFormatVersion, ErrorKind::CorruptState,
-        "scheduler state has format version " + std::to_string(version) + "; this build reads version " +
+  check(version == 1 || version == kStateFormatVersion, ErrorKind::CorruptState,
+        "scheduler state has format version " + std::to_string(version) + "; this build reads versions 1 and " +
             std::to_string(kStateFormatVersion));
   check(len == bytes.size() - kHeader - sizeof(uint64_t), ErrorKind::CorruptState,
         "scheduler state is truncated or has trailing bytes: header says " + std::to_string(len) +
@@ -205,11 +207,11 @@ State decode_state(const Config& config, const std::string& bytes) {
                      s.policy_version <= INT32_MAX && s.step_index >= 0,
                  "counters out of range");
   const auto n_counters = r.get<uint64_t>();
-  auto names = s.stats.counters();
-  corrupt_unless(n_counters == names.size(), "stats has " + std::to_string(n_counters) + " counters, expected " +
-                                                 std::to_string(names.size()));
-  std::vector<int64_t> values(n_counters);
-  for (auto& v : values) v = r.get<int64_t>();
+  const size_t expected_counters = version == 1 ? kV1CounterCount : s.stats.counters().size();
+  corrupt_unless(n_counters == expected_counters, "stats has " + std::to_string(n_counters) + " counters, expected " +
+                                                 std::to_string(expected_counters));
+  std::vector<int64_t> values(s.stats.counters().size(), 0);  // counters a version 1 file lacks stay 0
+  for (size_t i = 0; i < n_counters; ++i) values[i] = r.get<int64_t>();
   size_t k = 0;
 #define APRIL_RESTORE(name) s.stats.name = values[k++];
   APRIL_STEP_COUNTERS(APRIL_RESTORE)
@@ -288,6 +290,12 @@ State decode_state(const Config& config, const std::string& bytes) {
   size_t listed = 0;
   for (const auto& [gid, g] : s.groups) listed += g.state != GroupState::Active;
   corrupt_unless(listed == seen.size(), "a completed or accepted group is missing from its queue");
+  if (version >= 2) {
+    s.live_fraction = r.get<double>();
+    s.adaptive_groups = r.get<int64_t>();
+    corrupt_unless(s.live_fraction > 0.0 && s.live_fraction <= 1.0 && s.adaptive_groups >= 0,
+                   "adaptive over-sampling state out of range");
+  }
   corrupt_unless(r.at_end(), "trailing bytes after the state");
   return s;
 }

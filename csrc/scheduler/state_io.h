@@ -10,7 +10,8 @@
 
 namespace april::sched {
 
-constexpr uint32_t kStateFormatVersion = 1;
+// Version 2 adds the adaptive over-sampling state and the over_sampling_groups counter; version 1 still loads.
+constexpr uint32_t kStateFormatVersion = 2;
 
 // The framed bytes of a state (header, payload, checksum).
 std::string encode_state(const Config& config, const State& state);
