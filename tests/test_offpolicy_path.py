@@ -15,7 +15,7 @@ import torch
 
 from april_ext import Scheduler, SchedulerConfig
 from april_ext.scheduler import GenerationRequest
-from april_ext.algorithms import AlgorithmConfig, offpolicy_loss_mask, truncated_is_weights
+from april_ext.algorithms import AlgorithmConfig, group_advantages, offpolicy_loss_mask, truncated_is_weights
 from april_ext.batch import FinishReason, TrainingBatch
 from april_ext.engine import EngineConfig, EngineCore, SamplingParams
 from april_ext.model import LlamaForCausalLM
@@ -133,3 +133,37 @@ def test_resumed_sample_reaches_the_trainer_position_by_position():
 def test_trainer_temperature_is_validated():
     with pytest.raises(ValueError, match="temperature"):
         TrainerConfig(temperature=-1.0)
+
+
+def test_over_sampling_trains_every_group_once_with_per_group_advantages():
+    """First-K acceptance only delays the slow groups: over several APRIL steps each prompt drawn is in
+    exactly one batch or still held (buffered / surplus), and groups launched in different steps get
+    advantages from their own group's rewards."""
+    config = SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=4,
+                             max_response_len=TASK.max_response_len())
+    sched = Scheduler(config, TASK)
+    trainer = TorchTrainer(make_model(), TrainerConfig(algorithm=AlgorithmConfig.grpo(tis_cap=TIS_CAP), lr=0.05,
+                                                       temperature=TEMPERATURE, device="cpu"))
+    core = EngineCore(copy.deepcopy(trainer.model), EngineConfig(block_size=4, num_blocks=64, max_num_seqs=6))
+    requests: dict[str, int] = {}
+    trained: list[str] = []
+    mixed_steps = 0
+    for _ in range(4):
+        batch = run_step(sched, core, requests, trainer.version)
+        trained += batch.prompt_ids
+        launch_versions = [int(batch.versions[(batch.versions >= 0) & (np.repeat(batch.group_index, np.diff(
+            batch.offsets)) == g)].min()) for g in range(batch.n_groups)]
+        mixed_steps += len(set(launch_versions)) > 1
+        advantages = group_advantages(batch.rewards, batch.group_index).numpy()
+        for g in range(batch.n_groups):
+            rewards = batch.rewards[batch.group_index == g]
+            np.testing.assert_allclose(advantages[batch.group_index == g],
+                                       (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-6), atol=1e-5)
+        trainer.train_step(batch)
+        core.update_weights(trainer.export_weights().tensors, trainer.version)
+    assert mixed_steps > 0, "no batch mixed groups launched under different versions"
+    stats = sched.stats()
+    held = stats["buffered_groups"] + stats["surplus_groups"]
+    assert len(set(trained)) == len(trained) == 4 * config.rollout_batch_size
+    assert len(trained) + held == stats["prompts_consumed"]
+    assert set(trained) <= {TASK[i].id for i in range(stats["prompts_consumed"])}
