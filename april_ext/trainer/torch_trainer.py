@@ -300,7 +300,7 @@ class TorchTrainer:
         with autocast:
             logits = model(tokens, cu_seqlens=cu_seqlens.to(tokens.device))
         logits = logits.float()
-        if self.config.temperature > 0 and self.config.temperature != 1.0:
+        if self.config.temperature > 0:
             logits = logits / self.config.temperature
         logp = torch.log_softmax(logits, dim=-1)
         out = torch.zeros(tokens.shape[0], dtype=torch.float32, device=tokens.device)
