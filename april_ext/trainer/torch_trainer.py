@@ -52,6 +52,10 @@ class TrainerConfig:
         parts, and the PPO clip compares against the logprobs of the weights before the first step.
     mixed_precision: "auto" (bf16 autocast on CUDA / ROCm, fp32 on CPU), "bf16" or "fp32".
     device: None picks "cuda" when available, else "cpu".
+    temperature: the rollouts' sampling temperature. pi_train is softmax(logits / temperature), the
+        distribution the engine draws from and computes behavior logprobs with, so importance weights
+        compare like with like and the gradient is that of the sampling policy; 0 (greedy rollouts) uses
+        the raw logits, as the engine's greedy logprobs do. Top-p / top-k truncation is not applied.
     colocated: weights, gradients, optimizer state (and the KL reference) live in april_ext.memory under
         ``memory_tag``, so ``offload`` / ``onload`` release and restore them (weights and optimizer state
         are backed up to host memory; gradients, zero between steps, are not).
@@ -67,6 +71,7 @@ class TrainerConfig:
     minibatches: int = 1
     mixed_precision: str = "auto"
     device: str | None = None
+    temperature: float = 1.0
     colocated: bool = False
     memory_tag: str = "trainer"
 
@@ -76,6 +81,9 @@ class TrainerConfig:
                               f"{type(self.algorithm).__name__}")
         _positive("lr", self.lr)
         _positive("adam_eps", self.adam_eps)
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"TrainerConfig.temperature must be a finite number >= 0 (0: greedy rollouts), "
+                              f"got {self.temperature!r}")
         if not _is_number(self.weight_decay) or self.weight_decay < 0:
             raise ConfigError(f"TrainerConfig.weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
         if (not isinstance(self.betas, tuple) or len(self.betas) != 2
@@ -227,6 +235,16 @@ class TorchTrainer:
         })
         return metrics
 
+    def token_logprobs(self, batch: TrainingBatch) -> np.ndarray:
+        """pi_train of every token of ``batch`` under the current weights, as ``train_step`` computes it
+        (float32 [T], 0 at each sample's first token): comparable position by position with
+        ``batch.behavior_logprobs``."""
+        self._require_onloaded("token_logprobs")
+        _validate_batch(batch)
+        tokens = torch.from_numpy(batch.tokens).to(self.device, torch.int64)
+        offsets = torch.from_numpy(batch.offsets).to(torch.int64)
+        return self._logprobs_no_grad(self.model, tokens, offsets).cpu().numpy()
+
     def _prepare(self, batch: TrainingBatch) -> _StepInputs:
         """Device tensors of the batch plus advantages and the effective loss mask."""
         algo = self.config.algorithm
@@ -275,13 +293,16 @@ class TorchTrainer:
 
     def _logprobs(self, model: LlamaForCausalLM, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *,
                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probability of each token given the tokens before it in its sample (0 at sample starts),
-        and the entropy of that predicted distribution (without gradient)."""
+        """Log-probability of each token given the tokens before it in its sample (0 at sample starts) under
+        the sampling distribution (logits / temperature), and that distribution's entropy (without gradient)."""
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self._autocast
                     else contextlib.nullcontext())
         with autocast:
             logits = model(tokens, cu_seqlens=cu_seqlens.to(tokens.device))
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logits = logits.float()
+        if self.config.temperature > 0:
+            logits = logits / self.config.temperature
+        logp = torch.log_softmax(logits, dim=-1)
         out = torch.zeros(tokens.shape[0], dtype=torch.float32, device=tokens.device)
         out[1:] = logp[:-1].gather(1, tokens[1:, None]).squeeze(1)
         starts = cu_seqlens[:-1].to(tokens.device)

@@ -214,6 +214,7 @@ class TrainingRun:
         prefix = self.memory_tag_prefix
         self.trainer = TorchTrainer(model, TrainerConfig(
             algorithm=algorithm, lr=config.lr, micro_batch_tokens=config.micro_batch_tokens, device=config.device,
+            temperature=config.temperature,
             colocated=config.colocate, memory_tag=prefix + "trainer"))
         core = EngineCore(engine_model, EngineConfig(
             num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
