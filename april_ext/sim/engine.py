@@ -197,7 +197,8 @@ class SimulatedEngine(LoopTaskEngine):
         cap = self.cluster.cost.kv_capacity_tokens * len(self.replicas)
         used = sum(r.kv + r.pending_kv for r in self.replicas)
         return EngineStats(
-            running=sum(len(r.running) + len(r.prefilling) for r in self.replicas), waiting=sum(len(r.waiting) for r in self.replicas),
+            running=sum(len(r.running) + len(r.prefilling) for r in self.replicas),
+            waiting=sum(len(r.waiting) for r in self.replicas),
             free_blocks=(cap - used) // 16, total_blocks=cap // 16, weight_version=self.weight_version,
             steps=c.decode_steps, prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
             generated_tokens=c.decode_tokens, preemptions=c.preemptions, prefix_cache_hit_tokens=0,
