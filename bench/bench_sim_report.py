@@ -212,5 +212,12 @@ def test_bench_paper_step(benchmark):
     assert result.steps[0].generated_tokens > 1_000_000
 
 
+def test_bench_paper_step_mixed_chunk(benchmark):
+    """The same step with mixed chunked prefill engines (every prefilling iteration is an event)."""
+    config = paper_config("dapo-math-17k", "grpo", "h100-qwen3-8b", steps=1, mixed_chunk=True)
+    result = benchmark.pedantic(simulate, args=(config,), rounds=2, iterations=1)
+    assert result.steps[0].generated_tokens > 1_000_000
+
+
 if __name__ == "__main__":
     main()
