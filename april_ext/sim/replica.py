@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -53,7 +53,7 @@ class SimRequest:
     running: bool = False
     prefilled_once: bool = False
     prefilled: int = 0  # mixed chunk: context tokens prefilled so far in the current admission
-    prefill_kind: str = "new"  # what this admission's prefill is counted as: "new", "resume" or "recompute"
+    prefill_kind: Literal["new", "resume", "recompute"] = "new"  # what this admission's prefill is counted as
 
     @property
     def context(self) -> int:
