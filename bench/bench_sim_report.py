@@ -7,7 +7,8 @@
 DAPO (dynamic sampling). Prints the gain of APRIL (batch refill as in the paper, continuous refill, and
 adaptive over-sampling holding engines x B_sat samples live) over the baseline next to the paper's reported
 gains, and checks our targets: APRIL efficiency >= 0.9 of the full-occupancy bound on every preset, and a
-mean gain above the paper's 22.5%.
+mean gain above the paper's 22.5%. The mixed-chunk section runs the same report with engines that run mixed
+chunked prefill (each run measured against a bound of the same engine model) and the chunk-size sensitivity.
 """
 
 from __future__ import annotations
@@ -29,18 +30,19 @@ PAPER_MEAN_GAIN = 0.225
 TARGET_EFFICIENCY = 0.9
 
 
-def paper_config(preset: str, algorithm: str, cluster: str, steps: int) -> SimConfig:
+def paper_config(preset: str, algorithm: str, cluster: str, steps: int, mixed_chunk: bool = False,
+                 chunked_prefill_size: int = 8192) -> SimConfig:
     return SimConfig(cluster=cluster, lengths=preset, algorithm=algorithm, rollout_batch_size=32,
                      n_samples_per_prompt=8, over_sampling_batch_size=64, max_response_len=16384, num_engines=8,
-                     steps=steps)
+                     steps=steps, mixed_chunk=mixed_chunk, chunked_prefill_size=chunked_prefill_size)
 
 
-def run_report(cluster: str, steps: int) -> list[dict[str, object]]:
+def run_report(cluster: str, steps: int, mixed_chunk: bool = False) -> list[dict[str, object]]:
     rows = []
     for algorithm in ("grpo", "dapo"):
         for preset in LENGTH_PRESETS:
             started = time.perf_counter()
-            results = compare(paper_config(preset, algorithm, cluster, steps))
+            results = compare(paper_config(preset, algorithm, cluster, steps, mixed_chunk))
             rows.append({
                 "algorithm": algorithm, "preset": preset,
                 "baseline_tok_s": results["baseline"].summary["tokens_per_s"],
@@ -64,8 +66,8 @@ def run_report(cluster: str, steps: int) -> list[dict[str, object]]:
     return rows
 
 
-def print_report(rows: list[dict[str, object]], cluster: str) -> None:
-    print(f"APRIL vs baseline, {cluster} x 8 engines, 32 x 8 samples, N' = 64, 16K cap (simulated)")
+def print_report(rows: list[dict[str, object]], cluster: str, engine: str = "separate prefill") -> None:
+    print(f"APRIL vs baseline, {cluster} x 8 engines ({engine}), 32 x 8 samples, N' = 64, 16K cap (simulated)")
     head = (f"{'algo':5} {'preset':14} {'base tok/s':>10} {'gain batch':>10} {'gain cont':>9} {'gain adapt':>10} "
             f"{'paper':>13} {'useful b/c/a':>20} {'eff base':>8} {'eff batch':>9} {'eff cont':>8} {'eff adapt':>9} "
             f"{'partial':>7} {'stale<= b/a':>11} {'reprefill b/a':>13} {'sim s':>6}")
@@ -138,26 +140,81 @@ def print_sweep(rows: list[dict[str, float]]) -> None:
               f"{r['reprefill']:9.3f} {r['bubble']:6.2f} {r['max_staleness']:7.0f}")
 
 
+def compare_engine_models(separate: list[dict[str, object]], mixed: list[dict[str, object]]) -> None:
+    """Per configuration: bound, adaptive efficiency and re-prefill share under both engine models."""
+    print("\nengine models side by side (adaptive mode; each against the bound of its own engine model)")
+    print(f"{'algo':5} {'preset':14} {'bound sep':>9} {'bound mix':>9} {'eff sep':>7} {'eff mix':>7} "
+          f"{'reprefill sep':>13} {'reprefill mix':>13} {'gain sep':>8} {'gain mix':>8}")
+    for a, b in zip(separate, mixed):
+        print(f"{a['algorithm']:5} {a['preset']:14} {a['bound_tok_s']:9,.0f} {b['bound_tok_s']:9,.0f} "
+              f"{a['eff_adaptive']:7.2f} {b['eff_adaptive']:7.2f} {a['reprefill_adaptive']:13.3f} "
+              f"{b['reprefill_adaptive']:13.3f} {a['gain_adaptive']:+8.1%} {b['gain_adaptive']:+8.1%}")
+    for name, rows in (("separate prefill", separate), ("mixed chunk", mixed)):
+        effs = {mode: float(np.mean([r[f"eff_{mode}"] for r in rows])) for mode in ("batch", "continuous", "adaptive")}
+        print(f"mean efficiency, {name}: batch {effs['batch']:.3f}, continuous {effs['continuous']:.3f}, "
+              f"adaptive {effs['adaptive']:.3f}")
+
+
+def chunk_sizes(cluster: str, steps: int, sizes: tuple[int, ...] = (512, 1024, 2048, 8192)) -> list[dict[str, float]]:
+    """Adaptive APRIL on dapo-math-17k (GRPO) with mixed chunk at several chunk budgets: a smaller chunk hides
+    more of its FLOPs under the memory-bound decode, a larger one finishes re-prefills sooner."""
+    rows = []
+    for size in sizes:
+        config = replace(paper_config("dapo-math-17k", "grpo", cluster, steps, True, size), mode="april-adaptive")
+        result = simulate(config)
+        s = result.summary
+        rows.append({"chunked_prefill_size": size, "bound_tok_s": result.bound.tokens_per_s,
+                     "tokens_per_s": s["tokens_per_s"], "efficiency": s["efficiency"],
+                     "reprefill": s["re_prefill_time_fraction"], "bubble": s["bubble_fraction"]})
+    return rows
+
+
+def print_chunk_sizes(rows: list[dict[str, float]]) -> None:
+    print("\nmixed chunk budget, april-adaptive, dapo-math-17k, GRPO")
+    print(f"{'chunk':>6} {'bound':>8} {'tok/s':>8} {'eff':>5} {'reprefill':>9} {'bubble':>6}")
+    for r in rows:
+        print(f"{r['chunked_prefill_size']:6d} {r['bound_tok_s']:8,.0f} {r['tokens_per_s']:8,.0f} "
+              f"{r['efficiency']:5.2f} {r['reprefill']:9.3f} {r['bubble']:6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", default="h100-qwen3-8b")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--only-mixed", action="store_true",
+                        help="only the two engine-model reports and the chunk-size sensitivity (no N' sweeps)")
     args = parser.parse_args()
     rows = run_report(args.cluster, args.steps)
     print_report(rows, args.cluster)
-    sweep = sweep_over_sampling(args.cluster, args.steps)
-    print_sweep(sweep)
-    full = saturated(args.cluster, args.steps)
-    print_saturated(full)
+    out: dict[str, object] = {"paper_config": rows}
+    if not args.only_mixed:
+        out["over_sampling_sweep"] = sweep = sweep_over_sampling(args.cluster, args.steps)
+        print_sweep(sweep)
+        out["saturated"] = full = saturated(args.cluster, args.steps)
+        print_saturated(full)
+    print()
+    mixed = run_report(args.cluster, args.steps, mixed_chunk=True)
+    print_report(mixed, args.cluster, "mixed chunked prefill, 8192 tokens")
+    compare_engine_models(rows, mixed)
+    out["paper_config_mixed_chunk"] = mixed
+    out["mixed_chunk_sizes"] = sizes = chunk_sizes(args.cluster, args.steps)
+    print_chunk_sizes(sizes)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"paper_config": rows, "over_sampling_sweep": sweep, "saturated": full}, f, indent=1)
+            json.dump(out, f, indent=1)
 
 
 def test_bench_paper_step(benchmark):
     """Wall seconds to simulate one APRIL step of the paper configuration (512 samples up to 16K tokens)."""
     config = paper_config("dapo-math-17k", "grpo", "h100-qwen3-8b", steps=1)
+    result = benchmark.pedantic(simulate, args=(config,), rounds=2, iterations=1)
+    assert result.steps[0].generated_tokens > 1_000_000
+
+
+def test_bench_paper_step_mixed_chunk(benchmark):
+    """The same step with mixed chunked prefill engines (every prefilling iteration is an event)."""
+    config = paper_config("dapo-math-17k", "grpo", "h100-qwen3-8b", steps=1, mixed_chunk=True)
     result = benchmark.pedantic(simulate, args=(config,), rounds=2, iterations=1)
     assert result.steps[0].generated_tokens > 1_000_000
 

@@ -47,3 +47,13 @@ def test_simulate_compares_several_over_sampling_ratios(capsys):
     assert labels == ["baseline", "april-continuous N'=4", "april-continuous N'=8"]
     with pytest.raises(SystemExit):
         main([*SMALL, "--over-sampling-batch-size", "4,x"])
+
+
+def test_simulate_with_mixed_chunked_prefill(capsys):
+    assert main([*SMALL, "--modes", "baseline,april-adaptive", "--mixed-chunk", "--chunked-prefill-size", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "(mixed chunk 2048)" in out and "april-adaptive" in out
+    assert main([*SMALL, "--modes", "baseline"]) == 0
+    assert "(separate prefill)" in capsys.readouterr().out
+    assert main([*SMALL, "--mixed-chunk", "--chunked-prefill-size", "0"]) == 2
+    assert "SimConfig.chunked_prefill_size=0" in capsys.readouterr().err

@@ -69,6 +69,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="APRIL modes: scheduler cap on samples in flight (e.g. engines x B_sat with a large N')")
     parser.add_argument("--target-inflight-samples", type=int, default=None,
                         help="april-adaptive: samples kept live (default: the engines' capacity, engines x B_sat)")
+    parser.add_argument("--mixed-chunk", action="store_true",
+                        help="engines run mixed chunked prefill (SGLang --enable-mixed-chunk): prefill chunks ride "
+                             "in the decode batch's forward pass; the bound uses the same engine model")
+    parser.add_argument("--chunked-prefill-size", type=int, default=8192,
+                        help="prefill tokens per mixed iteration at most (with --mixed-chunk)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -83,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt,
         over_sampling_batch_size=args.over_sampling_batch_size[0], max_response_len=args.max_response_len,
         max_inflight_samples=args.max_inflight_samples, target_inflight_samples=args.target_inflight_samples,
-        num_engines=args.num_engines, steps=args.steps, prompt_len=args.prompt_len, seed=args.seed)
+        num_engines=args.num_engines, mixed_chunk=args.mixed_chunk, chunked_prefill_size=args.chunked_prefill_size,
+        steps=args.steps, prompt_len=args.prompt_len, seed=args.seed)
     results = run_all(config, args.modes, args.over_sampling_batch_size)
     print(describe(results))
     if args.output_dir:

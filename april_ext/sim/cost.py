@@ -4,6 +4,10 @@ Decode is memory-bound: a step streams the weights once (fixed term), does a lit
 (per-sequence term) and reads every running sequence's KV cache (per-KV-token term). Prefill is
 compute-bound: linear FLOPs per token plus causal attention that grows with the context. The presets
 derive every term from bandwidth, FLOPs and model shape; docs/sim.md shows the arithmetic.
+
+With ``mixed_chunk`` (SGLang's --enable-mixed-chunk) prefill chunks ride in the decode batch's forward pass and
+an iteration costs a roofline: max(memory time, compute time) + overhead, so prefill FLOPs hide partly under
+the memory-bound decode.
 """
 
 from __future__ import annotations
@@ -47,20 +51,63 @@ class CostModel:
     admission_headroom: float = 0.05
     """New sequences are admitted only while the KV cache stays below (1 - headroom) x capacity; growth past the
     capacity preempts the newest sequence (recomputed later). The gap keeps admission and preemption from thrashing."""
+    step_overhead_s: float = 0.0
+    """The part of decode_fixed_s that is not memory traffic (scheduling, sampling, launches); only the mixed
+    roofline needs the split: decode_fixed_s - step_overhead_s is the time of streaming the weights once."""
+    mixed_chunk: bool = False
+    """Mixed chunked prefill: an iteration runs the decode batch and up to chunked_prefill_size prefill tokens in
+    one forward pass, costing max(memory, compute) + step_overhead_s. False: separate prefill batches during
+    which decoding pauses (SGLang's default)."""
+    chunked_prefill_size: int = 8192
+    """Prefill tokens per mixed iteration at most (SGLang's default chunk)."""
 
     def __post_init__(self) -> None:
         for name in ("decode_fixed_s", "decode_per_seq_s", "decode_per_kv_token_s", "prefill_per_token_s",
                      "prefill_attn_per_token_pair_s", "prefill_fixed_s"):
             _positive("CostModel", name, getattr(self, name), allow_zero=name != "decode_fixed_s")
-        for name in ("kv_capacity_tokens", "max_num_seqs"):
+        _positive("CostModel", "step_overhead_s", self.step_overhead_s, allow_zero=True)
+        if self.step_overhead_s > self.decode_fixed_s:
+            raise ConfigError(f"CostModel.step_overhead_s={self.step_overhead_s!r} is not allowed: at most "
+                              f"decode_fixed_s ({self.decode_fixed_s!r}), of which it is a part")
+        if not isinstance(self.mixed_chunk, bool):
+            raise ConfigError(f"CostModel.mixed_chunk={self.mixed_chunk!r} is not allowed: True or False")
+        for name in ("kv_capacity_tokens", "max_num_seqs", "chunked_prefill_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"CostModel.{name}={value!r} is not allowed: an int >= 1")
         if not (isinstance(self.admission_headroom, (int, float)) and 0 <= self.admission_headroom < 1):
             raise ConfigError(f"CostModel.admission_headroom={self.admission_headroom!r} is not allowed: in [0, 1)")
 
+    @property
+    def weights_read_s(self) -> float:
+        """Memory time of streaming the weights once (the mixed roofline's fixed memory term)."""
+        return self.decode_fixed_s - self.step_overhead_s
+
+    def iteration_time(self, batch: int, kv_tokens: int, prefill_compute_s: float = 0.0,
+                       prefill_kv_reads: int = 0) -> float:
+        """Mixed chunk: one forward pass of ``batch`` decoding sequences holding ``kv_tokens`` plus prefill pieces
+        whose compute time is ``prefill_compute_s`` and whose attention reads ``prefill_kv_reads`` cached tokens."""
+        memory = self.weights_read_s + self.decode_per_kv_token_s * (kv_tokens + prefill_kv_reads)
+        compute = self.decode_per_seq_s * batch + prefill_compute_s
+        return max(memory, compute) + self.step_overhead_s
+
+    def _compute_bound_steps(self, batch: int, kv_tokens: int, steps: int) -> int:
+        # Decode step k is compute-bound while per_seq * B > weights + per_kv * (S + B k); the KV grows, so
+        # those are the first ceil(x) steps and every later step is memory-bound.
+        excess = self.decode_per_seq_s * batch - self.weights_read_s - self.decode_per_kv_token_s * kv_tokens
+        if excess <= 0:
+            return 0
+        growth = self.decode_per_kv_token_s * batch
+        return steps if growth == 0 else min(steps, math.ceil(excess / growth))
+
     def decode_time(self, batch: int, kv_tokens: int, steps: int) -> float:
         """Time of ``steps`` decode steps of ``batch`` sequences starting with ``kv_tokens`` cached tokens."""
+        if self.mixed_chunk:
+            k = self._compute_bound_steps(batch, kv_tokens, steps)
+            n = steps - k
+            memory = self.weights_read_s + self.decode_per_kv_token_s * (kv_tokens + batch * k)
+            return (k * (self.decode_per_seq_s * batch + self.step_overhead_s) + n * (memory + self.step_overhead_s)
+                    + self.decode_per_kv_token_s * batch * n * (n - 1) / 2)
         base = self.decode_fixed_s + self.decode_per_seq_s * batch + self.decode_per_kv_token_s * kv_tokens
         return base * steps + self.decode_per_kv_token_s * batch * steps * (steps - 1) / 2
 
@@ -68,6 +115,18 @@ class CostModel:
         """Whole decode steps that complete within ``elapsed`` seconds (inverse of decode_time)."""
         if elapsed <= 0:
             return 0
+        if self.mixed_chunk:
+            # decode_time is increasing in steps: bracket by doubling, then bisect (a few dozen evaluations).
+            lo, hi = 0, 1
+            while self.decode_time(batch, kv_tokens, hi) <= elapsed:
+                lo, hi = hi, hi * 2
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if self.decode_time(batch, kv_tokens, mid) <= elapsed:
+                    lo = mid
+                else:
+                    hi = mid
+            return lo
         base = self.decode_fixed_s + self.decode_per_seq_s * batch + self.decode_per_kv_token_s * kv_tokens
         g = self.decode_per_kv_token_s * batch
         if g == 0:
@@ -126,7 +185,8 @@ class ModelSpec:
 
 
 def derive_cost_model(gpu: GpuSpec, model: ModelSpec, max_num_seqs: int = 256,
-                      admission_headroom: float = 0.05) -> CostModel:
+                      admission_headroom: float = 0.05, mixed_chunk: bool = False,
+                      chunked_prefill_size: int = 8192) -> CostModel:
     """A CostModel from datasheet numbers (see docs/sim.md for the formulas and their assumptions)."""
     bandwidth = gpu.hbm_bandwidth * gpu.bandwidth_efficiency
     kv_budget = gpu.hbm_bytes * gpu.memory_fraction - model.weight_bytes - gpu.activation_reserve_bytes
@@ -144,6 +204,9 @@ def derive_cost_model(gpu: GpuSpec, model: ModelSpec, max_num_seqs: int = 256,
         kv_capacity_tokens=int(kv_budget // model.kv_bytes_per_token),
         max_num_seqs=max_num_seqs,
         admission_headroom=admission_headroom,
+        step_overhead_s=gpu.step_overhead_s,
+        mixed_chunk=mixed_chunk,
+        chunked_prefill_size=chunked_prefill_size,
     )
 
 
@@ -180,13 +243,16 @@ class ClusterConfig:
             raise ConfigError(f"ClusterConfig.router={self.router!r} is not allowed: 'least_loaded' or 'round_robin'")
 
 
-def cluster_preset(name: str, num_engines: int = 8) -> ClusterConfig:
-    """``<gpu>-<model>``: h100-qwen3-4b, h100-qwen3-8b, mi300x-qwen3-4b, mi300x-qwen3-8b (one engine per GPU)."""
+def cluster_preset(name: str, num_engines: int = 8, mixed_chunk: bool = False,
+                   chunked_prefill_size: int = 8192) -> ClusterConfig:
+    """``<gpu>-<model>``: h100-qwen3-4b, h100-qwen3-8b, mi300x-qwen3-4b, mi300x-qwen3-8b (one engine per GPU);
+    ``mixed_chunk``: engines run mixed chunked prefill with ``chunked_prefill_size`` tokens per iteration."""
     gpu_name, _, model_name = name.partition("-")
     if gpu_name not in GPUS or model_name not in MODELS:
         raise ConfigError(f"cluster preset {name!r} is not known: one of {sorted(CLUSTER_PRESETS)}")
     gpu, model = GPUS[gpu_name], MODELS[model_name]
-    return ClusterConfig(cost=derive_cost_model(gpu, model), num_engines=num_engines, name=name)
+    cost = derive_cost_model(gpu, model, mixed_chunk=mixed_chunk, chunked_prefill_size=chunked_prefill_size)
+    return ClusterConfig(cost=cost, num_engines=num_engines, name=name)
 
 
 CLUSTER_PRESETS = tuple(f"{g}-{m}" for g in GPUS for m in MODELS)

@@ -195,9 +195,10 @@ class SimulatedEngine(LoopTaskEngine):
     def stats(self) -> EngineStats:
         c = self.counters()
         cap = self.cluster.cost.kv_capacity_tokens * len(self.replicas)
-        used = sum(r.kv for r in self.replicas)
+        used = sum(r.kv + r.pending_kv for r in self.replicas)
         return EngineStats(
-            running=sum(len(r.running) for r in self.replicas), waiting=sum(len(r.waiting) for r in self.replicas),
+            running=sum(len(r.running) + len(r.prefilling) for r in self.replicas),
+            waiting=sum(len(r.waiting) for r in self.replicas),
             free_blocks=(cap - used) // 16, total_blocks=cap // 16, weight_version=self.weight_version,
             steps=c.decode_steps, prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
             generated_tokens=c.decode_tokens, preemptions=c.preemptions, prefix_cache_hit_tokens=0,
@@ -325,7 +326,7 @@ class SimulatedEngine(LoopTaskEngine):
     def _flush_all(self) -> None:
         for replica in self.replicas:
             replica.sync(self.now, finish_step=False)
-            for request in replica.running:
+            for request in replica.admitted:
                 if request.generated > request.delivered:
                     self._deliver(request, self._chunk(request, None))
             replica.flush()

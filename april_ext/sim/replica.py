@@ -4,7 +4,9 @@ Between two events the running set is fixed, so decode step k of B sequences hol
 fixed + per_seq * B + per_kv * (S + B * k): the time of m steps and the steps within a time are closed
 forms (CostModel.decode_time / steps_within). Events are a request finishing, the KV cache filling up
 (the newest sequence is preempted and recomputed later, as SGLang retracts), and changes from outside
-(admissions, aborts, weight flushes). Admission runs a prefill batch during which decoding pauses.
+(admissions, aborts, weight flushes). Admission runs a prefill batch during which decoding pauses; with the
+cost model's mixed_chunk, admitted requests prefill instead in chunks that ride in the decode iterations, and
+while any is prefilling every iteration is an event (prefill progress is state between events).
 Pure bookkeeping, no asyncio: engine.py drives it.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -50,6 +52,8 @@ class SimRequest:
     replica: int = -1
     running: bool = False
     prefilled_once: bool = False
+    prefilled: int = 0  # mixed chunk: context tokens prefilled so far in the current admission
+    prefill_kind: Literal["new", "resume", "recompute"] = "new"  # what this admission's prefill is counted as
 
     @property
     def context(self) -> int:
@@ -85,7 +89,9 @@ class Replica:
     def __init__(self, index: int, cost: CostModel) -> None:
         self.index = index
         self.cost = cost
-        self.running: list[SimRequest] = []  # admission order: the newest is preempted first
+        self.running: list[SimRequest] = []  # decoding, in admission order: the newest is preempted first
+        self.prefilling: deque[SimRequest] = deque()  # mixed chunk: admitted, prefill in progress, FIFO
+        self.pending_kv = 0  # KV reserved by the prefilling requests (their whole contexts)
         self.waiting: deque[SimRequest] = deque()
         self.seg_t0 = 0.0  # decode of the current segment starts here (after any prefill)
         self.kv = 0  # KV tokens of the running requests at seg_t0
@@ -95,7 +101,12 @@ class Replica:
 
     @property
     def load(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.prefilling) + len(self.waiting)
+
+    @property
+    def admitted(self) -> list[SimRequest]:
+        """Requests holding KV here: decoding, then prefilling (mixed chunk)."""
+        return self.running + list(self.prefilling)
 
     # ------------------------------------------------------------------ moving along the clock
 
@@ -114,10 +125,66 @@ class Replica:
         self.kv += b * m
         self.seg_t0 += dt
 
+    def _plan_iteration(self) -> tuple[float, list[tuple[SimRequest, int, float]], float]:
+        """Mixed chunk: (iteration time, prefill pieces (request, tokens, compute s), decode-only time) of the next
+        iteration: prefilling requests in FIFO order within chunked_prefill_size tokens."""
+        cost = self.cost
+        budget = cost.chunked_prefill_size
+        pieces = []
+        reads = 0
+        for r in self.prefilling:
+            if budget == 0:
+                break
+            n = min(r.context - r.prefilled, budget)
+            pieces.append((r, n, cost.prefill_time(r.prefilled, r.prefilled + n)))
+            reads += r.prefilled
+            budget -= n
+        b = len(self.running)
+        dt = cost.iteration_time(b, self.kv, sum(p[2] for p in pieces), reads)
+        return dt, pieces, cost.iteration_time(b, self.kv) if b else 0.0
+
+    def _apply_iteration(self) -> None:
+        """Mixed chunk: one iteration. The decode batch is charged what it costs alone; the prefill pieces share
+        the rest (the time the chunk adds), in proportion to their compute."""
+        dt, pieces, alone = self._plan_iteration()
+        b = len(self.running)
+        c = self.counters
+        if b:
+            c.decode_steps += 1
+            c.decode_tokens += b
+            c.decode_time += alone
+            c.slot_time += b * alone
+            for r in self.running:
+                r.generated += 1
+            self.kv += b
+        added = dt - alone
+        compute = sum(p[2] for p in pieces)
+        c.prefill_time += added
+        for r, n, t in pieces:
+            share = added * t / compute if compute > 0 else added / len(pieces)
+            c.prefill_tokens += n
+            if r.prefill_kind == "recompute":
+                c.recompute_time += share
+                c.recompute_tokens += n
+            elif r.prefill_kind == "resume":
+                c.resume_prefill_time += share
+                c.resume_prefill_tokens += n
+            r.prefilled += n
+        while self.prefilling and self.prefilling[0].prefilled >= self.prefilling[0].context:
+            r = self.prefilling.popleft()
+            self.pending_kv -= r.context
+            self.kv += r.context
+            self.running.append(r)
+        self.seg_t0 += dt
+
     def sync(self, now: float, finish_step: bool) -> None:
         """Bring the running requests to ``now``. ``finish_step``: the step in progress completes (its tokens
         count) and the segment restarts at its end; otherwise it is cut and the segment restarts at now."""
-        if self.running and now > self.seg_t0:
+        if self.prefilling:
+            # The next event is one iteration away, so now is at most its end.
+            if now > self.seg_t0 and (finish_step or self.seg_t0 + self._plan_iteration()[0] <= now):
+                self._apply_iteration()
+        elif self.running and now > self.seg_t0:
             m = self.cost.steps_within(len(self.running), self.kv, now - self.seg_t0)
             self._apply_steps(m)
             if finish_step and self.seg_t0 < now and self.running:
@@ -128,6 +195,9 @@ class Replica:
     def next_event(self) -> float:
         """Time of this replica's next own event (a finish or a full KV cache); inf when it has none."""
         if self._next is None:
+            if self.prefilling:
+                self._next = (self.seg_t0 + self._plan_iteration()[0], 1)
+                return self._next[0]
             if not self.running:
                 return math.inf
             b = len(self.running)
@@ -141,7 +211,10 @@ class Replica:
         self.next_event()
         assert self._next is not None
         _, m = self._next
-        self._apply_steps(m)
+        if self.prefilling:
+            self._apply_iteration()
+        else:
+            self._apply_steps(m)
         self._next = None
         done = self.reap()
         self._preempt_overflow()
@@ -163,11 +236,17 @@ class Replica:
     # ------------------------------------------------------------------ membership
 
     def _preempt_overflow(self) -> None:
-        # The next step appends one token per sequence: keep that within the KV capacity.
-        while len(self.running) > 1 and self.kv + len(self.running) > self.cost.kv_capacity_tokens:
-            victim = self.running.pop()
+        # The next step appends one token per sequence: keep that within the KV capacity. Prefilling requests
+        # are the newest admitted, so they go first.
+        while (len(self.running) + len(self.prefilling) > 1
+               and self.kv + self.pending_kv + len(self.running) > self.cost.kv_capacity_tokens):
+            if self.prefilling:
+                victim = self.prefilling.pop()
+                self.pending_kv -= victim.context
+            else:
+                victim = self.running.pop()
+                self.kv -= victim.context
             victim.running = False
-            self.kv -= victim.context
             self.waiting.appendleft(victim)
             self.counters.preemptions += 1
         self._next = None
@@ -183,17 +262,25 @@ class Replica:
         cost = self.cost
         limit = cost.kv_capacity_tokens * (1 - cost.admission_headroom)
         batch: list[SimRequest] = []
-        while self.waiting and len(self.running) < cost.max_num_seqs:
+        while self.waiting and len(self.running) + len(self.prefilling) < cost.max_num_seqs:
             r = self.waiting[0]
-            alone = not self.running
-            if not alone and self.kv + r.context > limit:
+            alone = not self.running and not self.prefilling
+            if not alone and self.kv + self.pending_kv + r.context > limit:
                 break
             self.waiting.popleft()
             r.running = True
-            self.running.append(r)
-            self.kv += r.context
             batch.append(r)
-        if not batch:
+            if cost.mixed_chunk:
+                r.prefill_kind = "recompute" if r.prefilled_once else "resume" if r.is_resume else "new"
+                r.prefilled_once = True
+                r.prefilled = 0
+                self.prefilling.append(r)
+                self.pending_kv += r.context
+            else:
+                self.running.append(r)
+                self.kv += r.context
+        if not batch or cost.mixed_chunk:
+            self._next = None
             return
         c = self.counters
         total = cost.prefill_fixed_s
@@ -214,7 +301,11 @@ class Replica:
 
     def remove(self, request: SimRequest) -> None:
         """Take a request out (abort); the caller has synced the replica to now."""
-        if request.running:
+        if request.running and request in self.prefilling:
+            self.prefilling.remove(request)
+            self.pending_kv -= request.context
+            request.running = False
+        elif request.running:
             self.running.remove(request)
             self.kv -= request.context
             request.running = False
@@ -226,11 +317,14 @@ class Replica:
 
     def flush(self) -> None:
         """Drop the KV cache (weight update, KV release): running requests wait to be recomputed, in order."""
-        self.waiting.extendleft(reversed(self.running))
-        for r in self.running:
+        admitted = self.admitted
+        self.waiting.extendleft(reversed(admitted))
+        for r in admitted:
             r.running = False
         self.running = []
+        self.prefilling.clear()
         self.kv = 0
+        self.pending_kv = 0
         self._next = None
         self.dirty = True
 

@@ -55,7 +55,9 @@ def describe(results: dict[str, SimResult]) -> str:
     cluster = c.cluster_config()
     lengths = c.length_model()
     name = getattr(lengths, "name", type(lengths).__name__)
-    head = (f"cluster {cluster.name} x{cluster.num_engines} | lengths {name}"
+    engine = (f"mixed chunk {cluster.cost.chunked_prefill_size}" if cluster.cost.mixed_chunk
+              else "separate prefill")
+    head = (f"cluster {cluster.name} x{cluster.num_engines} ({engine}) | lengths {name}"
             f" | {c.algorithm} | N={c.rollout_batch_size} x n={c.n_samples_per_prompt}, "
             f"N'={c.over_sampling_batch_size}, cap {c.max_response_len} | {c.steps} steps (summary over steps 1..)\n"
             f"full-occupancy bound {first.bound.tokens_per_s:,.0f} tok/s "

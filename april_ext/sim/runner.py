@@ -49,6 +49,11 @@ class SimConfig:
     """april-adaptive: samples the scheduler keeps live; None: the engines' capacity (replicas x B_sat of the
     full-occupancy bound)."""
     num_engines: int = 8
+    mixed_chunk: bool = False
+    """Engines run mixed chunked prefill (prefill chunks inside decode iterations; CostModel.mixed_chunk). Applies
+    to a preset and, when True, to a given ClusterConfig's cost model too."""
+    chunked_prefill_size: int = 8192
+    """Prefill tokens per mixed iteration at most (with mixed_chunk)."""
     steps: int = 6
     prompt_len: int = 256
     dataset_size: int = 100_000
@@ -60,7 +65,9 @@ class SimConfig:
             raise ConfigError(f"SimConfig.mode={self.mode!r} is not allowed: one of {MODES}")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"SimConfig.algorithm={self.algorithm!r} is not allowed: one of {ALGORITHMS}")
-        for name in ("steps", "num_engines", "prompt_len", "dataset_size"):
+        if not isinstance(self.mixed_chunk, bool):
+            raise ConfigError(f"SimConfig.mixed_chunk={self.mixed_chunk!r} is not allowed: True or False")
+        for name in ("steps", "num_engines", "prompt_len", "dataset_size", "chunked_prefill_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"SimConfig.{name}={value!r} is not allowed: an int >= 1")
@@ -97,8 +104,12 @@ class SimConfig:
 
     def cluster_config(self) -> ClusterConfig:
         if isinstance(self.cluster, ClusterConfig):
-            return self.cluster
-        return cluster_preset(self.cluster, num_engines=self.num_engines)
+            if not self.mixed_chunk:
+                return self.cluster
+            cost = replace(self.cluster.cost, mixed_chunk=True, chunked_prefill_size=self.chunked_prefill_size)
+            return replace(self.cluster, cost=cost)
+        return cluster_preset(self.cluster, num_engines=self.num_engines, mixed_chunk=self.mixed_chunk,
+                              chunked_prefill_size=self.chunked_prefill_size)
 
     def length_model(self) -> LengthModel:
         if not isinstance(self.lengths, str):
