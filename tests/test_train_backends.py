@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
+import re
 import urllib.error
 import urllib.request
 
@@ -98,8 +98,20 @@ def test_cli_train_launches_sglang_servers_and_syncs_weights_every_step(tmp_path
     final = load_pretrained(out / "checkpoints" / "step_000003" / "trainer")
     for name, param in final.named_parameters():
         assert torch.equal(synced[name], param.detach()), name
-    assert {"server_0.log", "server_1.log"} <= set(os.listdir(out / "sglang"))
+    # The servers are gone once the run ended (their logs name their urls).
+    for i in range(2):
+        log = (out / "sglang" / f"server_{i}.log").read_text()
+        url = re.search(r"listening on (http://\S+)", log).group(1)
+        assert not _reachable(url)
     assert "rollout tokens/s" in capsys.readouterr().out
+    # Resumed onto a fresh server: it starts on the checkpoint's weights, labelled with its version.
+    assert cli.main(["train", *_flags({**TINY, "num_steps": 4, "output_dir": str(out), "engine": "sglang",
+                                       "sglang_launch": True, "sglang_module": "april_ext.server",
+                                       "sglang_args": SERVER_ARGS, "resume": True})]) == 0
+    rows = _rows(out / "metrics.jsonl")
+    _check_rows(rows, 4, sglang=True)
+    relaunched = dict(iter_safetensors(out / "sglang" / "initial_model"))
+    assert all(torch.equal(relaunched[name], param.detach()) for name, param in final.named_parameters())
 
 
 def _counting_checkpoint(path) -> str:
