@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import urllib.error
 import urllib.request
@@ -231,3 +232,10 @@ def test_adaptive_over_sampling_reaches_the_scheduler(tmp_path):
     # The synchronous baseline has no over-sampling to adapt.
     sched = asyncio.run(scheduler_config(config.replace(partial_rollout=False)))
     assert sched.over_sampling == "fixed" and sched.target_inflight_samples is None
+
+
+def test_the_example_config_selects_sglang_and_megatron():
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "counting_sglang_megatron.toml")
+    config = TrainConfig.from_toml(path)
+    assert config.engine == "sglang" and config.sglang_launch and config.trainer == "megatron"
+    assert config.sglang_module == "april_ext.server"  # runs on a CPU as written
