@@ -239,3 +239,18 @@ def test_the_example_config_selects_sglang_and_megatron():
     config = TrainConfig.from_toml(path)
     assert config.engine == "sglang" and config.sglang_launch and config.trainer == "megatron"
     assert config.sglang_module == "april_ext.server"  # runs on a CPU as written
+
+
+def test_compare_launches_servers_per_run_and_refuses_shared_ones(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    settings = {**TINY, "num_steps": 1, "output_dir": str(out), "engine": "sglang", "sglang_launch": True,
+                "sglang_module": "april_ext.server", "sglang_args": SERVER_ARGS,
+                "sglang_weight_sync_dir": str(tmp_path / "sync")}
+    assert cli.main(["train", "--compare", *_flags(settings)]) == 0
+    for name in ("baseline", "april"):
+        assert _rows(out / name / "metrics.jsonl")[0]["engine/server_weight_versions"] == ["1"]
+        assert (tmp_path / "sync" / name / "model.safetensors").is_file()
+    capsys.readouterr()
+    shared = {**TINY, "output_dir": str(out), "engine": "sglang", "sglang_urls": "http://127.0.0.1:1", "model": "m"}
+    assert cli.main(["train", "--compare", *_flags(shared)]) == 2
+    assert "--compare with engine='sglang' needs sglang_launch=true" in capsys.readouterr().err

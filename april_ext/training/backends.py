@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import shlex
+from typing import TYPE_CHECKING
 
 from safetensors.torch import save_file
 
@@ -20,6 +21,9 @@ from april_ext.errors import ConfigError
 from april_ext.model import LlamaForCausalLM
 from april_ext.trainer import TorchTrainer, TrainerConfig
 from april_ext.training.config import TrainConfig
+
+if TYPE_CHECKING:
+    from april_ext.sglang import SGLangEngine
 
 SGLANG_DIR = "sglang"
 """Under output_dir: the launched servers' initial model, their logs and the default weight-sync directory."""
@@ -31,14 +35,15 @@ def build_trainer(config: TrainConfig, model: LlamaForCausalLM, trainer_config: 
     the stack tears down)."""
     if config.trainer == "torch":
         return TorchTrainer(model, trainer_config)
-    try:
-        from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, parallel
+    from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, parallel
 
-        trainer = MegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config, seed=config.seed),
-                                  model.named_parameters())
+    try:
+        import megatron.core  # noqa: F401 - only to say what is missing before anything is built
     except ImportError as err:
         raise ConfigError(f"TrainConfig.trainer='megatron' needs megatron-core ({err}): "
                           "pip install 'april_ext[megatron]'") from None
+    trainer = MegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config, seed=config.seed),
+                              model.named_parameters())
     stack.callback(parallel.shutdown)
     return trainer
 
@@ -58,7 +63,7 @@ def write_hf_checkpoint(trainer: TorchTrainer, model: LlamaForCausalLM, director
 
 
 async def open_sglang_engine(config: TrainConfig, trainer: TorchTrainer, model: LlamaForCausalLM,
-                             stack: contextlib.AsyncExitStack) -> object:
+                             stack: contextlib.AsyncExitStack) -> SGLangEngine:
     """An entered SGLangEngine whose servers hold the trainer's current weights, labelled trainer.version.
 
     Launched servers load a checkpoint of those weights; running servers (which serve ``model``) get

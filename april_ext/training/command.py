@@ -8,6 +8,7 @@ import os
 from dataclasses import fields
 from typing import Any
 
+from april_ext.errors import ConfigError
 from april_ext.training.config import TrainConfig, field_docs, field_type
 
 _GROUPS = {
@@ -40,7 +41,8 @@ def _value_parser(base: type, optional: bool) -> Any:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "train", help="train with APRIL (or the synchronous baseline): embedded engine or SGLang, torch or Megatron trainer",
+        "train", help="train with APRIL (or the synchronous baseline): embedded engine or SGLang, torch or "
+                      "Megatron trainer",
         description="Flags override the --config file, which overrides the defaults. Optional settings "
                     "accept 'none'.")
     parser.add_argument("--config", help="TOML file whose keys are the setting names below (underscores)")
@@ -83,12 +85,18 @@ def run(args: argparse.Namespace) -> int:
         _print_summary({"run": result.summary})
         print(f"metrics: {os.path.join(result.output_dir, 'metrics.jsonl')}  checkpoint: {result.checkpoint}")
         return 0
+    if config.engine == "sglang" and not config.sglang_launch:
+        raise ConfigError("--compare with engine='sglang' needs sglang_launch=true: the two runs cannot share "
+                          f"servers (each aborts every request at the end of its steps); got engine='sglang' with "
+                          f"sglang_urls={list(config.sglang_urls)} sglang_router_url={config.sglang_router_url!r}")
     from april_ext.plots import plot_compare
 
     # Side by side: the two runs take steps in turn, so both see the same machine load.
     results = asyncio.run(train_side_by_side({
         name: config.replace(partial_rollout=partial, output_dir=os.path.join(config.output_dir, name),
-                             save=None if config.save is None else os.path.join(config.save, name))
+                             save=None if config.save is None else os.path.join(config.save, name),
+                             sglang_weight_sync_dir=None if config.sglang_weight_sync_dir is None
+                             else os.path.join(config.sglang_weight_sync_dir, name))
         for name, partial in (("baseline", False), ("april", True))}))
     _print_summary({name: r.summary for name, r in results.items()})
     base, april = results["baseline"].summary, results["april"].summary

@@ -119,7 +119,8 @@ class TrainConfig:
     sglang_launch_timeout_s: float = 600.0
     """sglang_launch: seconds a server may take to become healthy."""
     sglang_weight_sync_dir: str | None = None
-    """engine=sglang: directory the servers load new weights from (shared file system); None: <output_dir>/sglang/weight_sync."""
+    """engine=sglang: directory the servers load new weights from (a shared file system); None:
+    <output_dir>/sglang/weight_sync."""
     sglang_stream: bool = True
     """engine=sglang: stream responses (tokens as they come) or one non-streaming request per sample."""
     # --- training
