@@ -21,7 +21,8 @@ from april_ext.engine import EngineConfig, EngineCore, SamplingParams
 from april_ext.model import LlamaForCausalLM
 from april_ext.trainer import TorchTrainer, TrainerConfig
 
-from _trainer_utils import TASK, make_model, one_thread  # noqa: F401 (fixture)
+from _torch_threads import one_thread  # noqa: F401 (fixture)
+from _trainer_utils import TASK, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEMPERATURE = 0.7

@@ -464,6 +464,11 @@ class SGLangEngine:
         """GET /server_info of every worker, by url."""
         return dict(await self._broadcast("/server_info", None, method="GET"))
 
+    async def weight_versions(self) -> dict[str, str]:
+        """GET /get_weight_version of every worker: the label each server reports for its weights, by url."""
+        return {url: str(answer.get("weight_version")) if isinstance(answer, dict) else str(answer)
+                for url, answer in await self._broadcast("/get_weight_version", None, method="GET")}
+
     def stats(self) -> SGLangEngineStats:
         return SGLangEngineStats(dict(self._load), self._requests, self._generated, self._aborted,
                                  self._weight_version)

@@ -8,20 +8,26 @@ import os
 from dataclasses import fields
 from typing import Any
 
+from april_ext.errors import ConfigError
 from april_ext.training.config import TrainConfig, field_docs, field_type
 
 _GROUPS = {
     "data and task": ("task", "data", "tokenizer", "prompt_key", "label_key", "num_epochs", "counting_median",
                       "counting_sigma", "counting_max_count", "counting_symbols"),
-    "model and engine": ("model", "hidden_size", "num_layers", "max_num_seqs", "num_blocks", "block_size", "device"),
+    "model and engine": ("model", "hidden_size", "num_layers", "max_num_seqs", "num_blocks", "block_size", "device",
+                         "engine"),
+    "SGLang engine": ("sglang_urls", "sglang_router_url", "sglang_launch", "sglang_num_servers", "sglang_module",
+                      "sglang_args", "sglang_launch_timeout_s", "sglang_weight_sync_dir", "sglang_stream"),
     "rollout": ("rollout_batch_size", "n_samples_per_prompt", "over_sampling_batch_size", "max_response_len",
-                "partial_rollout", "refill", "max_staleness", "staleness_policy", "mask_offpolicy", "temperature",
-                "top_p"),
+                "partial_rollout", "refill", "over_sampling", "target_inflight_samples", "max_staleness",
+                "staleness_policy", "mask_offpolicy", "temperature", "top_p"),
 }
 
 
 def _value_parser(base: type, optional: bool) -> Any:
     def parse(text: str) -> Any:
+        if base is tuple:
+            return tuple(part.strip() for part in text.split(",") if part.strip())
         if optional and text.lower() == "none":
             return None
         try:
@@ -29,13 +35,14 @@ def _value_parser(base: type, optional: bool) -> Any:
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not a valid {base.__name__}" + (" (or none)" if optional else "")) from None
-    parse.__name__ = base.__name__
+    parse.__name__ = "list" if base is tuple else base.__name__
     return parse
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "train", help="train with APRIL (or the synchronous baseline) on the embedded engine and trainer",
+        "train", help="train with APRIL (or the synchronous baseline): embedded engine or SGLang, torch or "
+                      "Megatron trainer",
         description="Flags override the --config file, which overrides the defaults. Optional settings "
                     "accept 'none'.")
     parser.add_argument("--config", help="TOML file whose keys are the setting names below (underscores)")
@@ -55,7 +62,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                                help=help_text)
         else:
             group.add_argument(flag, type=_value_parser(base, optional), default=argparse.SUPPRESS,
-                               metavar=base.__name__.upper(), help=help_text)
+                               metavar="URL,..." if base is tuple else base.__name__.upper(), help=help_text)
     parser.set_defaults(func=run)
     return parser
 
@@ -78,12 +85,18 @@ def run(args: argparse.Namespace) -> int:
         _print_summary({"run": result.summary})
         print(f"metrics: {os.path.join(result.output_dir, 'metrics.jsonl')}  checkpoint: {result.checkpoint}")
         return 0
+    if config.engine == "sglang" and not config.sglang_launch:
+        raise ConfigError("--compare with engine='sglang' needs sglang_launch=true: the two runs cannot share "
+                          f"servers (each aborts every request at the end of its steps); got engine='sglang' with "
+                          f"sglang_urls={list(config.sglang_urls)} sglang_router_url={config.sglang_router_url!r}")
     from april_ext.plots import plot_compare
 
     # Side by side: the two runs take steps in turn, so both see the same machine load.
     results = asyncio.run(train_side_by_side({
         name: config.replace(partial_rollout=partial, output_dir=os.path.join(config.output_dir, name),
-                             save=None if config.save is None else os.path.join(config.save, name))
+                             save=None if config.save is None else os.path.join(config.save, name),
+                             sglang_weight_sync_dir=None if config.sglang_weight_sync_dir is None
+                             else os.path.join(config.sglang_weight_sync_dir, name))
         for name, partial in (("baseline", False), ("april", True))}))
     _print_summary({name: r.summary for name, r in results.items()})
     base, april = results["baseline"].summary, results["april"].summary

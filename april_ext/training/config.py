@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import math
 import os
+import shlex
 import sys
 import typing
 from dataclasses import dataclass, fields
@@ -28,6 +29,9 @@ TASKS = ("counting",)
 ALGORITHMS = ("grpo", "drgrpo", "dapo", "gspo")
 REFILLS = ("batch", "continuous")
 STALENESS_POLICIES = ("keep", "mask", "restart", "drop")
+OVER_SAMPLING = ("fixed", "adaptive")
+ENGINES = ("embedded", "sglang")
+TRAINERS = ("torch", "megatron")
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,10 @@ class TrainConfig:
     """Past max_staleness: keep, mask, restart or drop."""
     mask_offpolicy: bool = False
     """Train only tokens of the current policy version."""
+    over_sampling: str = "fixed"
+    """"fixed": N' groups in flight; "adaptive": keep target_inflight_samples samples live (APRIL only)."""
+    target_inflight_samples: int | None = None
+    """Adaptive over-sampling: samples kept live (queued or generating); required with over_sampling="adaptive"."""
     temperature: float = 1.0
     """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
@@ -94,7 +102,30 @@ class TrainConfig:
     """Engine: tokens per KV page."""
     device: str = "cpu"
     """Engine and trainer device ("cpu", "cuda", "cuda:1")."""
+    engine: str = "embedded"
+    """Rollout engine: "embedded" (in-process) or "sglang" (SGLang servers over HTTP)."""
+    sglang_urls: tuple[str, ...] = ()
+    """engine=sglang: running SGLang worker urls (comma-separated on the command line); they must serve model."""
+    sglang_router_url: str | None = None
+    """engine=sglang: an SGLang router url instead of sglang_urls."""
+    sglang_launch: bool = False
+    """engine=sglang: start sglang_num_servers servers on this machine, loading the run's initial weights."""
+    sglang_num_servers: int = 1
+    """sglang_launch: servers started."""
+    sglang_module: str = "sglang.launch_server"
+    """sglang_launch: the server module run as python -m (april_ext.server is the embedded stand-in)."""
+    sglang_args: str = ""
+    """sglang_launch: extra server flags, shell-quoted (e.g. "--mem-fraction-static 0.7")."""
+    sglang_launch_timeout_s: float = 600.0
+    """sglang_launch: seconds a server may take to become healthy."""
+    sglang_weight_sync_dir: str | None = None
+    """engine=sglang: directory the servers load new weights from (a shared file system); None:
+    <output_dir>/sglang/weight_sync."""
+    sglang_stream: bool = True
+    """engine=sglang: stream responses (tokens as they come) or one non-streaming request per sample."""
     # --- training
+    trainer: str = "torch"
+    """Trainer: "torch" (april_ext.model) or "megatron" (a megatron-core GPTModel; needs april_ext[megatron])."""
     algorithm: str = "grpo"
     """grpo, drgrpo, dapo (clip-higher + dynamic-sampling filter) or gspo."""
     lr: float = 2e-3
@@ -130,6 +161,8 @@ class TrainConfig:
     """Show tqdm progress bars."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.sglang_urls, list):  # TOML arrays arrive as lists
+            object.__setattr__(self, "sglang_urls", tuple(self.sglang_urls))
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), _hints()[f.name])
         if self.task is not None and self.task not in TASKS:
@@ -173,6 +206,46 @@ class TrainConfig:
             _bad("tis_cap", self.tis_cap, "None or a finite number > 0")
         if not 0 < self.top_p <= 1:
             _bad("top_p", self.top_p, "a number in (0, 1]")
+        for name, allowed in (("over_sampling", OVER_SAMPLING), ("engine", ENGINES), ("trainer", TRAINERS)):
+            if getattr(self, name) not in allowed:
+                _bad(name, getattr(self, name), f"one of {allowed}")
+        if self.over_sampling == "adaptive":
+            if self.target_inflight_samples is None or self.target_inflight_samples < self.n_samples_per_prompt:
+                _bad("target_inflight_samples", self.target_inflight_samples,
+                     f"an int >= n_samples_per_prompt ({self.n_samples_per_prompt}) with over_sampling='adaptive'")
+        elif self.target_inflight_samples is not None:
+            _bad("target_inflight_samples", self.target_inflight_samples, "None unless over_sampling='adaptive'")
+        self._check_sglang()
+
+    def _check_sglang(self) -> None:
+        for url in (*self.sglang_urls, *([self.sglang_router_url] if self.sglang_router_url else [])):
+            if not url.startswith(("http://", "https://")):
+                _bad("sglang_urls" if url in self.sglang_urls else "sglang_router_url", url,
+                     "http:// or https:// urls")
+        sources = [name for name, on in (("sglang_urls", bool(self.sglang_urls)),
+                                         ("sglang_router_url", self.sglang_router_url is not None),
+                                         ("sglang_launch", self.sglang_launch)) if on]
+        if self.engine == "embedded" and sources:
+            _bad(sources[0], getattr(self, sources[0]), "unset unless engine='sglang'")
+        if self.engine == "sglang" and len(sources) != 1:
+            _bad("engine", self.engine, "exactly one of sglang_urls, sglang_router_url or sglang_launch=true "
+                 f"with engine='sglang' (set: {sources or 'none'})")
+        if self.engine == "sglang" and not self.sglang_launch and self.model is None:
+            _bad("model", None, "the checkpoint directory the SGLang servers serve (the trainer starts from the "
+                 "same weights); or sglang_launch=true, which starts servers on the run's initial weights")
+        if self.sglang_num_servers < 1:
+            _bad("sglang_num_servers", self.sglang_num_servers, "an int >= 1")
+        if not math.isfinite(self.sglang_launch_timeout_s) or self.sglang_launch_timeout_s <= 0:
+            _bad("sglang_launch_timeout_s", self.sglang_launch_timeout_s, "a finite number > 0")
+        if not self.sglang_module:
+            _bad("sglang_module", self.sglang_module, "a module name such as 'sglang.launch_server'")
+        try:
+            args = shlex.split(self.sglang_args)
+        except ValueError as err:
+            _bad("sglang_args", self.sglang_args, f"shell-quoted flags ({err})")
+        owned = sorted({"--model-path", "--model", "--host", "--port"} & {a.split("=")[0] for a in args})
+        if owned:
+            _bad("sglang_args", self.sglang_args, f"flags other than {owned} (the run sets them)")
 
     @property
     def checkpoint_dir(self) -> str:
@@ -239,6 +312,8 @@ def field_docs() -> dict[str, str]:
 def field_type(name: str) -> tuple[type, bool]:
     """(base type, optional) of a TrainConfig field, e.g. (int, True) for ``int | None``."""
     hint = _hints()[name]
+    if typing.get_origin(hint) is tuple:
+        return tuple, False
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if args:
         return args[0], True
@@ -255,12 +330,15 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
         ok = isinstance(value, bool)
     elif base is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base is tuple:
+        ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
     elif base is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     else:
         ok = isinstance(value, base)
     if not ok:
-        _bad(name, value, f"a {base.__name__}" + (" or None" if optional else ""))
+        kind = "a list of strings" if base is tuple else f"a {base.__name__}"
+        _bad(name, value, kind + (" or None" if optional else ""))
 
 
-__all__ = ["ALGORITHMS", "TASKS", "TrainConfig", "field_docs", "field_type"]
+__all__ = ["ALGORITHMS", "ENGINES", "OVER_SAMPLING", "TASKS", "TRAINERS", "TrainConfig", "field_docs", "field_type"]

@@ -1,4 +1,5 @@
-"""The APRIL training loop: scheduler + embedded engine + rewards + torch trainer + checkpoints.
+"""The APRIL training loop: scheduler + rollout engine (embedded or SGLang) + rewards + trainer (torch or
+Megatron) + checkpoints.
 
 Per step: (colocated: the trainer's memory is paused, the engine's KV cache resumed) the rollout loop
 produces a batch at the trainer's policy version; (colocated: the engine's memory is released, the
@@ -29,9 +30,10 @@ from april_ext.algorithms import AlgorithmConfig, reject_uniform_groups
 from april_ext.data_source import DataSource
 from april_ext.engine import AsyncEngine, EngineConfig, EngineCore, SamplingParams
 from april_ext.model import LlamaForCausalLM, load_pretrained
-from april_ext.rollout import RewardFn, RolloutLoop, scheduler_config_for
+from april_ext.rollout import RewardFn, RolloutEngine, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler, SchedulerConfig
 from april_ext.trainer import TorchTrainer, TrainerConfig
+from april_ext.training.backends import build_trainer, open_sglang_engine
 from april_ext.training.checkpoint import CheckpointManager
 from april_ext.training.config import TrainConfig
 
@@ -207,18 +209,17 @@ class TrainingRun:
             rollout_batch_size=config.rollout_batch_size, n_samples_per_prompt=config.n_samples_per_prompt,
             over_sampling_batch_size=config.over_sampling_batch_size, max_response_len=task.max_response_len,
             refill=config.refill, max_staleness=config.max_staleness, staleness_policy=config.staleness_policy,
-            mask_offpolicy=config.mask_offpolicy), config.partial_rollout), task.data)
+            mask_offpolicy=config.mask_offpolicy, over_sampling=config.over_sampling,
+            target_inflight_samples=config.target_inflight_samples), config.partial_rollout), task.data)
         model = task.make_model()
-        engine_model = copy.deepcopy(model)
+        # The embedded engine gets its own copy of the initial weights (SGLang servers load theirs).
+        engine_model = copy.deepcopy(model) if config.engine == "embedded" else None
         algorithm = _algorithm(config)
         prefix = self.memory_tag_prefix
-        self.trainer = TorchTrainer(model, TrainerConfig(
+        self.trainer = build_trainer(config, model, TrainerConfig(
             algorithm=algorithm, lr=config.lr, micro_batch_tokens=config.micro_batch_tokens, device=config.device,
             temperature=config.temperature,
-            colocated=config.colocate, memory_tag=prefix + "trainer"))
-        core = EngineCore(engine_model, EngineConfig(
-            num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-            device=config.device, seed=config.seed, memory_tag_prefix=prefix), weight_version=self.trainer.version)
+            colocated=config.colocate, memory_tag=prefix + "trainer"), self._stack)
         self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.keep_checkpoints)
         os.makedirs(config.output_dir, exist_ok=True)
         self.metrics_path = os.path.join(config.output_dir, METRICS_FILE)
@@ -238,9 +239,17 @@ class TrainingRun:
             total=config.num_steps, initial=self.steps_done, desc=f"train[{self.mode}]", unit="step",
             disable=not config.progress, dynamic_ncols=True, position=self.bar_position))
         self.metrics_file = self._stack.enter_context(open(self.metrics_path, "a", encoding="utf-8"))
-        self.engine = await self._stack.enter_async_context(AsyncEngine(core))
-        if latest is not None:
-            await self.engine.update_weights(self.trainer.export_weights(), self.trainer.version)
+        if config.engine == "sglang":
+            self.engine = await open_sglang_engine(config, self.trainer, model, self._stack)
+        else:
+            assert engine_model is not None
+            core = EngineCore(engine_model, EngineConfig(
+                num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                device=config.device, seed=config.seed, memory_tag_prefix=prefix),
+                weight_version=self.trainer.version)
+            self.engine = await self._stack.enter_async_context(AsyncEngine(core))
+            if latest is not None:
+                await self.engine.update_weights(self.trainer.export_weights(), self.trainer.version)
         self.rollout = RolloutLoop(
             self.engine, self.scheduler, task.reward_fn,
             sampling=SamplingParams(temperature=config.temperature, top_p=config.top_p,
@@ -279,6 +288,9 @@ class TrainingRun:
         self.steps_done += 1
         row = _row(self.steps_done, self.mode, rm, tm, train_s, time.perf_counter() - sync_start,
                    time.perf_counter() - step_start)
+        if config.engine == "sglang":
+            # The labels the servers themselves report after the sync (the trainer's version when it worked).
+            row["engine/server_weight_versions"] = sorted(set((await engine.weight_versions()).values()))
         self.history.append(row)
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
@@ -314,7 +326,7 @@ class StepMemory:
     """Colocated mode: who holds memory when. The engine's memory is released while the trainer trains,
     the trainer's is paused while the engine generates (april_ext.memory under both)."""
 
-    def __init__(self, engine: AsyncEngine, trainer: TorchTrainer) -> None:
+    def __init__(self, engine: RolloutEngine, trainer: TorchTrainer) -> None:
         self.engine = engine
         self.trainer = trainer
 
