@@ -15,10 +15,6 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 import torch.distributed as dist  # noqa: E402
 
-# megatron-core warns about missing Apex / Transformer Engine and its own deprecations on every layer.
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
-              pytest.mark.filterwarnings("ignore::UserWarning:megatron")]
-
 from _trainer_utils import make_batch, make_model  # noqa: E402
 from april_ext.algorithms import AlgorithmConfig  # noqa: E402
 from april_ext.engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
