@@ -7,8 +7,12 @@ import torch
 
 from _engine_utils import GREEDY, TINY, engine, greedy_reference, prompts, tiny_model
 from april_ext.batch import FinishReason
+import april_ext.triton_kernels as triton_kernels
 from april_ext.engine import EngineConfig, EngineCore, SamplingParams, processed_logprobs
-from april_ext.errors import ConfigError, InvalidArgumentError, UnknownIdError
+from april_ext.engine.batch_scheduler import ScheduledChunk
+from april_ext.engine.model_runner import ModelRunner
+from april_ext.engine.sequence import Sequence
+from april_ext.errors import ConfigError, InternalError, InvalidArgumentError, UnknownIdError
 from april_ext.model import LlamaForCausalLM, save_pretrained
 
 
@@ -43,6 +47,47 @@ def test_triton_kernels_path_matches_the_torch_path(model) -> None:
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
     for a, b in zip(triton_out, torch_out):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+# (decode table, extend table, error) for a step of one decode token at position 5 and a 6-token prompt.
+STEP_LAYOUTS = {
+    "valid": ([3, 1], [0, 7], None),
+    "page past the cache": ([3, 8], [0, 7], "entry 8 is not allowed"),
+    "negative page": ([3, 1], [-1, 7], "entry -1 is not allowed"),
+    "table too short": ([3], [0, 7], "has 1 pages, seq_len 6 needs 2"),
+}
+
+
+@pytest.mark.parametrize("layout", STEP_LAYOUTS, ids=list(STEP_LAYOUTS))
+def test_step_metadata_is_checked_once_before_unchecked_kernel_launches(model, monkeypatch, layout) -> None:
+    """The engine validates a step's indices itself, then launches the kernels without their per-call checks."""
+    decode_table, extend_table, error = STEP_LAYOUTS[layout]
+    launches: list[tuple[str, dict[str, object]]] = []
+
+    def fake(name: str):
+        def launch(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            launches.append((name, {k: v for k, v in kwargs.items() if k != "sm_scale"}))
+            return torch.zeros_like(q)
+        return launch
+
+    for name in ("store_kv", "decode_attention", "extend_attention"):
+        monkeypatch.setattr(triton_kernels, name, fake(name))
+    runner = ModelRunner(model, num_blocks=8, block_size=4, use_triton=True,
+                         allocate=lambda shape, dtype, tag: torch.zeros(shape, dtype=dtype))
+    decoding = Sequence("d", list(range(6)), GREEDY, 0, frozenset())
+    decoding.num_computed, decoding.block_table = 5, decode_table
+    prefill = Sequence("p", list(range(6)), GREEDY, 0, frozenset())
+    prefill.block_table = extend_table
+    chunks = [ScheduledChunk(prefill, 6), ScheduledChunk(decoding, 1)]
+    if error is None:
+        assert len(runner.run(chunks)) == 2
+        per_layer = [("store_kv", {"check_indices": False}), ("decode_attention", {"check_indices": False}),
+                     ("extend_attention", {"check_indices": False, "max_extend_len": 6})]
+        assert launches == per_layer * TINY.num_hidden_layers
+    else:
+        with pytest.raises(InternalError, match=error):
+            runner.run(chunks)
+        assert launches == []
 
 
 def test_greedy_resume_equals_uninterrupted_generation(model) -> None:

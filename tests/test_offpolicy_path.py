@@ -2,7 +2,8 @@
 temperature, aborted at a step's end by the real scheduler, resumed under the next policy version, packed
 into a TrainingBatch and read by the torch trainer. Every response token's behavior logprob, version and
 loss mask must be those of the policy that produced it, and the trainer's pi_train (and so the TIS weight
-and the off-policy mask) must be computed on the same distribution the engine sampled from."""
+and the off-policy mask) must be computed on the same distribution the engine sampled from (temperature,
+then top-k / top-p when set)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from april_ext import Scheduler, SchedulerConfig
 from april_ext.scheduler import GenerationRequest
 from april_ext.algorithms import AlgorithmConfig, group_advantages, offpolicy_loss_mask, truncated_is_weights
 from april_ext.batch import FinishReason, TrainingBatch
-from april_ext.engine import EngineConfig, EngineCore, SamplingParams
+from april_ext.engine import EngineConfig, EngineCore, SamplingParams, processed_logprobs
 from april_ext.model import LlamaForCausalLM
 from april_ext.trainer import TorchTrainer, TrainerConfig
+from april_ext.trainer.torch_trainer import DROPPED_LOGPROB
 
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 from _trainer_utils import TASK, make_model
@@ -28,9 +30,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TEMPERATURE = 0.7
 TIS_CAP = 2.0
 STAGGER = 4
+# (top_p, top_k) of the rollouts; the vocabulary has 20 tokens.
+FILTERS = {"temperature only": (1.0, -1), "top-p and top-k": (0.8, 12)}
 
 
-def run_step(sched: Scheduler, core: EngineCore, requests: dict[str, int], version: int) -> TrainingBatch:
+def run_step(sched: Scheduler, core: EngineCore, requests: dict[str, int], version: int, *, top_p: float = 1.0,
+             top_k: int = -1) -> TrainingBatch:
     """One step: stream engine tokens into the scheduler until N groups are accepted, then abort the rest.
 
     Requests of all but the first group dispatched start STAGGER engine steps late, so that they are
@@ -45,7 +50,7 @@ def run_step(sched: Scheduler, core: EngineCore, requests: dict[str, int], versi
             first_group = r.group_id if first_group is None else first_group
             waiting.append((engine_step + (0 if r.group_id == first_group else STAGGER), r))
         for start, r in [w for w in waiting if w[0] <= engine_step]:
-            params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=r.max_new_tokens,
+            params = SamplingParams(temperature=TEMPERATURE, top_p=top_p, top_k=top_k, max_new_tokens=r.max_new_tokens,
                                     seed=1000 + r.sample_id, stop_token_ids=(TASK.eos_id,))
             requests[core.add_request(r.input_ids.tolist(), params, f"s{r.sample_id}-v{version}")] = r.sample_id
             waiting.remove((start, r))
@@ -66,31 +71,38 @@ def run_step(sched: Scheduler, core: EngineCore, requests: dict[str, int], versi
     return sched.take_batch()
 
 
-def reference_logprobs(model: LlamaForCausalLM, batch: TrainingBatch, i: int) -> np.ndarray:
-    """log softmax(logits / T) of each token of sample i given the tokens before it (full forward, no cache)."""
+def reference_logprobs(model: LlamaForCausalLM, batch: TrainingBatch, i: int, top_p: float = 1.0,
+                       top_k: int = -1) -> np.ndarray:
+    """Logprob of each token of sample i given the tokens before it (full forward, no cache) under the
+    sampler's processing: log softmax(logits / T) over the tokens top-k / top-p keep."""
     seq = torch.from_numpy(batch.tokens[batch.offsets[i]:batch.offsets[i + 1]]).to(torch.int64)
+    params = SamplingParams(temperature=TEMPERATURE, top_p=top_p, top_k=top_k)
     with torch.no_grad():
-        logp = torch.log_softmax(model(seq[None])[0].float() / TEMPERATURE, dim=-1)
+        logits = model(seq[None])[0].float()
+        logp = processed_logprobs(logits, [params] * len(seq))
     out = np.zeros(len(seq), np.float32)
     out[1:] = logp[:-1].gather(1, seq[1:, None]).squeeze(1).numpy()
     return out
 
 
-def test_resumed_sample_reaches_the_trainer_position_by_position():
+@pytest.mark.parametrize("filters", FILTERS, ids=list(FILTERS))
+def test_resumed_sample_reaches_the_trainer_position_by_position(filters):
+    top_p, top_k = FILTERS[filters]
     config = SchedulerConfig(rollout_batch_size=1, n_samples_per_prompt=4, over_sampling_batch_size=3,
                              max_response_len=TASK.max_response_len())
     sched = Scheduler(config, TASK)
     trainer = TorchTrainer(make_model(), TrainerConfig(
-        algorithm=AlgorithmConfig.grpo(tis_cap=TIS_CAP), lr=0.05, temperature=TEMPERATURE, device="cpu"))
+        algorithm=AlgorithmConfig.grpo(tis_cap=TIS_CAP), lr=0.05, temperature=TEMPERATURE, top_p=top_p, top_k=top_k,
+        device="cpu"))
     core = EngineCore(copy.deepcopy(trainer.model), EngineConfig(block_size=4, num_blocks=64, max_num_seqs=6))
     models = {0: copy.deepcopy(trainer.model)}
     requests: dict[str, int] = {}
 
-    trainer.train_step(run_step(sched, core, requests, 0))
+    trainer.train_step(run_step(sched, core, requests, 0, top_p=top_p, top_k=top_k))
     assert sched.stats()["buffered_samples"] > 0
     models[1] = copy.deepcopy(trainer.model)
     core.update_weights(trainer.export_weights().tensors, trainer.version)
-    batch = run_step(sched, core, requests, 1)
+    batch = run_step(sched, core, requests, 1, top_p=top_p, top_k=top_k)
 
     response = batch.loss_mask == 1
     mixed = [i for i in range(batch.n_samples)
@@ -103,15 +115,24 @@ def test_resumed_sample_reaches_the_trainer_position_by_position():
         versions = batch.versions[a + p:b]
         assert (np.diff(versions) >= 0).all() and set(versions.tolist()) <= {0, 1}
         # Each token's behavior logprob is the tempered logprob of the weights of its version.
-        expected = np.where(batch.versions[a:b] == 1, reference_logprobs(models[1], batch, i),
-                            reference_logprobs(models[0], batch, i))
+        expected = np.where(batch.versions[a:b] == 1, reference_logprobs(models[1], batch, i, top_p, top_k),
+                            reference_logprobs(models[0], batch, i, top_p, top_k))
         np.testing.assert_allclose(batch.behavior_logprobs[a + p:b], expected[p:], atol=1e-4)
 
     # The trainer holds version 1: its pi_train is version 1's sampling distribution at every position.
     train_lp = trainer.token_logprobs(batch)
     for i in range(batch.n_samples):
         a, b, p = int(batch.offsets[i]), int(batch.offsets[i + 1]), int(batch.prompt_lens[i])
-        np.testing.assert_allclose(train_lp[a + p:b], reference_logprobs(models[1], batch, i)[p:], atol=1e-4)
+        expected = reference_logprobs(models[1], batch, i, top_p, top_k)[p:]
+        # A version-0 token outside version 1's top-p / top-k has probability 0: the trainer's finite stand-in.
+        expected = np.where(np.isneginf(expected), DROPPED_LOGPROB, expected)
+        np.testing.assert_allclose(train_lp[a + p:b], expected, atol=1e-4)
+        current = batch.versions[a + p:b] == 1
+        np.testing.assert_allclose(train_lp[a + p:b][current], batch.behavior_logprobs[a + p:b][current], atol=1e-4)
+    if top_p < 1:
+        tempered_only = np.concatenate([reference_logprobs(models[1], batch, i)[int(batch.prompt_lens[i]):]
+                                        for i in range(batch.n_samples)])
+        assert np.abs(tempered_only - train_lp[response]).max() > 1e-2, "top-p / top-k dropped no token"
     weights = truncated_is_weights(torch.from_numpy(train_lp), torch.from_numpy(batch.behavior_logprobs),
                                    TIS_CAP).numpy()
     on_policy = response & (batch.versions == 1)
@@ -127,13 +148,17 @@ def test_resumed_sample_reaches_the_trainer_position_by_position():
 
     # The trainer weights the loss of exactly these tokens with exactly these weights (token mean).
     metrics = trainer.train_step(batch)
+    assert all(np.isfinite(v) for v in metrics.values()), metrics
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert metrics["tis_weight"] == pytest.approx(float(weights[response].mean()), rel=1e-4)
     assert metrics["offpolicy_token_frac"] == pytest.approx(off_policy.sum() / response.sum())
 
 
-def test_trainer_temperature_is_validated():
-    with pytest.raises(ValueError, match="temperature"):
-        TrainerConfig(temperature=-1.0)
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 2.0),
+                                          ("top_k", True)])
+def test_trainer_sampling_settings_are_validated(field, value):
+    with pytest.raises(ValueError, match=f"TrainerConfig.{field} must be .* got {value!r}"):
+        TrainerConfig(**{field: value})
 
 
 def test_over_sampling_trains_every_group_once_with_per_group_advantages():

@@ -11,6 +11,7 @@ import torch
 from april_ext import ConfigError, CorruptStateError, InvalidArgumentError, InvalidStateError, PersistenceError
 from april_ext.algorithms import AlgorithmConfig
 from april_ext.trainer import TorchTrainer, Trainer, TrainerConfig, split_by_token_budget
+from april_ext.trainer.torch_trainer import DROPPED_LOGPROB
 
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 from _trainer_utils import make_batch, make_model
@@ -89,6 +90,24 @@ def test_kl_and_minibatches():
     assert metrics["optimizer_steps"] == 2
     # After one update the policy has moved away from the reference: KL > 0.
     assert metrics["kl"] > 0 and "tis_weight" in metrics
+
+
+def test_top_k_top_p_renormalise_pi_train_and_train_finitely():
+    """Rollouts drawn from the full distribution, trained with top-k / top-p: kept tokens gain mass, dropped
+    ones get the finite stand-in, and KL + PPO over two minibatches stay finite with a nonzero gradient."""
+    cfg = config(algorithm=AlgorithmConfig(kl_coef=0.5, tis_cap=2.0), minibatches=2, top_k=3, top_p=0.9)
+    trainer = TorchTrainer(make_model(), cfg)
+    batch = make_batch(trainer.model, 0)
+    response = batch.loss_mask == 1
+    filtered = trainer.token_logprobs(batch)[response]
+    full = TorchTrainer(make_model(), config()).token_logprobs(batch)[response]
+    dropped = filtered == DROPPED_LOGPROB
+    assert dropped.any() and not dropped.all()
+    assert (filtered[~dropped] >= full[~dropped] - 1e-6).all() and (filtered[~dropped] > full[~dropped]).any()
+    metrics = trainer.train_step(batch)
+    assert all(np.isfinite(v) for v in metrics.values()), metrics
+    assert metrics["grad_norm"] > 0
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
 def test_checkpoint_restores_training_exactly(tmp_path):

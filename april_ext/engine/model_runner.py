@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from april_ext.engine.batch_scheduler import ScheduledChunk
-from april_ext.engine.paged_attention import PagedAttention, StepMetadata
+from april_ext.engine.paged_attention import PagedAttention, StepMetadata, check_step
 from april_ext.engine.sampler import sample
 from april_ext.engine.sequence import Sequence
 from april_ext.model import LlamaForCausalLM
@@ -49,22 +49,25 @@ class ModelRunner:
         seq_lens: list[int] = []
         last_rows: list[int] = []
         sampling: list[Sequence] = []
+        tables: list[list[int]] = []
         bs = self.block_size
         for chunk in ordered:
             seq, start = chunk.seq, chunk.seq.num_computed
             end = start + chunk.num_tokens
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             prefix_lens.append(start)
             seq_lens.append(end)
+            tables.append(seq.block_table)
             if chunk.samples:
                 last_rows.append(len(ids) - 1)
                 sampling.append(seq)
+        # Once per step on the host lists, so that the kernels can skip their per-layer checks (and syncs).
+        check_step(tables, prefix_lens, seq_lens, num_blocks=self.k_caches[0].shape[0], block_size=bs)
+        for table, start, end in zip(tables, prefix_lens, seq_lens):
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         max_pages = -(-max(seq_lens) // bs)
-        table_rows = [c.seq.block_table[:max_pages] + [0] * (max_pages - len(c.seq.block_table[:max_pages]))
-                      for c in ordered]
+        table_rows = [t[:max_pages] + [0] * (max_pages - len(t[:max_pages])) for t in tables]
         new = [c.num_tokens for c in ordered[num_decode:]]
         indptr = [0]
         for n in new:

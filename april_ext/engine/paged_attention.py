@@ -14,6 +14,30 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from april_ext.errors import InternalError
+
+
+def check_step(tables: list[list[int]], prefix_lens: list[int], seq_lens: list[int], *, num_blocks: int,
+               block_size: int) -> None:
+    """Validates one step's layout on the host before it becomes device tensors.
+
+    Every sequence needs 0 <= prefix_len < seq_len and a block table holding ceil(seq_len / block_size)
+    pages, each in [0, num_blocks). Slots derive from those pages, so they lie in the cache, and lens lie
+    within the (padded) table's capacity. The Triton kernels then run with check_indices=False: a bad index
+    would read or write out of bounds on the device instead of raising.
+    """
+    for row, (table, prefix, length) in enumerate(zip(tables, prefix_lens, seq_lens)):
+        if not 0 <= prefix < length:
+            raise InternalError(f"step row {row}: prefix_len {prefix} and seq_len {length} are not allowed "
+                                "(0 <= prefix_len < seq_len)")
+        pages = -(-length // block_size)
+        if len(table) < pages:
+            raise InternalError(f"step row {row}: block table has {len(table)} pages, seq_len {length} needs "
+                                f"{pages} of {block_size} tokens")
+        for page in table[:pages]:
+            if not 0 <= page < num_blocks:
+                raise InternalError(f"step row {row}: block table entry {page} is not allowed "
+                                    f"(a block in [0, {num_blocks}))")
 
 
 @dataclass
@@ -52,14 +76,16 @@ class PagedAttention:
         if self.use_triton:
             from april_ext.triton_kernels import decode_attention, extend_attention, store_kv
 
-            store_kv(k, v, kc, vc, m.slot_mapping)
+            # check_step validated the indices once for the step: no per-layer host copy and sync.
+            store_kv(k, v, kc, vc, m.slot_mapping, check_indices=False)
             outs = []
             if m.num_decode:
                 outs.append(decode_attention(q[:d], kc, vc, m.block_table[:m.num_decode], m.seq_lens[:m.num_decode],
-                                             sm_scale=scale))
+                                             sm_scale=scale, check_indices=False))
             if q.shape[0] > d:
                 outs.append(extend_attention(q[d:], k[d:], v[d:], kc, vc, m.qo_indptr, m.block_table[m.num_decode:],
-                                             m.prefix_lens[m.num_decode:], sm_scale=scale))
+                                             m.prefix_lens[m.num_decode:], sm_scale=scale, check_indices=False,
+                                             max_extend_len=m.max_new))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         _store(k, v, kc, vc, m.slot_mapping)
         outs = []

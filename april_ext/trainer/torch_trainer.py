@@ -27,6 +27,8 @@ from april_ext.algorithms import (
     policy_loss,
 )
 from april_ext.batch import TrainingBatch
+from april_ext.engine.sampler import processed_logprobs
+from april_ext.engine.sampling import SamplingParams
 from april_ext.errors import (
     ConfigError,
     CorruptStateError,
@@ -41,6 +43,9 @@ MIXED_PRECISION = ("auto", "bf16", "fp32")
 _STATE_FILE = "trainer_state.pt"
 _REFERENCE_FILE = "reference.safetensors"
 _FORMAT = "april_ext.torch_trainer/1"
+# pi_train of a token that top-k / top-p drop (probability 0): finite, so that PPO ratios, TIS weights and
+# the KL term stay finite (exp(50) fits in float32) and masked products stay 0; it carries no gradient.
+DROPPED_LOGPROB = -50.0
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,11 @@ class TrainerConfig:
     temperature: the rollouts' sampling temperature. pi_train is softmax(logits / temperature), the
         distribution the engine draws from and computes behavior logprobs with, so importance weights
         compare like with like and the gradient is that of the sampling policy; 0 (greedy rollouts) uses
-        the raw logits, as the engine's greedy logprobs do. Top-p / top-k truncation is not applied.
+        the raw logits, as the engine's greedy logprobs do.
+    top_k, top_p: the rollouts' top-k (<= 0: off) and top-p (1.0: off). When set (and temperature > 0),
+        pi_train is the engine's sampling distribution after them (engine.processed_logprobs): the tokens
+        they drop are chosen without gradient, and the log-softmax renormalises over the kept ones; a
+        dropped token (an off-policy token outside the current policy's top-p) gets DROPPED_LOGPROB.
     colocated: weights, gradients, optimizer state (and the KL reference) live in april_ext.memory under
         ``memory_tag``, so ``offload`` / ``onload`` release and restore them (weights and optimizer state
         are backed up to host memory; gradients, zero between steps, are not).
@@ -72,6 +81,8 @@ class TrainerConfig:
     mixed_precision: str = "auto"
     device: str | None = None
     temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
     colocated: bool = False
     memory_tag: str = "trainer"
 
@@ -84,6 +95,10 @@ class TrainerConfig:
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ConfigError(f"TrainerConfig.temperature must be a finite number >= 0 (0: greedy rollouts), "
                               f"got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            raise ConfigError(f"TrainerConfig.top_k must be an integer (<= 0: off), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"TrainerConfig.top_p must be a number in (0, 1] (1.0: off), got {self.top_p!r}")
         if not _is_number(self.weight_decay) or self.weight_decay < 0:
             raise ConfigError(f"TrainerConfig.weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
         if (not isinstance(self.betas, tuple) or len(self.betas) != 2
@@ -171,6 +186,10 @@ class TorchTrainer:
         self.model = model.to(self.device)
         self.model.train()
         self._autocast = _use_bf16_autocast(self.config.mixed_precision, self.device)
+        c = self.config
+        # The rollouts' top-k / top-p, as the engine's sampler takes them; None when neither filters.
+        self._filters = (SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
+                         if c.temperature > 0 and (c.top_k > 0 or c.top_p < 1) else None)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
                                            eps=self.config.adam_eps, weight_decay=self.config.weight_decay)
@@ -294,23 +313,34 @@ class TorchTrainer:
     def _logprobs(self, model: LlamaForCausalLM, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *,
                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probability of each token given the tokens before it in its sample (0 at sample starts) under
-        the sampling distribution (logits / temperature), and that distribution's entropy (without gradient)."""
+        the sampling distribution (logits / temperature, then top-k / top-p), and that distribution's entropy
+        (without gradient)."""
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self._autocast
                     else contextlib.nullcontext())
         with autocast:
             logits = model(tokens, cu_seqlens=cu_seqlens.to(tokens.device))
         logits = logits.float()
+        filters = self._filters
+        if filters is not None:
+            # The engine's own processing picks the kept tokens; the gradient flows through the kept logits.
+            with torch.no_grad():
+                dropped = processed_logprobs(logits.detach(), [filters] * logits.shape[0]) == float("-inf")
+            logits = logits.masked_fill(dropped, float("-inf"))
         if self.config.temperature > 0:
             logits = logits / self.config.temperature
         logp = torch.log_softmax(logits, dim=-1)
         out = torch.zeros(tokens.shape[0], dtype=torch.float32, device=tokens.device)
-        out[1:] = logp[:-1].gather(1, tokens[1:, None]).squeeze(1)
+        picked = logp[:-1].gather(1, tokens[1:, None]).squeeze(1)
+        if filters is not None:
+            picked = torch.where(picked == float("-inf"), torch.full_like(picked, DROPPED_LOGPROB), picked)
+        out[1:] = picked
         starts = cu_seqlens[:-1].to(tokens.device)
         out = out.index_fill(0, starts, 0.0)
         entropy = torch.zeros_like(out)
         if with_entropy:
             with torch.no_grad():
-                entropy[1:] = -(logp[:-1].exp() * logp[:-1]).sum(-1)
+                # entr(0) = 0: dropped tokens add nothing (exp(-inf) * -inf would be nan).
+                entropy[1:] = torch.special.entr(logp[:-1].exp()).sum(-1)
                 entropy.index_fill_(0, starts, 0.0)
         return out, entropy
 

@@ -218,7 +218,7 @@ class TrainingRun:
         prefix = self.memory_tag_prefix
         self.trainer = build_trainer(config, model, TrainerConfig(
             algorithm=algorithm, lr=config.lr, micro_batch_tokens=config.micro_batch_tokens, device=config.device,
-            temperature=config.temperature,
+            temperature=config.temperature, top_p=config.top_p,
             colocated=config.colocate, memory_tag=prefix + "trainer"), self._stack)
         self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.keep_checkpoints)
         os.makedirs(config.output_dir, exist_ok=True)
