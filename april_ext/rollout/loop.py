@@ -28,6 +28,7 @@ from april_ext.engine.sampling import SamplingParams
 from april_ext.errors import InternalError, InvalidArgumentError
 from april_ext.rollout.engine import Clock, RolloutEngine, engine_clock
 from april_ext.scheduler import CompletedGroup, GenerationRequest, Scheduler, SchedulerConfig
+from april_ext.tasks.reward import score_group
 
 RewardFn = Callable[[Prompt, np.ndarray], "float | Awaitable[float]"]
 """Scores one response (token ids) of a prompt; may be a plain function (run in a worker thread) or async."""
@@ -301,13 +302,10 @@ class RolloutLoop:
         if self._async_reward:
             rewards = list(await asyncio.gather(*(self.reward_fn(group.prompt, r) for r in group.responses)))
         else:
-            rewards = await asyncio.to_thread(self._score_group, group)
+            rewards = await asyncio.to_thread(score_group, self.reward_fn, group.prompt, group.responses)
         values = [float(r) for r in rewards]  # type: ignore[arg-type]
         accepted = True if self.group_filter is None else bool(self.group_filter(values))
         self.scheduler.report_rewards(group.group_id, values, accepted)
-
-    def _score_group(self, group: CompletedGroup) -> list[float]:
-        return [self.reward_fn(group.prompt, r) for r in group.responses]  # type: ignore[misc]
 
     # ------------------------------------------------------------------ helpers
 
