@@ -176,7 +176,6 @@ class RolloutLoop:
         end = self.clock()
         self._account(end)
         wall = end - start
-        response_lens = batch.response_lens.tolist()
         metrics = RolloutMetrics(
             policy_version=policy_version, wall_s=wall, time_to_done_s=done_at - start,
             generated_tokens=self._generated, tokens_per_s=self._generated / wall if wall > 0 else 0.0,
@@ -185,7 +184,7 @@ class RolloutLoop:
             occupancy=self._area / wall / self.capacity if wall > 0 else 0.0,
             batch_groups=batch.n_groups,
             reward_mean=float(batch.rewards.mean()) if batch.n_samples else math.nan,
-            response_lens=[int(n) for n in response_lens], scheduler=sched.stats())
+            response_lens=batch.response_lens.tolist(), scheduler=sched.stats())
         return RolloutResult(batch, metrics)
 
     async def drain_rewards(self) -> None:
@@ -278,8 +277,9 @@ class RolloutLoop:
             events, self._token_events = self._token_events, []
             sids = [e[0] for e in events]
             counts = [len(e[1]) for e in events]
-            tokens = np.fromiter(itertools.chain.from_iterable(e[1] for e in events), np.int32, sum(counts))
-            logprobs = np.fromiter(itertools.chain.from_iterable(e[2] for e in events), np.float32, sum(counts))
+            total = sum(counts)
+            tokens = np.fromiter(itertools.chain.from_iterable(e[1] for e in events), np.int32, total)
+            logprobs = np.fromiter(itertools.chain.from_iterable(e[2] for e in events), np.float32, total)
             self.scheduler.on_tokens_batch(sids, counts, tokens, logprobs, [e[3] for e in events])
         if self._finish_events:
             events, self._finish_events = self._finish_events, []
