@@ -28,6 +28,7 @@ from april_ext.engine.sampling import SamplingParams
 from april_ext.errors import InternalError, InvalidArgumentError
 from april_ext.rollout.engine import Clock, RolloutEngine, engine_clock
 from april_ext.scheduler import CompletedGroup, GenerationRequest, Scheduler, SchedulerConfig
+from april_ext.tasks.reward import score_group
 
 RewardFn = Callable[[Prompt, np.ndarray], "float | Awaitable[float]"]
 """Scores one response (token ids) of a prompt; may be a plain function (run in a worker thread) or async."""
@@ -175,7 +176,6 @@ class RolloutLoop:
         end = self.clock()
         self._account(end)
         wall = end - start
-        response_lens = batch.response_lens.tolist()
         metrics = RolloutMetrics(
             policy_version=policy_version, wall_s=wall, time_to_done_s=done_at - start,
             generated_tokens=self._generated, tokens_per_s=self._generated / wall if wall > 0 else 0.0,
@@ -184,7 +184,7 @@ class RolloutLoop:
             occupancy=self._area / wall / self.capacity if wall > 0 else 0.0,
             batch_groups=batch.n_groups,
             reward_mean=float(batch.rewards.mean()) if batch.n_samples else math.nan,
-            response_lens=[int(n) for n in response_lens], scheduler=sched.stats())
+            response_lens=batch.response_lens.tolist(), scheduler=sched.stats())
         return RolloutResult(batch, metrics)
 
     async def drain_rewards(self) -> None:
@@ -277,8 +277,9 @@ class RolloutLoop:
             events, self._token_events = self._token_events, []
             sids = [e[0] for e in events]
             counts = [len(e[1]) for e in events]
-            tokens = np.fromiter(itertools.chain.from_iterable(e[1] for e in events), np.int32, sum(counts))
-            logprobs = np.fromiter(itertools.chain.from_iterable(e[2] for e in events), np.float32, sum(counts))
+            total = sum(counts)
+            tokens = np.fromiter(itertools.chain.from_iterable(e[1] for e in events), np.int32, total)
+            logprobs = np.fromiter(itertools.chain.from_iterable(e[2] for e in events), np.float32, total)
             self.scheduler.on_tokens_batch(sids, counts, tokens, logprobs, [e[3] for e in events])
         if self._finish_events:
             events, self._finish_events = self._finish_events, []
@@ -301,13 +302,10 @@ class RolloutLoop:
         if self._async_reward:
             rewards = list(await asyncio.gather(*(self.reward_fn(group.prompt, r) for r in group.responses)))
         else:
-            rewards = await asyncio.to_thread(self._score_group, group)
+            rewards = await asyncio.to_thread(score_group, self.reward_fn, group.prompt, group.responses)
         values = [float(r) for r in rewards]  # type: ignore[arg-type]
         accepted = True if self.group_filter is None else bool(self.group_filter(values))
         self.scheduler.report_rewards(group.group_id, values, accepted)
-
-    def _score_group(self, group: CompletedGroup) -> list[float]:
-        return [self.reward_fn(group.prompt, r) for r in group.responses]  # type: ignore[misc]
 
     # ------------------------------------------------------------------ helpers
 

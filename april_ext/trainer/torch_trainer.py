@@ -221,9 +221,9 @@ class TorchTrainer:
         old_logprobs = self._logprobs_no_grad(self.model, inputs.tokens, inputs.offsets) if len(parts) > 1 else None
         sums: dict[str, float] = {}
         grad_norms = []
+        clip = self.config.grad_clip if self.config.grad_clip is not None else math.inf
         for s0, s1 in parts:
             self._accumulate_gradients(inputs, s0, s1, old_logprobs, sums)
-            clip = self.config.grad_clip if self.config.grad_clip is not None else math.inf
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, clip)))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)

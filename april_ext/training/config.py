@@ -164,7 +164,7 @@ class TrainConfig:
         if isinstance(self.sglang_urls, list):  # TOML arrays arrive as lists
             object.__setattr__(self, "sglang_urls", tuple(self.sglang_urls))
         for f in fields(self):
-            _check_type(f.name, getattr(self, f.name), _hints()[f.name])
+            _check_type(f.name, getattr(self, f.name))
         if self.task is not None and self.task not in TASKS:
             _bad("task", self.task, f"one of {TASKS}, or None with data")
         if (self.task is None) == (self.data is None):
@@ -320,7 +320,7 @@ def field_type(name: str) -> tuple[type, bool]:
     return hint, False
 
 
-def _check_type(name: str, value: Any, hint: Any) -> None:
+def _check_type(name: str, value: Any) -> None:
     base, optional = field_type(name)
     if value is None:
         if not optional:

@@ -36,6 +36,31 @@ def _check_layout(layout: str) -> None:
         raise ConfigError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
+class _Source:
+    """Tensors by name for one conversion, taken by calling it; names never taken are an error at the end."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], subject: str, *, plural: bool) -> None:
+        self.tensors = tensors
+        self.lacks, self.holds = (f"{subject} lack", f"{subject} hold") if plural else \
+            (f"{subject} lacks", f"{subject} holds")
+        self.used: set[str] = set()
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise InvalidArgumentError(f"{self.lacks} {name!r}, which the config requires")
+        self.used.add(name)
+        return self.tensors[name]
+
+    def check_all_taken(self, meaning: str) -> None:
+        unknown = sorted(set(self.tensors) - self.used)
+        if unknown:
+            raise InvalidArgumentError(f"{self.holds} {len(unknown)} names {meaning}, e.g. {unknown[:3]}")
+
+
+def _suffixes(bias: bool) -> tuple[str, ...]:
+    return ("weight", "bias") if bias else ("weight",)
+
+
 def _dims(config: ModelConfig) -> tuple[int, int, int]:
     assert config.num_key_value_heads is not None and config.head_dim is not None
     groups = config.num_key_value_heads
@@ -74,13 +99,7 @@ def hf_to_megatron(weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, to
     hf = dict(weights.items() if isinstance(weights, Mapping) else weights)
     if config.tie_word_embeddings:
         hf.pop("lm_head.weight", None)
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise InvalidArgumentError(f"HF weights lack {name!r}, which the config requires")
-        used.add(name)
-        return hf[name]
+    take = _Source(hf, "HF weights", plural=True)
 
     attn_norm, mlp_norm = _NORM_NAMES[layout]
     out = {"embedding.word_embeddings.weight": take("model.embed_tokens.weight"),
@@ -91,21 +110,17 @@ def hf_to_megatron(weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, to
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + attn_norm] = take(h + "input_layernorm.weight")
         out[m + mlp_norm] = take(h + "post_attention_layernorm.weight")
-        suffixes = ("weight", "bias") if config.qkv_bias else ("weight",)
-        for s in suffixes:
+        for s in _suffixes(config.qkv_bias):
             out[m + f"self_attention.linear_qkv.{s}"] = fuse_qkv(
                 take(h + f"self_attn.q_proj.{s}"), take(h + f"self_attn.k_proj.{s}"),
                 take(h + f"self_attn.v_proj.{s}"), config)
-        for s in ("weight", "bias") if config.o_bias else ("weight",):
+        for s in _suffixes(config.o_bias):
             out[m + f"self_attention.linear_proj.{s}"] = take(h + f"self_attn.o_proj.{s}")
-        for s in ("weight", "bias") if config.mlp_bias else ("weight",):
+        for s in _suffixes(config.mlp_bias):
             out[m + f"mlp.linear_fc1.{s}"] = torch.cat((take(h + f"mlp.gate_proj.{s}"),
                                                         take(h + f"mlp.up_proj.{s}")), dim=0)
             out[m + f"mlp.linear_fc2.{s}"] = take(h + f"mlp.down_proj.{s}")
-    unknown = sorted(set(hf) - used)
-    if unknown:
-        raise InvalidArgumentError(f"HF weights hold {len(unknown)} names this config has no parameter for, "
-                                   f"e.g. {unknown[:3]}")
+    take.check_all_taken("this config has no parameter for")
     return out
 
 
@@ -115,26 +130,20 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, *,
     ``_extra_state`` entries are ignored; any other unexpected name is an error."""
     _check_layout(layout)
     mg = {k: v for k, v in state.items() if not k.endswith("._extra_state")}
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in mg:
-            raise InvalidArgumentError(f"Megatron state lacks {name!r}, which the config requires")
-        used.add(name)
-        return mg[name]
+    take = _Source(mg, "Megatron state", plural=False)
 
     attn_norm, mlp_norm = _NORM_NAMES[layout]
     out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")}
     inter = config.intermediate_size
     for i in range(config.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for s in ("weight", "bias") if config.qkv_bias else ("weight",):
+        for s in _suffixes(config.qkv_bias):
             q, k, v = split_qkv(take(m + f"self_attention.linear_qkv.{s}"), config)
             out[h + f"self_attn.q_proj.{s}"], out[h + f"self_attn.k_proj.{s}"] = q, k
             out[h + f"self_attn.v_proj.{s}"] = v
-        for s in ("weight", "bias") if config.o_bias else ("weight",):
+        for s in _suffixes(config.o_bias):
             out[h + f"self_attn.o_proj.{s}"] = take(m + f"self_attention.linear_proj.{s}")
-        for s in ("weight", "bias") if config.mlp_bias else ("weight",):
+        for s in _suffixes(config.mlp_bias):
             fc1 = take(m + f"mlp.linear_fc1.{s}")
             if fc1.shape[0] != 2 * inter:
                 raise InvalidArgumentError(f"{m}mlp.linear_fc1.{s} has {fc1.shape[0]} rows, the config needs "
@@ -148,9 +157,6 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, *,
         out["lm_head.weight"] = take("output_layer.weight")
     else:
         # A GPTModel that shares embeddings has no output_layer.weight on its first pipeline stage.
-        used.add("output_layer.weight")
-    unknown = sorted(set(mg) - used)
-    if unknown:
-        raise InvalidArgumentError(f"Megatron state holds {len(unknown)} names this config has no HF weight "
-                                   f"for, e.g. {unknown[:3]}")
+        take.used.add("output_layer.weight")
+    take.check_all_taken("this config has no HF weight for")
     return out
