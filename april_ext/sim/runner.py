@@ -111,6 +111,16 @@ class SimConfig:
         return cluster_preset(self.cluster, num_engines=self.num_engines, mixed_chunk=self.mixed_chunk,
                               chunked_prefill_size=self.chunked_prefill_size)
 
+    @property
+    def bound_version(self) -> int:
+        """Weight version of the run's middle step: the bound and the natural lengths are taken there."""
+        return (self.steps - 1) // 2
+
+    def occupancy_bound(self) -> OccupancyBound:
+        """The full-occupancy bound of this cluster and length model (see full_occupancy_bound)."""
+        return full_occupancy_bound(self.cluster_config(), self.length_model(), self.max_response_len,
+                                    self.prompt_len, self.bound_version)
+
     def length_model(self) -> LengthModel:
         if not isinstance(self.lengths, str):
             return self.lengths
@@ -180,10 +190,10 @@ async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None)
     started = time.perf_counter()
     cluster = config.cluster_config()
     lengths = config.length_model()
-    mid_version = (config.steps - 1) // 2
     if bound is None:
-        bound = full_occupancy_bound(cluster, lengths, config.max_response_len, config.prompt_len, mid_version)
-    natural = np.minimum(lengths.natural_lengths(mid_version), config.max_response_len)
+        bound = full_occupancy_bound(cluster, lengths, config.max_response_len, config.prompt_len,
+                                     config.bound_version)
+    natural = np.minimum(lengths.natural_lengths(config.bound_version), config.max_response_len)
     capacity = cluster.num_engines * max(1, round(bound.mean_batch))
     scheduler = Scheduler(config.scheduler_config(capacity), SyntheticPrompts(config.dataset_size, config.prompt_len))
     reports = []
@@ -211,10 +221,7 @@ def simulate(config: SimConfig, bound: OccupancyBound | None = None) -> SimResul
 
 def compare(config: SimConfig, modes: tuple[str, ...] = MODES) -> dict[str, SimResult]:
     """The same configuration in several modes, measured against one shared bound."""
-    cluster = config.cluster_config()
-    lengths = config.length_model()
-    bound = full_occupancy_bound(cluster, lengths, config.max_response_len, config.prompt_len,
-                                 (config.steps - 1) // 2)
+    bound = config.occupancy_bound()
     return {mode: simulate(replace(config, mode=mode), bound) for mode in modes}  # type: ignore[arg-type]
 
 
