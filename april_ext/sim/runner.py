@@ -159,24 +159,24 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
     efficiency x bound would not be the reported throughput.)
     """
     steady = steps[1:] if len(steps) > 1 else steps
-    time = sum(s.rollout_s for s in steady)
+    seconds = sum(s.rollout_s for s in steady)
     tokens = sum(s.generated_tokens for s in steady)
     discarded = sum(s.discarded_tokens for s in steady)
     trained = np.concatenate([np.asarray(s.response_lens, np.int64) for s in steps])
     bias = length_bias(trained, natural)
     durations = [s.rollout_s for s in steady]
     batch_tokens = [float(s.trained_tokens) for s in steady]
-    tokens_per_s = tokens / time if time > 0 else 0.0
+    tokens_per_s = tokens / seconds if seconds > 0 else 0.0
     return {
         "tokens_per_s": tokens_per_s,
-        "useful_tokens_per_s": (tokens - discarded) / time if time > 0 else 0.0,
+        "useful_tokens_per_s": (tokens - discarded) / seconds if seconds > 0 else 0.0,
         "efficiency": tokens_per_s / bound.tokens_per_s if bound.tokens_per_s > 0 else 0.0,
         "bubble_fraction": _weighted([s.bubble_fraction for s in steady], durations),
         "partial_token_ratio": _weighted([s.partial_token_ratio for s in steady], batch_tokens),
         "offpolicy_token_ratio": _weighted([s.offpolicy_token_ratio for s in steady], batch_tokens),
         "re_prefill_time_fraction": _weighted([s.re_prefill_time_fraction for s in steady], durations),
         "max_staleness": float(max((len(s.staleness_histogram) - 1 for s in steps), default=0)),
-        "rollout_s": time / len(steady),
+        "rollout_s": seconds / len(steady),
         "length_mean_ratio": bias["mean_ratio"],
         "length_w1_rel": bias["w1_rel"],
         "first_step_length_w1_rel": steps[0].length_w1_rel,
