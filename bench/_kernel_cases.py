@@ -8,6 +8,7 @@ ratio is never measured against a baseline that computes something else.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import types
@@ -91,7 +92,7 @@ class Case:
 
     @property
     def qo_indptr(self) -> torch.Tensor:
-        return torch.tensor([0] + _cumsum(self.new_lens), dtype=torch.int32, device=self.q.device)
+        return torch.tensor([0, *itertools.accumulate(self.new_lens)], dtype=torch.int32, device=self.q.device)
 
     @property
     def prefix_tensor(self) -> torch.Tensor:
@@ -115,14 +116,6 @@ class Case:
         s = self.shape
         elem = torch.empty((), dtype=s.dtype).element_size()
         return 2.0 * sum(self.prefix_lens) * s.kv_heads * s.head_dim * elem
-
-
-def _cumsum(values: list[int]) -> list[int]:
-    total, out = 0, []
-    for v in values:
-        total += v
-        out.append(total)
-    return out
 
 
 def make_case(shape: Shape, device: torch.device, page_size: int | None = None, seed: int = 0) -> Case:
@@ -312,7 +305,7 @@ def flash_attn(case: Case) -> Callable[[], torch.Tensor]:
         return lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens_t, block_table=table,
                                                causal=True).squeeze(1)
     cu_q = case.qo_indptr
-    cu_k = torch.tensor([0] + _cumsum(lens), dtype=torch.int32, device=case.q.device)
+    cu_k = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=case.q.device)
     return lambda: flash_attn_varlen_func(case.q, k_cache, v_cache, cu_q, cu_k, max(case.new_lens), max(lens),
                                           causal=True, block_table=table)
 

@@ -68,8 +68,7 @@ def run(core: EngineCore, batch: int) -> Result:
     for prompt, params in workload(batch):
         core.add_request(prompt, params)
     prefill_s = decode_s = 0.0
-    start_prefill, start_decode, start_gen = (core.stats().prefill_tokens, core.stats().decode_tokens,
-                                              core.stats().generated_tokens)
+    start = core.stats()
     begin = time.perf_counter()
     while core.has_unfinished():
         before = core.stats().prefill_tokens
@@ -82,8 +81,9 @@ def run(core: EngineCore, batch: int) -> Result:
             decode_s += elapsed
     total = time.perf_counter() - begin
     stats = core.stats()
-    return Result(batch, stats.generated_tokens - start_gen, total, stats.prefill_tokens - start_prefill,
-                  prefill_s, stats.decode_tokens - start_decode, decode_s)
+    return Result(batch, stats.generated_tokens - start.generated_tokens, total,
+                  stats.prefill_tokens - start.prefill_tokens, prefill_s, stats.decode_tokens - start.decode_tokens,
+                  decode_s)
 
 
 @pytest.mark.parametrize("batch", BATCHES)

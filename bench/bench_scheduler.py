@@ -25,17 +25,14 @@ PROMPT = list(range(100, 164))
 RESULTS: dict[str, float] = {}
 
 
-def _april(max_len: int) -> Scheduler:
-    cfg = SchedulerConfig(rollout_batch_size=32, n_samples_per_prompt=N, over_sampling_batch_size=GROUPS,
-                          max_response_len=max_len)
-    sched = Scheduler(cfg, ListDataSource([Prompt(id=i, token_ids=PROMPT) for i in range(1000)]))
-    sched.begin_step(0)
-    assert len(sched.dispatch()) == GROUPS * N
-    return sched
-
-
-def _python(max_len: int) -> PythonScheduler:
-    sched = PythonScheduler(32, N, GROUPS, max_len, [PROMPT] * 1000)
+def _scheduler(impl: str, max_len: int) -> Scheduler | PythonScheduler:
+    """The ``impl`` ("april" or "python") scheduler with its first GROUPS x N samples dispatched."""
+    if impl == "april":
+        cfg = SchedulerConfig(rollout_batch_size=32, n_samples_per_prompt=N, over_sampling_batch_size=GROUPS,
+                              max_response_len=max_len)
+        sched = Scheduler(cfg, ListDataSource([Prompt(id=i, token_ids=PROMPT) for i in range(1000)]))
+    else:
+        sched = PythonScheduler(32, N, GROUPS, max_len, [PROMPT] * 1000)
     sched.begin_step(0)
     assert len(sched.dispatch()) == GROUPS * N
     return sched
@@ -59,7 +56,7 @@ def test_token_events(benchmark, impl, chunk):
     """on_tokens_batch with one chunk for each of 512 running samples (chunk=1: one decode step)."""
     rounds = 256 // chunk * 4
     max_len = PREFILL + (rounds + 1) * chunk + 1  # + the warm-up round
-    sched = _april(max_len) if impl == "april" else _python(max_len)
+    sched = _scheduler(impl, max_len)
     _prefill(sched)
     args = _events(chunk)
     benchmark.group = f"token events, chunk={chunk}"
@@ -72,7 +69,7 @@ def test_token_events(benchmark, impl, chunk):
 def _step_ready(impl: str):
     """A step at N = 32 x 8 with N' = 64: 32 groups finished and accepted, 32 still generating."""
     cap = 4096
-    sched = _april(cap) if impl == "april" else _python(cap)
+    sched = _scheduler(impl, cap)
     rng = np.random.default_rng(7)
     n = GROUPS * N
     lens = np.minimum(cap - 1, rng.lognormal(6.5, 1.0, n).astype(np.int64) + 1)
@@ -107,7 +104,7 @@ def test_buffered_memory(benchmark, impl):
     """Bytes per buffered token (tokens + logprobs + versions) of 512 aborted partial responses."""
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    sched = _april(PREFILL + 1) if impl == "april" else _python(PREFILL + 1)
+    sched = _scheduler(impl, PREFILL + 1)
     _prefill(sched)
     ids = np.arange(GROUPS * N, dtype=np.int64)
     sched.on_finish_batch(ids, np.full(ids.size, 2, np.uint8))

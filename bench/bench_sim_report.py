@@ -21,7 +21,6 @@ from dataclasses import replace
 import numpy as np
 
 from april_ext.sim.lengths import LENGTH_PRESETS
-from april_ext.sim.metrics import full_occupancy_bound
 from april_ext.sim.runner import SimConfig, compare, gain, simulate
 
 # Rollout-throughput gains reported in the APRIL paper (arXiv 2509.18521), Qwen3-4B/8B on 8 GPUs.
@@ -113,8 +112,7 @@ def saturated(cluster: str, steps: int) -> list[dict[str, object]]:
     rows = []
     for preset in LENGTH_PRESETS:
         config = paper_config(preset, "grpo", cluster, steps)
-        bound = full_occupancy_bound(config.cluster_config(), config.length_model(), config.max_response_len,
-                                     config.prompt_len, (steps - 1) // 2)
+        bound = config.occupancy_bound()
         cap = config.num_engines * round(bound.mean_batch)
         s = simulate(replace(config, mode="april-continuous", over_sampling_batch_size=192,
                              max_inflight_samples=cap), bound).summary

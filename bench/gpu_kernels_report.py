@@ -156,7 +156,7 @@ def bench_shape(shape: kc.Shape, rep_ms: int, deadline: float, device: torch.dev
     case = kc.make_case(shape, device)
     entry = entry if entry is not None else {}
     entry |= {"shape": {k: str(v) for k, v in vars(shape).items()}, "flops": case.flops(),
-                   "kv_bytes": case.kv_bytes(), "tokens": sum(case.new_lens), "results": {}}
+              "kv_bytes": case.kv_bytes(), "tokens": sum(case.new_lens), "results": {}}
 
     def record(name: str, fn, out_ref: torch.Tensor | None) -> torch.Tensor | None:
         if time.monotonic() > deadline:
@@ -192,13 +192,12 @@ def bench_shape(shape: kc.Shape, rep_ms: int, deadline: float, device: torch.dev
         paged256 = kc.make_case(shape, device, page_size=256)
         record("ours_page256", kc.ours(paged256), None)
         del paged256
-    entry["results"]["gather_kv"] = {}
     try:
         entry["results"]["gather_kv"] = {"ms": bench_one(kc.gather_time_fn(case), rep_ms)}
     except Exception as exc:  # noqa: BLE001
         entry["results"]["gather_kv"] = {"error": str(exc)[:500]}
+    pairs = case.flops() / (4.0 * shape.q_heads * shape.head_dim)
     for name, make in kc.BASELINES.items():
-        pairs = case.flops() / (4.0 * shape.q_heads * shape.head_dim)
         if name == "reference" and pairs * shape.q_heads > REFERENCE_MAX_PAIRS:
             entry["results"][name] = {"skipped": "too large for the dense reference"}
             continue

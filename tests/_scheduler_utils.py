@@ -68,16 +68,17 @@ class FakeEngine:
         """One chunk for every running sample, then the finishes."""
         ids, counts, toks, lps, finished, reasons = [], [], [], [], [], []
         for sid, run in self.running.items():
-            end = min(run.generated + self.chunk, self.target_len(sid), run.budget_end)
+            target = self.target_len(sid)
+            end = min(run.generated + self.chunk, target, run.budget_end)
             pos = np.arange(run.generated, end)
             ids.append(sid)
             counts.append(pos.size)
             toks.append(token_at(sid, pos))
             lps.append(logprob_at(pos))
             run.generated = end
-            if end >= self.target_len(sid) or end >= run.budget_end:
+            if end >= target or end >= run.budget_end:
                 finished.append(sid)
-                reasons.append(0 if end >= self.target_len(sid) else 1)
+                reasons.append(0 if end >= target else 1)
         if ids:
             self.sched.on_tokens_batch(ids, counts, np.concatenate(toks), np.concatenate(lps),
                                        np.full(len(ids), self.version))

@@ -15,6 +15,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 import torch.distributed as dist  # noqa: E402
 
+from _torch_threads import one_torch_thread  # noqa: E402
 from _trainer_utils import make_batch, make_model  # noqa: E402
 from april_ext.algorithms import AlgorithmConfig  # noqa: E402
 from april_ext.engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
@@ -44,13 +45,11 @@ MODELS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def megatron_runtime():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    assert not dist.is_initialized()
-    parallel.initialize(seed=0)
-    yield
-    parallel.shutdown()
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        assert not dist.is_initialized()
+        parallel.initialize(seed=0)
+        yield
+        parallel.shutdown()
     assert not dist.is_initialized()
 
 

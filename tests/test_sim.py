@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 
+from _torch_threads import one_thread  # noqa: F401 (fixture)
 from april_ext.batch import FinishReason
 from april_ext.data_source import ListDataSource, Prompt
 from april_ext.engine import AsyncEngine, EngineConfig, EngineCore, SamplingParams
@@ -472,8 +472,8 @@ def _accounting(results) -> list[tuple[int, ...]]:
              r.metrics.scheduler["groups_completed"]) for r in results]
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_simulator_and_embedded_engine_agree_on_partial_and_surplus_accounting():
-    torch.set_num_threads(1)
     prompts = [[1 + i, 7, 9, 11] for i in range(6)]
     # Two short groups finish first in step 0; the long ones are aborted, resumed first in step 1 and finish
     # before the two new long groups, which become the partials of step 2.

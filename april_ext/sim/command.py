@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output_dir:
         os.makedirs(args.output_dir, exist_ok=True)
         write_json(results, os.path.join(args.output_dir, "report.json"))
-        natural = np.minimum(config.length_model().natural_lengths((config.steps - 1) // 2), config.max_response_len)
+        natural = np.minimum(config.length_model().natural_lengths(config.bound_version), config.max_response_len)
         for path in write_plots(results, args.output_dir, natural):
             print(f"wrote {path}")
     return 0

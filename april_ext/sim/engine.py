@@ -235,11 +235,12 @@ class SimulatedEngine(LoopTaskEngine):
             raise InvalidArgumentError(f"request {rid!r}: {ids.size} input ids + max_new_tokens "
                                        f"{params.max_new_tokens} exceed the KV capacity of {capacity} tokens")
         hasher = hashlib.blake2b(ids.tobytes(), digest_size=16)
-        known = self._resumable.get(hasher.digest())
+        digest = hasher.digest()
+        known = self._resumable.get(digest)
         if known:
             sample = known.popleft()
             if not known:
-                del self._resumable[hasher.digest()]
+                del self._resumable[digest]
             is_resume = ids.size > sample.prompt_len
         else:
             key = prompt_key(ids)

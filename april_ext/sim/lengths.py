@@ -98,7 +98,11 @@ class LogNormalLengths:
         return median, float(rng.beta(a, b))
 
     def draw(self, prompt_key: int, ordinal: int, version: int) -> SampleDraw:
-        median, accuracy = self._prompt(prompt_key)
+        return self._draw(self._prompt(prompt_key), prompt_key, ordinal, version)
+
+    def _draw(self, prompt: tuple[float, float], prompt_key: int, ordinal: int, version: int) -> SampleDraw:
+        """draw() given the prompt's (median, accuracy), so samples of one prompt share that draw."""
+        median, accuracy = prompt
         rng = np.random.default_rng([self.seed, 2, prompt_key, ordinal])
         u_correct, u_runaway, z = rng.random(), rng.random(), rng.standard_normal()
         correct = bool(u_correct < accuracy)
@@ -112,7 +116,8 @@ class LogNormalLengths:
         per_prompt = 8
         # Prompt keys far above any data-source index: a population of fresh prompts.
         keys = range(1 << 40, (1 << 40) + max(1, n // per_prompt))
-        return np.array([self.draw(k, i, version).length for k in keys for i in range(per_prompt)], np.int64)
+        return np.array([self._draw(prompt, k, i, version).length
+                         for k in keys for prompt in (self._prompt(k),) for i in range(per_prompt)], np.int64)
 
 
 # Parameters are our reading of the length profiles the APRIL paper (arXiv 2509.18521) and the dataset

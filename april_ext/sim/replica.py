@@ -161,14 +161,7 @@ class Replica:
         compute = sum(p[2] for p in pieces)
         c.prefill_time += added
         for r, n, t in pieces:
-            share = added * t / compute if compute > 0 else added / len(pieces)
-            c.prefill_tokens += n
-            if r.prefill_kind == "recompute":
-                c.recompute_time += share
-                c.recompute_tokens += n
-            elif r.prefill_kind == "resume":
-                c.resume_prefill_time += share
-                c.resume_prefill_tokens += n
+            self._charge_prefill(r, added * t / compute if compute > 0 else added / len(pieces), n)
             r.prefilled += n
         while self.prefilling and self.prefilling[0].prefilled >= self.prefilling[0].context:
             r = self.prefilling.popleft()
@@ -269,10 +262,10 @@ class Replica:
                 break
             self.waiting.popleft()
             r.running = True
+            r.prefill_kind = "recompute" if r.prefilled_once else "resume" if r.is_resume else "new"
+            r.prefilled_once = True
             batch.append(r)
             if cost.mixed_chunk:
-                r.prefill_kind = "recompute" if r.prefilled_once else "resume" if r.is_resume else "new"
-                r.prefilled_once = True
                 r.prefilled = 0
                 self.prefilling.append(r)
                 self.pending_kv += r.context
@@ -282,22 +275,25 @@ class Replica:
         if not batch or cost.mixed_chunk:
             self._next = None
             return
-        c = self.counters
         total = cost.prefill_fixed_s
         for r in batch:
             t = cost.prefill_time(0, r.context)
             total += t
-            c.prefill_tokens += r.context
-            if r.prefilled_once:
-                c.recompute_time += t
-                c.recompute_tokens += r.context
-            elif r.is_resume:
-                c.resume_prefill_time += t
-                c.resume_prefill_tokens += r.context
-            r.prefilled_once = True
-        c.prefill_time += total
+            self._charge_prefill(r, t, r.context)
+        self.counters.prefill_time += total
         self.seg_t0 += total
         self._next = None
+
+    def _charge_prefill(self, request: SimRequest, seconds: float, tokens: int) -> None:
+        """Count prefill work of ``request`` under the kind its admission set (the caller adds prefill_time)."""
+        c = self.counters
+        c.prefill_tokens += tokens
+        if request.prefill_kind == "recompute":
+            c.recompute_time += seconds
+            c.recompute_tokens += tokens
+        elif request.prefill_kind == "resume":
+            c.resume_prefill_time += seconds
+            c.resume_prefill_tokens += tokens
 
     def remove(self, request: SimRequest) -> None:
         """Take a request out (abort); the caller has synced the replica to now."""

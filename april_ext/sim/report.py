@@ -108,14 +108,14 @@ def write_plots(results: dict[str, SimResult], out_dir: str, natural: np.ndarray
     save(fig, "throughput.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for mode, r in results.items():
+    for i, (mode, r) in enumerate(results.items()):
         steps = [s.step for s in r.steps]
         axes[0].plot(steps, [s.partial_token_ratio for s in r.steps], marker="o", label=f"{mode} partial")
         axes[0].plot(steps, [s.offpolicy_token_ratio for s in r.steps], ls=":", label=f"{mode} off-policy")
         hist = np.zeros(max(len(s.staleness_histogram) for s in r.steps))
         for s in r.steps:
             hist[:len(s.staleness_histogram)] += s.staleness_histogram
-        axes[1].bar(np.arange(hist.size) + 0.25 * list(results).index(mode), hist / hist.sum(), width=0.25,
+        axes[1].bar(np.arange(hist.size) + 0.25 * i, hist / hist.sum(), width=0.25,
                     label=mode)
     axes[0].set_title("token ratios per step")
     axes[1].set_title("staleness of trained samples (versions)")

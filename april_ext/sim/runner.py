@@ -111,6 +111,16 @@ class SimConfig:
         return cluster_preset(self.cluster, num_engines=self.num_engines, mixed_chunk=self.mixed_chunk,
                               chunked_prefill_size=self.chunked_prefill_size)
 
+    @property
+    def bound_version(self) -> int:
+        """Weight version of the run's middle step: the bound and the natural lengths are taken there."""
+        return (self.steps - 1) // 2
+
+    def occupancy_bound(self) -> OccupancyBound:
+        """The full-occupancy bound of this cluster and length model (see full_occupancy_bound)."""
+        return full_occupancy_bound(self.cluster_config(), self.length_model(), self.max_response_len,
+                                    self.prompt_len, self.bound_version)
+
     def length_model(self) -> LengthModel:
         if not isinstance(self.lengths, str):
             return self.lengths
@@ -149,24 +159,24 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
     efficiency x bound would not be the reported throughput.)
     """
     steady = steps[1:] if len(steps) > 1 else steps
-    time = sum(s.rollout_s for s in steady)
+    seconds = sum(s.rollout_s for s in steady)
     tokens = sum(s.generated_tokens for s in steady)
     discarded = sum(s.discarded_tokens for s in steady)
     trained = np.concatenate([np.asarray(s.response_lens, np.int64) for s in steps])
     bias = length_bias(trained, natural)
     durations = [s.rollout_s for s in steady]
     batch_tokens = [float(s.trained_tokens) for s in steady]
-    tokens_per_s = tokens / time if time > 0 else 0.0
+    tokens_per_s = tokens / seconds if seconds > 0 else 0.0
     return {
         "tokens_per_s": tokens_per_s,
-        "useful_tokens_per_s": (tokens - discarded) / time if time > 0 else 0.0,
+        "useful_tokens_per_s": (tokens - discarded) / seconds if seconds > 0 else 0.0,
         "efficiency": tokens_per_s / bound.tokens_per_s if bound.tokens_per_s > 0 else 0.0,
         "bubble_fraction": _weighted([s.bubble_fraction for s in steady], durations),
         "partial_token_ratio": _weighted([s.partial_token_ratio for s in steady], batch_tokens),
         "offpolicy_token_ratio": _weighted([s.offpolicy_token_ratio for s in steady], batch_tokens),
         "re_prefill_time_fraction": _weighted([s.re_prefill_time_fraction for s in steady], durations),
         "max_staleness": float(max((len(s.staleness_histogram) - 1 for s in steps), default=0)),
-        "rollout_s": time / len(steady),
+        "rollout_s": seconds / len(steady),
         "length_mean_ratio": bias["mean_ratio"],
         "length_w1_rel": bias["w1_rel"],
         "first_step_length_w1_rel": steps[0].length_w1_rel,
@@ -180,10 +190,10 @@ async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None)
     started = time.perf_counter()
     cluster = config.cluster_config()
     lengths = config.length_model()
-    mid_version = (config.steps - 1) // 2
     if bound is None:
-        bound = full_occupancy_bound(cluster, lengths, config.max_response_len, config.prompt_len, mid_version)
-    natural = np.minimum(lengths.natural_lengths(mid_version), config.max_response_len)
+        bound = full_occupancy_bound(cluster, lengths, config.max_response_len, config.prompt_len,
+                                     config.bound_version)
+    natural = np.minimum(lengths.natural_lengths(config.bound_version), config.max_response_len)
     capacity = cluster.num_engines * max(1, round(bound.mean_batch))
     scheduler = Scheduler(config.scheduler_config(capacity), SyntheticPrompts(config.dataset_size, config.prompt_len))
     reports = []
@@ -211,10 +221,7 @@ def simulate(config: SimConfig, bound: OccupancyBound | None = None) -> SimResul
 
 def compare(config: SimConfig, modes: tuple[str, ...] = MODES) -> dict[str, SimResult]:
     """The same configuration in several modes, measured against one shared bound."""
-    cluster = config.cluster_config()
-    lengths = config.length_model()
-    bound = full_occupancy_bound(cluster, lengths, config.max_response_len, config.prompt_len,
-                                 (config.steps - 1) // 2)
+    bound = config.occupancy_bound()
     return {mode: simulate(replace(config, mode=mode), bound) for mode in modes}  # type: ignore[arg-type]
 
 
