@@ -58,7 +58,6 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike[str]) 
     """Writes config.json and model.safetensors (HF names; a tied model stores no lm_head.weight)."""
     if not isinstance(model, LlamaForCausalLM):
         raise ConfigError(f"save_pretrained expects a LlamaForCausalLM, got {type(model).__name__}")
-    os.makedirs(directory, exist_ok=True)
     model.config.replace(dtype=str(model.lm_head.weight.dtype).removeprefix("torch.")).save_pretrained(directory)
     save_safetensors(dict(model.named_parameters()), directory)
 
