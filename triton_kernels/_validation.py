@@ -94,6 +94,12 @@ def check_cache(k_cache: object, v_cache: object) -> CacheShape:
     return CacheShape(num_pages, page_size, kv_heads, head_dim)
 
 
+def _check_cache_dtype(cache_dtype: torch.dtype, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dtype != cache_dtype:
+            raise _fail(name, f"dtype {t.dtype} differs from the cache dtype {cache_dtype}")
+
+
 def _check_heads(q_heads: int, cache: CacheShape) -> None:
     if q_heads < 1 or q_heads % cache.kv_heads != 0:
         raise _fail("q", f"query heads {q_heads} must be a positive multiple of the cache's kv heads {cache.kv_heads}")
@@ -165,9 +171,7 @@ def check_extend(q: object, k: object, v: object, k_cache: object, v_cache: obje
     prefix_lens = _tensor("prefix_lens", prefix_lens, 1, INDEX_DTYPES)
     _same_device({"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "qo_indptr": qo_indptr,
                   "block_table": block_table, "prefix_lens": prefix_lens})
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != k_cache.dtype:
-            raise _fail(name, f"dtype {t.dtype} differs from the cache dtype {k_cache.dtype}")
+    _check_cache_dtype(k_cache.dtype, q=q, k=k, v=v)
     tokens, q_heads, head_dim = q.shape
     if head_dim != cache.head_dim:
         raise _fail("q", f"head_dim {head_dim} differs from the cache head_dim {cache.head_dim}")
@@ -210,8 +214,7 @@ def check_decode(q: object, k_cache: object, v_cache: object, block_table: objec
     block_table = _tensor("block_table", block_table, 2, INDEX_DTYPES)
     seq_lens = _tensor("seq_lens", seq_lens, 1, INDEX_DTYPES)
     _same_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table, "seq_lens": seq_lens})
-    if q.dtype != k_cache.dtype:
-        raise _fail("q", f"dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
+    _check_cache_dtype(k_cache.dtype, q=q)
     batch, q_heads, head_dim = q.shape
     if head_dim != cache.head_dim:
         raise _fail("q", f"head_dim {head_dim} differs from the cache head_dim {cache.head_dim}")
@@ -238,9 +241,7 @@ def check_store(k: object, v: object, k_cache: object, v_cache: object, slot_map
     _shape("k", k, (tokens, cache.kv_heads, cache.head_dim))
     _shape("v", v, (tokens, cache.kv_heads, cache.head_dim))
     _shape("slot_mapping", slots, (tokens,))
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != k_cache.dtype:
-            raise _fail(name, f"dtype {t.dtype} differs from the cache dtype {k_cache.dtype}")
+    _check_cache_dtype(k_cache.dtype, k=k, v=v)
     if tokens == 0 or not check_indices:
         return cache
     host = slots.to("cpu", torch.int64)

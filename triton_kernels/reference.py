@@ -2,7 +2,7 @@
 
 Readable rather than fast: each sequence's pages are gathered into a dense K/V, the logits are
 computed in float32, masked, soft-capped and soft-maxed. They validate their arguments exactly like
-the kernels, so they double as the CPU path of the embedded engine.
+the kernels. (The embedded engine's CPU path is its own batched one, april_ext.engine.paged_attention.)
 """
 
 from __future__ import annotations

@@ -74,12 +74,15 @@ class BlockManager:
         seq.prefix_hash = hash(keys[-1]) if keys else 0
         self.allocate(seq, num_tokens)
 
+    def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks for room for `num_tokens` tokens beyond the computed ones."""
+        return self.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table)
+
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether room for `num_tokens` tokens beyond the computed ones fits in free blocks."""
-        return self.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table) <= self.num_free
+        return self._blocks_needed(seq, num_tokens) <= self.num_free
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        needed = self.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table)
+        needed = self._blocks_needed(seq, num_tokens)
         if needed > self.num_free:
             raise InternalError(f"allocate of {needed} blocks with {self.num_free} free (check can_allocate)")
         for _ in range(needed):

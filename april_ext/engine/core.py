@@ -42,10 +42,8 @@ class EngineCore:
         config = config or EngineConfig()
         self.config = config
         device = torch.device(config.device)
-        if config.attention_backend == "triton" or (config.attention_backend == "auto" and device.type == "cuda"):
-            use_triton = True
-        else:
-            use_triton = False
+        use_triton = config.attention_backend == "triton" or (config.attention_backend == "auto"
+                                                              and device.type == "cuda")
         model_config: ModelConfig = model.config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if self.max_model_len > model_config.max_position_embeddings:

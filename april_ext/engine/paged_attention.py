@@ -68,6 +68,8 @@ class PagedAttention:
         self.v_caches = v_caches
         self.meta = meta
         self.use_triton = use_triton
+        # Per group (keyed by its first row): pages, key length and masks, the same in every layer.
+        self._layouts: dict[int, tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
@@ -98,35 +100,48 @@ class PagedAttention:
     def _torch_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: slice,
                          max_new: int, scale: float) -> torch.Tensor:
         """Pads the group's queries to [S, max_new], gathers its pages and runs one masked SDPA."""
-        m = self.meta
-        prefix, seq_lens = m.prefix_lens[rows], m.seq_lens[rows]
-        new = seq_lens - prefix
-        s = new.shape[0]
-        max_len = int(seq_lens.max())
-        pages = m.block_table[rows, :-(-max_len // kc.shape[1])].long()
+        hkv, groups = kc.shape[2], q.shape[1] // kc.shape[2]
+        pages, max_len, valid_q, row_mask = self._layout(rows, max_new, kc.shape[1], groups)
+        s = pages.shape[0]
         keys = kc[pages].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [S, Hkv, L, D]
         values = vc[pages].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        hkv, groups = kc.shape[2], q.shape[1] // kc.shape[2]
-        # Query j of sequence i sits at position prefix[i] + j and sees keys 0..prefix[i] + j.
-        offsets = torch.arange(max_new, device=q.device)
-        valid_q = offsets[None, :] < new[:, None]
-        q_pos = prefix[:, None] + offsets[None, :]
-        k_pos = torch.arange(max_len, device=q.device)
-        mask = k_pos[None, None, :] <= q_pos[:, :, None]
-        mask &= valid_q[:, :, None]
-        mask[:, :, 0] = True  # padded query rows attend to key 0 so their softmax stays finite
         if max_new == 1:
             padded = q[:, None]
         else:
             padded = q.new_zeros(s, max_new, q.shape[1], q.shape[2])
             padded[valid_q] = q
         # GQA without copying K/V per query head: the G query heads of a KV head become G query rows.
-        rows = padded.view(s, max_new, hkv, groups, q.shape[2]).permute(0, 2, 1, 3, 4)
-        rows = rows.reshape(s, hkv, max_new * groups, q.shape[2])
-        row_mask = mask[:, None, :, None, :].expand(s, 1, max_new, groups, max_len).reshape(s, 1, -1, max_len)
-        out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=row_mask, scale=scale)
+        q_rows = padded.view(s, max_new, hkv, groups, q.shape[2]).permute(0, 2, 1, 3, 4)
+        q_rows = q_rows.reshape(s, hkv, max_new * groups, q.shape[2])
+        out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=row_mask, scale=scale)
         out = out.view(s, hkv, max_new, groups, q.shape[2]).permute(0, 2, 1, 3, 4).reshape(padded.shape)
         return out[:, 0] if max_new == 1 else out[valid_q]
+
+    def _layout(self, rows: slice, max_new: int, page_size: int,
+                groups: int) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+        """The group's pages [S, P], key length L, valid query slots [S, max_new] and SDPA mask
+        [S, 1, max_new * groups, L]: built by the first layer, reused by the others."""
+        layout = self._layouts.get(rows.start)
+        if layout is not None:
+            return layout
+        m = self.meta
+        prefix, seq_lens = m.prefix_lens[rows], m.seq_lens[rows]
+        new = seq_lens - prefix
+        s = new.shape[0]
+        max_len = int(seq_lens.max())
+        pages = m.block_table[rows, :-(-max_len // page_size)].long()
+        device = seq_lens.device
+        # Query j of sequence i sits at position prefix[i] + j and sees keys 0..prefix[i] + j.
+        offsets = torch.arange(max_new, device=device)
+        valid_q = offsets[None, :] < new[:, None]
+        q_pos = prefix[:, None] + offsets[None, :]
+        k_pos = torch.arange(max_len, device=device)
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]
+        mask &= valid_q[:, :, None]
+        mask[:, :, 0] = True  # padded query rows attend to key 0 so their softmax stays finite
+        row_mask = mask[:, None, :, None, :].expand(s, 1, max_new, groups, max_len).reshape(s, 1, -1, max_len)
+        layout = self._layouts[rows.start] = (pages, max_len, valid_q, row_mask)
+        return layout
 
 
 def _store(k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -58,11 +58,16 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike[str]) 
     """Writes config.json and model.safetensors (HF names; a tied model stores no lm_head.weight)."""
     if not isinstance(model, LlamaForCausalLM):
         raise ConfigError(f"save_pretrained expects a LlamaForCausalLM, got {type(model).__name__}")
-    os.makedirs(directory, exist_ok=True)
     model.config.replace(dtype=str(model.lm_head.weight.dtype).removeprefix("torch.")).save_pretrained(directory)
-    tensors = {name: param.detach().to("cpu").contiguous() for name, param in model.named_parameters()}
+    save_safetensors(dict(model.named_parameters()), directory)
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLike[str]) -> None:
+    """Writes `directory/model.safetensors` (host copies of the tensors), creating the directory."""
+    os.makedirs(directory, exist_ok=True)
+    host = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     # Write to a temporary name first so a reader never sees a half-written file.
     final = os.path.join(directory, _SINGLE)
     partial = final + ".partial"
-    save_file(tensors, partial, metadata={"format": "pt"})
+    save_file(host, partial, metadata={"format": "pt"})
     os.replace(partial, final)

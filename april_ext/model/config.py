@@ -16,7 +16,8 @@ from april_ext.errors import ConfigError
 # and no o bias; Llama and Mistral read `attention_bias` for all four.
 _SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 _ROPE_TYPES = ("default", "linear", "llama3")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The dtype names config.json (and the serve CLI) may give, and their torch dtypes.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,12 @@ class ModelConfig:
         if self.model_type not in _SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"ModelConfig.model_type must be one of {_SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"ModelConfig.dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"ModelConfig.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

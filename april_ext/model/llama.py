@@ -136,11 +136,10 @@ class LlamaForCausalLM(nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.config = config
-        factory = {"device": device, "dtype": dtype or config.torch_dtype}
-        with torch.device(factory["device"] or "cpu"):
+        with torch.device(device or "cpu"):
             self.model = DecoderModel(config)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.to(dtype=factory["dtype"])
+        self.to(dtype=dtype or config.torch_dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # A plain float32 tensor rather than a buffer, so `.to(dtype)` cannot round the frequencies.

@@ -13,13 +13,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.errors import AprilError, ConfigError
 from april_ext.model import LlamaForCausalLM, ModelConfig
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from april_ext.model.config import DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-version", default="default", help="label of the initial weights")
     parser.add_argument("--seed", type=int, default=0, help="random init seed and the engine's sampling seed")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: the checkpoint's dtype")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's dtype")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV cache pages")
     parser.add_argument("--block-size", "--page-size", dest="block_size", type=int, default=16)
     parser.add_argument("--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=64)
@@ -68,7 +65,7 @@ def build_core(args: argparse.Namespace) -> EngineCore:
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           device=args.device, attention_backend=args.attention_backend, seed=args.seed,
                           weights_cpu_backup=args.enable_weights_cpu_backup)
-    dtype = _DTYPES[args.dtype] if args.dtype else None
+    dtype = DTYPES[args.dtype] if args.dtype else None
     if args.model is not None:
         return EngineCore.from_pretrained(args.model, config, dtype=dtype)
     model = LlamaForCausalLM(ModelConfig.from_pretrained(args.random_init_config), device=args.device, dtype=dtype)

@@ -19,12 +19,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from april_ext.batch import FinishReason
 from april_ext.engine import GenerationChunk, GenerationOutput, SamplingParams
 from april_ext.errors import AprilError, ConfigError, InvalidArgumentError, UnknownIdError
-from april_ext.model.checkpoint import safetensors_files
+from april_ext.model.checkpoint import safetensors_files, save_safetensors
 from april_ext.server.protocol import MEMORY_TAGS, PAUSE_MODES, encode_named_tensors
 from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.errors import SGLangBadRequestError, SGLangHTTPError
@@ -396,7 +395,8 @@ class SGLangEngine:
                 payload = {"serialized_named_tensors": [encode_named_tensors(tensors)], "load_format": None}
                 await self._load_weights("/update_weights_from_tensor", payload, version)
                 return sorted(tensors)
-            weights = _write_checkpoint(tensors, self.config.weight_sync_dir)
+            save_safetensors(tensors, self.config.weight_sync_dir)
+            weights = self.config.weight_sync_dir
         path = os.path.abspath(os.fspath(weights))
         names = []
         for file in safetensors_files(path):
@@ -514,16 +514,6 @@ def _finish(raw: Any, url: str) -> tuple[FinishReason | None, int | None]:
         raise SGLangBadRequestError(url, int(raw["status_code"]), str(raw.get("message")))
     matched = raw.get("matched")
     return _FINISH[kind], matched if isinstance(matched, int) and not isinstance(matched, bool) else None
-
-
-def _write_checkpoint(tensors: dict[str, torch.Tensor], directory: str) -> str:
-    """Writes model.safetensors atomically (a server never reads a half-written file)."""
-    os.makedirs(directory, exist_ok=True)
-    final = os.path.join(directory, "model.safetensors")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, final + ".partial",
-              metadata={"format": "pt"})
-    os.replace(final + ".partial", final)
-    return directory
 
 
 def _tags(tags: Iterable[str] | None) -> list[str] | None:
