@@ -62,12 +62,13 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike[str]) 
     save_safetensors(dict(model.named_parameters()), directory)
 
 
-def save_safetensors(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLike[str]) -> None:
-    """Writes `directory/model.safetensors` (host copies of the tensors), creating the directory."""
+def save_safetensors(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLike[str],
+                     filename: str = _SINGLE) -> None:
+    """Writes `directory/filename` (host copies of the tensors), creating the directory."""
     os.makedirs(directory, exist_ok=True)
     host = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     # Write to a temporary name first so a reader never sees a half-written file.
-    final = os.path.join(directory, _SINGLE)
+    final = os.path.join(directory, filename)
     partial = final + ".partial"
     save_file(host, partial, metadata={"format": "pt"})
     os.replace(partial, final)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from april_ext.algorithms import (
     AlgorithmConfig,
@@ -37,6 +37,7 @@ from april_ext.errors import (
     PersistenceError,
 )
 from april_ext.model import LlamaForCausalLM, iter_safetensors, save_pretrained
+from april_ext.model.checkpoint import save_safetensors
 from april_ext.trainer.protocol import ExportedWeights
 
 MIXED_PRECISION = ("auto", "bf16", "fp32")
@@ -399,8 +400,7 @@ class TorchTrainer:
         """The policy as a Hugging Face checkpoint directory, and the KL reference beside it."""
         save_pretrained(self.model, directory)
         if self.ref_model is not None:
-            save_file({n: p.detach().to("cpu").contiguous() for n, p in self.ref_model.named_parameters()},
-                      os.path.join(directory, _REFERENCE_FILE))
+            save_safetensors(dict(self.ref_model.named_parameters()), directory, _REFERENCE_FILE)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         self._require_onloaded("load_checkpoint")

@@ -15,10 +15,9 @@ import os
 import shlex
 from typing import TYPE_CHECKING
 
-from safetensors.torch import save_file
-
 from april_ext.errors import ConfigError
 from april_ext.model import LlamaForCausalLM
+from april_ext.model.checkpoint import save_safetensors
 from april_ext.trainer import TorchTrainer, TrainerConfig
 from april_ext.training.config import TrainConfig
 
@@ -52,13 +51,10 @@ def write_hf_checkpoint(trainer: TorchTrainer, model: LlamaForCausalLM, director
     """The trainer's current weights as a Hugging Face checkpoint directory (config.json +
     model.safetensors), the model a launched server starts from."""
     os.makedirs(directory, exist_ok=True)
-    exported = trainer.export_weights(to_cpu=True)
-    tensors = {name: t.contiguous() for name, t in exported.tensors}
+    tensors = dict(trainer.export_weights(to_cpu=True).tensors)
     dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     model.config.replace(dtype=dtype).save_pretrained(directory)
-    final = os.path.join(directory, "model.safetensors")
-    save_file(tensors, final + ".partial", metadata={"format": "pt"})
-    os.replace(final + ".partial", final)
+    save_safetensors(tensors, directory)
     return directory
 
 

@@ -12,10 +12,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-from safetensors.torch import save_file
 
 from april_ext.errors import ConfigError
 from april_ext.model import ModelConfig, iter_safetensors
+from april_ext.model.checkpoint import save_safetensors
 from april_ext.trainer.megatron import parallel
 from april_ext.trainer.megatron.model import MegatronCausalLM
 from april_ext.trainer.protocol import ExportedWeights
@@ -97,9 +97,9 @@ class MegatronTrainer(TorchTrainer):
         # An HF checkpoint directory, so the policy of a Megatron checkpoint loads straight into an engine.
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         self.megatron_config.model.replace(dtype=dtype).save_pretrained(directory)
-        _save_hf(self.model.hf_weights(), os.path.join(directory, _MODEL_FILE))
+        save_safetensors(self.model.hf_weights(), directory, _MODEL_FILE)
         if self.ref_model is not None:
-            _save_hf(self.ref_model.hf_weights(), os.path.join(directory, _REFERENCE_FILE))
+            save_safetensors(self.ref_model.hf_weights(), directory, _REFERENCE_FILE)
 
 
 def _weights(source: WeightsSource) -> Iterable[tuple[str, torch.Tensor]]:
@@ -107,8 +107,3 @@ def _weights(source: WeightsSource) -> Iterable[tuple[str, torch.Tensor]]:
         return iter_safetensors(source)
     return source
 
-
-def _save_hf(tensors: dict[str, torch.Tensor], file: str) -> None:
-    partial = file + ".partial"
-    save_file({n: t.to("cpu").contiguous() for n, t in tensors.items()}, partial, metadata={"format": "pt"})
-    os.replace(partial, file)
