@@ -278,8 +278,7 @@ Batch Scheduler::take_batch() {
       b.versions.insert(b.versions.end(), plen, -1);
       for (size_t k = 0; k < smp.segments.size(); ++k) {
         const Segment& seg = smp.segments[k];
-        const size_t end = k + 1 < smp.segments.size() ? smp.segments[k + 1].start : smp.tokens.size();
-        const size_t len = end - seg.start;
+        const size_t len = smp.segment_end(k) - seg.start;
         const int64_t staleness = v - seg.version;
         const bool train = !(config_.mask_offpolicy && seg.version != v) &&
                            !(mask_stale && staleness > config_.max_staleness);
@@ -708,8 +707,7 @@ void Scheduler::sample_response(int64_t sample_id, std::vector<int32_t>& tokens,
   logprobs = smp.logprobs;
   versions.clear();
   for (size_t k = 0; k < smp.segments.size(); ++k) {
-    const size_t end = k + 1 < smp.segments.size() ? smp.segments[k + 1].start : smp.tokens.size();
-    versions.insert(versions.end(), end - smp.segments[k].start, smp.segments[k].version);
+    versions.insert(versions.end(), smp.segment_end(k) - smp.segments[k].start, smp.segments[k].version);
   }
   state = static_cast<uint8_t>(smp.state);
   resumes = smp.resumes;

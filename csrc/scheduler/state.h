@@ -1,6 +1,7 @@
 // Records of the scheduler: samples (one response each) inside groups (one prompt each).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -43,6 +44,8 @@ struct Sample {
   bool in_flight() const { return state == SampleState::Running || state == SampleState::Aborting; }
   int64_t oldest_version() const { return segments.empty() ? -1 : segments.front().version; }
   int64_t last_version() const { return segments.empty() ? -1 : segments.back().version; }
+  // One past the last token of segment k: the next segment's start, or the response's end.
+  size_t segment_end(size_t k) const { return k + 1 < segments.size() ? segments[k + 1].start : tokens.size(); }
 };
 
 enum class GroupState : uint8_t {
