@@ -203,8 +203,7 @@ void Scheduler::complete_if_done(int64_t group_id, Group& g) {
 bool Scheduler::step_done_locked() const {
   if (!s_.step_open) return false;
   if (static_cast<int64_t>(s_.accepted.size()) >= config_.rollout_batch_size) return true;
-  const bool exhausted = s_.data_size >= 0 && s_.prompts_consumed >= s_.data_size;
-  if (!exhausted) return false;
+  if (!s_.data_exhausted()) return false;
   // Out of prompts: done once nothing left could still be accepted.
   for (const auto& [gid, g] : s_.groups) {
     if (g.state != GroupState::Accepted) return false;
@@ -665,7 +664,7 @@ StepStats Scheduler::stats() const {
       }
     }
   }
-  st.data_exhausted = s_.data_size >= 0 && s_.prompts_consumed >= s_.data_size ? 1 : 0;
+  st.data_exhausted = s_.data_exhausted() ? 1 : 0;
   st.prompts_consumed = s_.prompts_consumed;
   return st;
 }
@@ -740,14 +739,7 @@ void Scheduler::deserialize(const std::string& bytes) {
   }
 }
 
-void Scheduler::save(const std::string& path) const {
-  std::string bytes;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    bytes = encode_state(config_, s_);
-  }
-  write_file_atomic(path, bytes);
-}
+void Scheduler::save(const std::string& path) const { write_file_atomic(path, serialize()); }
 
 void Scheduler::load(const std::string& path) { deserialize(read_file(path)); }
 

@@ -85,6 +85,8 @@ struct State {
   double live_fraction = 1.0;    // running mean of the live share of active groups' samples at step ends
   int64_t adaptive_groups = 0;   // N'_t: most groups generating at a time this step (0 before the first step)
   StepStats stats;
+
+  bool data_exhausted() const { return data_size >= 0 && prompts_consumed >= data_size; }
 };
 
 }  // namespace april::sched
