@@ -48,6 +48,13 @@ const char* device_kind_name(DeviceKind kind) {
   return "unknown";
 }
 
+DeviceKind parse_device_kind(const std::string& name) {
+  if (name == "cpu") return DeviceKind::Cpu;
+  if (name == "cuda") return DeviceKind::Cuda;
+  if (name == "hip") return DeviceKind::Hip;
+  throw Error(ErrorKind::InvalidArgument, "device kind '" + name + "' is not allowed: use 'cpu', 'cuda' or 'hip'");
+}
+
 Allocator::Allocator() = default;
 Allocator::~Allocator() = default;
 
@@ -325,13 +332,4 @@ std::vector<TagStats> Allocator::stats() const {
   return out;
 }
 
-}  // namespace april::alloc
-
-namespace april::alloc {
-DeviceKind parse_device_kind(const std::string& name) {
-  if (name == "cpu") return DeviceKind::Cpu;
-  if (name == "cuda") return DeviceKind::Cuda;
-  if (name == "hip") return DeviceKind::Hip;
-  throw Error(ErrorKind::InvalidArgument, "device kind '" + name + "' is not allowed: use 'cpu', 'cuda' or 'hip'");
-}
 }  // namespace april::alloc
