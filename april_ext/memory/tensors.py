@@ -57,7 +57,7 @@ def _raw_bytes(nbytes: int, tag: str, device: str | torch.device, cpu_backup: bo
     kind, index, _ = resolve(device)
     addr = _mem.allocate(nbytes, kind, index, tag, cpu_backup)
     try:
-        capsule = _mem.export_allocation(addr, kind, index)
+        capsule = _mem.export_allocation(addr)
     except BaseException:
         _mem.free(addr)
         raise
