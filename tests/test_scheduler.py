@@ -21,6 +21,7 @@ from april_ext import (
     SchedulerConfig,
     UnknownIdError,
 )
+from april_ext.batch import TrainingBatch
 
 
 def make(n_prompts: int = 50, **kw) -> Scheduler:
@@ -46,6 +47,13 @@ def reward_all(sched: Scheduler, accepted: bool = True) -> list[int]:
     for g in groups:
         sched.report_rewards(g.group_id, [float(i) for i in range(len(g.sample_ids))], accepted)
     return [g.group_id for g in groups]
+
+
+def abort_and_take(sched: Scheduler) -> TrainingBatch:
+    """Ends a done step: every running sample answers its abort, then the batch is taken."""
+    for sid in sched.samples_to_abort():
+        sched.on_finish(sid, "abort")
+    return sched.take_batch()
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -250,9 +258,7 @@ def test_surplus_groups_are_kept_for_the_next_step():
         finish_group(sched, gid, 2)
     reward_all(sched)
     assert sched.step_done
-    for sid in sched.samples_to_abort():
-        sched.on_finish(sid, "abort")
-    assert sched.take_batch().n_groups == 2
+    assert abort_and_take(sched).n_groups == 2
     assert sched.stats()["surplus_groups"] == 1
     sched.begin_step(1)
     reqs = sched.dispatch()
@@ -261,9 +267,7 @@ def test_surplus_groups_are_kept_for_the_next_step():
     finish_group(sched, 3, 2, version=1)
     reward_all(sched)
     assert sched.step_done
-    for sid in sched.samples_to_abort():
-        sched.on_finish(sid, "abort")
-    assert sched.take_batch().prompt_ids == ["p2", "p3"]
+    assert abort_and_take(sched).prompt_ids == ["p2", "p3"]
 
 
 def test_keep_surplus_false_drops_completed_extras():
@@ -323,9 +327,7 @@ def _partial_over_versions(sched: Scheduler, versions: list[int]) -> None:
             finish_group(sched, gid, 2, version=v)
         reward_all(sched)
         assert sched.step_done
-        for sid in sched.samples_to_abort():
-            sched.on_finish(sid, "abort")
-        sched.take_batch()
+        abort_and_take(sched)
 
 
 def test_versions_per_token_right_across_several_resumes():
@@ -354,18 +356,14 @@ def _stale_setup(**kw) -> Scheduler:
     feed(sched, 0, 2, 0)
     finish_group(sched, 1, 2)
     reward_all(sched)
-    for sid in sched.samples_to_abort():
-        sched.on_finish(sid, "abort")
-    sched.take_batch()
+    abort_and_take(sched)
     sched.begin_step(2)
     reqs = sched.dispatch()
     assert {r.sample_id for r in reqs} >= {0, 1}
     feed(sched, 1, 2, 2)
     finish_group(sched, 2, 2, version=2)
     reward_all(sched)
-    for sid in sched.samples_to_abort():
-        sched.on_finish(sid, "abort")
-    sched.take_batch()
+    abort_and_take(sched)
     return sched
 
 
@@ -378,9 +376,7 @@ def _finish_group0(sched: Scheduler, version: int):
     for gid in {r.group_id for r in reqs.values()} - {0}:
         finish_group(sched, gid, 2, version=version)
     reward_all(sched)
-    for sid in sched.samples_to_abort():
-        sched.on_finish(sid, "abort")
-    return sched.take_batch()
+    return abort_and_take(sched)
 
 
 def test_staleness_keep_trains_stale_tokens():
@@ -417,9 +413,7 @@ def test_staleness_restart_restarts_the_sample_from_its_prompt():
     feed(sched, 1, 1, 3)
     sched.on_finish(1, "stop")
     reward_all(sched)
-    for sid in sched.samples_to_abort():
-        sched.on_finish(sid, "abort")
-    batch = sched.take_batch()
+    batch = abort_and_take(sched)
     i = batch.sample_ids.tolist().index(0)
     lo, hi, p = batch.offsets[i], batch.offsets[i + 1], batch.prompt_lens[i]
     assert batch.versions[lo + p:hi].tolist() == [3]
@@ -459,9 +453,7 @@ def test_mask_offpolicy_trains_only_current_version_tokens():
     feed(sched, 2, 3, 0)
     finish_group(sched, 0, 2)
     reward_all(sched)
-    for sid in sched.samples_to_abort():
-        sched.on_finish(sid, "abort")
-    sched.take_batch()
+    abort_and_take(sched)
     sched.begin_step(1)
     sched.dispatch()
     feed(sched, 2, 2, 1)
@@ -469,9 +461,7 @@ def test_mask_offpolicy_trains_only_current_version_tokens():
     feed(sched, 3, 1, 1)
     sched.on_finish(3, "stop")
     reward_all(sched)
-    for sid in sched.samples_to_abort():
-        sched.on_finish(sid, "abort")
-    batch = sched.take_batch()
+    batch = abort_and_take(sched)
     i = batch.sample_ids.tolist().index(2)
     lo, hi, p = batch.offsets[i], batch.offsets[i + 1], batch.prompt_lens[i]
     assert batch.loss_mask[lo + p:hi].tolist() == [0, 0, 0, 1, 1]
@@ -707,9 +697,7 @@ def test_batch_converts_to_torch_without_copies():
     finish_group(sched, 0, 2)
     finish_group(sched, 1, 2)
     reward_all(sched)
-    for sid in sched.samples_to_abort():
-        sched.on_finish(sid, "abort")
-    batch = sched.take_batch()
+    batch = abort_and_take(sched)
     tensors = batch.to_torch()
     assert tensors["tokens"].data_ptr() == batch.tokens.ctypes.data
     assert tensors["versions"].dtype == torch.int32 and tensors["offsets"].dtype == torch.int64

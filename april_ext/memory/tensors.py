@@ -11,7 +11,7 @@ import torch
 
 from april_ext import _C
 from april_ext.errors import InvalidArgumentError
-from april_ext.memory.control import current_region
+from april_ext.memory.control import _check_tag, current_region
 from april_ext.memory.devices import resolve
 
 _mem = _C.memory
@@ -44,8 +44,7 @@ def _resolve_tag(tag: str | None, cpu_backup: bool | None) -> tuple[str, bool]:
         if frame is None:
             raise InvalidArgumentError("tag=None is only allowed inside `with april_ext.memory.region(tag):`")
         tag = frame[0]
-    if not isinstance(tag, str) or not tag:
-        raise InvalidArgumentError(f"tag={tag!r} is not allowed: use a non-empty string")
+    _check_tag(tag)
     if cpu_backup is None:
         cpu_backup = frame[1] if frame is not None and frame[0] == tag else False
     if not isinstance(cpu_backup, bool):
@@ -58,7 +57,7 @@ def _raw_bytes(nbytes: int, tag: str, device: str | torch.device, cpu_backup: bo
     kind, index, _ = resolve(device)
     addr = _mem.allocate(nbytes, kind, index, tag, cpu_backup)
     try:
-        capsule = _mem.export_allocation(addr, kind, index)
+        capsule = _mem.export_allocation(addr)
     except BaseException:
         _mem.free(addr)
         raise

@@ -21,6 +21,22 @@ std::string hex(std::uintptr_t addr) {
   return buf;
 }
 
+// A GPU backend is created on first use; a failed creation is remembered, so later calls report
+// the same reason without loading the driver again.
+template <typename Make>
+Backend& create_once(std::unique_ptr<Backend>& backend, std::string& error, Make make) {
+  if (!backend) {
+    if (!error.empty()) throw Error(ErrorKind::Driver, error);
+    try {
+      backend = make();
+    } catch (const Error& e) {
+      error = e.what();
+      throw;
+    }
+  }
+  return *backend;
+}
+
 }  // namespace
 
 const char* device_kind_name(DeviceKind kind) {
@@ -32,6 +48,13 @@ const char* device_kind_name(DeviceKind kind) {
   return "unknown";
 }
 
+DeviceKind parse_device_kind(const std::string& name) {
+  if (name == "cpu") return DeviceKind::Cpu;
+  if (name == "cuda") return DeviceKind::Cuda;
+  if (name == "hip") return DeviceKind::Hip;
+  throw Error(ErrorKind::InvalidArgument, "device kind '" + name + "' is not allowed: use 'cpu', 'cuda' or 'hip'");
+}
+
 Allocator::Allocator() = default;
 Allocator::~Allocator() = default;
 
@@ -40,31 +63,13 @@ Backend& Allocator::backend_locked(DeviceKind kind) {
     case DeviceKind::Cpu: return cpu_;
     case DeviceKind::Cuda:
 #ifdef APRIL_EXT_WITH_CUDA
-      if (!cuda_) {
-        if (!cuda_error_.empty()) throw Error(ErrorKind::Driver, cuda_error_);
-        try {
-          cuda_ = make_cuda_backend();
-        } catch (const Error& e) {
-          cuda_error_ = e.what();
-          throw;
-        }
-      }
-      return *cuda_;
+      return create_once(cuda_, cuda_error_, make_cuda_backend);
 #else
       throw Error(ErrorKind::InvalidArgument, "device kind 'cuda': april_ext was built without the CUDA backend");
 #endif
     case DeviceKind::Hip:
 #ifdef APRIL_EXT_WITH_HIP
-      if (!hip_) {
-        if (!hip_error_.empty()) throw Error(ErrorKind::Driver, hip_error_);
-        try {
-          hip_ = make_hip_backend();
-        } catch (const Error& e) {
-          hip_error_ = e.what();
-          throw;
-        }
-      }
-      return *hip_;
+      return create_once(hip_, hip_error_, make_hip_backend);
 #else
       throw Error(ErrorKind::InvalidArgument, "device kind 'hip': april_ext was built without the ROCm backend");
 #endif
@@ -327,13 +332,4 @@ std::vector<TagStats> Allocator::stats() const {
   return out;
 }
 
-}  // namespace april::alloc
-
-namespace april::alloc {
-DeviceKind parse_device_kind(const std::string& name) {
-  if (name == "cpu") return DeviceKind::Cpu;
-  if (name == "cuda") return DeviceKind::Cuda;
-  if (name == "hip") return DeviceKind::Hip;
-  throw Error(ErrorKind::InvalidArgument, "device kind '" + name + "' is not allowed: use 'cpu', 'cuda' or 'hip'");
-}
 }  // namespace april::alloc

@@ -21,6 +21,8 @@ namespace april::alloc {
 enum class DeviceKind { Cpu, Cuda, Hip };
 
 const char* device_kind_name(DeviceKind kind);
+// "cpu", "cuda" or "hip"; Error(InvalidArgument) otherwise.
+DeviceKind parse_device_kind(const std::string& name);
 
 struct Device {
   DeviceKind kind = DeviceKind::Cpu;
@@ -135,9 +137,4 @@ class Allocator {
   std::map<std::string, TagRecord> tags_;
 };
 
-}  // namespace april::alloc
-
-namespace april::alloc {
-// "cpu", "cuda" or "hip"; Error(InvalidArgument) otherwise.
-DeviceKind parse_device_kind(const std::string& name);
 }  // namespace april::alloc

@@ -123,11 +123,11 @@ void bind_allocator(py::module_& parent) {
   m.def("take_hook_error", &alloc::take_hook_error);
   m.def("torch_symbols", [] { return py::make_tuple(alloc::torch_malloc_symbol(), alloc::torch_free_symbol()); });
 
-  m.def("export_allocation", [](std::uintptr_t addr, const std::string& kind, int index) {
-    std::size_t nbytes = global_allocator().info(addr).logical_bytes;
-    alloc::DLManagedTensor* managed = alloc::export_allocation(addr, nbytes, to_device(kind, index));
+  m.def("export_allocation", [](std::uintptr_t addr) {
+    const alloc::AllocationInfo i = global_allocator().info(addr);
+    alloc::DLManagedTensor* managed = alloc::export_allocation(addr, i.logical_bytes, i.device);
     return py::capsule(managed, "dltensor", &destroy_capsule);
-  }, py::arg("addr"), py::arg("kind"), py::arg("index"));
+  }, py::arg("addr"));
 }
 
 }  // namespace april::bindings

@@ -5,7 +5,7 @@
 
 namespace april::bindings {
 
-void register_errors(pybind11::module_& m);
+void register_errors();
 void bind_scheduler(pybind11::module_& m);
 void bind_allocator(pybind11::module_& m);
 

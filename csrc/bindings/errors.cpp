@@ -8,8 +8,7 @@ namespace py = pybind11;
 
 namespace april::bindings {
 
-void register_errors(py::module_& m) {
-  (void)m;
+void register_errors() {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

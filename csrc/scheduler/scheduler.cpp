@@ -203,8 +203,7 @@ void Scheduler::complete_if_done(int64_t group_id, Group& g) {
 bool Scheduler::step_done_locked() const {
   if (!s_.step_open) return false;
   if (static_cast<int64_t>(s_.accepted.size()) >= config_.rollout_batch_size) return true;
-  const bool exhausted = s_.data_size >= 0 && s_.prompts_consumed >= s_.data_size;
-  if (!exhausted) return false;
+  if (!s_.data_exhausted()) return false;
   // Out of prompts: done once nothing left could still be accepted.
   for (const auto& [gid, g] : s_.groups) {
     if (g.state != GroupState::Accepted) return false;
@@ -278,8 +277,7 @@ Batch Scheduler::take_batch() {
       b.versions.insert(b.versions.end(), plen, -1);
       for (size_t k = 0; k < smp.segments.size(); ++k) {
         const Segment& seg = smp.segments[k];
-        const size_t end = k + 1 < smp.segments.size() ? smp.segments[k + 1].start : smp.tokens.size();
-        const size_t len = end - seg.start;
+        const size_t len = smp.segment_end(k) - seg.start;
         const int64_t staleness = v - seg.version;
         const bool train = !(config_.mask_offpolicy && seg.version != v) &&
                            !(mask_stale && staleness > config_.max_staleness);
@@ -666,7 +664,7 @@ StepStats Scheduler::stats() const {
       }
     }
   }
-  st.data_exhausted = s_.data_size >= 0 && s_.prompts_consumed >= s_.data_size ? 1 : 0;
+  st.data_exhausted = s_.data_exhausted() ? 1 : 0;
   st.prompts_consumed = s_.prompts_consumed;
   return st;
 }
@@ -708,8 +706,7 @@ void Scheduler::sample_response(int64_t sample_id, std::vector<int32_t>& tokens,
   logprobs = smp.logprobs;
   versions.clear();
   for (size_t k = 0; k < smp.segments.size(); ++k) {
-    const size_t end = k + 1 < smp.segments.size() ? smp.segments[k + 1].start : smp.tokens.size();
-    versions.insert(versions.end(), end - smp.segments[k].start, smp.segments[k].version);
+    versions.insert(versions.end(), smp.segment_end(k) - smp.segments[k].start, smp.segments[k].version);
   }
   state = static_cast<uint8_t>(smp.state);
   resumes = smp.resumes;
@@ -742,14 +739,7 @@ void Scheduler::deserialize(const std::string& bytes) {
   }
 }
 
-void Scheduler::save(const std::string& path) const {
-  std::string bytes;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    bytes = encode_state(config_, s_);
-  }
-  write_file_atomic(path, bytes);
-}
+void Scheduler::save(const std::string& path) const { write_file_atomic(path, serialize()); }
 
 void Scheduler::load(const std::string& path) { deserialize(read_file(path)); }
 

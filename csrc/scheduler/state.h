@@ -1,6 +1,7 @@
 // Records of the scheduler: samples (one response each) inside groups (one prompt each).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -43,6 +44,8 @@ struct Sample {
   bool in_flight() const { return state == SampleState::Running || state == SampleState::Aborting; }
   int64_t oldest_version() const { return segments.empty() ? -1 : segments.front().version; }
   int64_t last_version() const { return segments.empty() ? -1 : segments.back().version; }
+  // One past the last token of segment k: the next segment's start, or the response's end.
+  size_t segment_end(size_t k) const { return k + 1 < segments.size() ? segments[k + 1].start : tokens.size(); }
 };
 
 enum class GroupState : uint8_t {
@@ -82,6 +85,8 @@ struct State {
   double live_fraction = 1.0;    // running mean of the live share of active groups' samples at step ends
   int64_t adaptive_groups = 0;   // N'_t: most groups generating at a time this step (0 before the first step)
   StepStats stats;
+
+  bool data_exhausted() const { return data_size >= 0 && prompts_consumed >= data_size; }
 };
 
 }  // namespace april::sched
