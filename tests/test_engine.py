@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import april_ext.triton_kernels as triton_kernels
 import pytest
 import torch
-
 from _engine_utils import GREEDY, TINY, engine, greedy_reference, prompts, tiny_model
+
 from april_ext.batch import FinishReason
-import april_ext.triton_kernels as triton_kernels
-from april_ext.engine import EngineConfig, EngineCore, SamplingParams, processed_logprobs
+from april_ext.engine import EngineConfig, EngineCore
 from april_ext.engine.batch_scheduler import ScheduledChunk
 from april_ext.engine.model_runner import ModelRunner
 from april_ext.engine.sequence import Sequence
-from april_ext.errors import ConfigError, InternalError, InvalidArgumentError, UnknownIdError
+from april_ext.errors import (
+    ConfigError,
+    InternalError,
+    InvalidArgumentError,
+    UnknownIdError,
+)
 from april_ext.model import LlamaForCausalLM, save_pretrained
+from april_ext.model.logits import processed_logprobs
+from april_ext.protocol import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from _engine_utils import GREEDY, engine, greedy_reference, prompts, tiny_model
+
 from april_ext.batch import FinishReason
-from april_ext.engine import AsyncEngine, SamplingParams
+from april_ext.engine import AsyncEngine
 from april_ext.errors import InvalidArgumentError, InvalidStateError, UnknownIdError
+from april_ext.protocol import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import pytest
 
 from april_ext.engine.batch_scheduler import BatchScheduler
 from april_ext.engine.block_manager import BlockManager
-from april_ext.engine.sampling import SamplingParams
 from april_ext.engine.sequence import Sequence, SequenceStatus
+from april_ext.protocol.sampling_params import SamplingParams
 
 
 def seq(tokens: list[int], name: str = "s") -> Sequence:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _engine_utils import GREEDY, engine, prompts, tiny_model
-from april_ext.engine import SamplingParams
+
+from april_ext.protocol import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from april_ext.engine.sampler import processed_logprobs, sample, uniform
-from april_ext.engine.sampling import SamplingParams
 from april_ext.errors import InvalidArgumentError
+from april_ext.protocol.sampling_params import SamplingParams
 
 
 def reference_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

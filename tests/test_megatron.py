@@ -14,16 +14,31 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
 
 import torch.distributed as dist  # noqa: E402
-
 from _torch_threads import one_torch_thread  # noqa: E402
 from _trainer_utils import make_batch, make_model  # noqa: E402
+
 from april_ext.algorithms import AlgorithmConfig  # noqa: E402
-from april_ext.engine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
-from april_ext.errors import ConfigError, CorruptStateError, InvalidArgumentError, InvalidStateError  # noqa: E402
+from april_ext.engine import EngineConfig, EngineCore  # noqa: E402
+from april_ext.errors import (  # noqa: E402
+    ConfigError,
+    CorruptStateError,
+    InvalidArgumentError,
+    InvalidStateError,
+)
 from april_ext.model import LlamaForCausalLM, ModelConfig, load_pretrained  # noqa: E402
+from april_ext.protocol import SamplingParams  # noqa: E402
 from april_ext.trainer import TorchTrainer, TrainerConfig  # noqa: E402
-from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, compat, parallel  # noqa: E402
-from april_ext.trainer.megatron.model import MegatronCausalLM, build_gpt_model, length_buckets  # noqa: E402
+from april_ext.trainer.megatron import (  # noqa: E402
+    MegatronTrainer,
+    MegatronTrainerConfig,
+    compat,
+    parallel,
+)
+from april_ext.trainer.megatron.model import (  # noqa: E402
+    MegatronCausalLM,
+    build_gpt_model,
+    length_buckets,
+)
 
 # megatron-core runs unmodified on a GPU (the CPU patches are not applied there), so the tests use it.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -13,18 +13,24 @@ import itertools
 import numpy as np
 import pytest
 import torch
-
-from april_ext import Scheduler, SchedulerConfig
-from april_ext.scheduler import GenerationRequest
-from april_ext.algorithms import AlgorithmConfig, group_advantages, offpolicy_loss_mask, truncated_is_weights
-from april_ext.batch import FinishReason, TrainingBatch
-from april_ext.engine import EngineConfig, EngineCore, SamplingParams, processed_logprobs
-from april_ext.model import LlamaForCausalLM
-from april_ext.trainer import TorchTrainer, TrainerConfig
-from april_ext.trainer.torch_trainer import DROPPED_LOGPROB
-
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 from _trainer_utils import TASK, make_model
+
+from april_ext import Scheduler, SchedulerConfig
+from april_ext.algorithms import (
+    AlgorithmConfig,
+    group_advantages,
+    offpolicy_loss_mask,
+    truncated_is_weights,
+)
+from april_ext.batch import FinishReason, TrainingBatch
+from april_ext.engine import EngineConfig, EngineCore
+from april_ext.model import LlamaForCausalLM
+from april_ext.model.logits import processed_logprobs
+from april_ext.protocol import SamplingParams
+from april_ext.scheduler import GenerationRequest
+from april_ext.trainer import TorchTrainer, TrainerConfig
+from april_ext.trainer.torch_trainer import DROPPED_LOGPROB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEMPERATURE = 0.7

@@ -8,16 +8,22 @@ import time
 
 import numpy as np
 import pytest
-
-from april_ext import InvalidArgumentError, ListDataSource, Prompt, Scheduler, SchedulerConfig
-from april_ext.algorithms import reject_uniform_groups
-from april_ext.engine import AsyncEngine, EngineConfig, EngineCore, SamplingParams
-from april_ext.model import LlamaForCausalLM
-from april_ext.rollout import RolloutEngine, RolloutLoop, scheduler_config_for
-from april_ext.tasks import CountingTask, CountingTaskConfig
-
 from _loop_utils import ScriptedEngine
 from _torch_threads import one_thread  # noqa: F401 (fixture)
+
+from april_ext import (
+    InvalidArgumentError,
+    ListDataSource,
+    Prompt,
+    Scheduler,
+    SchedulerConfig,
+)
+from april_ext.algorithms import reject_uniform_groups
+from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
+from april_ext.model import LlamaForCausalLM
+from april_ext.protocol import SamplingParams
+from april_ext.rollout import RolloutEngine, RolloutLoop, scheduler_config_for
+from april_ext.tasks import CountingTask, CountingTaskConfig
 
 TASK = CountingTask(CountingTaskConfig(n_symbols=2, max_count=8, median_count=3, sigma=0.5, seed=2))
 

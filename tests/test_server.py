@@ -8,16 +8,16 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 import torch
-
 from _engine_utils import greedy_reference, tiny_model
 from _sglang_utils import get, in_flight, live_server, post, stream_events, wait_for
 from _torch_threads import one_torch_thread
+
 from april_ext.batch import FinishReason
+from april_ext.cli import build_parser
 from april_ext.errors import InvalidArgumentError
 from april_ext.model import save_pretrained
+from april_ext.protocol import sglang_wire
 from april_ext.server import ServerThread, decode_named_tensors, encode_named_tensors
-from april_ext.server import protocol
-from april_ext.cli import build_parser
 from april_ext.server.cli import add_parser, build_core
 
 PROMPT = [5, 17, 33, 2, 60]
@@ -27,7 +27,7 @@ LONG = {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}
 # Request rules (no server) -------------------------------------------------------------------------
 
 def test_parse_generate_maps_sglang_sampling_names() -> None:
-    req = protocol.parse_generate({
+    req = sglang_wire.parse_generate({
         "rid": "r1", "input_ids": [1, 2], "return_logprob": True, "stream": True,
         "sampling_params": {"max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 20,
                             "stop_token_ids": [3, 4], "ignore_eos": True, "sampling_seed": 11,
@@ -36,7 +36,7 @@ def test_parse_generate_maps_sglang_sampling_names() -> None:
     p = req.params
     assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.stop_token_ids, p.ignore_eos, p.seed) == \
         (7, 0.5, 0.9, 20, (3, 4), True, 11)
-    defaults = protocol.parse_generate({"input_ids": [1]})
+    defaults = sglang_wire.parse_generate({"input_ids": [1]})
     assert (defaults.rid, defaults.params.max_new_tokens, defaults.return_logprob, defaults.stream) == \
         (None, 128, False, False)
 
@@ -57,34 +57,34 @@ def test_parse_generate_maps_sglang_sampling_names() -> None:
 ])
 def test_parse_generate_rejects_with_a_message(body: dict, fragment: str) -> None:
     with pytest.raises(InvalidArgumentError) as err:
-        protocol.parse_generate(body)
+        sglang_wire.parse_generate(body)
     assert fragment in str(err.value)
 
 
 def test_finish_reasons_have_sglang_shapes() -> None:
-    assert protocol.finish_reason_json(None, None, 8, 3) is None
-    assert protocol.finish_reason_json(FinishReason.STOP, 2, 8, 3) == {"type": "stop", "matched": 2}
-    assert protocol.finish_reason_json(FinishReason.LENGTH, None, 8, 8) == {"type": "length", "length": 8}
-    running = protocol.finish_reason_json(FinishReason.ABORT, None, 8, 3)
+    assert sglang_wire.finish_reason_json(None, None, 8, 3) is None
+    assert sglang_wire.finish_reason_json(FinishReason.STOP, 2, 8, 3) == {"type": "stop", "matched": 2}
+    assert sglang_wire.finish_reason_json(FinishReason.LENGTH, None, 8, 8) == {"type": "length", "length": 8}
+    running = sglang_wire.finish_reason_json(FinishReason.ABORT, None, 8, 3)
     assert running == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-    assert protocol.finish_reason_json(FinishReason.ABORT, None, 8, 0)["message"] == "Abort in waiting queue"
+    assert sglang_wire.finish_reason_json(FinishReason.ABORT, None, 8, 0)["message"] == "Abort in waiting queue"
 
 
 def test_memory_tags_pause_modes_and_weight_bodies() -> None:
-    assert protocol.parse_memory_tags(None, "x") is None
-    assert protocol.parse_memory_tags({"tags": ["kv_cache", "cuda_graph", "kv_cache"]}, "x") == ["kv_cache"]
+    assert sglang_wire.parse_memory_tags(None, "x") is None
+    assert sglang_wire.parse_memory_tags({"tags": ["kv_cache", "cuda_graph", "kv_cache"]}, "x") == ["kv_cache"]
     with pytest.raises(InvalidArgumentError, match="unknown memory tags"):
-        protocol.parse_memory_tags({"tags": ["activations"]}, "x")
-    assert protocol.parse_pause(None) == "abort"
+        sglang_wire.parse_memory_tags({"tags": ["activations"]}, "x")
+    assert sglang_wire.parse_pause(None) == "abort"
     with pytest.raises(InvalidArgumentError, match="not supported by the embedded engine"):
-        protocol.parse_pause({"mode": "retract"})
+        sglang_wire.parse_pause({"mode": "retract"})
     with pytest.raises(InvalidArgumentError, match="mode must be one of"):
-        protocol.parse_pause({"mode": "later"})
-    disk = protocol.parse_weights_from_disk({"model_path": "/ckpt", "weight_version": 4, "flush_cache": True})
+        sglang_wire.parse_pause({"mode": "later"})
+    disk = sglang_wire.parse_weights_from_disk({"model_path": "/ckpt", "weight_version": 4, "flush_cache": True})
     assert (disk.model_path, disk.weight_version, disk.abort_all_requests) == ("/ckpt", "4", False)
     with pytest.raises(InvalidArgumentError, match="load_format"):
-        protocol.parse_weights_from_tensor({"serialized_named_tensors": ["x"], "load_format": "flattened_bucket"})
-    assert protocol.parse_weight_version({"new_version": "v2"}) == ("v2", True)
+        sglang_wire.parse_weights_from_tensor({"serialized_named_tensors": ["x"], "load_format": "flattened_bucket"})
+    assert sglang_wire.parse_weight_version({"new_version": "v2"}) == ("v2", True)
 
 
 def test_named_tensors_round_trip_and_bad_blobs() -> None:

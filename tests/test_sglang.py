@@ -13,16 +13,16 @@ from dataclasses import replace
 import aiohttp
 import numpy as np
 import pytest
-from aiohttp import web
-
 from _engine_utils import greedy_reference, tiny_model
 from _sglang_utils import engine_state, in_flight, live_server, wait_for
 from _torch_threads import one_torch_thread
+from aiohttp import web
+
 from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig
 from april_ext.batch import FinishReason
-from april_ext.engine import GenerationChunk, SamplingParams
 from april_ext.errors import ConfigError, InvalidArgumentError, UnknownIdError
 from april_ext.model import save_pretrained
+from april_ext.protocol import GenerationChunk, SamplingParams
 from april_ext.rollout import RolloutEngine, RolloutLoop
 from april_ext.sglang import (
     SGLangBadRequestError,

@@ -10,20 +10,35 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
 from _torch_threads import one_thread  # noqa: F401 (fixture)
+
 from april_ext.batch import FinishReason
 from april_ext.data_source import ListDataSource, Prompt
-from april_ext.engine import AsyncEngine, EngineConfig, EngineCore, SamplingParams
+from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.errors import ConfigError, InvalidArgumentError, UnknownIdError
 from april_ext.model import LlamaForCausalLM, ModelConfig
+from april_ext.protocol import SamplingParams
 from april_ext.rollout import RolloutEngine, RolloutLoop
 from april_ext.scheduler import Scheduler, SchedulerConfig
-from april_ext.sim import (ClusterConfig, CostModel, LogNormalLengths, SampleDraw, SimulatedEngine, TraceLengths,
-                           cluster_preset, length_preset)
+from april_ext.sim import (
+    ClusterConfig,
+    CostModel,
+    LogNormalLengths,
+    SampleDraw,
+    SimulatedEngine,
+    TraceLengths,
+    cluster_preset,
+    length_preset,
+)
 from april_ext.sim.metrics import length_bias
 from april_ext.sim.runner import SimConfig, simulate
-from april_ext.sim.tokens import CORRECT_TOKEN, WRONG_TOKEN, answer_reward, prompt_key, synthetic_prompt
+from april_ext.sim.tokens import (
+    CORRECT_TOKEN,
+    WRONG_TOKEN,
+    answer_reward,
+    prompt_key,
+    synthetic_prompt,
+)
 
 UNIT = CostModel(decode_fixed_s=1.0, decode_per_seq_s=0.0, decode_per_kv_token_s=0.0, prefill_per_token_s=0.0,
                  kv_capacity_tokens=10_000, max_num_seqs=4)

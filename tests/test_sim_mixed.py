@@ -12,9 +12,16 @@ import numpy as np
 import pytest
 
 from april_ext.batch import FinishReason
-from april_ext.engine import SamplingParams
 from april_ext.errors import ConfigError
-from april_ext.sim import ClusterConfig, CostModel, SimulatedEngine, TraceLengths, cluster_preset, length_preset
+from april_ext.protocol import SamplingParams
+from april_ext.sim import (
+    ClusterConfig,
+    CostModel,
+    SimulatedEngine,
+    TraceLengths,
+    cluster_preset,
+    length_preset,
+)
 from april_ext.sim.metrics import full_occupancy_bound
 from april_ext.sim.replica import Replica, SimRequest, SimSample
 from april_ext.sim.runner import SimConfig, simulate

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from _reference_rollout import pack_batch, sample_responses
+from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.algorithms import AlgorithmConfig
 from april_ext.model import LlamaForCausalLM
 from april_ext.tasks import CountingTask, CountingTaskConfig
-from april_ext.trainer import TorchTrainer, TrainerConfig, pack_batch, sample_responses
-
-from _torch_threads import one_thread  # noqa: F401 (fixture)
+from april_ext.trainer import TorchTrainer, TrainerConfig
 
 
 def test_grpo_raises_counting_reward_from_random_init(one_thread):

@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _reference_rollout import sample_responses
+from _torch_threads import one_thread  # noqa: F401 (fixture)
+from _trainer_utils import TASK, make_model
 
 from april_ext import Scheduler, SchedulerConfig
 from april_ext.algorithms import AlgorithmConfig, reject_uniform_groups
 from april_ext.batch import FinishReason, TrainingBatch
-from april_ext.trainer import TorchTrainer, TrainerConfig, sample_responses
-
-from _torch_threads import one_thread  # noqa: F401 (fixture)
-from _trainer_utils import TASK, make_model
+from april_ext.trainer import TorchTrainer, TrainerConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CHUNK = 2

@@ -10,15 +10,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence as SequenceOf
+from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Sequence as SequenceOf
 from typing import Any, TypeVar
 
 from april_ext.batch import FinishReason
 from april_ext.engine.core import EngineCore, WeightsSource
-from april_ext.engine.loop_task import LoopTaskEngine
-from april_ext.engine.outputs import EngineStats, GenerationChunk, GenerationOutput
-from april_ext.engine.sampling import SamplingParams
 from april_ext.errors import InvalidArgumentError
+from april_ext.protocol.loop_task import LoopTaskEngine
+from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
+from april_ext.protocol.sampling_params import SamplingParams
 
 T = TypeVar("T")
 _Command = Callable[[], tuple[Any, list[GenerationChunk]]]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence as SequenceOf
+from collections.abc import Iterable, Mapping
+from collections.abc import Sequence as SequenceOf
 
 import torch
 
@@ -19,13 +20,13 @@ from april_ext.engine.block_manager import BlockManager
 from april_ext.engine.config import EngineConfig
 from april_ext.engine.memory import MEMORY_TAGS, MemoryPlacement
 from april_ext.engine.model_runner import ModelRunner
-from april_ext.engine.outputs import EngineStats, GenerationChunk, GenerationOutput
-from april_ext.engine.request_ids import abort_ids
 from april_ext.engine.sampler import uniform
-from april_ext.engine.sampling import SamplingParams
 from april_ext.engine.sequence import Sequence, SequenceStatus
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.model import LlamaForCausalLM, ModelConfig, iter_safetensors
+from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
+from april_ext.protocol.request_ids import abort_ids
+from april_ext.protocol.sampling_params import SamplingParams
 
 WeightsSource = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike[str]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from april_ext.batch import FinishReason
-from april_ext.engine.sampling import SamplingParams
+from april_ext.protocol.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -1,6 +1,6 @@
 """The rollout side of APRIL: the RolloutEngine protocol and the asyncio loop that drives the scheduler."""
 
-from april_ext.rollout.engine import Clock, RolloutEngine, engine_clock
+from april_ext.protocol.rollout_engine import Clock, RolloutEngine, engine_clock
 from april_ext.rollout.loop import (
     GroupFilter,
     RewardFn,

@@ -24,11 +24,16 @@ import numpy as np
 
 from april_ext.batch import FinishReason, TrainingBatch
 from april_ext.data_source import Prompt
-from april_ext.engine.sampling import SamplingParams
 from april_ext.errors import InternalError, InvalidArgumentError
-from april_ext.rollout.engine import Clock, RolloutEngine, engine_clock
-from april_ext.scheduler import CompletedGroup, GenerationRequest, Scheduler, SchedulerConfig
-from april_ext.tasks.reward import score_group
+from april_ext.protocol.reward import score_group
+from april_ext.protocol.rollout_engine import Clock, RolloutEngine, engine_clock
+from april_ext.protocol.sampling_params import SamplingParams
+from april_ext.scheduler import (
+    CompletedGroup,
+    GenerationRequest,
+    Scheduler,
+    SchedulerConfig,
+)
 
 RewardFn = Callable[[Prompt, np.ndarray], "float | Awaitable[float]"]
 """Scores one response (token ids) of a prompt; may be a plain function (run in a worker thread) or async."""

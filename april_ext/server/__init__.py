@@ -13,8 +13,8 @@ _EXPORTS = {
     "EngineServer": "april_ext.server.app",
     "ServerConfig": "april_ext.server.app",
     "ServerThread": "april_ext.server.thread",
-    "decode_named_tensors": "april_ext.server.protocol",
-    "encode_named_tensors": "april_ext.server.protocol",
+    "decode_named_tensors": "april_ext.protocol.sglang_wire",
+    "encode_named_tensors": "april_ext.protocol.sglang_wire",
 }
 
 __all__ = sorted(_EXPORTS)

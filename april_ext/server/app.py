@@ -21,9 +21,14 @@ from typing import Any
 from aiohttp import web
 
 from april_ext import __version__
-from april_ext.engine import AsyncEngine, GenerationChunk, SamplingParams
-from april_ext.errors import AprilError, ConfigError, InvalidArgumentError, UnknownIdError
-from april_ext.server import protocol
+from april_ext.engine import AsyncEngine
+from april_ext.errors import (
+    AprilError,
+    ConfigError,
+    InvalidArgumentError,
+    UnknownIdError,
+)
+from april_ext.protocol import GenerationChunk, SamplingParams, sglang_wire
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +88,7 @@ class _Output:
         matched = None if self.last is None else self.last.matched_stop
         meta: dict[str, Any] = {
             "id": self.rid,
-            "finish_reason": protocol.finish_reason_json(reason, matched, self.max_new_tokens, len(self.output_ids)),
+            "finish_reason": sglang_wire.finish_reason_json(reason, matched, self.max_new_tokens, len(self.output_ids)),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": len(self.output_ids),
             # The engine shares prefix blocks but does not count them per request.
@@ -116,7 +121,7 @@ def _json_response(payload: Any, status: int = 200) -> web.Response:
 
 
 def _error(message: str, status: int = 400) -> web.Response:
-    return _json_response(protocol.error_json(message), status)
+    return _json_response(sglang_wire.error_json(message), status)
 
 
 @web.middleware
@@ -205,7 +210,7 @@ class EngineServer:
     # Generation ---------------------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        req = protocol.parse_generate(await self._body(request))
+        req = sglang_wire.parse_generate(await self._body(request))
         await self._unpaused.wait()
         rid = req.rid if req.rid is not None else uuid.uuid4().hex
         if rid in self._active:
@@ -249,7 +254,7 @@ class EngineServer:
                     break
                 chunk = await anext(stream)
         except AprilError as exc:  # the headers are out: report in-band as SGLang does
-            await response.write(b"data: " + json.dumps(protocol.error_json(str(exc))).encode() + b"\n\n")
+            await response.write(b"data: " + json.dumps(sglang_wire.error_json(str(exc))).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -262,7 +267,7 @@ class EngineServer:
     async def abort_request(self, request: web.Request) -> web.Response:
         """SGLang semantics: abort_all, or a rid that is in flight, which then aborts every request whose
         rid starts with it. Anything else is a no-op; the answer is always 200 with an empty body."""
-        req = protocol.parse_abort(await self._body(request))
+        req = sglang_wire.parse_abort(await self._body(request))
         if req.abort_all:
             await self.engine.abort()
         elif req.rid in self._active:
@@ -282,20 +287,20 @@ class EngineServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         """Mode "abort": aborts every request in flight and holds new ones until /continue_generation."""
-        protocol.parse_pause(await self._body(request))
+        sglang_wire.parse_pause(await self._body(request))
         self._unpaused.clear()
         await self.engine.abort()
         return _json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        protocol.parse_pause(await self._body(request))
+        sglang_wire.parse_pause(await self._body(request))
         self._unpaused.set()
         return _json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     # Memory and weights -------------------------------------------------------------------------------
 
     async def release_memory(self, request: web.Request) -> web.Response:
-        tags = protocol.parse_memory_tags(await self._body(request), "/release_memory_occupation")
+        tags = sglang_wire.parse_memory_tags(await self._body(request), "/release_memory_occupation")
         if not self.config.enable_memory_saver:
             return _error("/release_memory_occupation needs the server started with --enable-memory-saver")
         if self._active:
@@ -306,21 +311,21 @@ class EngineServer:
         return _json_response(None)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
-        tags = protocol.parse_memory_tags(await self._body(request), "/resume_memory_occupation")
+        tags = sglang_wire.parse_memory_tags(await self._body(request), "/resume_memory_occupation")
         if tags is None or tags:
             await self.engine.resume_memory(tags)
         return _json_response(None)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        req = protocol.parse_weights_from_disk(await self._body(request))
+        req = sglang_wire.parse_weights_from_disk(await self._body(request))
         ok, message = await self._update_weights(req.model_path, req.weight_version, req.abort_all_requests)
         return _json_response({"success": ok, "message": message, "num_paused_requests": 0}, 200 if ok else 400)
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """Accepts base64 of a safetensors blob per TP rank; the embedded engine has one rank and loads
         the first blob (every rank's blob holds the same full tensors)."""
-        req = protocol.parse_weights_from_tensor(await self._body(request))
-        tensors = protocol.decode_named_tensors(req.serialized[0])
+        req = sglang_wire.parse_weights_from_tensor(await self._body(request))
+        tensors = sglang_wire.decode_named_tensors(req.serialized[0])
         ok, message = await self._update_weights(tensors, req.weight_version, req.abort_all_requests)
         return _json_response({"success": ok, "message": message}, 200 if ok else 400)
 
@@ -338,7 +343,7 @@ class EngineServer:
         return True, f"Succeeded to update model weights. Weight version is {new_label}."
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        label, abort_all = protocol.parse_weight_version(await self._body(request))
+        label, abort_all = sglang_wire.parse_weight_version(await self._body(request))
         if abort_all:
             await self.engine.abort()
         self._versions.relabel(label)

@@ -13,7 +13,8 @@ import asyncio
 import itertools
 import logging
 import os
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence as SequenceOf
+from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +22,19 @@ import torch
 from safetensors import safe_open
 
 from april_ext.batch import FinishReason
-from april_ext.engine import GenerationChunk, GenerationOutput, SamplingParams
-from april_ext.errors import AprilError, ConfigError, InvalidArgumentError, UnknownIdError
+from april_ext.errors import (
+    AprilError,
+    ConfigError,
+    InvalidArgumentError,
+    UnknownIdError,
+)
 from april_ext.model.checkpoint import safetensors_files, save_safetensors
-from april_ext.server.protocol import MEMORY_TAGS, PAUSE_MODES, encode_named_tensors
+from april_ext.protocol import GenerationChunk, GenerationOutput, SamplingParams
+from april_ext.protocol.sglang_wire import (
+    MEMORY_TAGS,
+    PAUSE_MODES,
+    encode_named_tensors,
+)
 from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.errors import SGLangBadRequestError, SGLangHTTPError
 

@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from april_ext.batch import FinishReason
-from april_ext.engine.loop_task import LoopTaskEngine
-from april_ext.engine.outputs import EngineStats, GenerationChunk, GenerationOutput
-from april_ext.engine.request_ids import abort_ids
-from april_ext.engine.sampling import SamplingParams
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
+from april_ext.protocol.loop_task import LoopTaskEngine
+from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
+from april_ext.protocol.request_ids import abort_ids
+from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.sim.cost import ClusterConfig
 from april_ext.sim.lengths import LengthModel
 from april_ext.sim.replica import Replica, ReplicaCounters, SimRequest, SimSample

@@ -13,14 +13,25 @@ import numpy as np
 
 from april_ext.algorithms.filters import reject_uniform_groups
 from april_ext.data_source import Prompt
-from april_ext.engine.sampling import SamplingParams
 from april_ext.errors import ConfigError
+from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.rollout import RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler, SchedulerConfig
 from april_ext.sim.cost import ClusterConfig, cluster_preset
 from april_ext.sim.engine import SimulatedEngine
-from april_ext.sim.lengths import LENGTH_PRESETS, LengthModel, TraceLengths, length_preset
-from april_ext.sim.metrics import OccupancyBound, StepReport, full_occupancy_bound, length_bias, step_report
+from april_ext.sim.lengths import (
+    LENGTH_PRESETS,
+    LengthModel,
+    TraceLengths,
+    length_preset,
+)
+from april_ext.sim.metrics import (
+    OccupancyBound,
+    StepReport,
+    full_occupancy_bound,
+    length_bias,
+    step_report,
+)
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
 
 Mode = Literal["baseline", "april-batch", "april-continuous", "april-adaptive"]

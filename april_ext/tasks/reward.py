@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from april_ext.data_source import Prompt
+from april_ext.protocol.reward import RewardFunction, score_group
 from april_ext.tasks.math_verify import math_reward
-
-
-class RewardFunction(Protocol):
-    def __call__(self, prompt: Prompt, response: Sequence[int]) -> float: ...
 
 
 class MathReward:
@@ -24,6 +21,4 @@ class MathReward:
         return math_reward(text, prompt.metadata["label"])
 
 
-def score_group(reward_fn: RewardFunction, prompt: Prompt, responses: Sequence[Sequence[int]]) -> list[float]:
-    """The rewards of every sample of one group, in order."""
-    return [float(reward_fn(prompt, response)) for response in responses]
+__all__ = ["MathReward", "RewardFunction", "score_group"]

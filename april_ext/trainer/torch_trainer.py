@@ -27,8 +27,6 @@ from april_ext.algorithms import (
     policy_loss,
 )
 from april_ext.batch import TrainingBatch
-from april_ext.engine.sampler import processed_logprobs
-from april_ext.engine.sampling import SamplingParams
 from april_ext.errors import (
     ConfigError,
     CorruptStateError,
@@ -38,7 +36,9 @@ from april_ext.errors import (
 )
 from april_ext.model import LlamaForCausalLM, iter_safetensors, save_pretrained
 from april_ext.model.checkpoint import save_safetensors
-from april_ext.trainer.protocol import ExportedWeights
+from april_ext.model.logits import processed_logprobs
+from april_ext.protocol.sampling_params import SamplingParams
+from april_ext.protocol.trainer import ExportedWeights
 
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 _STATE_FILE = "trainer_state.pt"

@@ -28,8 +28,9 @@ import torch
 
 from april_ext.algorithms import AlgorithmConfig, reject_uniform_groups
 from april_ext.data_source import DataSource
-from april_ext.engine import AsyncEngine, EngineConfig, EngineCore, SamplingParams
+from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.model import LlamaForCausalLM, load_pretrained
+from april_ext.protocol import SamplingParams
 from april_ext.rollout import RewardFn, RolloutEngine, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler, SchedulerConfig
 from april_ext.trainer import TorchTrainer, TrainerConfig

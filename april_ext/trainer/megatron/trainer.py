@@ -16,9 +16,9 @@ import torch
 from april_ext.errors import ConfigError
 from april_ext.model import ModelConfig, iter_safetensors
 from april_ext.model.checkpoint import save_safetensors
+from april_ext.protocol.trainer import ExportedWeights
 from april_ext.trainer.megatron import parallel
 from april_ext.trainer.megatron.model import MegatronCausalLM
-from april_ext.trainer.protocol import ExportedWeights
 from april_ext.trainer.torch_trainer import TorchTrainer, TrainerConfig
 
 _REFERENCE_FILE = "reference.safetensors"

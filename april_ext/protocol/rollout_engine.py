@@ -11,8 +11,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from april_ext.engine.outputs import GenerationChunk, GenerationOutput
-from april_ext.engine.sampling import SamplingParams
+from april_ext.protocol.outputs import GenerationChunk, GenerationOutput
+from april_ext.protocol.sampling_params import SamplingParams
 
 Clock = Callable[[], float]
 

@@ -11,8 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import ClassVar, Self
 
-from april_ext.engine.outputs import GenerationOutput
 from april_ext.errors import InvalidStateError
+from april_ext.protocol.outputs import GenerationOutput
 
 
 class LoopTaskEngine(ABC):

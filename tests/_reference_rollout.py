@@ -1,5 +1,5 @@
-"""Plain-torch sampling and batch packing: a reference rollout for checks and demos (no KV cache, no
-scheduler). The real rollout path is the embedded engine driven by the scheduler."""
+"""Plain-torch sampling and batch packing: a reference rollout for tests and benchmarks (no KV cache, no
+scheduler; not part of the package). The real rollout path is the embedded engine driven by the scheduler."""
 
 from __future__ import annotations
 

@@ -11,11 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from safetensors.torch import load as _load_safetensors, save as _save_safetensors
+from safetensors.torch import load as _load_safetensors
+from safetensors.torch import save as _save_safetensors
 
 from april_ext.batch import FinishReason
-from april_ext.engine import SamplingParams
 from april_ext.errors import InvalidArgumentError
+from april_ext.protocol.sampling_params import SamplingParams
 
 # SGLang sampling fields the embedded engine maps onto SamplingParams (SGLang name -> our name).
 _MAPPED = {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
