@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -90,8 +91,14 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
     temp = _temp_name(final)
     try:
         # O_EXCL with mode 0o666: the kernel applies the umask, and no other writer shares this file.
-        os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
         write(temp)
+        # Serializers may replace the file by one of their own (safetensors makes it 0o600).
+        os.chmod(temp, mode)
         _fsync_file(temp)
         os.replace(temp, final)
     except AprilError:
