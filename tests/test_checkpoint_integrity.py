@@ -9,7 +9,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from april_ext import CorruptStateError, Scheduler, SchedulerConfig
 from april_ext.model import LlamaForCausalLM, ModelConfig, iter_safetensors, load_pretrained, save_pretrained
@@ -17,7 +16,7 @@ from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.trainer import TorchTrainer, TrainerConfig
 from april_ext.training import CheckpointManager, TrainConfig, train
 
-from _torch_threads import one_thread  # noqa: F401 (fixture)
+from _torch_threads import one_thread, one_torch_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,8 +36,7 @@ def tiny(output_dir, **changes) -> TrainConfig:
 def trained_run(tmp_path_factory):
     """A finished 2-step run with checkpoints step_000001 and step_000002 (copied per test)."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    with torch.random.fork_rng():
-        torch.set_num_threads(1)
+    with one_torch_thread():
         train(tiny(out))
     return out
 
@@ -115,8 +113,9 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(run_dir, caplog):
     assert [r["step"] for r in resumed.history] == [1, 2, 3]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("step_000002 is damaged" in w and "trainer_state.pt" in w for w in warnings)
-    assert any("resuming from checkpoint" in w and w.split()[3].endswith("step_000001") and "step_000002" in w
-               for w in warnings)
+    ckpt = run_dir / "checkpoints"
+    assert f"resuming from checkpoint {ckpt / 'step_000001'} instead of the damaged newer {ckpt / 'step_000002'}" \
+        in warnings
     # The damaged checkpoint was rewritten by the resumed run, and every kept one is intact.
     manager = CheckpointManager(run_dir / "checkpoints")
     assert [c.step for c in manager.list()] == [1, 2, 3]
