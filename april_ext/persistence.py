@@ -70,6 +70,11 @@ def ensure_dir(path: str | os.PathLike[str]) -> str:
     return path
 
 
+def _os_cause(err: OSError) -> str:
+    """The OS error without the temporary file's name, which means nothing to the caller."""
+    return f"{err.strerror} (errno {err.errno})" if err.strerror else str(err)
+
+
 def _fsync_file(path: str) -> None:
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
@@ -106,7 +111,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
         raise
     except Exception as err:
         _remove(temp)
-        cause = str(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+        cause = _os_cause(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
         raise PersistenceError(f"writing {final!r} failed: {cause}") from err
     except BaseException:
         _remove(temp)
@@ -136,9 +141,10 @@ def atomic_write_json(path: str | os.PathLike[str], value: Any, *, indent: int |
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike[str]) -> Iterator[str]:
     """``with atomic_directory(p) as temp:`` fill ``temp``; on a clean exit every file and directory
-    under it is fsynced and it replaces ``p`` (an older ``p`` is moved aside first, then removed), so
-    ``p`` is always either the old directory or the complete new one. On an exception ``temp`` is
-    removed and ``p`` left as it was."""
+    under it is fsynced and it replaces ``p``: an older ``p`` is renamed aside, the new one renamed into
+    place, the old one removed, so ``p`` holds the old directory or the complete new one, never a
+    mixture (a crash between the two renames leaves no ``p`` and the old one under a temporary name,
+    which is_temporary recognises). On an exception ``temp`` is removed and ``p`` left as it was."""
     final = os.path.abspath(os.fspath(path))
     temp = _temp_name(final)
     try:
@@ -164,7 +170,7 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[str]:
         raise
     except OSError as err:
         _remove(temp)
-        raise PersistenceError(f"writing directory {final!r} failed: {err}") from None
+        raise PersistenceError(f"writing directory {final!r} failed: {_os_cause(err)}") from err
     except BaseException:
         _remove(temp)
         raise
