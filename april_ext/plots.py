@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from april_ext.persistence import atomic_write
+
 
 def _pyplot() -> Any:
     import matplotlib
@@ -17,6 +19,13 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: str, dpi: int) -> str:
+    """Writes a matplotlib figure atomically (its format from the path's extension, png without one)."""
+    fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
+    atomic_write(path, lambda temp: fig.savefig(temp, dpi=dpi, format=fmt))
+    return path
 
 
 def plot_run(history: Sequence[dict[str, Any]], output_dir: str) -> list[str]:
@@ -41,7 +50,7 @@ def plot_run(history: Sequence[dict[str, Any]], output_dir: str) -> list[str]:
     fig.suptitle(f"april-ext train ({history[0].get('mode', '')})")
     fig.tight_layout()
     training = os.path.join(output_dir, "training.png")
-    fig.savefig(training, dpi=90)
+    save_figure(fig, training, dpi=90)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -53,7 +62,7 @@ def plot_run(history: Sequence[dict[str, Any]], output_dir: str) -> list[str]:
     ax.legend()
     fig.tight_layout()
     lengths = os.path.join(output_dir, "response_lengths.png")
-    fig.savefig(lengths, dpi=90)
+    save_figure(fig, lengths, dpi=90)
     plt.close(fig)
     return [training, lengths]
 
@@ -71,9 +80,9 @@ def plot_compare(runs: dict[str, Sequence[dict[str, Any]]], path: str) -> str:
     for ax in axes:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    save_figure(fig, path, dpi=90)
     plt.close(fig)
     return path
 
 
-__all__ = ["plot_compare", "plot_run"]
+__all__ = ["plot_compare", "plot_run", "save_figure"]

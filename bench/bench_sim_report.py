@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from april_ext.persistence import atomic_write_json
 from april_ext.sim.lengths import LENGTH_PRESETS
 from april_ext.sim.runner import SimConfig, compare, gain, simulate
 
@@ -199,8 +200,7 @@ def main() -> None:
     out["mixed_chunk_sizes"] = sizes = chunk_sizes(args.cluster, args.steps)
     print_chunk_sizes(sizes)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        atomic_write_json(args.json, out, indent=1)
 
 
 def test_bench_paper_step(benchmark):

@@ -21,6 +21,7 @@ import torch
 
 from april_ext.algorithms import AlgorithmConfig
 from april_ext.model import LlamaForCausalLM, save_pretrained
+from april_ext.plots import save_figure
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.trainer import TorchTrainer, TrainerConfig
 
@@ -96,7 +97,7 @@ def _plot(rows: list[dict[str, float]], path: str) -> None:
     ax.legend()
     ax.set_title("counting task, torch trainer, random init")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-import _kernel_cases as kc  # noqa: E402
+import _kernel_cases as kc  # noqa: E402  (makes april_ext importable from a plain checkout)
+from april_ext.persistence import atomic_write_text  # noqa: E402
 
 # The dense reference materializes the logits: only run it where they fit in a few GB.
 REFERENCE_MAX_PAIRS = 64 * 2**20
@@ -50,9 +51,7 @@ class Report:
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        tmp.replace(self.path)
+        atomic_write_text(self.path, json.dumps(self.data, indent=2, default=str))
 
     def step(self, name: str) -> None:
         self.data["steps"].append({"step": name, "at": round(time.monotonic() - START, 1)})

@@ -23,6 +23,7 @@ import torch
 
 import april_ext.memory as mem
 from april_ext.memory import torch_cuda
+from april_ext.persistence import atomic_write_json
 
 GiB = 1 << 30
 
@@ -139,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": [measure_size(int(s * GiB), args.rounds) for s in args.sizes_gib],
     }
     report.update(graph_check())
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    atomic_write_json(args.out, report, indent=2)
     print(json.dumps(report, indent=2))
     return 0
 

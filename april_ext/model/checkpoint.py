@@ -7,12 +7,13 @@ import os
 from collections.abc import Iterator, Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from april_ext.errors import ConfigError, InvalidArgumentError
+from april_ext.errors import ConfigError, CorruptStateError, InvalidArgumentError, PersistenceError
 from april_ext.model.config import ModelConfig
 from april_ext.model.llama import LlamaForCausalLM
+from april_ext.persistence import atomic_write, ensure_dir
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -26,8 +27,13 @@ def safetensors_files(directory: str | os.PathLike[str]) -> list[str]:
         raise InvalidArgumentError(f"checkpoint path {directory!r} is not a directory")
     index = os.path.join(directory, _INDEX)
     if os.path.exists(index):
-        with open(index, encoding="utf-8") as handle:
-            shards = sorted(set(json.load(handle)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as handle:
+                shards = sorted(set(json.load(handle)["weight_map"].values()))
+        except OSError as err:
+            raise PersistenceError(f"reading {index!r} failed: {err}") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CorruptStateError(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from None
         return [os.path.join(directory, shard) for shard in shards]
     if os.path.exists(os.path.join(directory, _SINGLE)):
         return [os.path.join(directory, _SINGLE)]
@@ -38,11 +44,24 @@ def safetensors_files(directory: str | os.PathLike[str]) -> list[str]:
 
 
 def iter_safetensors(directory: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) of every tensor of a checkpoint directory, one file open at a time."""
+    """Yields (name, tensor) of every tensor of a checkpoint directory, one file open at a time. A
+    malformed file (truncated, garbage, a damaged header) raises CorruptStateError naming it; damage
+    inside the tensor data is found only by a checksum (training.CheckpointManager keeps them)."""
     for file in safetensors_files(directory):
+        yield from iter_safetensors_file(file)
+
+
+def iter_safetensors_file(file: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) of one safetensors file; CorruptStateError naming it when it is malformed."""
+    file = os.fspath(file)
+    try:
         with safe_open(file, framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
+    except SafetensorError as err:
+        raise CorruptStateError(f"{file}: not a valid safetensors file ({err})") from None
+    except OSError as err:
+        raise PersistenceError(f"reading {file!r} failed: {err}") from None
 
 
 def load_pretrained(directory: str | os.PathLike[str], *, device: torch.device | str = "cpu",
@@ -64,11 +83,7 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike[str]) 
 
 def save_safetensors(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLike[str],
                      filename: str = _SINGLE) -> None:
-    """Writes `directory/filename` (host copies of the tensors), creating the directory."""
-    os.makedirs(directory, exist_ok=True)
+    """Writes `directory/filename` (host copies of the tensors) atomically, creating the directory."""
+    ensure_dir(directory)
     host = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    # Write to a temporary name first so a reader never sees a half-written file.
-    final = os.path.join(directory, filename)
-    partial = final + ".partial"
-    save_file(host, partial, metadata={"format": "pt"})
-    os.replace(partial, final)
+    atomic_write(os.path.join(directory, filename), lambda temp: save_file(host, temp, metadata={"format": "pt"}))

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from april_ext.errors import ConfigError
+from april_ext.persistence import atomic_write_json, ensure_dir
 
 # model_type -> whether q/k/v and o projections carry a bias by default. Qwen2 always has q/k/v biases
 # and no o bias; Llama and Mistral read `attention_bias` for all four.
@@ -190,6 +191,4 @@ class ModelConfig:
         return cls.from_hf_dict(raw)
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as handle:
-            json.dump(self.to_hf_dict(), handle, indent=2)
+        atomic_write_json(os.path.join(ensure_dir(directory), "config.json"), self.to_hf_dict(), indent=2)

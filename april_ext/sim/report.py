@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
+from april_ext.persistence import atomic_write_json
+from april_ext.plots import save_figure
 from april_ext.sim.runner import SimResult, gain
 
 _COLUMNS = (
@@ -72,8 +73,7 @@ def write_json(results: dict[str, SimResult], path: str) -> None:
     for mode, r in results.items():
         out[mode] = {"summary": r.summary, "bound": asdict(r.bound), "natural_mean": r.natural_mean,
                      "wall_seconds": r.wall_seconds, "steps": [asdict(s) for s in r.steps]}
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=1)
+    atomic_write_json(path, out, indent=1)
 
 
 def write_plots(results: dict[str, SimResult], out_dir: str, natural: np.ndarray | None = None) -> list[str]:
@@ -89,7 +89,7 @@ def write_plots(results: dict[str, SimResult], out_dir: str, natural: np.ndarray
     def save(fig: Any, name: str) -> None:
         path = os.path.join(out_dir, name)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path, dpi=110)
         plt.close(fig)
         paths.append(path)
 

@@ -8,15 +8,12 @@ import copy
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from april_ext.algorithms import (
     AlgorithmConfig,
@@ -35,8 +32,9 @@ from april_ext.errors import (
     PersistenceError,
 )
 from april_ext.model import LlamaForCausalLM, iter_safetensors, save_pretrained
-from april_ext.model.checkpoint import save_safetensors
+from april_ext.model.checkpoint import iter_safetensors_file, save_safetensors
 from april_ext.model.logits import processed_logprobs
+from april_ext.persistence import atomic_directory, atomic_write, ensure_dir
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.protocol.trainer import ExportedWeights
 
@@ -370,13 +368,8 @@ class TorchTrainer:
         self._require_onloaded("save_checkpoint")
         _check_extra(extra or {}, "extra")
         path = os.path.abspath(os.fspath(path))
-        parent = os.path.dirname(path)
-        try:
-            os.makedirs(parent, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
-        except OSError as err:
-            raise PersistenceError(f"cannot create a checkpoint next to {path!r}: {err}") from None
-        try:
+        ensure_dir(os.path.dirname(path))
+        with atomic_directory(path) as tmp:
             self._save_weights(tmp)
             state = {
                 "format": self.checkpoint_format,
@@ -387,14 +380,7 @@ class TorchTrainer:
                 "trainer_config": _plain(asdict(self.config)),
                 "extra": extra or {},
             }
-            torch.save(state, os.path.join(tmp, _STATE_FILE))
-            _replace_dir(tmp, path)
-        except OSError as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise PersistenceError(f"writing checkpoint {path!r} failed: {err}") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            atomic_write(os.path.join(tmp, _STATE_FILE), lambda temp: torch.save(state, temp))
 
     def _save_weights(self, directory: str) -> None:
         """The policy as a Hugging Face checkpoint directory, and the KL reference beside it."""
@@ -420,7 +406,7 @@ class TorchTrainer:
                                     f"kl_coef={self.config.algorithm.kl_coef}")
         self.model.load_weights(iter_safetensors(path))
         if self.ref_model is not None:
-            self.ref_model.load_weights(load_file(os.path.join(path, _REFERENCE_FILE)).items())
+            self.ref_model.load_weights(iter_safetensors_file(os.path.join(path, _REFERENCE_FILE)))
         self.optimizer.load_state_dict(state["optimizer"])
         if self.config.colocated:
             # load_state_dict replaced the state tensors with ordinary ones.
@@ -570,16 +556,3 @@ def _set_rng_state(state: dict[str, Any]) -> None:
                          npst["cached"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _replace_dir(tmp: str, path: str) -> None:
-    """Moves the finished directory ``tmp`` to ``path``, replacing an older checkpoint there."""
-    if os.path.exists(path):
-        old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=os.path.dirname(path))
-        os.rmdir(old)
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, path)
-

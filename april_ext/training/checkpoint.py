@@ -1,31 +1,40 @@
-"""Run checkpoints: one directory per saved step, written atomically, the newest K kept.
+"""Run checkpoints: one directory per saved step, written atomically, checksummed, the newest K kept.
 
 A checkpoint ``<dir>/step_000012/`` holds ``trainer/`` (model, optimizer, RNG: Trainer.save_checkpoint),
-``scheduler.state`` (buffer with every partial rollout, counters, data position: Scheduler.save) and
-``run.json`` (the step and the metrics lines written so far). It is assembled in a temporary
-directory, every file and directory is fsynced, and then it is renamed into place, so a process killed
-at any moment leaves either the complete new checkpoint or none (temporary leftovers are ignored and
-cleaned up).
+``scheduler.state`` (buffer with every partial rollout, counters, data position: Scheduler.save),
+``run.json`` (the step and the metrics lines written so far) and ``manifest.json`` (size and sha256 of
+every other file). It is assembled in a temporary directory, every file and directory is fsynced, and
+then it is renamed into place (april_ext.persistence.atomic_directory), so a process killed at any
+moment leaves either the complete new checkpoint or none (temporary leftovers are ignored and cleaned
+up). Loading checks every file against the manifest before anything is restored, so a damaged file
+(truncated, overwritten, a flipped bit) raises CorruptStateError naming it; ``restore_newest`` then
+falls back to the newest intact checkpoint. A checkpoint written before manifests existed is loaded
+unverified, with a warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from april_ext.errors import PersistenceError
+from april_ext.errors import CorruptStateError, PersistenceError
+from april_ext.persistence import atomic_directory, atomic_write_json, digest_file, ensure_dir, is_temporary
 from april_ext.scheduler import Scheduler
 from april_ext.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 _RUN_FILE = "run.json"
 _SCHEDULER_FILE = "scheduler.state"
 _TRAINER_DIR = "trainer"
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = "april_ext.checkpoint_manifest/1"
 
 
 @dataclass(frozen=True)
@@ -34,20 +43,56 @@ class CheckpointInfo:
     path: str
 
 
-def _fsync_tree(root: str) -> None:
+def _files(root: str) -> list[str]:
+    """Every file under ``root`` but the manifest, as sorted '/'-separated relative paths."""
+    out = []
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as handle:
-                os.fsync(handle.fileno())
-        _fsync_dir(dirpath)
+            rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
+            if rel != MANIFEST_FILE:
+                out.append(rel)
+    return sorted(out)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def write_manifest(root: str) -> None:
+    """Records size and sha256 of every file under ``root`` in ``root/manifest.json``."""
+    files = {}
+    for rel in _files(root):
+        digest = digest_file(os.path.join(root, rel))
+        files[rel] = {"size": digest.size, "sha256": digest.sha256}
+    atomic_write_json(os.path.join(root, MANIFEST_FILE), {"format": MANIFEST_FORMAT, "files": files}, indent=1)
+
+
+def verify_manifest(root: str) -> bool:
+    """Checks every file listed in ``root/manifest.json`` (present, same size, same sha256): raises
+    CorruptStateError naming the first damaged or missing file, or a damaged manifest. Returns False
+    when there is no manifest (a checkpoint written before manifests existed), True when verified."""
+    manifest = os.path.join(root, MANIFEST_FILE)
+    if not os.path.exists(manifest):
+        return False
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with open(manifest, encoding="utf-8") as handle:
+            raw = json.load(handle)
+    except OSError as err:
+        raise PersistenceError(f"reading {manifest!r} failed: {err}") from None
+    except ValueError as err:
+        raise CorruptStateError(f"{manifest}: damaged manifest ({err})") from None
+    files = raw.get("files") if isinstance(raw, dict) and raw.get("format") == MANIFEST_FORMAT else None
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+            for e in files.values()):
+        raise CorruptStateError(f"{manifest}: not a {MANIFEST_FORMAT} manifest")
+    for rel, expected in sorted(files.items()):
+        path = os.path.join(root, *rel.split("/"))
+        if not os.path.isfile(path):
+            raise CorruptStateError(f"{path}: missing (listed in {manifest})")
+        digest = digest_file(path)
+        if digest.size != expected["size"]:
+            raise CorruptStateError(f"{path}: damaged: {digest.size} bytes, the manifest says {expected['size']}")
+        if digest.sha256 != expected["sha256"]:
+            raise CorruptStateError(f"{path}: damaged: sha256 {digest.sha256} differs from the manifest's "
+                                    f"{expected['sha256']}")
+    return True
 
 
 class CheckpointManager:
@@ -76,48 +121,66 @@ class CheckpointManager:
 
     def save(self, step: int, trainer: Trainer, scheduler: Scheduler, run_state: dict[str, Any]) -> str:
         """Writes the checkpoint of ``step`` (the number of completed training steps) atomically."""
-        final = os.path.join(self.directory, f"step_{step:06d}")
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix=f".step_{step:06d}.tmp-", dir=self.directory)
-        except OSError as err:
-            raise PersistenceError(f"cannot create a checkpoint in {self.directory!r}: {err}") from None
-        try:
+        final = os.path.join(ensure_dir(self.directory), f"step_{step:06d}")
+        with atomic_directory(final) as tmp:
             trainer.save_checkpoint(os.path.join(tmp, _TRAINER_DIR))
             scheduler.save(os.path.join(tmp, _SCHEDULER_FILE))
-            with open(os.path.join(tmp, _RUN_FILE), "w", encoding="utf-8") as handle:
-                json.dump({"step": step, **run_state}, handle)
-            _fsync_tree(tmp)
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.directory)
-        except OSError as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise PersistenceError(f"writing checkpoint {final!r} failed: {err}") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            atomic_write_json(os.path.join(tmp, _RUN_FILE), {"step": step, **run_state})
+            write_manifest(tmp)
         self._prune()
         return final
 
+    def verify(self, info: CheckpointInfo) -> bool:
+        """Checks the checkpoint's files against its manifest (CorruptStateError naming a damaged file);
+        False for a checkpoint without a manifest, which cannot be checked."""
+        return verify_manifest(info.path)
+
     def load(self, info: CheckpointInfo, trainer: Trainer, scheduler: Scheduler) -> dict[str, Any]:
-        """Restores trainer and scheduler from a checkpoint; returns its run state (run.json)."""
+        """Verifies the checkpoint, then restores trainer and scheduler from it; returns its run state
+        (run.json). A damaged checkpoint raises CorruptStateError before anything is restored."""
+        if not self.verify(info):
+            logger.warning("checkpoint %s has no %s (written by an older april_ext): loading it unverified",
+                           info.path, MANIFEST_FILE)
+        run_file = os.path.join(info.path, _RUN_FILE)
         try:
-            with open(os.path.join(info.path, _RUN_FILE), encoding="utf-8") as handle:
+            with open(run_file, encoding="utf-8") as handle:
                 run_state = json.load(handle)
-        except (OSError, json.JSONDecodeError) as err:
-            raise PersistenceError(f"{info.path}: unreadable {_RUN_FILE} ({err})") from None
+        except OSError as err:
+            raise PersistenceError(f"{run_file}: unreadable ({err})") from None
+        except ValueError as err:
+            raise CorruptStateError(f"{run_file}: damaged ({err})") from None
         trainer.load_checkpoint(os.path.join(info.path, _TRAINER_DIR))
         scheduler.load(os.path.join(info.path, _SCHEDULER_FILE))
         return dict(run_state)
+
+    def restore_newest(self, trainer: Trainer, scheduler: Scheduler) -> CheckpointInfo | None:
+        """Loads the newest checkpoint that is intact and returns it, logging a warning for each newer
+        damaged one and the one used instead; None when there is no checkpoint, CorruptStateError when
+        every one is damaged. (A damaged checkpoint without a manifest may fail after part of it was
+        restored; the older one loaded next overwrites all of it.)"""
+        damaged: dict[str, str] = {}
+        for info in reversed(self.list()):
+            try:
+                self.load(info, trainer, scheduler)
+            except CorruptStateError as err:
+                logger.warning("checkpoint %s is damaged: %s", info.path, err)
+                damaged[info.path] = str(err)
+                continue
+            if damaged:
+                logger.warning("resuming from checkpoint %s instead of the damaged newer %s", info.path,
+                               ", ".join(damaged))
+            return info
+        if damaged:
+            raise CorruptStateError(f"every checkpoint under {self.directory!r} is damaged: "
+                                    + "; ".join(damaged.values()))
+        return None
 
     def _prune(self) -> None:
         for info in self.list()[:-self.keep]:
             shutil.rmtree(info.path, ignore_errors=True)
         for name in os.listdir(self.directory):
-            if name.startswith(".step_") and ".tmp-" in name:
+            if is_temporary(name):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
 
-__all__ = ["CheckpointInfo", "CheckpointManager"]
+__all__ = ["MANIFEST_FILE", "CheckpointInfo", "CheckpointManager", "verify_manifest", "write_manifest"]

@@ -30,6 +30,7 @@ from april_ext.algorithms import AlgorithmConfig, reject_uniform_groups
 from april_ext.data_source import DataSource
 from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.model import LlamaForCausalLM, load_pretrained
+from april_ext.persistence import atomic_write_text
 from april_ext.protocol import SamplingParams
 from april_ext.rollout import RewardFn, RolloutEngine, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler, SchedulerConfig
@@ -224,16 +225,14 @@ class TrainingRun:
         self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.keep_checkpoints)
         os.makedirs(config.output_dir, exist_ok=True)
         self.metrics_path = os.path.join(config.output_dir, METRICS_FILE)
-        latest = self.checkpoints.latest() if config.resume else None
+        # The newest intact checkpoint: a damaged newer one is skipped with a warning.
+        latest = self.checkpoints.restore_newest(self.trainer, self.scheduler) if config.resume else None
         if latest is not None:
-            self.checkpoints.load(latest, self.trainer, self.scheduler)
             self.resumed_from = self.steps_done = latest.step
             self.last_saved = latest.path
             self.history = _read_metrics(self.metrics_path, latest.step)
         # A resumed run drops the metrics rows written after its checkpoint.
-        with open(self.metrics_path + ".tmp", "w", encoding="utf-8") as handle:
-            handle.writelines(json.dumps(row) + "\n" for row in self.history)
-        os.replace(self.metrics_path + ".tmp", self.metrics_path)
+        atomic_write_text(self.metrics_path, "".join(json.dumps(row) + "\n" for row in self.history))
         from tqdm import tqdm
 
         self.bar = self._stack.enter_context(tqdm(
