@@ -108,7 +108,7 @@ def adopt(source: type, *, exclude: Iterable[str] = (), defaults: Mapping[str, A
     source_settings = settings(source)
 
     def apply(cls: type[T]) -> type[T]:
-        annotations = dict(cls.__dict__.get("__annotations__", {}))
+        annotations = dict(inspect.get_annotations(cls))
         for f in fields(source):
             if f.name in exclude or f.name in annotations:
                 continue
