@@ -46,7 +46,7 @@ def test_errors_are_reported_with_exit_code_2(capsys):
     assert exc.value.code == 2
     assert "'many' is not a valid int" in capsys.readouterr().err
     assert cli.main(["train", "--rollout-batch-size", "0"]) == 2
-    assert "TrainConfig.rollout_batch_size=0 is not allowed" in capsys.readouterr().err
+    assert "SchedulerConfig.rollout_batch_size=0 is not allowed" in capsys.readouterr().err
 
 
 def test_compare_runs_baseline_and_april_side_by_side(tmp_path, capsys):

@@ -340,7 +340,7 @@ def test_scheduler_settings_per_mode():
     assert own.target_inflight_samples == 300
     with pytest.raises(ConfigError, match="SimConfig.target_inflight_samples=None"):
         replace(config, mode="april-adaptive").scheduler_config()
-    with pytest.raises(ConfigError, match="SimConfig.target_inflight_samples=4"):
+    with pytest.raises(ConfigError, match=r"SchedulerConfig\.target_inflight_samples=4 is not allowed"):
         SimConfig(target_inflight_samples=4)
 
 

@@ -165,7 +165,7 @@ def test_prompt_file_running_out_ends_training(tmp_path):
 
 
 def test_bad_configs_name_the_setting(tmp_path):
-    with pytest.raises(ConfigError, match=r"TrainConfig.rollout_batch_size=0 is not allowed: an int >= 1"):
+    with pytest.raises(ConfigError, match=r"SchedulerConfig.rollout_batch_size=0 is not allowed: an int >= 1"):
         TrainConfig(rollout_batch_size=0)
     with pytest.raises(ConfigError, match=r"TrainConfig.lr='fast' is not allowed: a float"):
         TrainConfig(lr="fast")

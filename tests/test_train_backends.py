@@ -20,6 +20,7 @@ from april_ext.sglang import SGLangLaunchError
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.training import TrainConfig, TrainingRun, train
 from april_ext.training.command import config_from_args
+from april_ext.training.config import SCHEDULER_SETTINGS
 
 from _sglang_utils import live_server
 from _torch_threads import one_thread  # noqa: F401 (fixture)
@@ -216,7 +217,9 @@ def test_toml_lists_urls(tmp_path):
     (dict(target_inflight_samples=16), "target_inflight_samples"),
 ])
 def test_bad_backend_configs_name_the_field(changes, field):
-    with pytest.raises(ConfigError, match=rf"TrainConfig\.{field}="):
+    # Scheduler settings are validated by SchedulerConfig, whose messages name it.
+    owner = "SchedulerConfig" if field in SCHEDULER_SETTINGS else "TrainConfig"
+    with pytest.raises(ConfigError, match=rf"{owner}\.{field}="):
         TrainConfig(**changes)
 
 

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import numpy as np
 
+from april_ext.scheduler import SchedulerConfig
+from april_ext.settings import add_flag, settings
 from april_ext.sim.cost import CLUSTER_PRESETS
 from april_ext.sim.lengths import LENGTH_PRESETS
 from april_ext.sim.report import describe, write_json, write_plots
-from april_ext.sim.runner import ALGORITHMS, MODES, SimConfig, SimResult, compare
+from april_ext.sim.runner import ALGORITHMS, MODE_SETTINGS, MODES, SimConfig, SimResult, compare
+
+SCHEDULER_FLAGS = tuple(f.name for f in fields(SchedulerConfig) if f.name not in MODE_SETTINGS)
+"""SimConfig's scheduler settings, each a flag (over_sampling_batch_size takes a list of N' to compare)."""
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -60,15 +65,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--modes", type=_modes, default=MODES, help=f"comma-separated: {','.join(MODES)}")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="grpo",
                         help="dapo drops groups whose rewards are all equal (dynamic sampling)")
-    parser.add_argument("--rollout-batch-size", type=int, default=32)
-    parser.add_argument("--n-samples-per-prompt", type=int, default=8)
-    parser.add_argument("--over-sampling-batch-size", type=_ints, default=(64,), metavar="N'[,N'...]",
-                        help="groups in flight (APRIL and the DAPO baseline); a comma-separated list compares several")
-    parser.add_argument("--max-response-len", type=int, default=16384)
-    parser.add_argument("--max-inflight-samples", type=int, default=None,
-                        help="APRIL modes: scheduler cap on samples in flight (e.g. engines x B_sat with a large N')")
-    parser.add_argument("--target-inflight-samples", type=int, default=None,
-                        help="april-adaptive: samples kept live (default: the engines' capacity, engines x B_sat)")
     parser.add_argument("--mixed-chunk", action="store_true",
                         help="engines run mixed chunked prefill (SGLang --enable-mixed-chunk): prefill chunks ride "
                              "in the decode batch's forward pass; the bound uses the same engine model")
@@ -78,19 +74,38 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default=None, help="where report.json and the PNG plots go (none: no files)")
+    scheduler = parser.add_argument_group(
+        "scheduler", "SchedulerConfig's settings; each mode sets " + " and ".join(MODE_SETTINGS) + " itself. The "
+        "GRPO baseline runs N' = N without max_inflight_samples; the DAPO baseline uses max_staleness 0 with the "
+        "drop policy.")
+    known = settings(SimConfig)
+    for name in SCHEDULER_FLAGS:
+        if name == "over_sampling_batch_size":
+            oversampling = known[name]
+            scheduler.add_argument(oversampling.flag, type=_ints, default=argparse.SUPPRESS, metavar="N'[,N'...]",
+                                   help=f"{oversampling.doc} A comma-separated list compares several.")
+        else:
+            add_flag(scheduler, known[name])
     parser.set_defaults(func=run)
     return parser
 
 
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """The SimConfig of parsed ``simulate`` arguments (the first N' of a list); scheduler flags not given
+    keep SimConfig's defaults."""
+    scheduler = {name: getattr(args, name) for name in SCHEDULER_FLAGS if hasattr(args, name)}
+    if "over_sampling_batch_size" in scheduler:
+        scheduler["over_sampling_batch_size"] = scheduler["over_sampling_batch_size"][0]
+    return SimConfig(
+        cluster=args.cluster, lengths=args.lengths, algorithm=args.algorithm, num_engines=args.num_engines,
+        mixed_chunk=args.mixed_chunk, chunked_prefill_size=args.chunked_prefill_size, steps=args.steps,
+        prompt_len=args.prompt_len, seed=args.seed, **scheduler)
+
+
 def run(args: argparse.Namespace) -> int:
-    config = SimConfig(
-        cluster=args.cluster, lengths=args.lengths, algorithm=args.algorithm,
-        rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt,
-        over_sampling_batch_size=args.over_sampling_batch_size[0], max_response_len=args.max_response_len,
-        max_inflight_samples=args.max_inflight_samples, target_inflight_samples=args.target_inflight_samples,
-        num_engines=args.num_engines, mixed_chunk=args.mixed_chunk, chunked_prefill_size=args.chunked_prefill_size,
-        steps=args.steps, prompt_len=args.prompt_len, seed=args.seed)
-    results = run_all(config, args.modes, args.over_sampling_batch_size)
+    config = config_from_args(args)
+    over_sampling = getattr(args, "over_sampling_batch_size", (config.over_sampling_batch_size,))
+    results = run_all(config, args.modes, over_sampling)
     print(describe(results))
     if args.output_dir:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -101,4 +116,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_parser", "run"]
+__all__ = ["SCHEDULER_FLAGS", "add_parser", "config_from_args", "run"]

@@ -6,7 +6,7 @@ import asyncio
 import math
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 import numpy as np
@@ -17,6 +17,7 @@ from april_ext.errors import ConfigError
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.rollout import RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler, SchedulerConfig
+from april_ext.settings import adopt
 from april_ext.sim.cost import ClusterConfig, cluster_preset
 from april_ext.sim.engine import SimulatedEngine
 from april_ext.sim.lengths import (
@@ -37,12 +38,20 @@ from april_ext.sim.tokens import SyntheticPrompts, answer_reward
 Mode = Literal["baseline", "april-batch", "april-continuous", "april-adaptive"]
 MODES: tuple[str, ...] = ("baseline", "april-batch", "april-continuous", "april-adaptive")
 ALGORITHMS = ("grpo", "dapo")
+MODE_SETTINGS = ("refill", "over_sampling")
+"""The SchedulerConfig fields each mode sets (see SimConfig.scheduler_config); SimConfig has all the others."""
 
 
 @dataclass(frozen=True)
+@adopt(SchedulerConfig, exclude=MODE_SETTINGS, docs={
+    "max_inflight_samples": "APRIL modes: cap on samples dispatched to the engines at once; None: no cap. With a "
+                            "large N' it holds the engines at a target load.",
+    "target_inflight_samples": "april-adaptive: samples the scheduler keeps live; None: the engines' capacity "
+                               "(replicas x B_sat of the full-occupancy bound)."})
 class SimConfig:
     """One simulated run. ``cluster`` is a preset name (see CLUSTER_PRESETS) or a ClusterConfig; ``lengths``
-    a length preset name (see LENGTH_PRESETS), a .csv / .jsonl trace path, or a LengthModel."""
+    a length preset name (see LENGTH_PRESETS), a .csv / .jsonl trace path, or a LengthModel. The scheduler's
+    settings are SchedulerConfig's fields (adopted after the fields written here), except MODE_SETTINGS."""
 
     cluster: str | ClusterConfig = "h100-qwen3-8b"
     lengths: str | LengthModel = "dapo-math-17k"
@@ -50,15 +59,6 @@ class SimConfig:
     algorithm: str = "grpo"
     """"grpo": every complete group is trained; "dapo": dynamic sampling drops groups with equal rewards (and its
     baseline over-samples N' groups, discarding unfinished ones: see scheduler_config)."""
-    rollout_batch_size: int = 32
-    n_samples_per_prompt: int = 8
-    over_sampling_batch_size: int | None = 64
-    max_response_len: int = 16384
-    max_inflight_samples: int | None = None
-    """Scheduler cap on samples in flight (None: no cap); with a large N' it holds the engines at a target load."""
-    target_inflight_samples: int | None = None
-    """april-adaptive: samples the scheduler keeps live; None: the engines' capacity (replicas x B_sat of the
-    full-occupancy bound)."""
     num_engines: int = 8
     mixed_chunk: bool = False
     """Engines run mixed chunked prefill (prefill chunks inside decode iterations; CostModel.mixed_chunk). Applies
@@ -82,14 +82,19 @@ class SimConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"SimConfig.{name}={value!r} is not allowed: an int >= 1")
-        if self.target_inflight_samples is not None and (
-                not isinstance(self.target_inflight_samples, int) or isinstance(self.target_inflight_samples, bool)
-                or self.target_inflight_samples < self.n_samples_per_prompt):
-            raise ConfigError(f"SimConfig.target_inflight_samples={self.target_inflight_samples!r} is not allowed: "
-                              f"None or an int >= n_samples_per_prompt ({self.n_samples_per_prompt})")
+        shared = self._shared_scheduler_config()
+        if self.target_inflight_samples is not None:  # checked as april-adaptive uses it (other modes do not)
+            replace(shared, over_sampling="adaptive", target_inflight_samples=self.target_inflight_samples)
+        # None: SchedulerConfig's N' (2N), so that reports show the value run.
+        object.__setattr__(self, "over_sampling_batch_size", shared.over_sampling_batch_size)
         if isinstance(self.lengths, str) and self.lengths not in LENGTH_PRESETS and not os.path.isfile(self.lengths):
             raise ConfigError(f"SimConfig.lengths={self.lengths!r} is not allowed: one of {sorted(LENGTH_PRESETS)} "
                               f"or the path of a .csv / .jsonl length trace")
+
+    def _shared_scheduler_config(self) -> SchedulerConfig:
+        """Every mode's scheduler settings but the mode's own, validated by SchedulerConfig."""
+        return SchedulerConfig(**{f.name: getattr(self, f.name) for f in fields(SchedulerConfig)
+                                  if f.name not in (*MODE_SETTINGS, "target_inflight_samples")})
 
     def scheduler_config(self, engine_capacity: int | None = None) -> SchedulerConfig:
         """APRIL as configured; the baseline is what slime does without partial rollout: GRPO launches N
@@ -102,9 +107,8 @@ class SimConfig:
         if adaptive and target is None:
             raise ConfigError("SimConfig.target_inflight_samples=None is not allowed for mode 'april-adaptive' "
                               "unless the engine capacity is given: an int >= n_samples_per_prompt")
-        base = SchedulerConfig(
-            rollout_batch_size=self.rollout_batch_size, n_samples_per_prompt=self.n_samples_per_prompt,
-            over_sampling_batch_size=self.over_sampling_batch_size, max_response_len=self.max_response_len,
+        base = replace(
+            self._shared_scheduler_config(),
             max_inflight_samples=self.max_inflight_samples if self.mode != "baseline" else None,
             refill="continuous" if self.mode in ("april-continuous", "april-adaptive") else "batch",
             over_sampling="adaptive" if adaptive else "fixed",
@@ -242,4 +246,4 @@ def gain(results: dict[str, SimResult], mode: str, baseline: str = "baseline", m
     return results[mode].summary[metric] / base - 1 if base > 0 else math.nan
 
 
-__all__ = ["ALGORITHMS", "MODES", "SimConfig", "SimResult", "compare", "gain", "simulate", "simulate_async"]
+__all__ = ["ALGORITHMS", "MODES", "MODE_SETTINGS", "SimConfig", "SimResult", "compare", "gain", "simulate", "simulate_async"]

@@ -9,7 +9,8 @@ from dataclasses import fields
 from typing import Any
 
 from april_ext.errors import ConfigError
-from april_ext.training.config import TrainConfig, field_docs, field_type
+from april_ext.settings import add_flag, settings
+from april_ext.training.config import SCHEDULER_SETTINGS, TrainConfig
 
 _GROUPS = {
     "data and task": ("task", "data", "tokenizer", "prompt_key", "label_key", "num_epochs", "counting_median",
@@ -18,25 +19,8 @@ _GROUPS = {
                          "engine"),
     "SGLang engine": ("sglang_urls", "sglang_router_url", "sglang_launch", "sglang_num_servers", "sglang_module",
                       "sglang_args", "sglang_launch_timeout_s", "sglang_weight_sync_dir", "sglang_stream"),
-    "rollout": ("rollout_batch_size", "n_samples_per_prompt", "over_sampling_batch_size", "max_response_len",
-                "partial_rollout", "refill", "over_sampling", "target_inflight_samples", "max_staleness",
-                "staleness_policy", "mask_offpolicy", "temperature", "top_p"),
+    "rollout": (*SCHEDULER_SETTINGS, "partial_rollout", "temperature", "top_p"),
 }
-
-
-def _value_parser(base: type, optional: bool) -> Any:
-    def parse(text: str) -> Any:
-        if base is tuple:
-            return tuple(part.strip() for part in text.split(",") if part.strip())
-        if optional and text.lower() == "none":
-            return None
-        try:
-            return base(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a valid {base.__name__}" + (" (or none)" if optional else "")) from None
-    parse.__name__ = "list" if base is tuple else base.__name__
-    return parse
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -50,19 +34,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="run the baseline and APRIL on the same seed; print their rollout throughput and reward")
     groups = {name: parser.add_argument_group(name) for name in (*_GROUPS, "training and outputs")}
     owner = {f: g for g, names in _GROUPS.items() for f in names}
-    docs = field_docs()
-    for f in fields(TrainConfig):
-        base, optional = field_type(f.name)
-        group = groups[owner.get(f.name, "training and outputs")]
-        flag = "--" + f.name.replace("_", "-")
-        # "%%": argparse formats help strings with %.
-        help_text = (docs.get(f.name, "") + f" (default: {f.default!r})").strip().replace("%", "%%")
-        if base is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=help_text)
-        else:
-            group.add_argument(flag, type=_value_parser(base, optional), default=argparse.SUPPRESS,
-                               metavar="URL,..." if base is tuple else base.__name__.upper(), help=help_text)
+    known = settings(TrainConfig)
+    for name in (*owner, *(n for n in known if n not in owner)):
+        add_flag(groups[owner.get(name, "training and outputs")], known[name])
     parser.set_defaults(func=run)
     return parser
 

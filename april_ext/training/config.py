@@ -2,23 +2,23 @@
 
 Field names are the flag names RL users know from slime / Megatron (``rollout_batch_size`` is
 ``--rollout-batch-size``); a TOML config file uses the same names as keys. Precedence: defaults, then
-the config file, then flags.
+the config file, then flags. Every SchedulerConfig field is a TrainConfig field too, adopted from it
+(type, default, allowed values, docs) and validated by it, so its errors read as SchedulerConfig's.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import math
 import os
 import shlex
 import sys
-import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
 from april_ext.errors import ConfigError
+from april_ext.scheduler import SchedulerConfig
+from april_ext.settings import adopt, settings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,16 +27,20 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 TASKS = ("counting",)
 ALGORITHMS = ("grpo", "drgrpo", "dapo", "gspo")
-REFILLS = ("batch", "continuous")
-STALENESS_POLICIES = ("keep", "mask", "restart", "drop")
-OVER_SAMPLING = ("fixed", "adaptive")
 ENGINES = ("embedded", "sglang")
 TRAINERS = ("torch", "megatron")
 
 
+SCHEDULER_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(SchedulerConfig))
+"""The TrainConfig fields that are SchedulerConfig's."""
+
+
+# A run's batch is the counting task's on a CPU: 8 groups, not SchedulerConfig's 32.
 @dataclass(frozen=True)
+@adopt(SchedulerConfig, defaults={"rollout_batch_size": 8})
 class TrainConfig:
-    """One training run. See docs/loop.md for the table of fields."""
+    """One training run. See docs/loop.md for the table of fields. The scheduler's settings (rollout_batch_size,
+    refill, max_staleness, ...) are every SchedulerConfig field, adopted after the fields written here."""
 
     # --- data and task
     task: str | None = "counting"
@@ -66,29 +70,12 @@ class TrainConfig:
     """Tiny counting model: hidden size (intermediate size is 3x)."""
     num_layers: int = 2
     """Tiny counting model: decoder layers."""
-    # --- rollout (scheduler)
-    rollout_batch_size: int = 8
-    """N: groups (prompts) per training step."""
-    n_samples_per_prompt: int = 8
-    """Samples (responses) per group."""
-    over_sampling_batch_size: int | None = None
-    """N' groups in flight; None: 2 x rollout_batch_size. Ignored (N' = N) without partial_rollout."""
+    # --- rollout (the other scheduler settings are adopted from SchedulerConfig)
     max_response_len: int | None = None
-    """Response cap; None: the counting task's longest answer, or 1024 with data."""
+    """Response token cap per sample; None: the counting task's longest answer, or 1024 with data."""
     partial_rollout: bool = True
-    """APRIL (over-sample, abort when N groups are done, resume partials) vs the synchronous baseline."""
-    refill: str = "batch"
-    """"batch": waves of N' groups (paper); "continuous": top up as groups finish."""
-    max_staleness: int | None = None
-    """Most policy versions a sample may lag (None: unlimited)."""
-    staleness_policy: str = "keep"
-    """Past max_staleness: keep, mask, restart or drop."""
-    mask_offpolicy: bool = False
-    """Train only tokens of the current policy version."""
-    over_sampling: str = "fixed"
-    """"fixed": N' groups in flight; "adaptive": keep target_inflight_samples samples live (APRIL only)."""
-    target_inflight_samples: int | None = None
-    """Adaptive over-sampling: samples kept live (queued or generating); required with over_sampling="adaptive"."""
+    """APRIL (over-sample, abort when N groups are done, resume partials) vs the synchronous baseline (N' = N,
+    batch refill, fixed over-sampling)."""
     temperature: float = 1.0
     """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
@@ -164,7 +151,9 @@ class TrainConfig:
         if isinstance(self.sglang_urls, list):  # TOML arrays arrive as lists
             object.__setattr__(self, "sglang_urls", tuple(self.sglang_urls))
         for f in fields(self):
-            _check_type(f.name, getattr(self, f.name))
+            if f.name not in SCHEDULER_SETTINGS:
+                _check_type(f.name, getattr(self, f.name))
+        self.scheduler_config()
         if self.task is not None and self.task not in TASKS:
             _bad("task", self.task, f"one of {TASKS}, or None with data")
         if (self.task is None) == (self.data is None):
@@ -174,8 +163,7 @@ class TrainConfig:
         if self.data is not None and self.model is None:
             _bad("model", None, "a checkpoint directory when data is given (the tiny model is for the counting task)")
         for name in ("num_epochs", "counting_max_count", "counting_symbols", "hidden_size", "num_layers",
-                     "rollout_batch_size", "n_samples_per_prompt", "max_num_seqs", "num_blocks", "block_size",
-                     "micro_batch_tokens", "num_steps", "keep_checkpoints"):
+                     "max_num_seqs", "num_blocks", "block_size", "micro_batch_tokens", "num_steps", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "an int >= 1")
         for name in ("seed", "save_interval"):
@@ -183,15 +171,7 @@ class TrainConfig:
                 _bad(name, getattr(self, name), "an int >= 0")
         if self.num_threads is not None and self.num_threads < 1:
             _bad("num_threads", self.num_threads, "None or an int >= 1")
-        if self.over_sampling_batch_size is not None and self.over_sampling_batch_size < self.rollout_batch_size:
-            _bad("over_sampling_batch_size", self.over_sampling_batch_size,
-                 f"None or an int >= rollout_batch_size ({self.rollout_batch_size})")
-        if self.max_response_len is not None and self.max_response_len < 1:
-            _bad("max_response_len", self.max_response_len, "None or an int >= 1")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            _bad("max_staleness", self.max_staleness, "None or an int >= 0")
-        for name, allowed in (("algorithm", ALGORITHMS), ("refill", REFILLS),
-                              ("staleness_policy", STALENESS_POLICIES)):
+        for name, allowed in (("algorithm", ALGORITHMS), ("engine", ENGINES), ("trainer", TRAINERS)):
             if getattr(self, name) not in allowed:
                 _bad(name, getattr(self, name), f"one of {allowed}")
         for name in ("counting_median", "lr"):
@@ -206,15 +186,6 @@ class TrainConfig:
             _bad("tis_cap", self.tis_cap, "None or a finite number > 0")
         if not 0 < self.top_p <= 1:
             _bad("top_p", self.top_p, "a number in (0, 1]")
-        for name, allowed in (("over_sampling", OVER_SAMPLING), ("engine", ENGINES), ("trainer", TRAINERS)):
-            if getattr(self, name) not in allowed:
-                _bad(name, getattr(self, name), f"one of {allowed}")
-        if self.over_sampling == "adaptive":
-            if self.target_inflight_samples is None or self.target_inflight_samples < self.n_samples_per_prompt:
-                _bad("target_inflight_samples", self.target_inflight_samples,
-                     f"an int >= n_samples_per_prompt ({self.n_samples_per_prompt}) with over_sampling='adaptive'")
-        elif self.target_inflight_samples is not None:
-            _bad("target_inflight_samples", self.target_inflight_samples, "None unless over_sampling='adaptive'")
         self._check_sglang()
 
     def _check_sglang(self) -> None:
@@ -246,6 +217,18 @@ class TrainConfig:
         owned = sorted({"--model-path", "--model", "--host", "--port"} & {a.split("=")[0] for a in args})
         if owned:
             _bad("sglang_args", self.sglang_args, f"flags other than {owned} (the run sets them)")
+
+    def scheduler_config(self, max_response_len: int | None = None) -> SchedulerConfig:
+        """The scheduler settings as a SchedulerConfig, which validates them (ConfigErrors name SchedulerConfig).
+        ``max_response_len`` stands in for a max_response_len of None (the run passes its task's cap; without
+        it, SchedulerConfig's default does). The baseline's N' = N is scheduler_config_for's."""
+        values = {name: getattr(self, name) for name in SCHEDULER_SETTINGS}
+        cap = self.max_response_len if self.max_response_len is not None else max_response_len
+        if cap is None:
+            del values["max_response_len"]
+        else:
+            values["max_response_len"] = cap
+        return SchedulerConfig(**values)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -289,39 +272,9 @@ def _bad(name: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"TrainConfig.{name}={value!r} is not allowed: {allowed}")
 
 
-_HINTS: dict[str, Any] = {}
-
-
-def _hints() -> dict[str, Any]:
-    if not _HINTS:
-        _HINTS.update(typing.get_type_hints(TrainConfig))
-    return _HINTS
-
-
-def field_docs() -> dict[str, str]:
-    """The docstring under each TrainConfig field (the flags' help texts), read from this module's source."""
-    tree = ast.parse(inspect.getsource(TrainConfig))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(after.value.value).split())  # type: ignore[union-attr]
-    return docs
-
-
-def field_type(name: str) -> tuple[type, bool]:
-    """(base type, optional) of a TrainConfig field, e.g. (int, True) for ``int | None``."""
-    hint = _hints()[name]
-    if typing.get_origin(hint) is tuple:
-        return tuple, False
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if args:
-        return args[0], True
-    return hint, False
-
-
 def _check_type(name: str, value: Any) -> None:
-    base, optional = field_type(name)
+    setting = settings(TrainConfig)[name]
+    base, optional = setting.kind, setting.optional
     if value is None:
         if not optional:
             _bad(name, value, f"a {base.__name__}")
@@ -341,4 +294,4 @@ def _check_type(name: str, value: Any) -> None:
         _bad(name, value, kind + (" or None" if optional else ""))
 
 
-__all__ = ["ALGORITHMS", "ENGINES", "OVER_SAMPLING", "TASKS", "TRAINERS", "TrainConfig", "field_docs", "field_type"]
+__all__ = ["ALGORITHMS", "ENGINES", "SCHEDULER_SETTINGS", "TASKS", "TRAINERS", "TrainConfig"]

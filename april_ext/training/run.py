@@ -33,7 +33,7 @@ from april_ext.model import LlamaForCausalLM, load_pretrained
 from april_ext.persistence import atomic_write_text
 from april_ext.protocol import SamplingParams
 from april_ext.rollout import RewardFn, RolloutEngine, RolloutLoop, scheduler_config_for
-from april_ext.scheduler import Scheduler, SchedulerConfig
+from april_ext.scheduler import Scheduler
 from april_ext.trainer import TorchTrainer, TrainerConfig
 from april_ext.training.backends import build_trainer, open_sglang_engine
 from april_ext.training.checkpoint import CheckpointManager
@@ -207,12 +207,8 @@ class TrainingRun:
             torch.set_num_threads(config.num_threads)
         _seed_everything(config.seed)
         task = _build_task(config)
-        self.scheduler = Scheduler(scheduler_config_for(SchedulerConfig(
-            rollout_batch_size=config.rollout_batch_size, n_samples_per_prompt=config.n_samples_per_prompt,
-            over_sampling_batch_size=config.over_sampling_batch_size, max_response_len=task.max_response_len,
-            refill=config.refill, max_staleness=config.max_staleness, staleness_policy=config.staleness_policy,
-            mask_offpolicy=config.mask_offpolicy, over_sampling=config.over_sampling,
-            target_inflight_samples=config.target_inflight_samples), config.partial_rollout), task.data)
+        self.scheduler = Scheduler(scheduler_config_for(config.scheduler_config(task.max_response_len),
+                                                        config.partial_rollout), task.data)
         model = task.make_model()
         # The embedded engine gets its own copy of the initial weights (SGLang servers load theirs).
         engine_model = copy.deepcopy(model) if config.engine == "embedded" else None
