@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator, Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from april_ext.errors import ConfigError, InvalidArgumentError
@@ -26,9 +26,13 @@ def safetensors_files(directory: str | os.PathLike[str]) -> list[str]:
         raise InvalidArgumentError(f"checkpoint path {directory!r} is not a directory")
     index = os.path.join(directory, _INDEX)
     if os.path.exists(index):
-        with open(index, encoding="utf-8") as handle:
-            shards = sorted(set(json.load(handle)["weight_map"].values()))
-        return [os.path.join(directory, shard) for shard in shards]
+        try:
+            with open(index, encoding="utf-8") as handle:
+                shards = sorted(set(json.load(handle)["weight_map"].values()))
+            return [os.path.join(directory, shard) for shard in shards]
+        except (ValueError, LookupError, TypeError, AttributeError) as exc:
+            raise InvalidArgumentError(f"{index} is not a valid index (JSON with a weight_map of file names): "
+                                       f"{exc!r}") from exc
     if os.path.exists(os.path.join(directory, _SINGLE)):
         return [os.path.join(directory, _SINGLE)]
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
@@ -38,11 +42,15 @@ def safetensors_files(directory: str | os.PathLike[str]) -> list[str]:
 
 
 def iter_safetensors(directory: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) of every tensor of a checkpoint directory, one file open at a time."""
+    """Yields (name, tensor) of every tensor of a checkpoint directory, one file open at a time. A file that
+    is not safetensors (truncated, garbage) raises InvalidArgumentError naming it."""
     for file in safetensors_files(directory):
-        with safe_open(file, framework="pt") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise InvalidArgumentError(f"{file} is not a readable safetensors file ({exc})") from exc
 
 
 def load_pretrained(directory: str | os.PathLike[str], *, device: torch.device | str = "cpu",
