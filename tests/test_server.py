@@ -19,6 +19,7 @@ from april_ext.model import save_pretrained
 from april_ext.protocol import sglang_wire
 from april_ext.server import ServerThread, decode_named_tensors, encode_named_tensors
 from april_ext.server.cli import add_parser, build_core
+from april_ext.sglang import SGLangServerArgs, launch_sglang_server
 
 PROMPT = [5, 17, 33, 2, 60]
 LONG = {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}
@@ -489,3 +490,33 @@ async def _engine_idle(session, url: str) -> bool:
     _, info = await get(session, f"{url}/server_info")
     state = info["internal_states"][0]
     return state["running"] == state["waiting"] == state["requests_in_flight"] == 0
+
+
+# Launched as a process -----------------------------------------------------------------------------
+
+def test_launcher_runs_the_server_outside_the_callers_directory(tmp_path, monkeypatch, model) -> None:
+    """A source checkout in the caller's directory must not shadow the installed april_ext (`python -m`
+    imports from the working directory first): here a package there fails on import."""
+    checkout = tmp_path / "checkout"
+    (checkout / "april_ext").mkdir(parents=True)
+    (checkout / "april_ext" / "__init__.py").write_text("raise ImportError('the checkout shadowed april_ext')\n")
+    save_pretrained(model, checkout / "ckpt")
+    monkeypatch.chdir(checkout)
+    # Relative paths: resolved here, not in the server's directory.
+    args = SGLangServerArgs(model_path="ckpt", extra_args=("--num-blocks", "64", "--block-size", "4",
+                                                           "--max-request-bytes", "4096"))
+
+    async def use(url):
+        async with aiohttp.ClientSession() as session:
+            out = await post(session, f"{url}/generate", {"input_ids": PROMPT, "sampling_params": {
+                "max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}})
+            too_big = await post(session, f"{url}/generate", {"input_ids": [1] * 2000})
+            return out, too_big
+
+    with launch_sglang_server(args, module="april_ext.server", env={"OMP_NUM_THREADS": "1"},
+                              timeout_s=120) as server:
+        (status, out), (big_status, big) = run(use(server.url))
+    assert status == 200 and out["output_ids"] == greedy_reference(model, PROMPT, 4)
+    assert big_status == 413 and "limit of 4096 bytes" in big["error"]["message"]
+    assert server.process.returncode == 0
+    assert not server.log_path.startswith(str(checkout))

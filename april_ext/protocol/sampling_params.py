@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from april_ext.errors import InvalidArgumentError
 
+# Seeds are hashed as unsigned 64-bit integers (engine/sampler.py): a larger one would wrap onto another.
+MAX_SEED = 2**64 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -41,8 +44,9 @@ class SamplingParams:
             raise InvalidArgumentError(
                 f"SamplingParams.top_k must be an integer (<= 0 disables it), got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or self.seed < 0):
-            raise InvalidArgumentError(f"SamplingParams.seed must be None or an integer >= 0, got {self.seed!r}")
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidArgumentError(
+                f"SamplingParams.seed must be None or an integer in [0, 2**64 - 1], got {self.seed!r}")
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0]
         if bad:
             raise InvalidArgumentError(f"SamplingParams.stop_token_ids must be integers >= 0, got {bad}")

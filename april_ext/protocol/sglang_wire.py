@@ -7,6 +7,8 @@ Nothing here touches the network or the engine, so every rule is unit-testable.
 from __future__ import annotations
 
 import base64
+import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,15 +18,16 @@ from safetensors.torch import save as _save_safetensors
 
 from april_ext.batch import FinishReason
 from april_ext.errors import InvalidArgumentError
-from april_ext.protocol.sampling_params import SamplingParams
+from april_ext.protocol.sampling_params import MAX_SEED, SamplingParams
 
 # SGLang sampling fields the embedded engine maps onto SamplingParams (SGLang name -> our name).
 _MAPPED = {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
            "top_k": "top_k", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
            "sampling_seed": "seed"}
-# Text-only fields: a token-only server has no text to trim or detokenize, so any value is harmless.
+# Text-only booleans: a token-only server has no text to trim or detokenize, so either value is harmless.
 _TEXT_ONLY = ("no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens")
-# SGLang fields the engine does not implement: accepted only at the value that disables them.
+# SGLang fields the engine does not implement: accepted only at the value that disables them (of that
+# JSON type: false is not 0 and 1.0 is not 1).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "min_new_tokens": (0, None), "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
     "repetition_penalty": (1, 1.0, None), "min_p": (0, 0.0, None), "n": (1, None), "stop": (None, [], ""),
@@ -36,6 +39,9 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 PAUSE_MODES = ("abort", "retract", "in_place")
 ABORT_MESSAGE = "Aborted"
 ABORT_QUEUED_MESSAGE = "Abort in waiting queue"
+# SGLang bodies nest a few levels; a deeper one is refused before any field is read.
+MAX_JSON_DEPTH = 32
+MAX_RID_LENGTH = 256
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,45 @@ class GenerateRequest:
     params: SamplingParams
     return_logprob: bool
     stream: bool
+
+
+def parse_json(data: bytes, what: str) -> Any:
+    """A request body -> its JSON value (None for an empty body). Strict JSON: no NaN / Infinity, and at
+    most MAX_JSON_DEPTH nested arrays and objects."""
+    if not data.strip():
+        return None
+    try:
+        value = json.loads(data, parse_constant=_no_constant)
+        too_deep = _depth_exceeds(value, MAX_JSON_DEPTH)
+    except RecursionError:  # the parser ran out of stack: far deeper than the limit
+        too_deep = True
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{what}: the body is not valid JSON ({exc})") from exc
+    if too_deep:
+        raise InvalidArgumentError(f"{what}: the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether arrays / objects nest more than `limit` levels (iterative: no recursion on hostile input)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _show(value: Any) -> str:
+    """A value as JSON for a message, cut short: messages must not echo a large body back."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _object(body: Any, what: str) -> Mapping[str, Any]:
@@ -64,12 +109,39 @@ def _check_keys(body: Mapping[str, Any], allowed: tuple[str, ...], what: str) ->
 
 
 def _bool(body: Mapping[str, Any], key: str, default: bool, what: str) -> bool:
-    value = body.get(key, default)
+    """A JSON boolean (null: the default). Strings and numbers are refused: "false" is not false."""
+    value = body.get(key)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise InvalidArgumentError(f"{what}: {key} must be true or false, got {value!r}")
+        raise InvalidArgumentError(f"{what}: {key} must be true or false (a JSON boolean) or null, "
+                                   f"got {_show(value)}")
     return value
+
+
+def _int(body: Mapping[str, Any], key: str, what: str) -> int | None:
+    """A JSON integer (null: None). Booleans, floats and strings are refused."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{what}: {key} must be an integer or null, got {_show(value)}")
+    return value
+
+
+def _number(body: Mapping[str, Any], key: str, what: str) -> float | int | None:
+    """A finite JSON number (null: None). Booleans and strings are refused."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidArgumentError(f"{what}: {key} must be a finite number or null, got {_show(value)}")
+    return value
+
+
+def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """Whether value is one of allowed as the same JSON value: false is not 0, 1.0 is not 1."""
+    return any(type(value) is type(a) and value == a for a in allowed)
 
 
 def _opt_str(body: Mapping[str, Any], key: str, what: str) -> str | None:
@@ -81,6 +153,9 @@ def _opt_str(body: Mapping[str, Any], key: str, what: str) -> str | None:
     return str(value)
 
 
+# Generate fields of features the engine lacks: accepted only at the value that disables them.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {"top_logprobs_num": (None, 0), "return_hidden_states": (None, False),
+                                            "lora_path": (None,), "custom_logit_processor": (None,)}
 _GENERATE_KEYS = ("rid", "input_ids", "text", "sampling_params", "return_logprob", "stream", "logprob_start_len",
                   "top_logprobs_num", "return_text_in_logprobs", "return_hidden_states", "lora_path",
                   "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -103,11 +178,24 @@ def parse_generate(body: Any) -> GenerateRequest:
         raise InvalidArgumentError(f"{what}: batched requests (a list of input_ids lists) are not supported "
                                    "by the embedded server: send one request per call")
     rid = body.get("rid")
-    if rid is not None and (not isinstance(rid, str) or not rid):
-        raise InvalidArgumentError(f"{what}: rid must be a non-empty string, got {rid!r}")
-    for key in ("top_logprobs_num", "return_hidden_states", "lora_path", "custom_logit_processor"):
-        if body.get(key) not in (None, 0, False):
-            raise InvalidArgumentError(f"{what}: {key} is not supported by the embedded server, got {body[key]!r}")
+    if isinstance(rid, list):
+        raise InvalidArgumentError(f"{what}: a list of rids is SGLang's batch form; the embedded server takes one "
+                                   "request per call: send rid as a string")
+    if rid is not None:
+        _check_rid(rid, what)
+        if not rid:
+            raise InvalidArgumentError(f"{what}: rid must be a non-empty string or null, got \"\"")
+    for key, allowed in _UNSUPPORTED.items():
+        if key in body and not _neutral(body[key], allowed):
+            raise InvalidArgumentError(f"{what}: {key} is not supported by the embedded server (allowed: "
+                                       f"{' or '.join(_show(a) for a in allowed)}), got {_show(body[key])}")
+    # Accepted and unused (no prompt logprobs, no text, no prefill-decode disaggregation), but typed.
+    _bool(body, "return_text_in_logprobs", True, what)
+    for key in ("logprob_start_len", "bootstrap_port", "bootstrap_room"):
+        _int(body, key, what)
+    if not isinstance(body.get("bootstrap_host", ""), (str, type(None))):
+        raise InvalidArgumentError(f"{what}: bootstrap_host must be a string or null, "
+                                   f"got {_show(body['bootstrap_host'])}")
     return GenerateRequest(rid=rid, input_ids=ids, params=parse_sampling_params(body.get("sampling_params")),
                            return_logprob=_bool(body, "return_logprob", False, what),
                            stream=_bool(body, "stream", False, what))
@@ -119,19 +207,24 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
     raw = _object(raw, what)
     _check_keys(raw, tuple(_MAPPED) + _TEXT_ONLY + tuple(_NEUTRAL), what)
     for key, neutral in _NEUTRAL.items():
-        if key in raw and raw[key] not in neutral:
-            raise InvalidArgumentError(f"{what}: {key}={raw[key]!r} is not supported by the embedded engine "
-                                       f"(allowed: {list(neutral)})")
-    kwargs: dict[str, Any] = {}
-    for key, name in _MAPPED.items():
-        value = raw.get(key)
-        if value is None:
-            continue
-        if key == "stop_token_ids":
-            if not isinstance(value, list):
-                raise InvalidArgumentError(f"{what}: stop_token_ids must be a list of token ids, got {value!r}")
-            value = tuple(value)
-        kwargs[name] = value
+        if key in raw and not _neutral(raw[key], neutral):
+            raise InvalidArgumentError(f"{what}: {key}={_show(raw[key])} is not supported by the embedded engine "
+                                       f"(allowed: {' or '.join(_show(n) for n in neutral)})")
+    for key in _TEXT_ONLY:
+        _bool(raw, key, False, what)
+    values = {"max_new_tokens": _int(raw, "max_new_tokens", what), "temperature": _number(raw, "temperature", what),
+              "top_p": _number(raw, "top_p", what), "top_k": _int(raw, "top_k", what),
+              "sampling_seed": _int(raw, "sampling_seed", what), "ignore_eos": _bool(raw, "ignore_eos", False, what)}
+    if values["sampling_seed"] is not None and not 0 <= values["sampling_seed"] <= MAX_SEED:
+        raise InvalidArgumentError(f"{what}: sampling_seed must be an integer in [0, 2**64 - 1] (a 64-bit seed), "
+                                   f"got {values['sampling_seed']}")
+    stop = raw.get("stop_token_ids")
+    if stop is not None:
+        if not isinstance(stop, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in stop):
+            raise InvalidArgumentError(f"{what}: stop_token_ids must be a list of integer token ids, "
+                                       f"got {_show(stop)}")
+        values["stop_token_ids"] = tuple(stop)
+    kwargs = {_MAPPED[key]: value for key, value in values.items() if value is not None}
     try:
         return SamplingParams(**kwargs)
     except InvalidArgumentError as exc:
@@ -148,12 +241,18 @@ def parse_abort(body: Any) -> AbortRequest:
     what = "/abort_request"
     body = _object(body, what)
     _check_keys(body, ("rid", "abort_all", "abort_message"), what)
-    rid = body.get("rid", "")
+    rid = body.get("rid")
     if rid is None:
         rid = ""
-    if not isinstance(rid, str):
-        raise InvalidArgumentError(f"{what}: rid must be a string, got {rid!r}")
+    _check_rid(rid, what)
     return AbortRequest(rid, _bool(body, "abort_all", False, what))
+
+
+def _check_rid(rid: Any, what: str) -> None:
+    if not isinstance(rid, str):
+        raise InvalidArgumentError(f"{what}: rid must be a string or null, got {_show(rid)}")
+    if len(rid) > MAX_RID_LENGTH:
+        raise InvalidArgumentError(f"{what}: rid must have at most {MAX_RID_LENGTH} characters, got {len(rid)}")
 
 
 def parse_pause(body: Any) -> str:
@@ -161,9 +260,12 @@ def parse_pause(body: Any) -> str:
     what = "/pause_generation"
     body = _object(body, what)
     _check_keys(body, ("mode", "torch_empty_cache"), what)
-    mode = body.get("mode") or "abort"
+    _bool(body, "torch_empty_cache", False, what)
+    mode = body.get("mode")
+    if mode is None:
+        mode = "abort"
     if mode not in PAUSE_MODES:
-        raise InvalidArgumentError(f"{what}: mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        raise InvalidArgumentError(f"{what}: mode must be one of {list(PAUSE_MODES)}, got {_show(mode)}")
     if mode != "abort":
         raise InvalidArgumentError(f"{what}: mode {mode!r} is not supported by the embedded engine (it cannot "
                                    "hold a running batch in place): use mode 'abort'")
@@ -202,10 +304,13 @@ def parse_weights_from_disk(body: Any) -> WeightsFromDisk:
                        "is_async", "torch_empty_cache", "keep_pause", "token_step"), what)
     path = body.get("model_path")
     if not isinstance(path, str) or not path:
-        raise InvalidArgumentError(f"{what}: model_path must be a checkpoint directory path, got {path!r}")
+        raise InvalidArgumentError(f"{what}: model_path must be a checkpoint directory path, got {_show(path)}")
     if body.get("load_format") not in (None, "auto", "safetensors"):
         raise InvalidArgumentError(f"{what}: load_format must be null, 'auto' or 'safetensors', "
-                                   f"got {body['load_format']!r}")
+                                   f"got {_show(body['load_format'])}")
+    for key in ("flush_cache", "is_async", "torch_empty_cache", "keep_pause"):
+        _bool(body, key, False, what)
+    _int(body, "token_step", what)
     return WeightsFromDisk(path, _opt_str(body, "weight_version", what),
                            _bool(body, "abort_all_requests", False, what))
 
@@ -229,7 +334,8 @@ def parse_weights_from_tensor(body: Any) -> WeightsFromTensor:
     if body.get("load_format") not in (None, "safetensors"):
         raise InvalidArgumentError(f"{what}: load_format must be null or 'safetensors' (base64 of a safetensors "
                                    f"blob); SGLang's own serializer formats are not readable here, got "
-                                   f"{body['load_format']!r}")
+                                   f"{_show(body['load_format'])}")
+    _bool(body, "flush_cache", True, what)
     return WeightsFromTensor(blobs, _opt_str(body, "weight_version", what),
                              _bool(body, "abort_all_requests", False, what))
 

@@ -40,7 +40,10 @@ class ServerConfig:
     enable_memory_saver: allow /release_memory_occupation (SGLang needs --enable-memory-saver for it).
     health_timeout_s: how long /health_generate waits for its one-token generation.
     stream_interval: a streamed request gets an event every this many tokens (and at its finish), as
-    SGLang's --stream-interval; events are cumulative, so long responses want a larger interval."""
+    SGLang's --stream-interval; events are cumulative, so long responses want a larger interval.
+    max_request_bytes: the largest request body; a larger one answers 413 before it is read (the default
+    admits /update_weights_from_tensor blobs of small models; larger ones go through a checkpoint
+    directory and /update_weights_from_disk)."""
 
     host: str = "127.0.0.1"
     port: int = 30000
@@ -49,6 +52,7 @@ class ServerConfig:
     enable_memory_saver: bool = False
     health_timeout_s: float = 20.0
     stream_interval: int = 1
+    max_request_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -63,6 +67,10 @@ class ServerConfig:
             raise ConfigError(f"ServerConfig.stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         if not self.health_timeout_s > 0:
             raise ConfigError(f"ServerConfig.health_timeout_s must be > 0, got {self.health_timeout_s!r}")
+        if not isinstance(self.max_request_bytes, int) or isinstance(self.max_request_bytes, bool) \
+                or self.max_request_bytes < 1:
+            raise ConfigError(
+                f"ServerConfig.max_request_bytes must be an integer >= 1, got {self.max_request_bytes!r}")
 
 
 class _Output:
@@ -124,6 +132,10 @@ def _error(message: str, status: int = 400) -> web.Response:
     return _json_response(sglang_wire.error_json(message), status)
 
 
+class _BodyTooLarge(InvalidArgumentError):
+    """A request body over ServerConfig.max_request_bytes (answered with 413)."""
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Bad input and refused calls answer 400 with SGLang's {"error": {"message"}}; the server keeps serving."""
@@ -131,6 +143,10 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return await handler(request)
     except web.HTTPException:
         raise
+    except _BodyTooLarge as exc:
+        response = _error(str(exc), 413)
+        response.force_close()  # the rest of the body is not read: this connection cannot carry another request
+        return response
     except (AprilError, ValueError) as exc:
         return _error(str(exc))
     except Exception as exc:  # an unexpected failure answers 500 and leaves the server up
@@ -154,7 +170,7 @@ class EngineServer:
         self.app = self._build_app()
 
     def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
+        app = web.Application(middlewares=[_errors], client_max_size=self.config.max_request_bytes)
         routes = [
             ("POST", "/generate", self.generate), ("PUT", "/generate", self.generate),
             ("POST", "/abort_request", self.abort_request),
@@ -182,7 +198,9 @@ class EngineServer:
         """Starts the engine loop and listens; returns the base url (with the real port when port was 0)."""
         await self.engine.start()
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # lingering_time 0: a body left unread (one refused with 413) closes the connection instead of
+        # being read and discarded.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, lingering_time=0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -318,7 +336,8 @@ class EngineServer:
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         req = sglang_wire.parse_weights_from_disk(await self._body(request))
-        ok, message = await self._update_weights(req.model_path, req.weight_version, req.abort_all_requests)
+        ok, message = await self._update_weights(req.model_path, req.weight_version, req.abort_all_requests,
+                                                 req.model_path)
         return _json_response({"success": ok, "message": message, "num_paused_requests": 0}, 200 if ok else 400)
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
@@ -326,10 +345,14 @@ class EngineServer:
         the first blob (every rank's blob holds the same full tensors)."""
         req = sglang_wire.parse_weights_from_tensor(await self._body(request))
         tensors = sglang_wire.decode_named_tensors(req.serialized[0])
-        ok, message = await self._update_weights(tensors, req.weight_version, req.abort_all_requests)
+        ok, message = await self._update_weights(tensors, req.weight_version, req.abort_all_requests,
+                                                 "serialized_named_tensors[0]")
         return _json_response({"success": ok, "message": message}, 200 if ok else 400)
 
-    async def _update_weights(self, weights: Any, label: str | None, abort_all: bool) -> tuple[bool, str]:
+    async def _update_weights(self, weights: Any, label: str | None, abort_all: bool,
+                              source: str) -> tuple[bool, str]:
+        """A failed update leaves the engine's weights and version as they were (it validates every
+        tensor before copying any)."""
         if abort_all:
             await self.engine.abort()
         version = self._versions.current + 1
@@ -337,7 +360,7 @@ class EngineServer:
         try:
             await self.engine.update_weights(weights, version)
         except (AprilError, OSError, ValueError) as exc:
-            return False, f"Failed to update weights: {exc}"
+            return False, f"Failed to update weights from {source}: {exc}"
         self._versions.current = version
         self._versions.relabel(new_label)
         return True, f"Succeeded to update model weights. Weight version is {new_label}."
@@ -401,12 +424,17 @@ class EngineServer:
     async def weight_version(self, request: web.Request) -> web.Response:
         return _json_response({"weight_version": self._versions.label()})
 
-    @staticmethod
-    async def _body(request: web.Request) -> Any:
-        text = await request.text()
-        if not text.strip():
-            return None
-        try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise InvalidArgumentError(f"{request.path}: the body is not valid JSON ({exc})") from exc
+    async def _body(self, request: web.Request) -> Any:
+        """The JSON body, read only while it stays within max_request_bytes."""
+        limit = self.config.max_request_bytes
+        where = "(ServerConfig.max_request_bytes, `april-ext serve --max-request-bytes`)"
+        if request.content_length is not None and request.content_length > limit:
+            raise _BodyTooLarge(f"{request.path}: the request body of {request.content_length} bytes exceeds the "
+                                f"limit of {limit} bytes {where}")
+        data = bytearray()
+        async for chunk in request.content.iter_any():
+            data += chunk
+            if len(data) > limit:  # a chunked body declares no length
+                raise _BodyTooLarge(f"{request.path}: the request body has more than {limit} bytes, the limit "
+                                    f"{where}")
+        return sglang_wire.parse_json(bytes(data), request.path)

@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="tokens between two events of a streamed request (events are cumulative)")
+    parser.add_argument("--max-request-bytes", type=int, default=64 << 20,
+                        help="largest request body (default 64 MiB); a larger one answers 413 unread")
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="allow /release_memory_occupation (as in SGLang)")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true",
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     core = build_core(args)
     config = ServerConfig(host=args.host, port=args.port, model_path=args.model or args.random_init_config,
                           weight_version=args.weight_version, enable_memory_saver=args.enable_memory_saver,
-                          stream_interval=args.stream_interval)
+                          stream_interval=args.stream_interval, max_request_bytes=args.max_request_bytes)
     asyncio.run(serve(core, config))
     return 0
 

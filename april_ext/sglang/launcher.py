@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -62,6 +63,13 @@ class SGLangServerArgs:
             if on:
                 args.append(flag)
         return args + list(self.extra_args)
+
+
+def _absolute(arg: str) -> str:
+    """A relative path that exists in this directory, made absolute; anything else (flags, values, hub
+    model ids) unchanged."""
+    return os.path.abspath(arg) if not arg.startswith("-") and not os.path.isabs(arg) and os.path.exists(arg) \
+        else arg
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -143,17 +151,26 @@ def launch_sglang_server(args: SGLangServerArgs, *, module: str = "sglang.launch
                          python: str = sys.executable, env: Mapping[str, str] | None = None,
                          timeout_s: float = 600.0, log_path: str | None = None) -> SGLangServerProcess:
     """Starts `python -m module <args>` in its own process group, waits until /health answers 200 and
-    returns the running server (a context manager). The output goes to log_path (default: a new
-    temporary file, kept for inspection)."""
+    returns the running server (a context manager). The output goes to log_path (default: server.log in
+    the server's directory, kept for inspection).
+
+    The server runs in a new temporary directory: `python -m` imports from its working directory first,
+    so a source checkout there would shadow the installed packages. Relative paths that exist here
+    (model_path, extra_args values, the interpreter) and PYTHONPATH entries are passed as absolute paths."""
     port = args.port if args.port is not None else free_port(args.host)
+    workdir = tempfile.mkdtemp(prefix="sglang-server-")
     if log_path is None:
-        fd, log_path = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
-        os.close(fd)
+        log_path = os.path.join(workdir, "server.log")
     log = open(log_path, "wb")  # noqa: SIM115 - owned by the returned SGLangServerProcess
-    command = [python, "-m", module, *args.argv(port)]
+    args = dataclasses.replace(args, model_path=_absolute(args.model_path),
+                               extra_args=tuple(_absolute(a) for a in args.extra_args))
+    command = [_absolute(python), "-m", module, *args.argv(port)]
+    full_env = {**os.environ, **(env or {})}
+    if full_env.get("PYTHONPATH"):  # entries relative to this directory keep meaning what they mean here
+        full_env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in full_env["PYTHONPATH"].split(os.pathsep))
     try:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=None if env is None else {**os.environ, **env}, start_new_session=True)
+                                   env=full_env, start_new_session=True, cwd=workdir)
     except OSError as exc:
         log.close()
         raise SGLangLaunchError(f"could not start {command!r}: {exc}") from exc
