@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import math
 import os
 import random
 import time
@@ -39,6 +38,7 @@ from april_ext.training.checkpoint import CheckpointManager
 from april_ext.training.config import TrainConfig
 from april_ext.training.engines import EngineFactory, build_engine, engine_metrics
 from april_ext.training.handoff import StepMemory, sync_weights
+from april_ext.training.metrics import read_metrics, step_row, summarize
 from april_ext.training.trainers import TrainerFactory, algorithm_config, build_trainer
 
 METRICS_FILE = "metrics.jsonl"
@@ -127,42 +127,6 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _read_metrics(path: str, up_to_step: int) -> list[dict[str, Any]]:
-    """Rows of an earlier run's metrics.jsonl up to a step (the rows a resumed run keeps)."""
-    rows = []
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:  # a line cut short by a kill
-                        continue
-                    if row.get("step", math.inf) <= up_to_step:
-                        rows.append(row)
-    return rows
-
-
-def summarize(history: list[dict[str, Any]]) -> dict[str, float]:
-    """Rollout throughput over the whole run (generated tokens / rollout seconds) and reward trend."""
-    if not history:
-        return {}
-    tokens = sum(r["rollout/generated_tokens"] for r in history)
-    seconds = sum(r["rollout/wall_s"] for r in history)
-    rewards = [r["rollout/reward_mean"] for r in history]
-    k = max(1, len(rewards) // 4)
-    return {
-        "steps": float(len(history)),
-        "rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-        "rollout_s_per_step": seconds / len(history),
-        "reward_first": float(np.mean(rewards[:k])),
-        "reward_last": float(np.mean(rewards[-k:])),
-        "partial_token_ratio": float(np.mean([r["rollout/carried_token_ratio"] for r in history])),
-        "off_policy_token_ratio": float(np.mean([r["rollout/off_policy_token_ratio"] for r in history])),
-        "occupancy": float(np.mean([r["rollout/occupancy"] for r in history])),
-    }
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -263,7 +227,7 @@ class TrainingRun:
             self.checkpoints.load(latest, self.trainer, self.scheduler)
             self.resumed_from = self.steps_done = latest.step
             self.last_saved = latest.path
-            self.history = _read_metrics(self.metrics_path, latest.step)
+            self.history = read_metrics(self.metrics_path, latest.step)
 
     def _open_outputs(self) -> None:
         """metrics.jsonl (rewritten with the rows kept: a resumed run drops those written after its
@@ -306,7 +270,7 @@ class TrainingRun:
         else:
             await sync_weights(trainer, engine)
         self.steps_done += 1
-        row = _row(self.steps_done, self.mode, rm, tm, train_s, time.perf_counter() - sync_start,
+        row = step_row(self.steps_done, self.mode, rm, tm, train_s, time.perf_counter() - sync_start,
                    time.perf_counter() - step_start)
         row.update(await engine_metrics(engine))
         self.history.append(row)
@@ -338,26 +302,6 @@ class TrainingRun:
             plot_run(self.history, self.config.output_dir)
         return TrainResult(self.config, self.history, self.config.output_dir, self.last_saved, self.resumed_from,
                            self.data_exhausted, summarize(self.history), self.memory_tag_prefix)
-
-
-def _row(step: int, mode: str, rm: Any, tm: dict[str, float], train_s: float, sync_s: float,
-         step_s: float) -> dict[str, Any]:
-    row: dict[str, Any] = {"step": step, "mode": mode, "policy_version": rm.policy_version}
-    for key, value in rm.as_dict().items():
-        if key != "scheduler":
-            row[f"rollout/{key}"] = value
-    sched = rm.scheduler
-    for key in ("off_policy_token_ratio", "carried_token_ratio", "batch_max_staleness", "buffered_groups",
-                "surplus_groups", "aborts", "resume_requests", "re_prefill_tokens", "groups_filtered",
-                "batch_response_tokens", "prompts_consumed"):
-        row[f"rollout/{key}"] = sched[key]
-    row["rollout/staleness_histogram"] = sched["staleness_histogram"]
-    for key, value in tm.items():
-        row[f"train/{key}"] = value
-    row["time/train_s"] = train_s
-    row["time/weight_sync_s"] = sync_s
-    row["time/step_s"] = step_s
-    return row
 
 
 __all__ = ["METRICS_FILE", "StepMemory", "TrainResult", "TrainingRun", "summarize", "train", "train_async",
