@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import urllib.request
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
@@ -74,8 +75,7 @@ def test_the_factories_build_exactly_the_kinds_train_config_allows():
                                                      ("engine", "engine", ENGINE_KINDS)])
 def test_a_bad_kind_is_refused_naming_the_allowed_kinds(tmp_path, factory, field, allowed):
     config = with_kind(tiny(tmp_path), **{field: "jax"})
-    message = rf"TrainConfig\.{field}='jax' is not allowed: one of {allowed}".replace("(", r"\(").replace(")", r"\)")
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=re.escape(f"TrainConfig.{field}='jax' is not allowed: one of {allowed}")):
         if factory == "trainer":
             build_trainer(config, counting_model(config))
         else:
