@@ -29,8 +29,7 @@ from april_ext.model import LlamaForCausalLM
 from april_ext.model.logits import processed_logprobs
 from april_ext.protocol import SamplingParams
 from april_ext.scheduler import GenerationRequest
-from april_ext.trainer import TorchTrainer, TrainerConfig
-from april_ext.trainer.torch_trainer import DROPPED_LOGPROB
+from april_ext.trainer import DROPPED_LOGPROB, TorchTrainer, TrainerConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEMPERATURE = 0.7

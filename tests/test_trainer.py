@@ -10,8 +10,7 @@ import torch
 
 from april_ext import ConfigError, CorruptStateError, InvalidArgumentError, InvalidStateError, PersistenceError
 from april_ext.algorithms import AlgorithmConfig
-from april_ext.trainer import TorchTrainer, Trainer, TrainerConfig, split_by_token_budget
-from april_ext.trainer.torch_trainer import DROPPED_LOGPROB
+from april_ext.trainer import DROPPED_LOGPROB, TorchTrainer, Trainer, TrainerConfig, split_by_token_budget
 
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 from _trainer_utils import make_batch, make_model
@@ -175,5 +174,5 @@ def test_config_errors(changes, field):
 def test_bf16_autocast_step_on_gpu():
     trainer = TorchTrainer(make_model(), config(device="cuda"))
     metrics = trainer.train_step(make_batch(make_model(), 0))
-    assert trainer._autocast and np.isfinite(metrics["loss"])
+    assert trainer.logprobs.autocast and np.isfinite(metrics["loss"])
     assert all(t.device.type == "cuda" for _, t in trainer.export_weights())

@@ -17,11 +17,12 @@ from april_ext.errors import ConfigError
 from april_ext.model import ModelConfig, iter_safetensors
 from april_ext.model.checkpoint import save_safetensors
 from april_ext.protocol.trainer import ExportedWeights
+from april_ext.trainer.checkpoint import REFERENCE_FILE
+from april_ext.trainer.config import TrainerConfig
 from april_ext.trainer.megatron import parallel
 from april_ext.trainer.megatron.model import MegatronCausalLM
-from april_ext.trainer.torch_trainer import TorchTrainer, TrainerConfig
+from april_ext.trainer.torch_trainer import TorchTrainer
 
-_REFERENCE_FILE = "reference.safetensors"
 _MODEL_FILE = "model.safetensors"
 
 WeightsSource = str | os.PathLike[str] | Iterable[tuple[str, torch.Tensor]]
@@ -99,7 +100,7 @@ class MegatronTrainer(TorchTrainer):
         self.megatron_config.model.replace(dtype=dtype).save_pretrained(directory)
         save_safetensors(self.model.hf_weights(), directory, _MODEL_FILE)
         if self.ref_model is not None:
-            save_safetensors(self.ref_model.hf_weights(), directory, _REFERENCE_FILE)
+            save_safetensors(self.ref_model.hf_weights(), directory, REFERENCE_FILE)
 
 
 def _weights(source: WeightsSource) -> Iterable[tuple[str, torch.Tensor]]:

@@ -1,0 +1,97 @@
+"""A TrainingBatch on the trainer's side: validated, moved to the device with its advantages and loss
+mask, and cut into minibatches (whole groups, one optimizer step each) and micro-batches (whole
+samples within a token budget, one forward / backward each)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from april_ext.algorithms import AlgorithmConfig, group_advantages, offpolicy_loss_mask
+from april_ext.batch import TrainingBatch
+from april_ext.errors import InvalidArgumentError
+
+
+def split_by_token_budget(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive [start, end) runs of samples whose total length fits the budget; a sample longer than
+    the budget forms a run of its own."""
+    runs: list[tuple[int, int]] = []
+    start, used = 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and used + n > budget:
+            runs.append((start, i))
+            start, used = i, 0
+        used += n
+    if start < len(lengths):
+        runs.append((start, len(lengths)))
+    return runs
+
+
+def minibatch_bounds(group_index: torch.Tensor, minibatches: int) -> list[tuple[int, int]]:
+    """Sample ranges of ``minibatches`` parts with whole groups and about equal numbers of groups."""
+    starts = [0] + (torch.nonzero(group_index.diff() != 0).flatten() + 1).tolist()
+    n_groups = len(starts)
+    parts = min(minibatches, n_groups)
+    bounds = [starts[(n_groups * k) // parts] for k in range(parts)] + [int(group_index.shape[0])]
+    return [(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+def validate_batch(batch: TrainingBatch) -> None:
+    """Raises InvalidArgumentError naming the first array whose shape or order is wrong."""
+    s, t = batch.n_samples, batch.n_tokens
+    if s < 1:
+        raise InvalidArgumentError("the batch has no samples")
+    if int(batch.offsets[0]) != 0 or int(batch.offsets[-1]) != t or bool((np.diff(batch.offsets) < 1).any()):
+        raise InvalidArgumentError(f"batch.offsets must rise strictly from 0 to len(tokens)={t}, got "
+                                   f"{batch.offsets[:4].tolist()}...{batch.offsets[-2:].tolist()}")
+    for name in ("loss_mask", "behavior_logprobs", "versions"):
+        if getattr(batch, name).shape != (t,):
+            raise InvalidArgumentError(f"batch.{name} must have length len(tokens)={t}, got shape "
+                                       f"{getattr(batch, name).shape}")
+    for name in ("prompt_lens", "rewards", "group_index"):
+        if getattr(batch, name).shape != (s,):
+            raise InvalidArgumentError(f"batch.{name} must have one entry per sample ({s}), got shape "
+                                       f"{getattr(batch, name).shape}")
+    if bool((np.diff(batch.group_index) < 0).any()):
+        raise InvalidArgumentError("batch.group_index must be non-decreasing (samples of a group contiguous)")
+
+
+@dataclass
+class StepInputs:
+    """One batch on the trainer's device. Per token [T]: tokens, seq_index, token_advantages, versions,
+    trainable (loss mask without sample starts), mask (trainable after off-policy masking), behavior.
+    Per sample: offsets [S + 1] (CPU), group_index [S] (CPU), advantages [S]."""
+
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    seq_index: torch.Tensor
+    group_index: torch.Tensor
+    advantages: torch.Tensor
+    token_advantages: torch.Tensor
+    versions: torch.Tensor
+    trainable: torch.Tensor
+    mask: torch.Tensor
+    behavior: torch.Tensor
+
+
+def prepare_inputs(batch: TrainingBatch, algo: AlgorithmConfig, device: torch.device) -> StepInputs:
+    """Device tensors of the batch plus advantages and the effective loss mask."""
+    data = batch.to_torch()
+    offsets = data["offsets"].to(torch.int64)
+    seq_index = torch.repeat_interleave(torch.arange(batch.n_samples), offsets.diff()).to(device)
+    advantages = group_advantages(data["rewards"], data["group_index"],
+                                  normalize_std=algo.advantage == "grpo", eps=algo.adv_eps).to(device)
+    versions = data["versions"].to(device)
+    # The first token of a sample has no prediction to train.
+    trainable = data["loss_mask"].to(device, torch.float32).index_fill(0, offsets[:-1].to(device), 0.0)
+    mask = offpolicy_loss_mask(trainable, versions, batch.policy_version, mode=algo.offpolicy_mask,
+                               max_staleness=algo.max_staleness)
+    return StepInputs(tokens=data["tokens"].to(device, torch.int64), offsets=offsets, seq_index=seq_index,
+                      group_index=data["group_index"], advantages=advantages,
+                      token_advantages=advantages[seq_index], versions=versions, trainable=trainable,
+                      mask=mask, behavior=data["behavior_logprobs"].to(device, torch.float32))
+
+
+__all__ = ["StepInputs", "minibatch_bounds", "prepare_inputs", "split_by_token_budget", "validate_batch"]

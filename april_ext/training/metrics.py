@@ -1,0 +1,74 @@
+"""The metrics of a run: one row per step (as written to metrics.jsonl), the rows a resumed run keeps,
+and the summary of a whole run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from april_ext.rollout import RolloutMetrics
+
+
+def read_metrics(path: str, up_to_step: int) -> list[dict[str, Any]]:
+    """Rows of an earlier run's metrics.jsonl up to a step (the rows a resumed run keeps)."""
+    rows = []
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:  # a line cut short by a kill
+                        continue
+                    if row.get("step", math.inf) <= up_to_step:
+                        rows.append(row)
+    return rows
+
+
+def summarize(history: list[dict[str, Any]]) -> dict[str, float]:
+    """Rollout throughput over the whole run (generated tokens / rollout seconds) and reward trend."""
+    if not history:
+        return {}
+    tokens = sum(r["rollout/generated_tokens"] for r in history)
+    seconds = sum(r["rollout/wall_s"] for r in history)
+    rewards = [r["rollout/reward_mean"] for r in history]
+    k = max(1, len(rewards) // 4)
+    return {
+        "steps": float(len(history)),
+        "rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "rollout_s_per_step": seconds / len(history),
+        "reward_first": float(np.mean(rewards[:k])),
+        "reward_last": float(np.mean(rewards[-k:])),
+        "partial_token_ratio": float(np.mean([r["rollout/carried_token_ratio"] for r in history])),
+        "off_policy_token_ratio": float(np.mean([r["rollout/off_policy_token_ratio"] for r in history])),
+        "occupancy": float(np.mean([r["rollout/occupancy"] for r in history])),
+    }
+
+
+def step_row(step: int, mode: str, rm: RolloutMetrics, tm: dict[str, float], train_s: float, sync_s: float,
+             step_s: float) -> dict[str, Any]:
+    """One metrics.jsonl row: rollout metrics and the main scheduler statistics under rollout/, the trainer's
+    metrics under train/, durations under time/."""
+    row: dict[str, Any] = {"step": step, "mode": mode, "policy_version": rm.policy_version}
+    for key, value in rm.as_dict().items():
+        if key != "scheduler":
+            row[f"rollout/{key}"] = value
+    sched = rm.scheduler
+    for key in ("off_policy_token_ratio", "carried_token_ratio", "batch_max_staleness", "buffered_groups",
+                "surplus_groups", "aborts", "resume_requests", "re_prefill_tokens", "groups_filtered",
+                "batch_response_tokens", "prompts_consumed"):
+        row[f"rollout/{key}"] = sched[key]
+    row["rollout/staleness_histogram"] = sched["staleness_histogram"]
+    for key, value in tm.items():
+        row[f"train/{key}"] = value
+    row["time/train_s"] = train_s
+    row["time/weight_sync_s"] = sync_s
+    row["time/step_s"] = step_s
+    return row
+
+
+__all__ = ["read_metrics", "step_row", "summarize"]
