@@ -31,6 +31,10 @@ class BlockConfig:
     num_stages: int
 
     def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(f"BlockConfig.{name}: expected an int, got {type(value).__name__}")
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):

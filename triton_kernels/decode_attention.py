@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from april_ext.triton_kernels._tile import LOG2E, check_launchable, interpreting, load_paged_tile, softmax_update
-from april_ext.triton_kernels._validation import MAX_SPLITS, check_decode, check_num_splits, check_options
+from april_ext.triton_kernels._validation import (MAX_SPLITS, check_config, check_decode, check_flag, check_num_splits,
+                                                  check_options)
 from april_ext.triton_kernels.config import BlockConfig, decode_config, padded_head_dim
 
 @triton.jit
@@ -147,6 +148,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     shape = check_decode(q, k_cache, v_cache, block_table, seq_lens, check_indices)
     opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
     check_num_splits(num_splits)
+    check_flag("return_lse", return_lse)
+    check_config(config)
     check_launchable(_decode_split_kernel, q.device.type)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)

@@ -13,7 +13,7 @@ import triton.language as tl
 from april_ext.errors import InvalidArgumentError
 from april_ext.triton_kernels._tile import (LOG2E, check_launchable, interpreting, load_paged_tile, load_tile,
                                             softmax_update)
-from april_ext.triton_kernels._validation import check_extend, check_options
+from april_ext.triton_kernels._validation import check_config, check_extend, check_flag, check_options
 from april_ext.triton_kernels.config import BlockConfig, extend_config, padded_head_dim
 
 
@@ -160,6 +160,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     shape = check_extend(q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, check_indices,
                          max_extend_len)
     opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
+    check_flag("return_lse", return_lse)
+    check_config(config)
     check_launchable(_extend_attention_kernel, q.device.type)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
