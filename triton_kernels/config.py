@@ -112,6 +112,8 @@ def _generation(device: torch.device) -> str:
     return "default"
 
 
+# A device's generation never changes: torch.compile evaluates it once while tracing, not in the graph.
+@torch.compiler.assume_constant_result
 def generation(device: torch.device) -> str:
     """The table row used for a device: hopper, ampere, ampere_small_smem, mi300, default or interpreter."""
     return _generation(torch.device(device))
