@@ -304,6 +304,9 @@ def test_empty_tensor_has_no_allocation():
     [
         (lambda: mem.empty((-1,), torch.float32, tag="x"), "dimensions must be >= 0"),
         (lambda: mem.empty((2.5,), torch.float32, tag="x"), "sequence of ints"),
+        (lambda: mem.empty(None, torch.float32, tag="x"), "sequence of ints"),
+        (lambda: mem.empty((2, True), torch.float32, tag="x"), "sequence of ints"),
+        (lambda: mem.empty((4, -2**70), torch.float32, tag="x"), "dimensions must be >= 0"),
         (lambda: mem.empty((2,), "float32", tag="x"), "torch.dtype"),
         (lambda: mem.empty((2,), torch.float32, tag=""), "non-empty string"),
         (lambda: mem.empty((2,), torch.float32, tag="x", device="meta"), "'cpu', 'cuda'"),
