@@ -1,4 +1,5 @@
-"""Argument validation of the kernels and references: a mistake raises ValueError naming the argument."""
+"""Argument validation of the kernels and references: a mistake raises InvalidArgumentError (a ValueError)
+naming the argument."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from april_ext.errors import InvalidArgumentError
+from april_ext.errors import AprilError, InvalidArgumentError
 from april_ext.triton_kernels import (
     BlockConfig,
     decode_attention,
@@ -84,7 +85,7 @@ EXTEND_CASES = [
     ("sm_scale", _set("sm_scale", -1.0), "not allowed"),
     ("sm_scale", _set("sm_scale", float("nan")), "not allowed"),
     ("window", _set("window", 0), "not allowed"),
-    ("window", _set("window", 2.5), "not allowed"),
+    ("window", _set("window", 2.5), "got float"),
     ("softcap", _set("softcap", 0.0), "not allowed"),
     ("softcap", _set("softcap", "big"), "float"),
 ]
@@ -172,3 +173,61 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(_tile, "interpreting", lambda kernel: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         extend_attention(**extend_args())
+
+# (function, argument builder, parameter, wrong-typed value, the type it reports, the type it expects)
+WRONG_TYPES = [
+    (extend_attention, extend_args, "config", {"block_m": 16}, "dict", "BlockConfig or None"),
+    (extend_attention, extend_args, "config", "small", "str", "BlockConfig or None"),
+    (extend_attention, extend_args, "config", (16, 16, 1, 1), "tuple", "BlockConfig or None"),
+    (extend_attention, extend_args, "q", None, "NoneType", "torch.Tensor"),
+    (extend_attention, extend_args, "prefix_lens", [6, 3], "list", "torch.Tensor"),
+    (extend_attention, extend_args, "return_lse", "yes", "str", "bool"),
+    (extend_attention, extend_args, "check_indices", 1, "int", "bool"),
+    (extend_attention, extend_args, "sm_scale", "0.5", "str", "float"),
+    (extend_attention, extend_args, "softcap", True, "bool", "float"),
+    (extend_attention, extend_args, "window", 2.0, "float", "int or None"),
+    (extend_attention, extend_args, "max_extend_len", 3.0, "float", "int or None"),
+    (extend_attention_reference, extend_args, "return_lse", 0, "int", "bool"),
+    (extend_attention_reference, extend_args, "check_indices", None, "NoneType", "bool"),
+    (decode_attention, decode_args, "config", {"block_m": 16}, "dict", "BlockConfig or None"),
+    (decode_attention, decode_args, "config", "default", "str", "BlockConfig or None"),
+    (decode_attention, decode_args, "q", 1.0, "float", "torch.Tensor"),
+    (decode_attention, decode_args, "num_splits", 2.0, "float", "int or None"),
+    (decode_attention, decode_args, "num_splits", True, "bool", "int or None"),
+    (decode_attention, decode_args, "window", "4", "str", "int or None"),
+    (decode_attention, decode_args, "return_lse", 1, "int", "bool"),
+    (decode_attention, decode_args, "check_indices", "no", "str", "bool"),
+    (decode_attention_reference, decode_args, "return_lse", 1, "int", "bool"),
+    (decode_attention_reference, decode_args, "check_indices", "no", "str", "bool"),
+    (store_kv, store_args, "slot_mapping", [0, -1, 15], "list", "torch.Tensor"),
+    (store_kv, store_args, "k_cache", None, "NoneType", "torch.Tensor"),
+    (store_kv, store_args, "check_indices", "no", "str", "bool"),
+    (store_kv_reference, store_args, "check_indices", 0, "int", "bool"),
+]
+
+
+@pytest.mark.parametrize(("fn", "make_args", "name", "value", "received", "expected"), WRONG_TYPES,
+                         ids=[f"{c[0].__name__}-{c[2]}-{i}" for i, c in enumerate(WRONG_TYPES)])
+def test_wrong_types_raise_invalid_argument_naming_the_types(fn: Callable, make_args: Callable[[], dict], name: str,
+                                                             value: object, received: str, expected: str) -> None:
+    args = make_args()
+    args[name] = value
+    with pytest.raises(AprilError, match=rf"^{name}: ") as info:
+        fn(**args)
+    assert isinstance(info.value, InvalidArgumentError)
+    assert received in str(info.value) and expected in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["block_m", "block_n", "num_warps", "num_stages"])
+@pytest.mark.parametrize("value", ["16", 16.0, None])
+def test_block_config_fields_must_be_ints(field: str, value: object) -> None:
+    fields = {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1, field: value}
+    with pytest.raises(InvalidArgumentError, match=rf"^BlockConfig.{field}: expected an int, got {type(value).__name__}"):
+        BlockConfig(**fields)
+
+
+def test_max_extend_len_is_bounded_by_the_token_count() -> None:
+    # Without the bound an unchecked call would launch a grid sized by any int it is given.
+    args = extend_args()
+    with pytest.raises(InvalidArgumentError, match=r"^max_extend_len: 6 is not allowed \(None or an int in 0..5"):
+        extend_attention(**args, check_indices=False, max_extend_len=6)

@@ -7,10 +7,12 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,6 +304,9 @@ def test_empty_tensor_has_no_allocation():
     [
         (lambda: mem.empty((-1,), torch.float32, tag="x"), "dimensions must be >= 0"),
         (lambda: mem.empty((2.5,), torch.float32, tag="x"), "sequence of ints"),
+        (lambda: mem.empty(None, torch.float32, tag="x"), "sequence of ints"),
+        (lambda: mem.empty((2, True), torch.float32, tag="x"), "sequence of ints"),
+        (lambda: mem.empty((4, -2**70), torch.float32, tag="x"), "dimensions must be >= 0"),
         (lambda: mem.empty((2,), "float32", tag="x"), "torch.dtype"),
         (lambda: mem.empty((2,), torch.float32, tag=""), "non-empty string"),
         (lambda: mem.empty((2,), torch.float32, tag="x", device="meta"), "'cpu', 'cuda'"),
@@ -417,3 +422,53 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "nbytes"),
+    [
+        ((2**40, 2**40), torch.float32, 2**82),  # the product overflows 64 bits
+        ((2**62,), torch.float32, 2**64),
+        ((2**63,), torch.uint8, 2**63),  # fits size_t, but no torch tensor can address it
+    ],
+)
+def test_a_size_no_device_can_hold_is_an_invalid_argument(shape, dtype, nbytes):
+    with pytest.raises(mem.InvalidArgumentError) as info:
+        mem.empty(shape, dtype, tag=new_tag("huge"))
+    assert f"is {nbytes} bytes" in str(info.value)
+    assert f"largest tensor of {2**63 - 1} bytes" in str(info.value)
+
+
+def test_a_representable_size_the_device_cannot_hold_is_out_of_memory():
+    # 4 EiB: more than any 48- or 57-bit address space can reserve.
+    with pytest.raises(mem.OutOfMemoryError):
+        mem.empty((2**62,), torch.uint8, tag=new_tag("huge"))
+
+
+def test_the_core_rejects_a_size_its_rounding_would_wrap():
+    with pytest.raises(mem.InvalidArgumentError, match="largest allocation"):
+        _C.memory.allocate(2**64 - 1, "cpu", 0, new_tag("wrap"), False)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: mem.set_cpu_capacity(2**64), "2\\*\\*64 - 1"),
+        (lambda: mem.set_cpu_capacity(1.5), "positive int"),
+        (lambda: mem.set_backup_cache_limit(2**64), "2\\*\\*64 - 1"),
+        (lambda: mem.set_backup_cache_limit("1"), "nbytes"),
+    ],
+)
+def test_byte_counts_beyond_size_t_are_invalid_arguments(call, message):
+    with pytest.raises(mem.InvalidArgumentError, match=message):
+        call()
+    assert mem.cpu_capacity() is None and mem.backup_cache()[0] == 0
+
+
+def test_documented_allocation_info_keys_are_the_returned_keys():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `allocation_info("))
+    description = row.split("|")[2]
+    documented = set(re.findall(r"`(\w+)`", description))
+    info = mem.allocation_info(mem.empty((3,), torch.uint8, tag=new_tag("info")))
+    assert documented == set(info)

@@ -1,9 +1,11 @@
-"""Device helpers shared by the attention kernels: paged K/V tile loads and the online-softmax update."""
+"""Helpers shared by the attention kernels: paged K/V tile loads and the online-softmax update on the device;
+the interpreter check and the lse output shape on the host."""
 
 from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -23,6 +25,12 @@ def check_launchable(kernel: object, device_type: str) -> None:
         raise InvalidArgumentError(
             "q: CPU tensors need TRITON_INTERPRET=1 set before april_ext.triton_kernels is imported "
             f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} now); use the *_reference functions on CPU")
+
+
+def lse_shape(q: torch.Tensor, return_lse: bool) -> tuple[int, int]:
+    """The lse output of an attention op: a row per query row when requested, else none (so an op never
+    returns memory it did not write)."""
+    return (q.shape[0] if return_lse else 0, q.shape[1])
 
 
 @triton.jit

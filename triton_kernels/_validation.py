@@ -13,11 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from april_ext.errors import InvalidArgumentError
+from april_ext.triton_kernels.config import BlockConfig
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
+# Integer arguments reach the kernels as int64.
+MAX_INT = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,12 @@ def _tensor(name: str, value: object, ndim: int, dtypes: tuple[torch.dtype, ...]
     if value.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise _fail(name, f"dtype {str(value.dtype).replace('torch.', '')} is not allowed (allowed: {allowed})")
+    return value
+
+
+def _optional_int(name: str, value: object) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise _fail(name, f"expected an int or None, got {type(value).__name__}")
     return value
 
 
@@ -141,9 +150,8 @@ def check_options(head_dim: int, sm_scale: object, window: object, softcap: obje
         scale = float(sm_scale)
         if not math.isfinite(scale) or scale <= 0:
             raise _fail("sm_scale", f"{sm_scale!r} is not allowed (a finite value > 0)")
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise _fail("window", f"{window!r} is not allowed (None or an int >= 1)")
+    if _optional_int("window", window) is not None and not 1 <= window <= MAX_INT:
+        raise _fail("window", f"{window!r} is not allowed (None or an int in 1..2**63 - 1)")
     cap = None
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
@@ -154,6 +162,18 @@ def check_options(head_dim: int, sm_scale: object, window: object, softcap: obje
     return AttentionOptions(scale, window, cap)
 
 
+def check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(name, f"expected a bool, got {type(value).__name__}")
+    return value
+
+
+def check_config(config: object) -> BlockConfig | None:
+    if config is not None and not isinstance(config, BlockConfig):
+        raise _fail("config", f"expected a BlockConfig or None, got {type(config).__name__}")
+    return config
+
+
 def check_extend(q: object, k: object, v: object, k_cache: object, v_cache: object, qo_indptr: object,
                  block_table: object, prefix_lens: object, check_indices: bool = True,
                  max_extend_len: object = None) -> ExtendShape:
@@ -162,6 +182,7 @@ def check_extend(q: object, k: object, v: object, k_cache: object, v_cache: obje
     max_extend_len, when given, must bound every sequence's new tokens; with check_indices=False it spares
     the launcher its only host synchronization.
     """
+    check_flag("check_indices", check_indices)
     cache = check_cache(k_cache, v_cache)
     q = _tensor("q", q, 3, FLOAT_DTYPES)
     k = _tensor("k", k, 3, FLOAT_DTYPES)
@@ -182,9 +203,9 @@ def check_extend(q: object, k: object, v: object, k_cache: object, v_cache: obje
         raise _fail("qo_indptr", "must have B + 1 >= 1 entries")
     batch = qo_indptr.shape[0] - 1
     _shape("prefix_lens", prefix_lens, (batch,))
-    if max_extend_len is not None and (isinstance(max_extend_len, bool) or not isinstance(max_extend_len, int)
-                                       or max_extend_len < 0):
-        raise _fail("max_extend_len", f"{max_extend_len!r} is not allowed (None or an int >= 0)")
+    if _optional_int("max_extend_len", max_extend_len) is not None and not 0 <= max_extend_len <= tokens:
+        raise _fail("max_extend_len", f"{max_extend_len!r} is not allowed (None or an int in 0..{tokens}, "
+                                      "the token count)")
     if not check_indices:
         if max_extend_len is None:
             max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if batch else 0
@@ -209,6 +230,7 @@ def check_extend(q: object, k: object, v: object, k_cache: object, v_cache: obje
 def check_decode(q: object, k_cache: object, v_cache: object, block_table: object, seq_lens: object,
                  check_indices: bool = True) -> DecodeShape:
     """As check_extend; without check_indices, max_seq_len is the block table's capacity (no host copy)."""
+    check_flag("check_indices", check_indices)
     cache = check_cache(k_cache, v_cache)
     q = _tensor("q", q, 3, FLOAT_DTYPES)
     block_table = _tensor("block_table", block_table, 2, INDEX_DTYPES)
@@ -232,6 +254,7 @@ def check_decode(q: object, k_cache: object, v_cache: object, block_table: objec
 
 def check_store(k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object,
                 check_indices: bool = True) -> CacheShape:
+    check_flag("check_indices", check_indices)
     cache = check_cache(k_cache, v_cache)
     k = _tensor("k", k, 3, FLOAT_DTYPES)
     v = _tensor("v", v, 3, FLOAT_DTYPES)
@@ -258,7 +281,5 @@ def check_store(k: object, v: object, k_cache: object, v_cache: object, slot_map
 
 
 def check_num_splits(num_splits: object) -> None:
-    if num_splits is None:
-        return
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
+    if _optional_int("num_splits", num_splits) is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise _fail("num_splits", f"{num_splits!r} is not allowed (None or an int in 1..{MAX_SPLITS})")

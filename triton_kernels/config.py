@@ -31,6 +31,10 @@ class BlockConfig:
     num_stages: int
 
     def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(f"BlockConfig.{name}: expected an int, got {type(value).__name__}")
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
@@ -108,6 +112,8 @@ def _generation(device: torch.device) -> str:
     return "default"
 
 
+# A device's generation never changes: torch.compile evaluates it once while tracing, not in the graph.
+@torch.compiler.assume_constant_result
 def generation(device: torch.device) -> str:
     """The table row used for a device: hopper, ampere, ampere_small_smem, mi300, default or interpreter."""
     return _generation(torch.device(device))

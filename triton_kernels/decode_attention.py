@@ -11,8 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from april_ext.triton_kernels._tile import LOG2E, check_launchable, interpreting, load_paged_tile, softmax_update
-from april_ext.triton_kernels._validation import MAX_SPLITS, check_decode, check_num_splits, check_options
+from april_ext.triton_kernels._tile import (LOG2E, check_launchable, interpreting, load_paged_tile, lse_shape,
+                                            softmax_update)
+from april_ext.triton_kernels._validation import (MAX_SPLITS, check_config, check_decode, check_flag, check_num_splits,
+                                                  check_options)
 from april_ext.triton_kernels.config import BlockConfig, decode_config, padded_head_dim
 
 @triton.jit
@@ -107,6 +109,8 @@ def _decode_merge_kernel(
         tl.store(LSE + seq * stride_lb + head * stride_lh, m + tl.log(total))
 
 
+# Constant per device, like config.generation: evaluated while tracing, not in the graph.
+@torch.compiler.assume_constant_result
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -125,6 +129,55 @@ def choose_num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int, nu
     wanted = max(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_keys, MAX_CHUNK_KEYS))
     tiles = max(1, triton.cdiv(max_keys, block_n))
     return max(1, min(wanted, tiles, MAX_SPLITS))
+
+
+@torch.library.custom_op("april_ext::decode_attention", mutates_args=())
+def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, sm_scale: float, window: int | None, softcap: float | None,
+                        num_splits: int, return_lse: bool, block_m: int, block_n: int, num_warps: int,
+                        num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch as the torch op april_ext::decode_attention, which torch.compile and graph capture see.
+
+    It trusts its arguments: decode_attention validates them and picks num_splits first. Returns
+    (out, lse); lse is [B, Hq] when return_lse, else empty ([0, Hq]).
+    """
+    out = torch.empty_like(q)
+    lse = torch.empty(lse_shape(q, return_lse), dtype=torch.float32, device=q.device)
+    batch, q_heads, head_dim = q.shape
+    if batch == 0:
+        return out, lse
+    kv_heads = k_cache.shape[2]
+    group = q_heads // kv_heads
+    d_pad = padded_head_dim(head_dim)
+    o_part = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
+    upcast = q.dtype == torch.bfloat16 and interpreting(_decode_split_kernel)
+    qk_scale = sm_scale if softcap is not None else sm_scale * LOG2E
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part,
+        qk_scale, softcap if softcap is not None else 1.0, window or 0, num_splits,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+        *o_part.stride(), *lse_part.stride(),
+        GROUP=group, BLOCK_H=max(block_m, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        D_PAD=d_pad, PAGE_SIZE=k_cache.shape[1], BLOCK_N=block_n,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, UPCAST=upcast,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_merge_kernel[(batch, q_heads)](
+        o_part, lse_part, out, lse, num_splits, *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
+        HEAD_DIM=head_dim, D_PAD=d_pad,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), WRITE_LSE=return_lse,
+        num_warps=4 if d_pad >= 128 else 2,
+    )
+    return out, lse
+
+
+@decode_attention_op.register_fake
+def _decode_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, sm_scale: float, window: int | None, softcap: float | None,
+                           num_splits: int, return_lse: bool, block_m: int, block_n: int, num_warps: int,
+                           num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(lse_shape(q, return_lse), dtype=torch.float32)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -147,35 +200,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     shape = check_decode(q, k_cache, v_cache, block_table, seq_lens, check_indices)
     opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
     check_num_splits(num_splits)
+    check_flag("return_lse", return_lse)
+    check_config(config)
     check_launchable(_decode_split_kernel, q.device.type)
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    if shape.batch == 0:
-        return (out, lse) if return_lse else out
     cfg = config if config is not None else decode_config(q.device, shape.cache.head_dim, q.dtype)
-    group = shape.q_heads // shape.cache.kv_heads
     max_keys = min(shape.max_seq_len, opts.window) if opts.window is not None else shape.max_seq_len
     splits = num_splits or choose_num_splits(shape.batch, shape.cache.kv_heads, max_keys, cfg.block_n,
                                              _num_sms(q.device))
-    d_pad = padded_head_dim(shape.cache.head_dim)
-    o_part = torch.empty((shape.batch, shape.q_heads, splits, shape.cache.head_dim), dtype=torch.float32,
-                         device=q.device)
-    lse_part = torch.empty((shape.batch, shape.q_heads, splits), dtype=torch.float32, device=q.device)
-    upcast = q.dtype == torch.bfloat16 and interpreting(_decode_split_kernel)
-    qk_scale = opts.sm_scale if opts.softcap is not None else opts.sm_scale * LOG2E
-    _decode_split_kernel[(shape.batch, shape.cache.kv_heads, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part,
-        qk_scale, opts.softcap if opts.softcap is not None else 1.0, opts.window or 0, splits,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-        *o_part.stride(), *lse_part.stride(),
-        GROUP=group, BLOCK_H=max(cfg.block_m, triton.next_power_of_2(group)), HEAD_DIM=shape.cache.head_dim,
-        D_PAD=d_pad, PAGE_SIZE=shape.cache.page_size, BLOCK_N=cfg.block_n,
-        HAS_WINDOW=opts.window is not None, HAS_SOFTCAP=opts.softcap is not None, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    _decode_merge_kernel[(shape.batch, shape.q_heads)](
-        o_part, lse_part, out, lse, splits, *o_part.stride(), *lse_part.stride(), *out.stride(), *lse.stride(),
-        HEAD_DIM=shape.cache.head_dim, D_PAD=d_pad,
-        SPLITS_PAD=max(2, triton.next_power_of_2(splits)), WRITE_LSE=return_lse, num_warps=4 if d_pad >= 128 else 2,
-    )
+    out, lse = decode_attention_op(q, k_cache, v_cache, block_table, seq_lens, opts.sm_scale, opts.window,
+                                   opts.softcap, splits, return_lse, cfg.block_m, cfg.block_n, cfg.num_warps,
+                                   cfg.num_stages)
     return (out, lse) if return_lse else out

@@ -12,8 +12,8 @@ import triton.language as tl
 
 from april_ext.errors import InvalidArgumentError
 from april_ext.triton_kernels._tile import (LOG2E, check_launchable, interpreting, load_paged_tile, load_tile,
-                                            softmax_update)
-from april_ext.triton_kernels._validation import check_extend, check_options
+                                            lse_shape, softmax_update)
+from april_ext.triton_kernels._validation import check_config, check_extend, check_flag, check_options
 from april_ext.triton_kernels.config import BlockConfig, extend_config, padded_head_dim
 
 
@@ -136,6 +136,48 @@ def _extend_attention_kernel(
         tl.store(LSE + rows * stride_lt + head * stride_lh, lse, mask=m_mask)
 
 
+@torch.library.custom_op("april_ext::extend_attention", mutates_args=())
+def extend_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, qo_indptr: torch.Tensor, block_table: torch.Tensor,
+                        prefix_lens: torch.Tensor, sm_scale: float, window: int | None, softcap: float | None,
+                        max_extend_len: int, return_lse: bool, block_m: int, block_n: int, num_warps: int,
+                        num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch as the torch op april_ext::extend_attention, which torch.compile and graph capture see.
+
+    It trusts its arguments: extend_attention validates them first. Returns (out, lse); lse is
+    [T, Hq] when return_lse, else empty ([0, Hq]), so no call returns memory it did not write.
+    """
+    out = torch.empty_like(q)
+    lse = torch.empty(lse_shape(q, return_lse), dtype=torch.float32, device=q.device)
+    if max_extend_len == 0:
+        return out, lse
+    head_dim = k_cache.shape[3]
+    d_pad = padded_head_dim(head_dim)
+    upcast = q.dtype == torch.bfloat16 and interpreting(_extend_attention_kernel)
+    qk_scale = sm_scale if softcap is not None else sm_scale * LOG2E
+    grid = (triton.cdiv(max_extend_len, block_m), q.shape[1], qo_indptr.shape[0] - 1)
+    _extend_attention_kernel[grid](
+        q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, out, lse,
+        qk_scale, softcap if softcap is not None else 1.0, window or 0,
+        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_table.stride(0), *out.stride(), *lse.stride(),
+        GROUP=q.shape[1] // k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=d_pad, PAGE_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, MASK_D=d_pad != head_dim,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, WRITE_LSE=return_lse,
+        UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, lse
+
+
+@extend_attention_op.register_fake
+def _extend_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, qo_indptr: torch.Tensor, block_table: torch.Tensor,
+                           prefix_lens: torch.Tensor, sm_scale: float, window: int | None, softcap: float | None,
+                           max_extend_len: int, return_lse: bool, block_m: int, block_n: int, num_warps: int,
+                           num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(lse_shape(q, return_lse), dtype=torch.float32)
+
+
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, qo_indptr: torch.Tensor, block_table: torch.Tensor,
                      prefix_lens: torch.Tensor, *, sm_scale: float | None = None, window: int | None = None,
@@ -160,27 +202,14 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     shape = check_extend(q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, check_indices,
                          max_extend_len)
     opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
+    check_flag("return_lse", return_lse)
+    check_config(config)
     check_launchable(_extend_attention_kernel, q.device.type)
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    if shape.max_extend_len == 0:
-        return (out, lse) if return_lse else out
     cfg = config if config is not None else extend_config(q.device, shape.cache.head_dim, q.dtype)
     if cfg.block_m % cfg.block_n:
         raise InvalidArgumentError(f"config: block_m {cfg.block_m} must be a multiple of block_n {cfg.block_n} "
                                    "for extend_attention")
-    upcast = q.dtype == torch.bfloat16 and interpreting(_extend_attention_kernel)
-    qk_scale = opts.sm_scale if opts.softcap is not None else opts.sm_scale * LOG2E
-    grid = (triton.cdiv(shape.max_extend_len, cfg.block_m), shape.q_heads, shape.batch)
-    _extend_attention_kernel[grid](
-        q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, out, lse,
-        qk_scale, opts.softcap if opts.softcap is not None else 1.0, opts.window or 0,
-        *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        block_table.stride(0), *out.stride(), *lse.stride(),
-        GROUP=shape.q_heads // shape.cache.kv_heads, HEAD_DIM=shape.cache.head_dim,
-        D_PAD=padded_head_dim(shape.cache.head_dim), PAGE_SIZE=shape.cache.page_size,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MASK_D=padded_head_dim(shape.cache.head_dim) != shape.cache.head_dim,
-        HAS_WINDOW=opts.window is not None, HAS_SOFTCAP=opts.softcap is not None, WRITE_LSE=return_lse,
-        UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    out, lse = extend_attention_op(q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, opts.sm_scale,
+                                   opts.window, opts.softcap, shape.max_extend_len, return_lse, cfg.block_m,
+                                   cfg.block_n, cfg.num_warps, cfg.num_stages)
     return (out, lse) if return_lse else out

@@ -37,6 +37,30 @@ def _store_kv_kernel(
              + offs_d[None, :] * stride_vcd, v, mask=mask)
 
 
+@torch.library.custom_op("april_ext::store_kv", mutates_args=("k_cache", "v_cache"))
+def store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    """The launch as the torch op april_ext::store_kv (writes k_cache / v_cache in place), which
+    torch.compile and graph capture see. It trusts its arguments: store_kv validates them first."""
+    tokens = k.shape[0]
+    if tokens == 0:
+        return
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    _store_kv_kernel[(tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(kv_heads),
+        D_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=k_cache.shape[1],
+        num_warps=4 if kv_heads * head_dim >= 1024 else 2,
+    )
+
+
+@store_kv_op.register_fake
+def _store_kv_fake(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    return None
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, *, check_indices: bool = True) -> None:
     """Writes k[t], v[t] ([T, Hkv, D]) to cache slot slot_mapping[t] = page * page_size + offset.
@@ -45,14 +69,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     Slots must be distinct (apart from -1) and inside the cache; check_indices=False skips checking
     that (and its host synchronization) for a caller that guarantees it.
     """
-    cache = check_store(k, v, k_cache, v_cache, slot_mapping, check_indices)
+    check_store(k, v, k_cache, v_cache, slot_mapping, check_indices)
     check_launchable(_store_kv_kernel, k.device.type)
-    if k.shape[0] == 0:
-        return
-    _store_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        KV_HEADS=cache.kv_heads, HEAD_DIM=cache.head_dim, H_PAD=triton.next_power_of_2(cache.kv_heads),
-        D_PAD=triton.next_power_of_2(cache.head_dim), PAGE_SIZE=cache.page_size,
-        num_warps=4 if cache.kv_heads * cache.head_dim >= 1024 else 2,
-    )
+    store_kv_op(k, v, k_cache, v_cache, slot_mapping)

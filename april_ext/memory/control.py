@@ -14,6 +14,8 @@ from april_ext.memory import torch_cuda
 from april_ext.memory.devices import resolve
 
 _mem = _C.memory
+# The C++ core counts bytes in size_t.
+MAX_BYTES = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,10 @@ def memory_info(device: str | torch.device = "cpu") -> tuple[int, int]:
 def set_cpu_capacity(nbytes: int | None) -> None:
     """Simulates a device of nbytes on the CPU backend: creating physical memory beyond it raises
     OutOfMemoryError, as a full GPU would. None removes the limit."""
-    if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0):
-        raise InvalidArgumentError(f"nbytes={nbytes!r} is not allowed: use a positive int or None")
+    if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool)
+                               or not 0 < nbytes <= MAX_BYTES):
+        raise InvalidArgumentError(f"nbytes={nbytes!r} is not allowed: use a positive int up to {MAX_BYTES} "
+                                   "(2**64 - 1) or None")
     _mem.set_cpu_capacity(0 if nbytes is None else nbytes)
 
 
@@ -95,8 +99,8 @@ def set_backup_cache_limit(nbytes: int) -> None:
     size: repeated pause / resume cycles then copy into memory that is already faulted in instead of
     fresh pages. Kept buffers hold host memory while their tags are active. 0 (the default) keeps
     none; lowering the limit frees what no longer fits."""
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-        raise InvalidArgumentError(f"nbytes={nbytes!r} is not allowed: use an int >= 0")
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= MAX_BYTES:
+        raise InvalidArgumentError(f"nbytes={nbytes!r} is not allowed: use an int in 0..{MAX_BYTES} (2**64 - 1)")
     _mem.set_backup_cache_limit(nbytes)
 
 

@@ -18,6 +18,8 @@ _mem = _C.memory
 # Offsets of tensors packed into one allocation are multiples of this (covers every dtype and
 # vectorized loads).
 _PACK_ALIGN = 256
+# torch addresses a tensor's bytes with int64: no allocation a tensor can view is larger than this.
+MAX_TENSOR_BYTES = 2**63 - 1
 
 
 def _check_shape(shape: object) -> tuple[int, ...]:
@@ -82,6 +84,11 @@ def empty(
     tag, cpu_backup = _resolve_tag(tag, cpu_backup)
     _, _, dev = resolve(device)
     nbytes = math.prod(dims) * dtype.itemsize
+    if nbytes > MAX_TENSOR_BYTES:
+        # Not OutOfMemoryError: no device could ever hold it, so freeing memory and retrying cannot help.
+        raise InvalidArgumentError(
+            f"shape={shape!r} of {str(dtype).replace('torch.', '')} is {nbytes} bytes, over the largest tensor "
+            f"of {MAX_TENSOR_BYTES} bytes (2**63 - 1, torch's int64 byte offsets)")
     if nbytes == 0:
         return torch.empty(dims, dtype=dtype, device=dev)
     return _raw_bytes(nbytes, tag, dev, cpu_backup).view(dtype).view(dims)
@@ -173,8 +180,9 @@ def move_optimizer_to_region(
 
 
 def allocation_info(tensor: torch.Tensor) -> dict:
-    """What the allocator knows about the allocation a tensor from empty / to_region starts at:
-    logical and physical bytes, device, tag, cpu_backup and paused."""
+    """What the allocator knows about the allocation a tensor from empty / to_region starts at: the keys
+    addr, logical_bytes, physical_bytes, kind ("cpu", "cuda" or "hip"), index (the device index), tag,
+    cpu_backup and paused."""
     if not isinstance(tensor, torch.Tensor):
         raise InvalidArgumentError(f"tensor={type(tensor).__name__} is not allowed: use a torch.Tensor")
     return dict(_mem.info(tensor.untyped_storage().data_ptr()))

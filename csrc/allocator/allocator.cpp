@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <utility>
 
 #include "allocator/gpu_backends.h"
@@ -131,6 +132,11 @@ std::uintptr_t Allocator::allocate(std::size_t size, Device device, const std::s
 
   auto a = std::make_unique<Allocation>();
   std::size_t gran = b.granularity(device.index);
+  // Rounding up to the granularity must not wrap around to a tiny (or zero) physical size.
+  const std::size_t largest = std::numeric_limits<std::size_t>::max() / gran * gran;
+  check(size <= largest, ErrorKind::InvalidArgument,
+        "size " + std::to_string(size) + " bytes is over the largest allocation of " + std::to_string(largest) +
+            " bytes (the size_t range rounded down to the granularity " + std::to_string(gran) + ")");
   a->logical = size;
   a->physical = round_up(size, gran);
   a->device = device;
