@@ -746,6 +746,18 @@ def test_event_arrays_of_different_lengths_raise_invalid_argument(call):
     assert sched.state_dict() == before
 
 
+@pytest.mark.parametrize("tokens,offsets,match", [
+    ([5, 6, 7], [0, 9, 3], "stay within the 3 tokens"), ([5, 6, 7], [0, 3, 3], "prompt 1 has no tokens"),
+    ([5, 6, 7], [1, 3], "from 0 to the 3 tokens"), ([5, -6, 7], [0, 1, 3], "token id -6 of prompt 1"),
+])
+def test_the_core_checks_packed_prompts_before_adding_any(tokens, offsets, match):
+    core = _C.SchedulerCore(**_CORE_ARGS)
+    core.begin_step(0)
+    with pytest.raises(InvalidArgumentError, match=match):
+        core.add_groups(0, np.array(tokens, np.int32), np.array(offsets, np.int64))
+    assert core.prompts_consumed() == 0 and core.dispatch()["sample_ids"].size == 0
+
+
 def _names(*parts: object) -> str:
     """A pattern for a message that names each part and the allowed token id range, in any order."""
     return "(?s)" + "".join(f"(?=.*{re.escape(str(p))})" for p in (*parts, "[0, 2**31 - 1]"))

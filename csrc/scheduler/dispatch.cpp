@@ -64,12 +64,16 @@ void Scheduler::add_groups(const PromptBatch& p) {
         "add_groups: prompts " + std::to_string(p.first_index) + " to " +
             std::to_string(p.first_index + n_groups - 1) + " go past the data source's size " +
             std::to_string(s_.data_size));
-  check(p.offsets[0] == 0 && p.offsets[p.n_groups] == static_cast<int64_t>(p.n_tokens), ErrorKind::InvalidArgument,
-        "add_groups: offsets must run from 0 to the " + std::to_string(p.n_tokens) + " tokens given");
+  const auto n_tokens = static_cast<int64_t>(p.n_tokens);
+  check(p.offsets[0] == 0 && p.offsets[p.n_groups] == n_tokens, ErrorKind::InvalidArgument,
+        "add_groups: offsets must run from 0 to the " + std::to_string(n_tokens) + " tokens given");
   for (size_t i = 0; i < p.n_groups; ++i) {
     const int64_t index = p.first_index + static_cast<int64_t>(i);
+    check(p.offsets[i + 1] <= n_tokens, ErrorKind::InvalidArgument,
+          "add_groups: offsets must not decrease and stay within the " + std::to_string(n_tokens) + " tokens given");
     check(p.offsets[i + 1] > p.offsets[i], ErrorKind::InvalidArgument,
-          "add_groups: prompt " + std::to_string(index) + " has no tokens; a prompt needs at least one token id");
+          "add_groups: prompt " + std::to_string(index) +
+              " has no tokens (its offsets do not increase); a prompt needs at least one token id");
     for (int64_t t = p.offsets[i]; t < p.offsets[i + 1]; ++t) {
       check(p.tokens[t] >= 0, ErrorKind::InvalidArgument,
             "add_groups: token id " + std::to_string(p.tokens[t]) + " of prompt " + std::to_string(index) +
