@@ -66,7 +66,8 @@ _CORE_ARGS = dict(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_ba
 @pytest.mark.parametrize("bad", ["greedy", "Batch", ""])
 def test_the_core_takes_enum_settings_by_name_and_rejects_other_values(field, allowed, bad):
     _C.SchedulerCore(**_CORE_ARGS)
-    with pytest.raises(ConfigError, match=re.escape(f"SchedulerConfig.{field}={bad!r} is not allowed: one of {allowed}")):
+    message = f"SchedulerConfig.{field}={bad!r} is not allowed: one of {allowed}"
+    with pytest.raises(ConfigError, match=re.escape(message)):
         _C.SchedulerCore(**dict(_CORE_ARGS, **{field: bad}))
 
 

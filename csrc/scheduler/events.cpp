@@ -30,17 +30,21 @@ std::vector<Sample*>& Scheduler::validate_events(const EventBatch& ev, bool fini
   for (size_t e = 0; e < ev.n_events; ++e) {
     const int64_t sid = ev.sample_ids[e];
     const int64_t cnt = ev.counts[e];
-    if (cnt < 0) throw Error(ErrorKind::InvalidArgument, "token count " + str(cnt) + " of sample " + str(sid) + " is negative");
+    if (cnt < 0) {
+      throw Error(ErrorKind::InvalidArgument, "token count " + str(cnt) + " of sample " + str(sid) + " is negative");
+    }
     sum += static_cast<size_t>(cnt);
     if (sum > ev.n_tokens) {
       throw Error(ErrorKind::InvalidArgument,
                   "token counts add up to more than the " + std::to_string(ev.n_tokens) + " tokens given");
     }
-    const int32_t* chunk = ev.tokens + (sum - static_cast<size_t>(cnt));
-    if (cnt > 0 && *std::min_element(chunk, chunk + cnt) < 0) {
-      throw Error(ErrorKind::InvalidArgument, "token id " + str(*std::min_element(chunk, chunk + cnt)) +
-                                                  " of sample " + str(sid) +
-                                                  " is not allowed: token ids must be in [0, 2**31 - 1]");
+    if (cnt > 0) {
+      const int32_t* chunk = ev.tokens + (sum - static_cast<size_t>(cnt));
+      const int32_t lowest = *std::min_element(chunk, chunk + cnt);
+      if (lowest < 0) {
+        throw Error(ErrorKind::InvalidArgument, "token id " + str(lowest) + " of sample " + str(sid) +
+                                                    " is not allowed: token ids must be in [0, 2**31 - 1]");
+      }
     }
     scratch_samples_.push_back(&check_event(ev, e, finishing, cached_gid, cached));
   }
@@ -79,7 +83,9 @@ Sample& Scheduler::check_event(const EventBatch& ev, size_t e, bool finishing, i
     smp.scratch_version = std::max(smp.last_version(), smp.dispatch_version);
     smp.scratch_finished = false;
   }
-  if (smp.scratch_finished) throw Error(ErrorKind::InvalidState, "sample " + str(sid) + " is finished twice in one call");
+  if (smp.scratch_finished) {
+    throw Error(ErrorKind::InvalidState, "sample " + str(sid) + " is finished twice in one call");
+  }
   if (finishing) {
     if (ev.reasons[e] > static_cast<uint8_t>(FinishReason::Abort)) {
       throw Error(ErrorKind::InvalidArgument, "finish reason " + str(ev.reasons[e]) + " of sample " + str(sid) +

@@ -144,7 +144,8 @@ Frame check_frame(const std::string& bytes) {
   f.len = static_cast<size_t>(len);
   uint64_t stored = 0;
   std::memcpy(&stored, f.payload + f.len, sizeof(stored));
-  check(stored == fnv1a64(f.payload, f.len), ErrorKind::CorruptState, "scheduler state is corrupted: checksum mismatch");
+  check(stored == fnv1a64(f.payload, f.len), ErrorKind::CorruptState,
+        "scheduler state is corrupted: checksum mismatch");
   return f;
 }
 
