@@ -79,6 +79,16 @@ def test_python_config_accepts_exactly_the_names_the_core_knows():
     assert _C.scheduler_config_choices()["resume_order"] == ("oldest_first", "newest_first", "longest_first")
 
 
+def test_sample_states_cross_by_name():
+    sched = make()
+    sched.begin_step(0)
+    sched.dispatch()
+    assert sched.sample(0).state == "running" and sched.sample_ids("running") == list(range(8))
+    with pytest.raises(InvalidArgumentError, match="sample state='finished' is not allowed: one of 'queued', "
+                                                   "'running', 'aborting', 'done'"):
+        sched.sample_ids("finished")
+
+
 def test_config_defaults_over_sampling_to_twice_the_batch():
     assert SchedulerConfig(rollout_batch_size=5).over_sampling_batch_size == 10
     with pytest.raises(Exception):
