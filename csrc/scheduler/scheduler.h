@@ -118,9 +118,11 @@ class Scheduler {
                        std::vector<int32_t>& versions, SampleState& state, int64_t& resumes) const;
   int64_t policy_version() const;
 
-  // Persistence: running samples are stored as buffered partials (the engine's requests do not survive).
+  // Persistence: running samples are stored as buffered partials (the engine's requests do not survive);
+  // on load, a partial at the length cap finishes as a length finish. Bytes that do not decode
+  // (CorruptStateError, or InvalidArgumentError for another shape) leave the state untouched.
   std::string serialize() const;
-  void deserialize(const std::string& bytes);  // CorruptStateError leaves the state untouched
+  void deserialize(const std::string& bytes);
   void save(const std::string& path) const;
   void load(const std::string& path);
 
