@@ -17,7 +17,7 @@ import numpy as np
 from april_ext import _C
 from april_ext.batch import FinishReason, TrainingBatch
 from april_ext.data_source import DataSource, Prompt, prompt_token_array
-from april_ext.errors import ConfigError, InvalidArgumentError
+from april_ext.errors import ConfigError, CorruptStateError, InvalidArgumentError
 
 RefillMode = Literal["batch", "continuous"]
 OverSamplingMode = Literal["fixed", "adaptive"]
@@ -25,17 +25,20 @@ StalenessPolicy = Literal["keep", "mask", "restart", "drop"]
 ResumeOrder = Literal["oldest_first", "newest_first", "longest_first"]
 SampleState = Literal["queued", "running", "aborting", "done"]
 
-_REFILL = ("batch", "continuous")
-_OVER_SAMPLING = ("fixed", "adaptive")
-_STALENESS = ("keep", "mask", "restart", "drop")
-_RESUME = ("oldest_first", "newest_first", "longest_first")
-_SAMPLE_STATES = ("queued", "running", "aborting", "done")
+# The names the core accepts for each enum-valued field; settings cross to C++ by name.
+_CHOICES: dict[str, tuple[str, ...]] = _C.scheduler_config_choices()
+_TOKEN_MAX = 2**31 - 1
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _STATE_FORMAT = "april_ext.scheduler"
 
 
 def _bad(field: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"SchedulerConfig.{field}={value!r} is not allowed: {allowed}")
+
+
+def _check_choice(field: str, value: Any) -> None:
+    if not isinstance(value, str) or value not in _CHOICES[field]:
+        raise _bad(field, value, "one of " + ", ".join(repr(name) for name in _CHOICES[field]))
 
 
 def _is_int(value: Any) -> bool:
@@ -87,24 +90,20 @@ class SchedulerConfig:
         elif not _is_int(self.over_sampling_batch_size) or self.over_sampling_batch_size < self.rollout_batch_size:
             raise _bad("over_sampling_batch_size", self.over_sampling_batch_size,
                        f"an int >= rollout_batch_size ({self.rollout_batch_size}), or None for 2x")
-        if self.refill not in _REFILL:
-            raise _bad("refill", self.refill, f"one of {_REFILL}")
+        _check_choice("refill", self.refill)
         if self.max_staleness is not None and (not _is_int(self.max_staleness) or self.max_staleness < 0):
             raise _bad("max_staleness", self.max_staleness, "an int >= 0, or None for unlimited")
-        if self.staleness_policy not in _STALENESS:
-            raise _bad("staleness_policy", self.staleness_policy, f"one of {_STALENESS}")
+        _check_choice("staleness_policy", self.staleness_policy)
         if not isinstance(self.mask_offpolicy, bool):
             raise _bad("mask_offpolicy", self.mask_offpolicy, "True or False")
-        if self.resume_order not in _RESUME:
-            raise _bad("resume_order", self.resume_order, f"one of {_RESUME}")
+        _check_choice("resume_order", self.resume_order)
         if not isinstance(self.keep_surplus, bool):
             raise _bad("keep_surplus", self.keep_surplus, "True or False")
         if self.max_inflight_samples is not None and (
                 not _is_int(self.max_inflight_samples) or self.max_inflight_samples < self.n_samples_per_prompt):
             raise _bad("max_inflight_samples", self.max_inflight_samples,
                        f"an int >= n_samples_per_prompt ({self.n_samples_per_prompt}), or None for no cap")
-        if self.over_sampling not in _OVER_SAMPLING:
-            raise _bad("over_sampling", self.over_sampling, f"one of {_OVER_SAMPLING}")
+        _check_choice("over_sampling", self.over_sampling)
         if self.over_sampling == "adaptive":
             if not _is_int(self.target_inflight_samples) or self.target_inflight_samples < self.n_samples_per_prompt:
                 raise _bad("target_inflight_samples", self.target_inflight_samples,
@@ -165,12 +164,32 @@ def _array(values: Any, dtype: type, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
+def _token_array(values: Any, name: str) -> np.ndarray:
+    """Token ids as int32. Values that do not fit are rejected before the narrowing could wrap them; the
+    core rejects negative ids in arrays that arrive as int32."""
+    if isinstance(values, np.ndarray) and values.dtype == np.int32:
+        return _array(values, np.int32, name)
+    arr = np.asarray(values)
+    if arr.size and np.issubdtype(arr.dtype, np.integer):
+        low, high = arr.min(), arr.max()
+        if low < 0 or high > _TOKEN_MAX:
+            raise InvalidArgumentError(f"{name}: token id {low if low < 0 else high} is not allowed: "
+                                       "token ids must be in [0, 2**31 - 1]")
+    return _array(arr, np.int32, name)
+
+
 def _reason_code(reason: str | FinishReason, name: str) -> int:
     if isinstance(reason, FinishReason):
         return int(reason)
     if isinstance(reason, str) and reason in _REASONS:
         return int(_REASONS[reason])
     raise InvalidArgumentError(f"{name}={reason!r} is not allowed: 'stop', 'length', 'abort' or a FinishReason")
+
+
+def _describe(state: Any) -> str:
+    if not isinstance(state, dict):
+        return f"a {type(state).__name__}"
+    return "{" + ", ".join(f"{k!r}: {type(v).__name__}" for k, v in state.items()) + "}"
 
 
 class Scheduler:
@@ -194,14 +213,14 @@ class Scheduler:
             n_samples_per_prompt=config.n_samples_per_prompt,
             over_sampling_batch_size=config.over_sampling_batch_size,
             max_response_len=config.max_response_len,
-            refill=_REFILL.index(config.refill),
+            refill=config.refill,
             max_staleness=-1 if config.max_staleness is None else config.max_staleness,
-            staleness_policy=_STALENESS.index(config.staleness_policy),
+            staleness_policy=config.staleness_policy,
             mask_offpolicy=config.mask_offpolicy,
-            resume_order=_RESUME.index(config.resume_order),
+            resume_order=config.resume_order,
             keep_surplus=config.keep_surplus,
             max_inflight_samples=config.max_inflight_samples or 0,
-            over_sampling=_OVER_SAMPLING.index(config.over_sampling),
+            over_sampling=config.over_sampling,
             target_inflight_samples=config.target_inflight_samples or 0,
         )
         self._core.set_data_size(len(data))
@@ -258,8 +277,13 @@ class Scheduler:
         with self._lock:
             wanted = self._core.groups_to_launch()
             start = self._core.prompts_consumed()
-            for index in range(start, min(start + wanted, len(self._data))):
-                self._core.add_group(index, prompt_token_array(self._data[index], index))
+            # Every new prompt is fetched and checked before any is added: a bad one launches nothing.
+            new = [prompt_token_array(self._data[index], index)
+                   for index in range(start, min(start + wanted, len(self._data)))]
+            if new:
+                offsets = np.zeros(len(new) + 1, np.int64)
+                np.cumsum([p.size for p in new], out=offsets[1:])
+                self._core.add_groups(start, np.concatenate(new), offsets)
             d = self._core.dispatch()
         # Plain lists first: indexing numpy arrays element by element costs more than the requests themselves.
         offsets = d["offsets"].tolist()
@@ -281,14 +305,14 @@ class Scheduler:
 
     def on_tokens(self, sample_id: int, token_ids: Sequence[int], logprobs: Sequence[float], version: int) -> None:
         """A chunk of generated tokens with their behavior logprobs, produced by policy ``version``."""
-        tokens = _array(token_ids, np.int32, "token_ids")
+        tokens = _token_array(token_ids, "token_ids")
         self._core.on_tokens(np.array([sample_id], np.int64), np.array([tokens.size], np.int64), tokens,
                              _array(logprobs, np.float32, "logprobs"), np.array([version], np.int64))
 
     def on_tokens_batch(self, sample_ids: Any, counts: Any, tokens: Any, logprobs: Any, versions: Any) -> None:
         """Many chunks at once: chunk i is ``counts[i]`` consecutive entries of ``tokens`` / ``logprobs``."""
         self._core.on_tokens(_array(sample_ids, np.int64, "sample_ids"), _array(counts, np.int64, "counts"),
-                             _array(tokens, np.int32, "tokens"), _array(logprobs, np.float32, "logprobs"),
+                             _token_array(tokens, "tokens"), _array(logprobs, np.float32, "logprobs"),
                              _array(versions, np.int64, "versions"))
 
     def on_finish(self, sample_id: int, reason: str | FinishReason, token_ids: Sequence[int] = (),
@@ -298,7 +322,7 @@ class Scheduler:
         An abort keeps every token for a later resume; an abort result for a sample the scheduler asked
         to abort is the expected answer to samples_to_abort().
         """
-        tokens = _array(token_ids, np.int32, "token_ids")
+        tokens = _token_array(token_ids, "token_ids")
         if tokens.size and version is None:
             raise InvalidArgumentError("version is required when on_finish carries tokens")
         self._core.on_finish(np.array([sample_id], np.int64), np.array([_reason_code(reason, "reason")], np.uint8),
@@ -313,7 +337,7 @@ class Scheduler:
         self._core.on_finish(
             ids, _array(reasons, np.uint8, "reasons"),
             _array(np.zeros(n, np.int64) if counts is None else counts, np.int64, "counts"),
-            _array(() if tokens is None else tokens, np.int32, "tokens"),
+            _token_array(() if tokens is None else tokens, "tokens"),
             _array(() if logprobs is None else logprobs, np.float32, "logprobs"),
             _array(np.zeros(n, np.int64) if versions is None else versions, np.int64, "versions"))
 
@@ -355,14 +379,14 @@ class Scheduler:
 
     def sample_ids(self, state: SampleState) -> list[int]:
         """Ids of the samples in ``state`` ("queued", "running", "aborting", "done")."""
-        if state not in _SAMPLE_STATES:
-            raise InvalidArgumentError(f"state={state!r} is not allowed: one of {_SAMPLE_STATES}")
-        return self._core.sample_ids(_SAMPLE_STATES.index(state)).tolist()
+        if not isinstance(state, str):
+            raise InvalidArgumentError(f"state={state!r} is not allowed: a sample state name")
+        return self._core.sample_ids(state).tolist()
 
     def sample(self, sample_id: int) -> SampleView:
         """A copy of one sample's response, logprobs and per-token versions."""
         tokens, logprobs, versions, state, resumes = self._core.sample_response(int(sample_id))
-        return SampleView(int(sample_id), _SAMPLE_STATES[state], tokens, logprobs, versions, int(resumes))
+        return SampleView(int(sample_id), state, tokens, logprobs, versions, int(resumes))
 
     # ------------------------------------------------------------------ persistence
 
@@ -371,19 +395,29 @@ class Scheduler:
         return {"format": _STATE_FORMAT, "core": self._core.serialize()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state_dict(); a bad one raises CorruptStateError and leaves this scheduler unchanged."""
+        """Restore a state_dict(); nothing changes unless it loads.
+
+        Raises CorruptStateError for anything that is not a consistent state_dict() (not a dict, a missing or
+        wrong key, bytes that are truncated, corrupted or of another format), and InvalidArgumentError for a
+        state saved with another n_samples_per_prompt or max_response_len.
+        """
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT or not isinstance(
                 state.get("core"), bytes):
-            raise InvalidArgumentError(
-                f"state must be a dict from Scheduler.state_dict() (format {_STATE_FORMAT!r}, core bytes)")
+            raise CorruptStateError(
+                f"not a scheduler state_dict: a dict with 'format': {_STATE_FORMAT!r} and 'core': bytes is "
+                f"required, got {_describe(state)}")
         self._core.deserialize(state["core"])
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the state atomically (temporary file, fsync, rename)."""
+        """Write the state atomically: a temporary file of this call's own, fsync, rename, fsync of the folder.
+        Concurrent saves to one path (threads or processes) each leave a complete state there."""
         self._core.save(os.fspath(path))
 
     def load(self, path: str | os.PathLike[str]) -> None:
-        """Read a file written by save(); engine requests are gone, so in-flight samples come back buffered."""
+        """Read a file written by save(); engine requests are gone, so in-flight samples come back buffered.
+
+        Raises PersistenceError if the file cannot be read, and like load_state_dict otherwise.
+        """
         self._core.load(os.fspath(path))
 
 

@@ -6,12 +6,14 @@ and any trained response can be checked against what the engine must have produc
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from april_ext import CompletedGroup, GenerationRequest, ListDataSource, Prompt, Scheduler
+from april_ext import CompletedGroup, GenerationRequest, ListDataSource, Prompt, Scheduler, SchedulerConfig
+from april_ext.batch import TrainingBatch
 
 
 def token_at(sample_id: int, positions: np.ndarray) -> np.ndarray:
@@ -25,6 +27,56 @@ def logprob_at(positions: np.ndarray) -> np.ndarray:
 def prompts(n: int, length: int = 4) -> ListDataSource:
     return ListDataSource([Prompt(id=f"p{i}", token_ids=[1000 + i] * (length - 1) + [7], metadata={"i": i})
                            for i in range(n)])
+
+
+def make(n_prompts: int = 50, **kw) -> Scheduler:
+    """The small shape of the unit tests (N = 2, n = 2, N' = 4, cap 64), overridden by ``kw``."""
+    base = dict(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=4, max_response_len=64)
+    base.update(kw)
+    return Scheduler(SchedulerConfig(**base), prompts(n_prompts))
+
+
+def feed(sched: Scheduler, sid: int, count: int, version: int, start: int | None = None) -> None:
+    start = len(sched.sample(sid).token_ids) if start is None else start
+    pos = np.arange(start, start + count)
+    sched.on_tokens(sid, token_at(sid, pos), -0.5 * np.ones(count), version)
+
+
+def finish_group(sched: Scheduler, gid: int, n: int, tokens: int = 3, version: int = 0) -> None:
+    for sid in range(gid * n, gid * n + n):
+        feed(sched, sid, tokens, version)
+        sched.on_finish(sid, "stop")
+
+
+def reward_all(sched: Scheduler, accepted: bool = True) -> list[int]:
+    groups = sched.pop_completed_groups()
+    for g in groups:
+        sched.report_rewards(g.group_id, [float(i) for i in range(len(g.sample_ids))], accepted)
+    return [g.group_id for g in groups]
+
+
+def abort_and_take(sched: Scheduler) -> TrainingBatch:
+    """Ends a done step: every running sample answers its abort, then the batch is taken."""
+    for sid in sched.samples_to_abort():
+        sched.on_finish(sid, "abort")
+    return sched.take_batch()
+
+
+def _fnv1a(data: bytes) -> int:
+    h = 1469598103934665603
+    for b in data:
+        h = ((h ^ b) * 1099511628211) % 2**64
+    return h
+
+
+def state_payload(core: bytes) -> bytes:
+    """The payload of a framed scheduler state (docs/scheduler.md, Persistence)."""
+    return core[20:-8]
+
+
+def frame_state(payload: bytes, version: int = 2) -> bytes:
+    """Frames a payload as the core writes it: magic, format version, length, payload, FNV-1a checksum."""
+    return b"APRILSCH" + struct.pack("<IQ", version, len(payload)) + payload + struct.pack("<Q", _fnv1a(payload))
 
 
 def long_tail_length(sample_id: int, cap: int, seed: int = 0) -> int:

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import numpy as np
 import pytest
 
-from _scheduler_utils import FakeEngine, check_batch_layout, long_tail_length, prompts, run_step, token_at
+from _scheduler_utils import (
+    FakeEngine,
+    abort_and_take,
+    check_batch_layout,
+    feed,
+    finish_group,
+    long_tail_length,
+    make,
+    prompts,
+    reward_all,
+    run_step,
+    token_at,
+)
 from april_ext import (
+    _C,
     ConfigError,
     CorruptStateError,
     InvalidArgumentError,
@@ -21,39 +35,6 @@ from april_ext import (
     SchedulerConfig,
     UnknownIdError,
 )
-from april_ext.batch import TrainingBatch
-
-
-def make(n_prompts: int = 50, **kw) -> Scheduler:
-    base = dict(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=4, max_response_len=64)
-    base.update(kw)
-    return Scheduler(SchedulerConfig(**base), prompts(n_prompts))
-
-
-def feed(sched: Scheduler, sid: int, count: int, version: int, start: int | None = None) -> None:
-    start = len(sched.sample(sid).token_ids) if start is None else start
-    pos = np.arange(start, start + count)
-    sched.on_tokens(sid, token_at(sid, pos), -0.5 * np.ones(count), version)
-
-
-def finish_group(sched: Scheduler, gid: int, n: int, tokens: int = 3, version: int = 0) -> None:
-    for sid in range(gid * n, gid * n + n):
-        feed(sched, sid, tokens, version)
-        sched.on_finish(sid, "stop")
-
-
-def reward_all(sched: Scheduler, accepted: bool = True) -> list[int]:
-    groups = sched.pop_completed_groups()
-    for g in groups:
-        sched.report_rewards(g.group_id, [float(i) for i in range(len(g.sample_ids))], accepted)
-    return [g.group_id for g in groups]
-
-
-def abort_and_take(sched: Scheduler) -> TrainingBatch:
-    """Ends a done step: every running sample answers its abort, then the batch is taken."""
-    for sid in sched.samples_to_abort():
-        sched.on_finish(sid, "abort")
-    return sched.take_batch()
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -71,6 +52,41 @@ def test_config_rejects_bad_values_naming_field_and_value(field, value):
     with pytest.raises(ConfigError, match=rf"SchedulerConfig\.{field}={value!r}.*not allowed") as info:
         SchedulerConfig(**base)
     assert isinstance(info.value, ValueError)
+
+
+_CORE_ARGS = dict(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=4, max_response_len=64,
+                  refill="batch", max_staleness=-1, staleness_policy="keep", mask_offpolicy=False,
+                  resume_order="oldest_first", keep_surplus=True, max_inflight_samples=0)
+
+
+@pytest.mark.parametrize("field,allowed", [
+    ("refill", "'batch', 'continuous'"), ("staleness_policy", "'keep', 'mask', 'restart', 'drop'"),
+    ("resume_order", "'oldest_first', 'newest_first', 'longest_first'"), ("over_sampling", "'fixed', 'adaptive'"),
+])
+@pytest.mark.parametrize("bad", ["greedy", "Batch", ""])
+def test_the_core_takes_enum_settings_by_name_and_rejects_other_values(field, allowed, bad):
+    _C.SchedulerCore(**_CORE_ARGS)
+    message = f"SchedulerConfig.{field}={bad!r} is not allowed: one of {allowed}"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _C.SchedulerCore(**dict(_CORE_ARGS, **{field: bad}))
+
+
+def test_python_config_accepts_exactly_the_names_the_core_knows():
+    for field, names in _C.scheduler_config_choices().items():
+        for name in names:
+            kw = dict(target_inflight_samples=4) if (field, name) == ("over_sampling", "adaptive") else {}
+            Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=2, **{field: name}, **kw), prompts(4))
+    assert _C.scheduler_config_choices()["resume_order"] == ("oldest_first", "newest_first", "longest_first")
+
+
+def test_sample_states_cross_by_name():
+    sched = make()
+    sched.begin_step(0)
+    sched.dispatch()
+    assert sched.sample(0).state == "running" and sched.sample_ids("running") == list(range(8))
+    with pytest.raises(InvalidArgumentError, match="sample state='finished' is not allowed: one of 'queued', "
+                                                   "'running', 'aborting', 'done'"):
+        sched.sample_ids("finished")
 
 
 def test_config_defaults_over_sampling_to_twice_the_batch():
@@ -206,6 +222,23 @@ def test_continuous_refill_tops_up_as_groups_finish():
     reqs = sched.dispatch()
     assert [r.group_id for r in reqs] == [3, 3]
     assert sched.stats()["groups_launched"] == 4
+
+
+@pytest.mark.parametrize("refill", ["batch", "continuous"])
+def test_n_prime_equal_to_n_is_the_baseline_in_both_refill_modes(refill):
+    sched = make(refill=refill, over_sampling_batch_size=2)
+    sched.begin_step(0)
+    assert {r.group_id for r in sched.dispatch()} == {0, 1}
+    finish_group(sched, 0, 2)
+    reward_all(sched)
+    assert sched.dispatch() == []  # one more group is needed, and it is already generating
+    finish_group(sched, 1, 2)
+    reward_all(sched, accepted=False)
+    assert {r.group_id for r in sched.dispatch()} == {2}  # exactly the rejected group's replacement
+    finish_group(sched, 2, 2)
+    reward_all(sched)
+    assert sched.step_done and sched.samples_to_abort() == []
+    assert sched.stats()["groups_launched"] == 3 and sched.take_batch().n_groups == 2
 
 
 def test_filter_rejected_groups_do_not_count_and_are_replaced():
@@ -594,7 +627,7 @@ def test_load_rejects_state_of_another_shape_and_missing_files(tmp_path):
         make(n_samples_per_prompt=3).load_state_dict(sched.state_dict())
     with pytest.raises(PersistenceError):
         sched.load(tmp_path / "missing")
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(CorruptStateError, match="not a scheduler state_dict"):
         sched.load_state_dict({"core": "nope"})
 
 
@@ -676,6 +709,108 @@ def test_bad_prompts_and_data_sources_are_rejected():
     sched.begin_step(0)
     with pytest.raises(InvalidArgumentError, match="'empty'"):
         sched.dispatch()
+
+
+class _Flaky:
+    """A data source whose prompt 2 is broken until ``fixed`` is set."""
+
+    def __init__(self, n: int) -> None:
+        self.good = prompts(n)
+        self.fixed = False
+
+    def __len__(self) -> int:
+        return len(self.good)
+
+    def __getitem__(self, index: int) -> Prompt:
+        if index == 2 and not self.fixed:
+            return Prompt(id="broken", token_ids=[])
+        return self.good[index]
+
+
+def test_dispatch_with_an_invalid_prompt_launches_nothing_and_changes_nothing():
+    data = _Flaky(20)
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=4,
+                                      max_response_len=64), data)
+    sched.begin_step(0)
+    before = sched.state_dict()
+    with pytest.raises(InvalidArgumentError, match="'broken'"):
+        sched.dispatch()
+    assert sched.state_dict() == before
+    assert sched.stats()["groups_launched"] == 0 and sched.sample_ids("running") == []
+    data.fixed = True
+    assert {r.group_id for r in sched.dispatch()} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("call", [
+    lambda s: s.on_tokens_batch([0, 1], [1], [5], [0.0], [0, 0]),
+    lambda s: s.on_tokens_batch([0, 1], [1, 0], [5], [0.0], [0]),
+    lambda s: s.on_finish_batch([0, 1], [0]),
+    lambda s: s.on_finish_batch([0], [0], [1, 0], [5], [0.0], [0]),
+])
+def test_event_arrays_of_different_lengths_raise_invalid_argument(call):
+    sched = make()
+    sched.begin_step(0)
+    sched.dispatch()
+    before = sched.state_dict()
+    with pytest.raises(InvalidArgumentError, match="same length|entries"):
+        call(sched)
+    assert sched.state_dict() == before
+
+
+@pytest.mark.parametrize("tokens,offsets,match", [
+    ([5, 6, 7], [0, 9, 3], "stay within the 3 tokens"), ([5, 6, 7], [0, 3, 3], "prompt 1 has no tokens"),
+    ([5, 6, 7], [1, 3], "from 0 to the 3 tokens"), ([5, -6, 7], [0, 1, 3], "token id -6 of prompt 1"),
+])
+def test_the_core_checks_packed_prompts_before_adding_any(tokens, offsets, match):
+    core = _C.SchedulerCore(**_CORE_ARGS)
+    core.begin_step(0)
+    with pytest.raises(InvalidArgumentError, match=match):
+        core.add_groups(0, np.array(tokens, np.int32), np.array(offsets, np.int64))
+    assert core.prompts_consumed() == 0 and core.dispatch()["sample_ids"].size == 0
+
+
+def _names(*parts: object) -> str:
+    """A pattern for a message that names each part and the allowed token id range, in any order."""
+    return "(?s)" + "".join(f"(?=.*{re.escape(str(p))})" for p in (*parts, "[0, 2**31 - 1]"))
+
+
+@pytest.mark.parametrize("bad", [2**31, 2**32 + 5, -1, -(2**31)])
+@pytest.mark.parametrize("call", ["on_tokens", "on_tokens_batch", "on_finish", "on_finish_batch"])
+def test_token_ids_outside_0_to_int32_max_are_rejected_naming_value_and_range(call, bad):
+    sched = make()
+    sched.begin_step(0)
+    sched.dispatch()
+    before = sched.state_dict()
+    tokens = [3, bad]
+    with pytest.raises(InvalidArgumentError, match=_names(bad)):
+        if call == "on_tokens":
+            sched.on_tokens(0, tokens, [0.0, 0.0], 0)
+        elif call == "on_tokens_batch":
+            sched.on_tokens_batch([0, 1], [1, 1], tokens, [0.0, 0.0], [0, 0])
+        elif call == "on_finish":
+            sched.on_finish(0, "stop", tokens, [0.0, 0.0], 0)
+        else:
+            sched.on_finish_batch([0], [0], [2], tokens, [0.0, 0.0], [0])
+    assert sched.state_dict() == before
+
+
+def test_negative_token_ids_in_an_int32_array_are_rejected():
+    sched = make()
+    sched.begin_step(0)
+    sched.dispatch()
+    with pytest.raises(InvalidArgumentError, match=r"token id -7 of sample 1.*\[0, 2\*\*31 - 1\]"):
+        sched.on_tokens_batch([0, 1], [1, 1], np.array([4, -7], np.int32), [0.0, 0.0], [0, 0])
+    assert sched.sample(0).token_ids.size == 0
+
+
+@pytest.mark.parametrize("bad", [2**31, -1])
+def test_prompt_token_ids_outside_0_to_int32_max_are_rejected(bad):
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=1, n_samples_per_prompt=1, over_sampling_batch_size=1),
+                      ListDataSource([Prompt(id="wide", token_ids=[5, bad])]))
+    sched.begin_step(0)
+    with pytest.raises(InvalidArgumentError, match=_names(bad, "'wide'")):
+        sched.dispatch()
+    assert sched.stats()["groups_launched"] == 0
 
 
 def test_abort_at_the_length_cap_counts_as_finished():

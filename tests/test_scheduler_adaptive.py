@@ -7,7 +7,16 @@ import struct
 import numpy as np
 import pytest
 
-from _scheduler_utils import FakeEngine, check_batch_layout, long_tail_length, prompts, run_step, token_at
+from _scheduler_utils import (
+    FakeEngine,
+    check_batch_layout,
+    frame_state,
+    long_tail_length,
+    prompts,
+    run_step,
+    state_payload,
+    token_at,
+)
 from april_ext import ConfigError, CorruptStateError, Scheduler, SchedulerConfig
 
 
@@ -143,22 +152,15 @@ def test_adaptive_state_survives_save_and_load(tmp_path):
     assert [r.sample_id for r in restored.dispatch()] == [r.sample_id for r in sched.dispatch()]
 
 
-def _fnv1a(data: bytes) -> int:
-    h = 1469598103934665603
-    for b in data:
-        h = ((h ^ b) * 1099511628211) % 2**64
-    return h
-
-
 def _as_version_1(core: bytes) -> bytes:
     """Rewrite a version 2 state as version 1 wrote it: 32 counters, no adaptive fields at the end."""
-    payload = core[20:-8]
+    payload = state_payload(core)
     counters_at = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # n, max_len, next group id, prompts, flags, version, step
     (count,) = struct.unpack_from("<Q", payload, counters_at)
     assert count == 33
     last = counters_at + 8 + 32 * 8  # over_sampling_groups, the counter version 2 added
     payload = payload[:counters_at] + struct.pack("<Q", 32) + payload[counters_at + 8:last] + payload[last + 8:-16]
-    return b"APRILSCH" + struct.pack("<IQ", 1, len(payload)) + payload + struct.pack("<Q", _fnv1a(payload))
+    return frame_state(payload, version=1)
 
 
 def test_version_1_state_files_still_load_into_fixed_and_adaptive_schedulers():

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "bindings/bindings.h"
+#include "common/error.h"
+#include "scheduler/names.h"
 #include "scheduler/scheduler.h"
 
 namespace py = pybind11;
@@ -32,9 +34,8 @@ py::array_t<T> to_numpy(std::vector<T>&& v) {
 
 template <typename T>
 void require_1d(const Array<T>& a, const char* name) {
-  if (a.ndim() != 1) {
-    throw py::value_error(std::string(name) + " must be a 1-D array, got " + std::to_string(a.ndim()) + " dimensions");
-  }
+  check(a.ndim() == 1, ErrorKind::InvalidArgument,
+        std::string(name) + " must be a 1-D array, got " + std::to_string(a.ndim()) + " dimensions");
 }
 
 sched::EventBatch events(const Array<int64_t>& ids, const Array<int64_t>& counts, const Array<int32_t>& tokens,
@@ -44,11 +45,9 @@ sched::EventBatch events(const Array<int64_t>& ids, const Array<int64_t>& counts
   require_1d(tokens, "tokens");
   require_1d(logprobs, "logprobs");
   require_1d(versions, "versions");
-  if (counts.size() != ids.size() || versions.size() != ids.size()) {
-    throw py::value_error("sample_ids, counts and versions must have the same length, got " +
-                          std::to_string(ids.size()) + ", " + std::to_string(counts.size()) + ", " +
-                          std::to_string(versions.size()));
-  }
+  check(counts.size() == ids.size() && versions.size() == ids.size(), ErrorKind::InvalidArgument,
+        "sample_ids, counts and versions must have the same length, got " + std::to_string(ids.size()) + ", " +
+            std::to_string(counts.size()) + ", " + std::to_string(versions.size()));
   sched::EventBatch ev;
   ev.sample_ids = ids.data();
   ev.counts = counts.data();
@@ -64,31 +63,37 @@ sched::EventBatch events(const Array<int64_t>& ids, const Array<int64_t>& counts
 }  // namespace
 
 void bind_scheduler(py::module_& m) {
+  m.def("scheduler_config_choices", [] {
+    py::dict out;
+    for (const auto& [field, names] : sched::config_choices()) out[py::str(field)] = py::tuple(py::cast(names));
+    return out;
+  });
   py::class_<Scheduler>(m, "SchedulerCore")
       .def(py::init([](int64_t rollout_batch_size, int64_t n_samples_per_prompt, int64_t over_sampling_batch_size,
-                       int64_t max_response_len, int refill, int64_t max_staleness, int staleness_policy,
-                       bool mask_offpolicy, int resume_order, bool keep_surplus, int64_t max_inflight_samples,
-                       int over_sampling, int64_t target_inflight_samples) {
+                       int64_t max_response_len, const std::string& refill, int64_t max_staleness,
+                       const std::string& staleness_policy, bool mask_offpolicy, const std::string& resume_order,
+                       bool keep_surplus, int64_t max_inflight_samples, const std::string& over_sampling,
+                       int64_t target_inflight_samples) {
              sched::Config c;
              c.rollout_batch_size = rollout_batch_size;
              c.n_samples_per_prompt = n_samples_per_prompt;
              c.over_sampling_batch_size = over_sampling_batch_size;
              c.max_response_len = max_response_len;
-             c.refill = static_cast<sched::Refill>(refill);
+             c.refill = sched::parse_refill(refill);
              c.max_staleness = max_staleness;
-             c.staleness_policy = static_cast<sched::StalenessPolicy>(staleness_policy);
+             c.staleness_policy = sched::parse_staleness_policy(staleness_policy);
              c.mask_offpolicy = mask_offpolicy;
-             c.resume_order = static_cast<sched::ResumeOrder>(resume_order);
+             c.resume_order = sched::parse_resume_order(resume_order);
              c.keep_surplus = keep_surplus;
              c.max_inflight_samples = max_inflight_samples;
-             c.over_sampling = static_cast<sched::OverSampling>(over_sampling);
+             c.over_sampling = sched::parse_over_sampling(over_sampling);
              c.target_inflight_samples = target_inflight_samples;
              return new Scheduler(c);
            }),
            py::arg("rollout_batch_size"), py::arg("n_samples_per_prompt"), py::arg("over_sampling_batch_size"),
            py::arg("max_response_len"), py::arg("refill"), py::arg("max_staleness"), py::arg("staleness_policy"),
            py::arg("mask_offpolicy"), py::arg("resume_order"), py::arg("keep_surplus"),
-           py::arg("max_inflight_samples"), py::arg("over_sampling") = 0, py::arg("target_inflight_samples") = 0)
+           py::arg("max_inflight_samples"), py::arg("over_sampling") = "fixed", py::arg("target_inflight_samples") = 0)
       .def("set_data_size", &Scheduler::set_data_size)
       .def("prompts_consumed", &Scheduler::prompts_consumed)
       .def("policy_version", &Scheduler::policy_version)
@@ -97,10 +102,18 @@ void bind_scheduler(py::module_& m) {
       .def("step_done", &Scheduler::step_done)
       .def("samples_to_abort", [](Scheduler& s) { return to_numpy(s.samples_to_abort()); })
       .def("groups_to_launch", &Scheduler::groups_to_launch)
-      .def("add_group",
-           [](Scheduler& s, int64_t prompt_index, const Array<int32_t>& prompt) {
-             require_1d(prompt, "prompt token_ids");
-             return s.add_group(prompt_index, prompt.data(), static_cast<size_t>(prompt.size()));
+      .def("add_groups",
+           [](Scheduler& s, int64_t first_index, const Array<int32_t>& tokens, const Array<int64_t>& offsets) {
+             require_1d(tokens, "prompt tokens");
+             require_1d(offsets, "prompt offsets");
+             check(offsets.size() >= 1, ErrorKind::InvalidArgument, "prompt offsets need at least one entry (0)");
+             sched::PromptBatch p;
+             p.first_index = first_index;
+             p.tokens = tokens.data();
+             p.n_tokens = static_cast<size_t>(tokens.size());
+             p.offsets = offsets.data();
+             p.n_groups = static_cast<size_t>(offsets.size() - 1);
+             s.add_groups(p);
            })
       .def("dispatch",
            [](Scheduler& s) {
@@ -132,10 +145,9 @@ void bind_scheduler(py::module_& m) {
               const Array<int32_t>& tokens, const Array<float>& logprobs, const Array<int64_t>& versions) {
              sched::EventBatch ev = events(ids, counts, tokens, logprobs, versions);
              require_1d(reasons, "reasons");
-             if (reasons.size() != ids.size()) {
-               throw py::value_error("reasons has " + std::to_string(reasons.size()) + " entries, sample_ids has " +
-                                     std::to_string(ids.size()));
-             }
+             check(reasons.size() == ids.size(), ErrorKind::InvalidArgument,
+                   "reasons has " + std::to_string(reasons.size()) + " entries, sample_ids has " +
+                       std::to_string(ids.size()) + ": one finish reason per sample");
              ev.reasons = reasons.data();
              py::gil_scoped_release nogil;
              s.on_finish(ev);
@@ -189,19 +201,18 @@ void bind_scheduler(py::module_& m) {
              return py::make_tuple(m.samples, m.tokens, m.bytes);
            })
       .def("sample_ids",
-           [](const Scheduler& s, int state) {
-             if (state < 0 || state > 3) throw py::value_error("sample state must be 0..3, got " + std::to_string(state));
-             return to_numpy(s.sample_ids(static_cast<sched::SampleState>(state)));
+           [](const Scheduler& s, const std::string& state) {
+             return to_numpy(s.sample_ids(sched::parse_sample_state(state)));
            })
       .def("sample_response",
            [](const Scheduler& s, int64_t sample_id) {
              std::vector<int32_t> tokens, versions;
              std::vector<float> logprobs;
-             uint8_t state = 0;
+             sched::SampleState state = sched::SampleState::Queued;
              int64_t resumes = 0;
              s.sample_response(sample_id, tokens, logprobs, versions, state, resumes);
              return py::make_tuple(to_numpy(std::move(tokens)), to_numpy(std::move(logprobs)),
-                                   to_numpy(std::move(versions)), state, resumes);
+                                   to_numpy(std::move(versions)), sched::name_of(state), resumes);
            })
       .def("serialize",
            [](const Scheduler& s) {

@@ -4,6 +4,7 @@ namespace april {
 
 const char* error_kind_name(ErrorKind kind) {
   switch (kind) {
+    case ErrorKind::Config: return "ConfigError";
     case ErrorKind::InvalidArgument: return "InvalidArgumentError";
     case ErrorKind::InvalidState: return "InvalidStateError";
     case ErrorKind::UnknownId: return "UnknownIdError";

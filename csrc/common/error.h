@@ -7,6 +7,7 @@
 namespace april {
 
 enum class ErrorKind {
+  Config,           // a configuration field has a value that is not allowed
   InvalidArgument,  // a caller passed a value that is not allowed
   InvalidState,     // the call is not allowed in the object's current state
   UnknownId,        // an id (sample, group, pointer, tag) that is not known

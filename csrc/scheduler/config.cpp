@@ -3,14 +3,23 @@
 #include <string>
 
 #include "common/error.h"
+#include "scheduler/names.h"
 
 namespace april::sched {
 
 namespace {
+
 void require(bool cond, const std::string& field, int64_t value, const std::string& allowed) {
-  check(cond, ErrorKind::InvalidArgument,
+  check(cond, ErrorKind::Config,
         "SchedulerConfig." + field + "=" + std::to_string(value) + " is not allowed: " + allowed);
 }
+
+// A number cast into an enum by a C++ caller; Python passes names, parsed in names.cpp.
+template <typename E>
+void require_known(E value, const std::string& field) {
+  require(name_of(value) != nullptr, field, static_cast<int64_t>(value), "not a value of the enum");
+}
+
 }  // namespace
 
 void Config::validate() const {
@@ -23,8 +32,10 @@ void Config::validate() const {
   require(max_staleness >= -1, "max_staleness", max_staleness, "must be >= 0, or -1 for unlimited");
   require(max_inflight_samples == 0 || max_inflight_samples >= n_samples_per_prompt, "max_inflight_samples",
           max_inflight_samples, "must be 0 (no cap) or >= n_samples_per_prompt");
-  require(static_cast<int32_t>(over_sampling) >= 0 && static_cast<int32_t>(over_sampling) <= 1, "over_sampling",
-          static_cast<int32_t>(over_sampling), "0 (fixed) or 1 (adaptive)");
+  require_known(refill, "refill");
+  require_known(staleness_policy, "staleness_policy");
+  require_known(resume_order, "resume_order");
+  require_known(over_sampling, "over_sampling");
   if (over_sampling == OverSampling::Adaptive) {
     require(target_inflight_samples >= n_samples_per_prompt, "target_inflight_samples", target_inflight_samples,
             "must be >= n_samples_per_prompt with adaptive over-sampling");
@@ -32,12 +43,6 @@ void Config::validate() const {
     require(target_inflight_samples == 0, "target_inflight_samples", target_inflight_samples,
             "must be 0 (unset) with fixed over-sampling");
   }
-  require(static_cast<int32_t>(refill) >= 0 && static_cast<int32_t>(refill) <= 1, "refill",
-          static_cast<int32_t>(refill), "0 (batch) or 1 (continuous)");
-  require(static_cast<int32_t>(staleness_policy) >= 0 && static_cast<int32_t>(staleness_policy) <= 3,
-          "staleness_policy", static_cast<int32_t>(staleness_policy), "0..3 (keep, mask, restart, drop)");
-  require(static_cast<int32_t>(resume_order) >= 0 && static_cast<int32_t>(resume_order) <= 2, "resume_order",
-          static_cast<int32_t>(resume_order), "0..2 (oldest_first, newest_first, longest_first)");
 }
 
 }  // namespace april::sched

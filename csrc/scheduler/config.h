@@ -6,10 +6,12 @@
 
 namespace april::sched {
 
-enum class Refill : int32_t { Batch = 0, Continuous = 1 };
-enum class OverSampling : int32_t { Fixed = 0, Adaptive = 1 };
-enum class StalenessPolicy : int32_t { Keep = 0, Mask = 1, Restart = 2, Drop = 3 };
-enum class ResumeOrder : int32_t { OldestFirst = 0, NewestFirst = 1, LongestFirst = 2 };
+// Settings cross the binding by name (scheduler/names.h), never by these numbers.
+enum class Refill : int32_t { Batch, Continuous };
+enum class OverSampling : int32_t { Fixed, Adaptive };
+enum class StalenessPolicy : int32_t { Keep, Mask, Restart, Drop };
+enum class ResumeOrder : int32_t { OldestFirst, NewestFirst, LongestFirst };
+// Also the codes of the finish_reasons arrays (april_ext.batch.FinishReason), so the numbers are fixed.
 enum class FinishReason : uint8_t { Stop = 0, Length = 1, Abort = 2 };
 
 struct Config {
@@ -29,6 +31,7 @@ struct Config {
   OverSampling over_sampling = OverSampling::Fixed;
   int64_t target_inflight_samples = 0;  // adaptive only; 0 in fixed mode
 
+  // Throws ConfigError naming the first field that is not allowed.
   void validate() const;
 };
 

@@ -64,6 +64,16 @@ struct EventBatch {
   size_t n_logprobs = 0;
 };
 
+// New groups of one dispatch, packed: group i has prompt tokens[offsets[i]:offsets[i+1]] and prompt index
+// first_index + i.
+struct PromptBatch {
+  int64_t first_index = 0;
+  const int32_t* tokens = nullptr;
+  size_t n_tokens = 0;
+  const int64_t* offsets = nullptr;  // n_groups + 1 entries
+  size_t n_groups = 0;
+};
+
 struct MemoryUsage {
   int64_t samples = 0;
   int64_t tokens = 0;
@@ -85,9 +95,10 @@ class Scheduler {
   std::vector<int64_t> samples_to_abort();
   Batch take_batch();
 
-  // Dispatch: groups_to_launch() new prompts are wanted; add_group() each, then dispatch().
+  // Dispatch: groups_to_launch() new prompts are wanted; add_groups() them (all or, on an invalid prompt,
+  // none), then dispatch().
   int64_t groups_to_launch() const;
-  int64_t add_group(int64_t prompt_index, const int32_t* prompt, size_t prompt_len);
+  void add_groups(const PromptBatch& prompts);
   Dispatch dispatch();
 
   // Engine events
@@ -104,28 +115,51 @@ class Scheduler {
   std::vector<int64_t> sample_ids(SampleState state) const;
   // The response of one sample: tokens, logprobs, per-token versions, state and times resumed.
   void sample_response(int64_t sample_id, std::vector<int32_t>& tokens, std::vector<float>& logprobs,
-                       std::vector<int32_t>& versions, uint8_t& state, int64_t& resumes) const;
+                       std::vector<int32_t>& versions, SampleState& state, int64_t& resumes) const;
   int64_t policy_version() const;
 
-  // Persistence: running samples are stored as buffered partials (the engine's requests do not survive).
+  // Persistence: running samples are stored as buffered partials (the engine's requests do not survive);
+  // on load, a partial at the length cap finishes as a length finish. Bytes that do not decode
+  // (CorruptStateError, or InvalidArgumentError for another shape) leave the state untouched.
   std::string serialize() const;
-  void deserialize(const std::string& bytes);  // CorruptStateError leaves the state untouched
+  void deserialize(const std::string& bytes);
   void save(const std::string& path) const;
   void load(const std::string& path);
 
  private:
+  // A queued sample picked for dispatch; len is its partial response's length.
+  struct Pick {
+    int64_t gid;
+    int64_t index;
+    int64_t len;
+  };
+
+  // Records (scheduler.cpp)
   const Group& group_of(int64_t sample_id, int64_t* index) const;
   Group& group_of(int64_t sample_id, int64_t* index);
+  void settle_after_load();
+  // Step boundary and batch assembly (step.cpp)
   bool step_done_locked() const;
+  void pack_group(Batch& b, int64_t group_id, int32_t index_in_batch);
+  void drop_surplus();
+  // Group life cycle: completion, reward and filter, removal (groups.cpp)
+  void complete_if_done(int64_t group_id, Group& g);
+  void unlist(int64_t group_id);  // out of the completed and accepted queues
+  void erase_group(int64_t group_id);
+  // Dispatch and refill (dispatch.cpp)
   int64_t groups_to_launch_locked() const;
   int64_t inflight_cap() const;  // most samples dispatched at once; INT64_MAX when uncapped
   void retune_over_sampling();
+  std::vector<Pick> queued_in_resume_order() const;
+  void launch(Dispatch& d, const Pick& pick);
+  // Staleness (staleness.cpp)
   void apply_staleness(int64_t group_id);
-  void complete_if_done(int64_t group_id, Group& g);
-  void erase_group(int64_t group_id);
+  // Token and finish events (events.cpp)
   std::vector<Sample*>& validate_events(const EventBatch& events, bool finishing);
+  Sample& check_event(const EventBatch& events, size_t e, bool finishing, int64_t& cached_gid, Group*& cached);
   void append_tokens(Sample& sample, const int32_t* tokens, const float* logprobs, int64_t count,
                      int64_t version);
+  void finish(Sample& sample, int64_t group_id, FinishReason reason);
 
   Config config_;
   mutable std::mutex mu_;

@@ -1,5 +1,5 @@
-// Binary encoding of the scheduler state and the atomic state file.
-// File layout: magic "APRILSCH" | u32 format version | u64 payload length | payload | u64 FNV-1a of payload.
+// Binary encoding of the scheduler state.
+// Layout: magic "APRILSCH" | u32 format version | u64 payload length | payload | u64 FNV-1a of payload.
 #pragma once
 
 #include <cstdint>
@@ -15,11 +15,9 @@ constexpr uint32_t kStateFormatVersion = 2;
 
 // The framed bytes of a state (header, payload, checksum).
 std::string encode_state(const Config& config, const State& state);
-// Parses and checks framed bytes into a fresh State; throws CorruptStateError / InvalidArgumentError.
+// Parses and checks framed bytes into a fresh State. Throws CorruptStateError for bytes that are not a
+// consistent state, InvalidArgumentError for a state saved with another n_samples_per_prompt or
+// max_response_len.
 State decode_state(const Config& config, const std::string& bytes);
-
-// Writes to a temporary file in the same folder, fsyncs it, renames it over path, fsyncs the folder.
-void write_file_atomic(const std::string& path, const std::string& bytes);
-std::string read_file(const std::string& path);
 
 }  // namespace april::sched

@@ -1,0 +1,197 @@
+// Dispatch and refill: how many new groups to launch, adding them, and picking the queued samples
+// (buffered partials first, in resume order) to send to the engine.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "common/error.h"
+#include "scheduler/scheduler.h"
+
+namespace april::sched {
+
+int64_t Scheduler::groups_to_launch_locked() const {
+  if (!s_.step_open || step_done_locked()) return 0;
+  int64_t active = 0, pending = 0;
+  for (const auto& [gid, g] : s_.groups) {
+    if (g.state == GroupState::Active) active += 1;
+    if (g.state == GroupState::Completed) pending += 1;
+  }
+  const int64_t accepted = static_cast<int64_t>(s_.accepted.size());
+  // Pending groups may still be accepted: launching for them would overshoot N.
+  const int64_t needed = config_.rollout_batch_size - accepted - pending;
+  if (needed <= 0) return 0;
+  if (config_.refill == Refill::Batch && s_.wave_launched && active > 0) return 0;  // the wave still generates
+  const int64_t n = config_.n_samples_per_prompt;
+  const int64_t n_prime = config_.over_sampling_batch_size;
+  int64_t k = 0;
+  if (config_.over_sampling == OverSampling::Adaptive) {
+    // Enough new groups to bring the live samples up to the target, within the step's group ceiling.
+    const int64_t deficit = config_.target_inflight_samples - s_.queued_samples - s_.running_samples -
+                            s_.aborting_samples;
+    k = std::min(deficit > 0 ? (deficit + n - 1) / n : 0, s_.adaptive_groups - active);
+  } else if (config_.refill == Refill::Batch || n_prime == config_.rollout_batch_size) {
+    // Groups in hand (generating, completed, accepted) up to N'. With N' = N (no over-sampling) continuous
+    // refill is this too: only the groups still needed are launched, so nothing is left to abort.
+    k = needed + (n_prime - config_.rollout_batch_size) - active;
+  } else {
+    k = n_prime - active;  // continuous: keep N' groups generating
+  }
+  if (s_.data_size >= 0) k = std::min(k, s_.data_size - s_.prompts_consumed);
+  if (config_.max_inflight_samples > 0) {
+    const int64_t free_slots =
+        config_.max_inflight_samples - s_.running_samples - s_.aborting_samples - s_.queued_samples;
+    // Round up: a group that only partly fits still fills the free slots; the rest of it waits queued.
+    k = std::min(k, free_slots > 0 ? (free_slots + n - 1) / n : 0);
+  }
+  return std::max<int64_t>(k, 0);
+}
+
+int64_t Scheduler::groups_to_launch() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return groups_to_launch_locked();
+}
+
+void Scheduler::add_groups(const PromptBatch& p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Every prompt is checked before the first group is added: a bad one launches nothing.
+  check(s_.step_open, ErrorKind::InvalidState, "add_groups: no step is open; call begin_step() first");
+  const auto n_groups = static_cast<int64_t>(p.n_groups);
+  check(p.first_index == s_.prompts_consumed, ErrorKind::InvalidArgument,
+        "add_groups: first prompt index " + std::to_string(p.first_index) +
+            " is not allowed: prompts are taken in order, next is " + std::to_string(s_.prompts_consumed));
+  check(s_.data_size < 0 || n_groups <= s_.data_size - p.first_index, ErrorKind::InvalidArgument,
+        "add_groups: prompts " + std::to_string(p.first_index) + " to " +
+            std::to_string(p.first_index + n_groups - 1) + " go past the data source's size " +
+            std::to_string(s_.data_size));
+  const auto n_tokens = static_cast<int64_t>(p.n_tokens);
+  check(p.offsets[0] == 0 && p.offsets[p.n_groups] == n_tokens, ErrorKind::InvalidArgument,
+        "add_groups: offsets must run from 0 to the " + std::to_string(n_tokens) + " tokens given");
+  for (size_t i = 0; i < p.n_groups; ++i) {
+    const int64_t index = p.first_index + static_cast<int64_t>(i);
+    check(p.offsets[i + 1] <= n_tokens, ErrorKind::InvalidArgument,
+          "add_groups: offsets must not decrease and stay within the " + std::to_string(n_tokens) + " tokens given");
+    check(p.offsets[i + 1] > p.offsets[i], ErrorKind::InvalidArgument,
+          "add_groups: prompt " + std::to_string(index) +
+              " has no tokens (its offsets do not increase); a prompt needs at least one token id");
+    for (int64_t t = p.offsets[i]; t < p.offsets[i + 1]; ++t) {
+      check(p.tokens[t] >= 0, ErrorKind::InvalidArgument,
+            "add_groups: token id " + std::to_string(p.tokens[t]) + " of prompt " + std::to_string(index) +
+                " is not allowed: token ids must be in [0, 2**31 - 1]");
+    }
+  }
+  for (size_t i = 0; i < p.n_groups; ++i) {
+    Group& g = s_.groups[s_.next_group_id++];
+    g.prompt_index = p.first_index + static_cast<int64_t>(i);
+    g.prompt.assign(p.tokens + p.offsets[i], p.tokens + p.offsets[i + 1]);
+    g.samples.resize(config_.n_samples_per_prompt);
+  }
+  s_.queued_samples += n_groups * config_.n_samples_per_prompt;
+  s_.prompts_consumed += n_groups;
+  s_.wave_launched = s_.wave_launched || n_groups > 0;
+  s_.stats.groups_launched += n_groups;
+}
+
+Dispatch Scheduler::dispatch() {
+  std::lock_guard<std::mutex> lock(mu_);
+  check(s_.step_open, ErrorKind::InvalidState, "dispatch: no step is open; call begin_step() first");
+  Dispatch d;
+  if (config_.over_sampling == OverSampling::Adaptive && !step_done_locked()) retune_over_sampling();
+  if (step_done_locked() || s_.queued_samples == 0) return d;
+  const int64_t cap = inflight_cap();
+  const int64_t slots =
+      cap == std::numeric_limits<int64_t>::max() ? cap : cap - s_.running_samples - s_.aborting_samples;
+  if (slots <= 0) return d;
+  const std::vector<Pick> picks = queued_in_resume_order();
+  const size_t count = static_cast<size_t>(std::min<int64_t>(slots, static_cast<int64_t>(picks.size())));
+  for (size_t r = 0; r < count; ++r) launch(d, picks[r]);
+  return d;
+}
+
+// Queued samples of dispatchable groups: buffered partials in resume_order, then fresh samples.
+std::vector<Scheduler::Pick> Scheduler::queued_in_resume_order() const {
+  std::vector<Pick> resumes, fresh;
+  for (const auto& [gid, g] : s_.groups) {
+    if (g.state != GroupState::Active || g.stale_check_pending) continue;
+    for (int64_t i = 0; i < config_.n_samples_per_prompt; ++i) {
+      const Sample& smp = g.samples[i];
+      if (smp.state != SampleState::Queued) continue;
+      (smp.tokens.empty() ? fresh : resumes).push_back({gid, i, static_cast<int64_t>(smp.tokens.size())});
+    }
+  }
+  switch (config_.resume_order) {
+    case ResumeOrder::OldestFirst: break;  // map order is creation order
+    case ResumeOrder::NewestFirst:
+      std::stable_sort(resumes.begin(), resumes.end(), [](const Pick& a, const Pick& b) { return a.gid > b.gid; });
+      break;
+    case ResumeOrder::LongestFirst:
+      std::stable_sort(resumes.begin(), resumes.end(), [](const Pick& a, const Pick& b) { return a.len > b.len; });
+      break;
+  }
+  resumes.insert(resumes.end(), fresh.begin(), fresh.end());
+  return resumes;
+}
+
+// Sends one queued sample: its request (prompt + partial response, the remaining budget) goes into d.
+void Scheduler::launch(Dispatch& d, const Pick& pick) {
+  const int64_t n = config_.n_samples_per_prompt;
+  Group& g = s_.groups.at(pick.gid);
+  Sample& smp = g.samples[pick.index];
+  const bool is_resume = !smp.tokens.empty();
+  d.sample_ids.push_back(pick.gid * n + pick.index);
+  d.group_ids.push_back(pick.gid);
+  d.prompt_indices.push_back(g.prompt_index);
+  d.input_ids.insert(d.input_ids.end(), g.prompt.begin(), g.prompt.end());
+  d.input_ids.insert(d.input_ids.end(), smp.tokens.begin(), smp.tokens.end());
+  d.offsets.push_back(static_cast<int64_t>(d.input_ids.size()));
+  d.prompt_lens.push_back(static_cast<int32_t>(g.prompt.size()));
+  d.max_new_tokens.push_back(config_.max_response_len - static_cast<int64_t>(smp.tokens.size()));
+  d.is_resume.push_back(is_resume ? 1 : 0);
+  smp.state = SampleState::Running;
+  smp.dispatch_version = s_.policy_version;
+  smp.resumed = is_resume;
+  g.n_in_flight += 1;
+  s_.queued_samples -= 1;
+  s_.running_samples += 1;
+  if (is_resume) {
+    smp.resumes += 1;
+    s_.stats.resume_requests += 1;
+    s_.stats.re_prefill_tokens += static_cast<int64_t>(g.prompt.size() + smp.tokens.size());
+  } else {
+    s_.stats.new_requests += 1;
+    s_.stats.prefill_tokens += static_cast<int64_t>(g.prompt.size());
+  }
+}
+
+void Scheduler::retune_over_sampling() {
+  // The groups in hand show how many of a group's samples are still live (queued or generating) as
+  // completion thins them out; holding T samples live takes about T / (n x that share) groups. The share
+  // is observed at every step start and dispatch (a running mean, so one sparse moment does not swing
+  // it); the ceiling bounds the groups in hand, and with them the buffer and the staleness of partials.
+  const int64_t n = config_.n_samples_per_prompt;
+  const int64_t target = config_.target_inflight_samples;
+  int64_t active = 0;
+  for (const auto& [gid, g] : s_.groups) active += g.state == GroupState::Active ? 1 : 0;
+  const int64_t live = s_.queued_samples + s_.running_samples + s_.aborting_samples;
+  if (active > 0) {
+    const double observed = static_cast<double>(live) / static_cast<double>(n * active);
+    s_.live_fraction = 0.5 * s_.live_fraction + 0.5 * observed;
+  }
+  // Floor: N' and enough fresh groups for T; ceiling: T groups (an active group has a live sample).
+  const int64_t floor_groups = std::max(config_.over_sampling_batch_size, (target + n - 1) / n);
+  const int64_t ceiling_groups = std::max(floor_groups, target);
+  const double wanted = std::ceil(static_cast<double>(target) / (static_cast<double>(n) * s_.live_fraction));
+  s_.adaptive_groups =
+      std::clamp(static_cast<int64_t>(std::min(wanted, static_cast<double>(ceiling_groups))), floor_groups,
+                 ceiling_groups);
+  s_.stats.over_sampling_groups = s_.adaptive_groups;
+}
+
+int64_t Scheduler::inflight_cap() const {
+  int64_t cap = std::numeric_limits<int64_t>::max();
+  if (config_.max_inflight_samples > 0) cap = config_.max_inflight_samples;
+  if (config_.over_sampling == OverSampling::Adaptive) cap = std::min(cap, config_.target_inflight_samples);
+  return cap;
+}
+
+}  // namespace april::sched

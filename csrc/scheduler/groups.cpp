@@ -1,0 +1,95 @@
+// Group life cycle: completion, hand-out for reward, the filter's verdict, removal.
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <string>
+
+#include "common/error.h"
+#include "scheduler/scheduler.h"
+
+namespace april::sched {
+
+namespace {
+
+void remove_id(std::deque<int64_t>& q, int64_t id) {
+  auto it = std::find(q.begin(), q.end(), id);
+  if (it != q.end()) q.erase(it);
+}
+
+}  // namespace
+
+void Scheduler::complete_if_done(int64_t group_id, Group& g) {
+  if (g.state == GroupState::Active && g.n_done == config_.n_samples_per_prompt) {
+    g.state = GroupState::Completed;
+    s_.completed.push_back(group_id);
+    s_.stats.groups_completed += 1;
+  }
+}
+
+void Scheduler::unlist(int64_t group_id) {
+  remove_id(s_.completed, group_id);
+  remove_id(s_.accepted, group_id);
+}
+
+void Scheduler::erase_group(int64_t group_id) {
+  Group& g = s_.groups.at(group_id);
+  for (const auto& smp : g.samples) {
+    if (smp.state == SampleState::Queued) s_.queued_samples -= 1;
+  }
+  unlist(group_id);
+  s_.groups.erase(group_id);
+}
+
+std::vector<CompletedGroup> Scheduler::pop_completed_groups() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<CompletedGroup> out;
+  const int64_t n = config_.n_samples_per_prompt;
+  for (int64_t gid : s_.completed) {
+    Group& g = s_.groups.at(gid);
+    g.popped = true;
+    CompletedGroup c{gid, g.prompt_index, {}, {}, {}, {}};
+    for (int64_t i = 0; i < n; ++i) {
+      c.sample_ids.push_back(gid * n + i);
+      c.response_lens.push_back(static_cast<int64_t>(g.samples[i].tokens.size()));
+      c.finish_reasons.push_back(static_cast<uint8_t>(g.samples[i].finish));
+      c.tokens.insert(c.tokens.end(), g.samples[i].tokens.begin(), g.samples[i].tokens.end());
+    }
+    out.push_back(std::move(c));
+  }
+  s_.completed.clear();
+  return out;
+}
+
+void Scheduler::report_rewards(int64_t group_id, const float* rewards, size_t count, bool accepted) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = s_.groups.find(group_id);
+  check(it != s_.groups.end(), ErrorKind::UnknownId,
+        "report_rewards: group id " + std::to_string(group_id) +
+            " is not known: never launched, or already trained, filtered or dropped for staleness");
+  Group& g = it->second;
+  check(g.state == GroupState::Completed, ErrorKind::InvalidState,
+        "report_rewards: group " + std::to_string(group_id) +
+            (g.state == GroupState::Active ? " is not complete yet (samples still generating or buffered)"
+                                           : " was already rewarded"));
+  check(static_cast<int64_t>(count) == config_.n_samples_per_prompt, ErrorKind::InvalidArgument,
+        "report_rewards: group " + std::to_string(group_id) + " got " + std::to_string(count) +
+            " rewards; it has n_samples_per_prompt=" + std::to_string(config_.n_samples_per_prompt) + " samples");
+  for (size_t i = 0; i < count; ++i) {
+    check(std::isfinite(rewards[i]), ErrorKind::InvalidArgument,
+          "report_rewards: reward " + std::to_string(rewards[i]) + " of sample " + std::to_string(i) +
+              " in group " + std::to_string(group_id) + " is not a finite number");
+  }
+  unlist(group_id);
+  if (!accepted) {
+    s_.stats.groups_filtered += 1;
+    erase_group(group_id);
+    return;
+  }
+  g.state = GroupState::Accepted;
+  g.popped = false;
+  g.rewards.assign(rewards, rewards + count);
+  s_.accepted.push_back(group_id);
+  s_.stats.groups_accepted += 1;
+}
+
+}  // namespace april::sched

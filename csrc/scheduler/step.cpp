@@ -1,0 +1,179 @@
+// Step boundary: opening a step, deciding it is done, the aborts, and packing the TrainingBatch.
+#include <algorithm>
+#include <limits>
+#include <string>
+
+#include "common/error.h"
+#include "scheduler/scheduler.h"
+
+namespace april::sched {
+
+void Scheduler::begin_step(int64_t policy_version) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check(!s_.step_open, ErrorKind::InvalidState,
+        "begin_step: step " + std::to_string(s_.step_index) + " (policy version " +
+            std::to_string(s_.policy_version) + ") is still open; take_batch() ends it");
+  check(policy_version >= 0 && policy_version >= s_.policy_version &&
+            policy_version <= std::numeric_limits<int32_t>::max(),
+        ErrorKind::InvalidArgument,
+        "begin_step: policy_version=" + std::to_string(policy_version) + " is not allowed: must be in [" +
+            std::to_string(std::max<int64_t>(s_.policy_version, 0)) +
+            ", 2**31 - 1] (never below the previous step's)");
+  s_.policy_version = policy_version;
+  s_.step_open = true;
+  s_.wave_launched = false;
+  s_.step_index += 1;
+  s_.stats = StepStats{};
+  s_.stats.step = s_.step_index;
+  s_.stats.policy_version = policy_version;
+  if (config_.over_sampling == OverSampling::Adaptive) {
+    retune_over_sampling();
+  } else {
+    s_.stats.over_sampling_groups = config_.over_sampling_batch_size;
+  }
+  std::vector<int64_t> ids;
+  for (auto& [gid, g] : s_.groups) {
+    for (auto& smp : g.samples) smp.tokens_at_step_start = static_cast<int64_t>(smp.tokens.size());
+    ids.push_back(gid);
+  }
+  // A version bump is the only thing that makes tokens staler, so this is where the policy is enforced.
+  // Groups with samples still in flight (aborts of the last step not yet returned) wait for them.
+  for (int64_t gid : ids) {
+    Group& g = s_.groups.at(gid);
+    if (g.n_in_flight > 0) {
+      g.stale_check_pending = true;
+    } else {
+      apply_staleness(gid);
+    }
+  }
+}
+
+bool Scheduler::step_open() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return s_.step_open;
+}
+
+bool Scheduler::step_done_locked() const {
+  if (!s_.step_open) return false;
+  if (static_cast<int64_t>(s_.accepted.size()) >= config_.rollout_batch_size) return true;
+  if (!s_.data_exhausted()) return false;
+  // Out of prompts: done once nothing left could still be accepted.
+  for (const auto& [gid, g] : s_.groups) {
+    if (g.state != GroupState::Accepted) return false;
+  }
+  return true;
+}
+
+bool Scheduler::step_done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return step_done_locked();
+}
+
+std::vector<int64_t> Scheduler::samples_to_abort() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> out;
+  if (!step_done_locked()) return out;
+  const int64_t n = config_.n_samples_per_prompt;
+  for (auto& [gid, g] : s_.groups) {
+    for (int64_t i = 0; i < n; ++i) {
+      Sample& smp = g.samples[i];
+      if (smp.state != SampleState::Running) continue;
+      smp.state = SampleState::Aborting;
+      s_.running_samples -= 1;
+      s_.aborting_samples += 1;
+      out.push_back(gid * n + i);
+    }
+  }
+  s_.stats.abort_requests += static_cast<int64_t>(out.size());
+  return out;
+}
+
+Batch Scheduler::take_batch() {
+  std::lock_guard<std::mutex> lock(mu_);
+  check(s_.step_open, ErrorKind::InvalidState, "take_batch: no step is open; call begin_step() first");
+  check(step_done_locked(), ErrorKind::InvalidState,
+        "take_batch: the step is not done: " + std::to_string(s_.accepted.size()) + " of " +
+            std::to_string(config_.rollout_batch_size) + " groups accepted and prompts remain");
+  check(s_.running_samples == 0, ErrorKind::InvalidState,
+        "take_batch: " + std::to_string(s_.running_samples) +
+            " samples are still running; call samples_to_abort() and abort them in the engine first");
+  const int64_t n = config_.n_samples_per_prompt;
+  const int64_t n_groups = std::min<int64_t>(config_.rollout_batch_size, static_cast<int64_t>(s_.accepted.size()));
+  Batch b;
+  b.policy_version = s_.policy_version;
+  int64_t total = 0;
+  for (int64_t j = 0; j < n_groups; ++j) {
+    const Group& g = s_.groups.at(s_.accepted[j]);
+    total += n * static_cast<int64_t>(g.prompt.size());
+    for (const auto& smp : g.samples) total += static_cast<int64_t>(smp.tokens.size());
+  }
+  b.tokens.reserve(total);
+  b.loss_mask.reserve(total);
+  b.behavior_logprobs.reserve(total);
+  b.versions.reserve(total);
+  for (int64_t j = 0; j < n_groups; ++j) pack_group(b, s_.accepted[j], static_cast<int32_t>(j));
+  for (int64_t gid : b.group_ids) erase_group(gid);
+  s_.stats.batch_groups = n_groups;
+  s_.stats.batch_samples = n_groups * n;
+  if (!config_.keep_surplus) drop_surplus();
+  s_.step_open = false;
+  return b;
+}
+
+// Appends a group's samples to the batch: prompt + response tokens, the loss mask from the staleness
+// settings, versions per token, and the batch statistics.
+void Scheduler::pack_group(Batch& b, int64_t group_id, int32_t index_in_batch) {
+  const Group& g = s_.groups.at(group_id);
+  const int64_t n = config_.n_samples_per_prompt;
+  const int64_t v = s_.policy_version;
+  const bool mask_stale = config_.staleness_policy == StalenessPolicy::Mask && config_.max_staleness >= 0;
+  const size_t plen = g.prompt.size();
+  StepStats& st = s_.stats;
+  b.group_ids.push_back(group_id);
+  b.prompt_indices.push_back(g.prompt_index);
+  for (int64_t i = 0; i < n; ++i) {
+    const Sample& smp = g.samples[i];
+    b.tokens.insert(b.tokens.end(), g.prompt.begin(), g.prompt.end());
+    b.tokens.insert(b.tokens.end(), smp.tokens.begin(), smp.tokens.end());
+    b.loss_mask.insert(b.loss_mask.end(), plen, 0);
+    b.behavior_logprobs.insert(b.behavior_logprobs.end(), plen, 0.0f);
+    b.behavior_logprobs.insert(b.behavior_logprobs.end(), smp.logprobs.begin(), smp.logprobs.end());
+    b.versions.insert(b.versions.end(), plen, -1);
+    for (size_t k = 0; k < smp.segments.size(); ++k) {
+      const Segment& seg = smp.segments[k];
+      const size_t len = smp.segment_end(k) - seg.start;
+      const bool train = !(config_.mask_offpolicy && seg.version != v) &&
+                         !(mask_stale && v - seg.version > config_.max_staleness);
+      b.versions.insert(b.versions.end(), len, seg.version);
+      b.loss_mask.insert(b.loss_mask.end(), len, train ? 1 : 0);
+      if (seg.version < v) st.batch_offpolicy_tokens += static_cast<int64_t>(len);
+      if (!train) st.batch_masked_tokens += static_cast<int64_t>(len);
+    }
+    b.offsets.push_back(static_cast<int64_t>(b.tokens.size()));
+    b.prompt_lens.push_back(static_cast<int32_t>(plen));
+    b.rewards.push_back(g.rewards[i]);
+    b.group_index.push_back(index_in_batch);
+    b.sample_ids.push_back(group_id * n + i);
+    b.finish_reasons.push_back(static_cast<uint8_t>(smp.finish));
+    const int64_t staleness = smp.segments.empty() ? 0 : v - smp.oldest_version();
+    if (static_cast<int64_t>(st.staleness_histogram.size()) <= staleness) {
+      st.staleness_histogram.resize(staleness + 1, 0);
+    }
+    st.staleness_histogram[staleness] += 1;
+    st.batch_max_staleness = std::max(st.batch_max_staleness, staleness);
+    st.batch_response_tokens += static_cast<int64_t>(smp.tokens.size());
+    st.batch_carried_tokens += smp.tokens_at_step_start;
+  }
+}
+
+// keep_surplus=false: completed groups beyond the batch (accepted or awaiting reward) go.
+void Scheduler::drop_surplus() {
+  std::vector<int64_t> surplus;
+  for (const auto& [gid, g] : s_.groups) {
+    if (g.state != GroupState::Active) surplus.push_back(gid);
+  }
+  for (int64_t gid : surplus) erase_group(gid);
+  s_.stats.surplus_dropped += static_cast<int64_t>(surplus.size());
+}
+
+}  // namespace april::sched
