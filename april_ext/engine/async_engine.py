@@ -54,8 +54,11 @@ class AsyncEngine(LoopTaskEngine):
         self._streams[rid] = queue
         try:
             await self._call(lambda: (self.core.add_request(ids, params, rid), []))
-        except BaseException:
+        except BaseException as exc:
             del self._streams[rid]
+            if isinstance(exc, asyncio.CancelledError) and self._task is not None and not self._closing:
+                # The caller left while the add was queued: it still runs, so abort what it adds.
+                self._submit(lambda: self._abort_known([rid]))
             raise
 
         async def receive() -> GenerationChunk:

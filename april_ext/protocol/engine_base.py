@@ -57,7 +57,8 @@ async def stream_until_finish(open_stream: Callable[[], Awaitable[RequestStream]
 
     When the consumer leaves before the finish chunk (stops iterating and closes the generator, or is
     cancelled) the request is aborted, so it does not run on for nobody; not when ``receive`` raised,
-    since that ended the request.
+    since that ended the request. ``open_stream`` itself must leave no request behind when it raises or
+    is cancelled.
     """
     stream = await open_stream()
     over = False
