@@ -86,7 +86,8 @@ class EngineCore:
     def add_request(self, input_ids: SequenceOf[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queues a request; returns its id. Raises InvalidArgumentError on bad input."""
-        ids, params = generate_args(input_ids, params)
+        checked, params = generate_args(input_ids, params)
+        ids = checked if isinstance(checked, list) else checked.tolist()
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if t >= vocab]
         if bad:

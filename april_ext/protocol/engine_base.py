@@ -12,28 +12,44 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from april_ext.errors import InvalidArgumentError
 from april_ext.protocol.outputs import GenerationChunk
 from april_ext.protocol.sampling_params import SamplingParams
 
 
-def generate_args(input_ids: Sequence[int] | Any, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-    """generate()'s token ids as a list of ints and its params (None: the defaults). Arrays and tensors
-    are accepted through their ``tolist()``. Raises InvalidArgumentError saying what is allowed."""
+_IDS_RULE = "input_ids must be a non-empty sequence of token ids (integers >= 0)"
+
+
+def generate_args(input_ids: Sequence[int] | np.ndarray | Any,
+                  params: SamplingParams | None) -> tuple[list[int] | np.ndarray, SamplingParams]:
+    """generate()'s token ids and params (None: the defaults), checked. The ids come back as a list of
+    ints, or as the given 1-D numpy array, checked vectorised (a simulator feeds long arrays); other
+    array types (tensors) are read through ``tolist()``. Raises InvalidArgumentError saying what is allowed."""
     if params is None:
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
         raise InvalidArgumentError(f"params must be None or a SamplingParams, got {type(params).__name__}")
+    if isinstance(input_ids, np.ndarray):
+        if input_ids.ndim != 1:
+            raise InvalidArgumentError(f"{_IDS_RULE}, got a {input_ids.ndim}-D array")
+        if input_ids.size == 0:
+            raise InvalidArgumentError(f"{_IDS_RULE}, got an empty sequence")
+        bad = input_ids if not np.issubdtype(input_ids.dtype, np.integer) else input_ids[input_ids < 0]
+        if bad.size:
+            raise InvalidArgumentError(f"{_IDS_RULE}, got {bad[:5].tolist()}")
+        return input_ids, params
     if hasattr(input_ids, "tolist") and not isinstance(input_ids, (str, bytes)):
         input_ids = input_ids.tolist()
     if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
-        raise InvalidArgumentError(f"input_ids must be a non-empty sequence of token ids (integers >= 0), "
-                                   f"got a {type(input_ids).__name__}")
+        raise InvalidArgumentError(f"{_IDS_RULE}, got a {type(input_ids).__name__}")
     ids = list(input_ids)
-    bad = [t for t in ids if type(t) is not int or t < 0]
-    if not ids or bad:
-        what = "an empty sequence" if not ids else f"{bad[:5]}"
-        raise InvalidArgumentError(f"input_ids must be a non-empty sequence of token ids (integers >= 0), got {what}")
+    if not ids:
+        raise InvalidArgumentError(f"{_IDS_RULE}, got an empty sequence")
+    bad_ids = [t for t in ids if type(t) is not int or t < 0]
+    if bad_ids:
+        raise InvalidArgumentError(f"{_IDS_RULE}, got {bad_ids[:5]}")
     return ids, params
 
 

@@ -113,7 +113,8 @@ class SGLangEngine:
 
     async def _open(self, input_ids: SequenceOf[int], params: SamplingParams | None,
                     request_id: str | None) -> RequestStream:
-        ids, params = generate_args(input_ids, params)
+        checked, params = generate_args(input_ids, params)
+        ids = checked if isinstance(checked, list) else checked.tolist()
         rid = self._ids.claim(request_id, self._inflight)
         state = RequestState(rid, ids, self._workers.pick())
         self._inflight[rid] = state

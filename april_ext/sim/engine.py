@@ -234,7 +234,7 @@ class SimulatedEngine(LoopTaskEngine):
     def _tags(tags: str | Iterable[str] | None) -> set[str]:
         return {t for t in memory_tags(tags) if t in _SIMULATED_TAGS}
 
-    def _new_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> SimRequest:
+    def _new_request(self, rid: str, input_ids: list[int] | np.ndarray, params: SamplingParams) -> SimRequest:
         ids = as_ids(input_ids)
         capacity = self.cluster.cost.kv_capacity_tokens
         if ids.size + params.max_new_tokens > capacity:
