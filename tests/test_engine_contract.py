@@ -270,6 +270,8 @@ def test_leaving_a_stream_early_aborts_its_request(running_kind: Kind) -> None:
 def test_update_weights_sets_the_version_of_later_tokens(kind: Kind) -> None:
     async def body(engine):
         before = await collect(engine, PROMPT, SHORT, "w-1")
+        with pytest.raises(InvalidArgumentError, match=r"^version must be an integer, got '3'$"):
+            await engine.update_weights(kind.weights(), "3")
         await engine.update_weights(kind.weights(), 3)
         return before, await collect(engine, PROMPT, SHORT, "w-2")
 

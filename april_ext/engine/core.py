@@ -24,7 +24,7 @@ from april_ext.engine.sampler import uniform
 from april_ext.engine.sequence import Sequence, SequenceStatus
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.model import LlamaForCausalLM, ModelConfig, iter_safetensors
-from april_ext.protocol.engine_base import generate_args
+from april_ext.protocol.engine_base import check_weight_version, generate_args
 from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
 from april_ext.protocol.request_ids import RequestIds, abort_ids
@@ -191,8 +191,7 @@ class EngineCore:
         """Loads new weights in place (named tensors: any subset; a checkpoint directory: all of them),
         sets the weight version and flushes the KV cache: running requests are recomputed under the new
         weights and continue. Bad names or shapes raise InvalidArgumentError and change nothing."""
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise InvalidArgumentError(f"version must be an integer, got {version!r}")
+        check_weight_version(version)
         if self.memory.is_paused("weights"):
             raise InvalidStateError("update_weights needs the 'weights' memory resumed first")
         if isinstance(weights, (str, os.PathLike)):

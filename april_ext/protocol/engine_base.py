@@ -1,6 +1,7 @@
 """What every engine does the same way at its boundary, whatever serves the request: the checks on
 generate()'s arguments and the stream that runs until the finish chunk and aborts the request when its
-consumer leaves early. Request ids and abort ids are in request_ids.py, memory tags in memory_tags.py.
+consumer leaves early, and update_weights()' version check. Request ids and abort ids are in
+request_ids.py, memory tags in memory_tags.py.
 
 Each engine supplies the hooks (how a chunk is received, how a request is aborted: RequestStream); the
 rules and the error messages live here once, so the three engines answer bad input alike.
@@ -17,7 +18,6 @@ import numpy as np
 from april_ext.errors import InvalidArgumentError
 from april_ext.protocol.outputs import GenerationChunk
 from april_ext.protocol.sampling_params import SamplingParams
-
 
 _IDS_RULE = "input_ids must be a non-empty sequence of token ids (integers >= 0)"
 
@@ -51,6 +51,13 @@ def generate_args(input_ids: Sequence[int] | np.ndarray | Any,
     if bad_ids:
         raise InvalidArgumentError(f"{_IDS_RULE}, got {bad_ids[:5]}")
     return ids, params
+
+
+def check_weight_version(version: Any) -> int:
+    """update_weights()' version: an int (the version later tokens carry). Raises InvalidArgumentError."""
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise InvalidArgumentError(f"version must be an integer, got {version!r}")
+    return version
 
 
 @dataclass(frozen=True)
@@ -95,4 +102,4 @@ async def stream_until_finish(open_stream: Callable[[], Awaitable[RequestStream]
             stream.abort()
 
 
-__all__ = ["RequestStream", "generate_args", "stream_until_finish"]
+__all__ = ["RequestStream", "check_weight_version", "generate_args", "stream_until_finish"]

@@ -17,7 +17,7 @@ from typing import Any
 
 from april_ext.batch import FinishReason
 from april_ext.errors import AprilError, ConfigError, InvalidArgumentError
-from april_ext.protocol.engine_base import RequestStream, generate_args, stream_until_finish
+from april_ext.protocol.engine_base import RequestStream, check_weight_version, generate_args, stream_until_finish
 from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import GenerationChunk, GenerationOutput
 from april_ext.protocol.request_ids import RequestIds, abort_ids
@@ -187,8 +187,7 @@ class SGLangEngine:
     async def update_weights(self, weights: WeightsSource, version: int) -> list[str]:
         """Loads weights on every worker with weight_version str(version); returns the names loaded.
         A checkpoint directory or named tensors; see april_ext.sglang.weights for the transports."""
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise InvalidArgumentError(f"version must be an integer, got {version!r}")
+        check_weight_version(version)
         names = await push_weights(self._workers, weights, version, self.config.weight_sync_dir)
         self._weight_version = version
         return names

@@ -27,7 +27,7 @@ import numpy as np
 
 from april_ext.batch import FinishReason
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
-from april_ext.protocol.engine_base import RequestStream, generate_args, stream_until_finish
+from april_ext.protocol.engine_base import RequestStream, check_weight_version, generate_args, stream_until_finish
 from april_ext.protocol.loop_task import LoopTaskEngine
 from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
@@ -173,8 +173,7 @@ class SimulatedEngine(LoopTaskEngine):
     async def update_weights(self, weights: Any, version: int) -> list[str]:
         """Sets the weight version (the weights themselves are not simulated). Running requests deliver their
         tokens so far under the old version and are recomputed, as the embedded engine flushes its cache."""
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise InvalidArgumentError(f"version={version!r} is not allowed: an int")
+        check_weight_version(version)
         if "weights" in self.paused_tags:
             raise InvalidStateError("update_weights: the 'weights' tag is released; resume_memory first")
         self._flush_all()
@@ -216,7 +215,8 @@ class SimulatedEngine(LoopTaskEngine):
                 "context_length": cost.kv_capacity_tokens, "device": "simulated"}
 
     def health(self) -> dict[str, Any]:
-        return {"status": self._status(bool(self.paused_tags)), "weight_version": self.weight_version, "paused_tags": sorted(self.paused_tags),
+        return {"status": self._status(bool(self.paused_tags)), "weight_version": self.weight_version,
+                "paused_tags": sorted(self.paused_tags),
                 "error": None if self.last_error is None else repr(self.last_error), "virtual_time": self.now}
 
     def counters(self) -> ClusterCounters:
