@@ -24,9 +24,9 @@ from _torch_threads import one_torch_thread
 
 from april_ext.batch import FinishReason
 from april_ext.engine import AsyncEngine
-from april_ext.errors import InvalidArgumentError, UnknownIdError
+from april_ext.errors import ConfigError, InvalidArgumentError, UnknownIdError
 from april_ext.protocol import MEMORY_TAGS, GenerationChunk, RolloutEngine, SamplingParams, ServableEngine
-from april_ext.server import ServerConfig, ServerThread
+from april_ext.server import EngineServer, ServerConfig, ServerThread
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig
 from april_ext.sim import ClusterConfig, CostModel, SimulatedEngine, TraceLengths
 
@@ -294,3 +294,20 @@ def test_memory_tags_are_normalised_the_same_way(kind: Kind) -> None:
     message, after, status = run(kind, body)
     assert message == "unknown memory tags ['gpu'] (allowed: ['weights', 'kv_cache', 'cuda_graph'])"
     assert len(after) == 2 and status == "ok"
+
+
+# The server serves any ServableEngine --------------------------------------------------------------------
+
+def test_the_server_reports_the_capacity_of_the_engine_it_serves_and_refuses_other_objects() -> None:
+    async def info(url: str) -> dict[str, Any]:
+        async with SGLangEngine(SGLangEngineConfig(worker_urls=(url,))) as client:
+            return (await client.server_info())[url]
+
+    with _served(_sim) as url:
+        served = asyncio.run(info(url))
+    assert {k: served[k] for k in ("page_size", "max_total_num_tokens", "context_length", "device")} == {
+        "page_size": 16, "max_total_num_tokens": 10_000, "context_length": 10_000, "device": "simulated"}
+    assert isinstance(_sim(), ServableEngine) and isinstance(_embedded(), ServableEngine)
+    client = SGLangEngine(SGLangEngineConfig(worker_urls=("http://127.0.0.1:1",)))
+    with pytest.raises(ConfigError, match="EngineServer serves a ServableEngine .* got a SGLangEngine"):
+        EngineServer(client)  # type: ignore[arg-type]
