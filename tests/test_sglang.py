@@ -603,9 +603,9 @@ def test_a_server_killed_mid_stream_raises_a_connection_error_naming_it_and_clos
         except BaseException as exc:  # noqa: BLE001 - the test reports what close() raised
             close_error = exc
         with pytest.raises(SGLangHTTPError) as err:
-            async for _ in streamed:
-                pass
-        await first.close()
+            async with first:  # what the caller reads is the stream's error, whatever close() meets
+                async for _ in streamed:
+                    pass
         return err.value, close_error, sessions
 
     with launch_sglang_server(args, module="april_ext.server", env={"OMP_NUM_THREADS": "1"}, timeout_s=120,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from april_ext.batch import FinishReason
-from april_ext.errors import AprilError, ConfigError, InvalidArgumentError
+from april_ext.errors import ConfigError, InvalidArgumentError
 from april_ext.protocol.engine_base import RequestStream, check_weight_version, generate_args, stream_until_finish
 from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import GenerationChunk, GenerationOutput
@@ -69,14 +69,8 @@ class SGLangEngine:
         await self.start()
         return self
 
-    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        if exc is None:
-            await self.close()
-            return
-        try:
-            await self.close()
-        except AprilError as close_error:  # the error that ended the block is the one to report
-            logger.warning("SGLangEngine.close failed while %r propagated: %s", exc, close_error)
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
     async def start(self) -> None:
         """Opens the connection pool and checks the workers' health (see health(); a failed check does
