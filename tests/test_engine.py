@@ -258,10 +258,10 @@ def test_bad_weights_are_rejected_and_change_nothing(model) -> None:
 
 
 @pytest.mark.parametrize("ids, params, match", [
-    ([], GREEDY, "must not be empty"),
+    ([], GREEDY, "got an empty sequence"),
     ([1, 101], GREEDY, "outside the vocabulary"),
-    ([1, -1], GREEDY, "outside the vocabulary"),
-    ([1, 2.5], GREEDY, "outside the vocabulary"),
+    ([1, -1], GREEDY, r"integers >= 0\), got \[-1\]"),
+    ([1, 2.5], GREEDY, r"integers >= 0\), got \[2.5\]"),
     ("abc", GREEDY, "sequence of token ids"),
     ([1] * 10, SamplingParams(max_new_tokens=250), "exceeds the context limit"),
 ])

@@ -92,11 +92,14 @@ def test_release_kv_cache_mid_request_recomputes_and_completes() -> None:
     assert tokens == greedy_reference(model, prompt, 16)
 
 
-def test_unknown_tags_are_rejected() -> None:
+def test_unknown_tags_are_rejected_and_cuda_graph_holds_nothing() -> None:
     _, core = fresh_engine()
-    with pytest.raises(InvalidArgumentError, match="cuda_graph"):
-        core.release_memory(["kv_cache", "cuda_graph"])
+    with pytest.raises(InvalidArgumentError, match=r"unknown memory tags \['activations'\] \(allowed: \['weights', "
+                                                   r"'kv_cache', 'cuda_graph'\]\)"):
+        core.release_memory(["kv_cache", "activations"])
     assert core.stats().paused_tags == ()
+    core.release_memory("cuda_graph")
+    assert core.stats().paused_tags == () and not core.paused
 
 
 def test_async_engine_waits_while_released_and_continues_after_resume() -> None:

@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import json
 import math
+import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 
@@ -202,7 +204,7 @@ def test_abort_one_id_leaves_ids_it_prefixes_running_and_abort_all_ends_the_rest
             streams = {rid: asyncio.create_task(collect(engine, PROMPT, LONG, rid)) for rid in ("s-1", "s-10", "s-11")}
             for rid in streams:
                 await until_tokens(engine, rid, 1)
-            with pytest.raises(UnknownIdError, match="not in flight"):
+            with pytest.raises(UnknownIdError, match="unknown or finished request ids"):
                 await engine.abort(["s-2"])
             first = await engine.abort("s-1")
             still_running = [rid for rid, task in streams.items() if not task.done()]
@@ -578,6 +580,42 @@ def test_launcher_starts_waits_for_health_and_stops_a_stand_in_server(tmp_path, 
     assert tokens(chunks) == greedy_reference(model, PROMPT, 6)
     assert server.process.returncode == 0 and not server.healthy()  # SIGTERM: a clean shutdown
     assert "listening on" in (tmp_path / "server.log").read_text()
+
+
+def test_a_server_killed_mid_stream_raises_a_connection_error_naming_it_and_close_releases_the_session(
+        tmp_path, model) -> None:
+    save_pretrained(model, tmp_path / "ckpt")
+    args = SGLangServerArgs(model_path=str(tmp_path / "ckpt"), extra_args=("--num-blocks", "128", "--block-size", "4"))
+
+    async def use(url: str, pid: int):
+        first, second = (SGLangEngine(SGLangEngineConfig(worker_urls=(url,), retries=0, abort_timeout_s=5.0))
+                         for _ in range(2))
+        await first.start()
+        await second.start()
+        sessions = (first._http.session, second._http.session)
+        streamed, abandoned = first.generate(PROMPT, LONG, "killed-1"), second.generate(PROMPT, LONG, "killed-2")
+        await anext(streamed)
+        await anext(abandoned)
+        os.killpg(pid, signal.SIGKILL)
+        close_error = None
+        try:  # "killed-2" is still in flight: its abort cannot reach the dead server
+            await second.close()
+        except BaseException as exc:  # noqa: BLE001 - the test reports what close() raised
+            close_error = exc
+        with pytest.raises(SGLangHTTPError) as err:
+            async with first:  # what the caller reads is the stream's error, whatever close() meets
+                async for _ in streamed:
+                    pass
+        return err.value, close_error, sessions
+
+    with launch_sglang_server(args, module="april_ext.server", env={"OMP_NUM_THREADS": "1"}, timeout_s=120,
+                              log_path=str(tmp_path / "server.log")) as server:
+        error, close_error, sessions = run(use(server.url, server.process.pid))
+    assert isinstance(error, SGLangConnectionError), repr(error)
+    assert str(error).startswith(f"{server.url}/generate broke its stream mid-response"), str(error)
+    assert isinstance(error.__cause__, aiohttp.ClientError), repr(error.__cause__)
+    assert close_error is None, repr(close_error)
+    assert all(session.closed for session in sessions)
 
 
 def test_launcher_reports_a_server_that_exits_with_its_log(tmp_path) -> None:

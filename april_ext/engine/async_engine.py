@@ -8,7 +8,6 @@ model computes. Chunks reach each request's stream in the order the core produce
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from collections.abc import Sequence as SequenceOf
@@ -16,9 +15,11 @@ from typing import Any, TypeVar
 
 from april_ext.batch import FinishReason
 from april_ext.engine.core import EngineCore, WeightsSource
-from april_ext.errors import InvalidArgumentError
+from april_ext.protocol.engine_base import RequestStream, generate_args, stream_until_finish
 from april_ext.protocol.loop_task import LoopTaskEngine
+from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
+from april_ext.protocol.request_ids import RequestIds
 from april_ext.protocol.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -35,52 +36,48 @@ class AsyncEngine(LoopTaskEngine):
         self.core = core
         self._streams: dict[str, asyncio.Queue[GenerationChunk | BaseException]] = {}
         self._commands: deque[tuple[_Command, asyncio.Future[Any]]] = deque()
-        self._ids = itertools.count()
+        self._ids = RequestIds("async")
 
     # Public API -------------------------------------------------------------------------------------
 
-    async def generate(self, input_ids: SequenceOf[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+    def generate(self, input_ids: SequenceOf[int], params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
         """Streams the request's chunks until one carries a finish reason. Leaving the iteration early
         aborts the request. Bad input raises before the first chunk."""
-        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        return stream_until_finish(lambda: self._open(input_ids, params, request_id))
+
+    async def _open(self, input_ids: SequenceOf[int], params: SamplingParams | None,
+                    request_id: str | None) -> RequestStream:
+        ids, params = generate_args(input_ids, params)
+        rid = self._ids.claim(request_id, self._streams)
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
-        if rid in self._streams:
-            raise InvalidArgumentError(f"request_id {rid!r} is already in use")
         self._streams[rid] = queue
-
-        def add() -> tuple[str, list[GenerationChunk]]:
-            return self.core.add_request(input_ids, params, rid), []
-
         try:
-            await self._call(add)
-        except BaseException:
+            await self._call(lambda: (self.core.add_request(ids, params, rid), []))
+        except BaseException as exc:
             del self._streams[rid]
-            raise
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.finish_reason is not None:
-                    finished = True
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(rid, None)
-            if not finished and self._task is not None and not self._closing:
+            if isinstance(exc, asyncio.CancelledError) and self._task is not None and not self._closing:
+                # The caller left while the add was queued: it still runs, so abort what it adds.
                 self._submit(lambda: self._abort_known([rid]))
+            raise
+
+        async def receive() -> GenerationChunk:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+        def abort() -> None:
+            if self._task is not None and not self._closing:
+                self._submit(lambda: self._abort_known([rid]))
+
+        return RequestStream(receive, abort, lambda: self._streams.pop(rid, None))
 
     async def abort(self, request_ids: str | Iterable[str] | None = None) -> list[GenerationOutput]:
         """Ends the requests (all when None) and returns their partial outputs (finish reason ABORT).
         Their streams end with an ABORT chunk. Unknown ids raise UnknownIdError."""
-        ids = None if request_ids is None else ([request_ids] if isinstance(request_ids, str) else list(request_ids))
-
         def run() -> tuple[list[GenerationOutput], list[GenerationChunk]]:
-            outputs = self.core.abort(ids)
+            outputs = self.core.abort(request_ids)
             return outputs, [self._abort_chunk(o) for o in outputs]
 
         return await self._call(run)
@@ -89,14 +86,24 @@ class AsyncEngine(LoopTaskEngine):
         """Loads weights (named tensors or a checkpoint directory) between steps; see EngineCore."""
         return await self._call(lambda: (self.core.update_weights(weights, version), []))
 
-    async def release_memory(self, tags: Iterable[str] | None = None) -> None:
-        await self._call(lambda: (self.core.release_memory(tags), []))
+    async def release_memory(self, tags: str | Iterable[str] | None = None) -> None:
+        """Releases the tags' memory between steps; see EngineCore.release_memory."""
+        names = memory_tags(tags)
+        await self._call(lambda: (self.core.release_memory(names), []))
 
-    async def resume_memory(self, tags: Iterable[str] | None = None) -> None:
-        await self._call(lambda: (self.core.resume_memory(tags), []))
+    async def resume_memory(self, tags: str | Iterable[str] | None = None) -> None:
+        names = memory_tags(tags)
+        await self._call(lambda: (self.core.resume_memory(names), []))
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def capacity(self) -> dict[str, Any]:
+        """The /server_info fields of the core's configuration (see ServableEngine)."""
+        config = self.core.config
+        return {"page_size": config.block_size, "max_total_num_tokens": config.num_blocks * config.block_size,
+                "max_running_requests": config.max_num_seqs, "context_length": self.core.max_model_len,
+                "device": config.device}
 
     def health(self) -> dict[str, Any]:
         """{"status": "ok" | "paused" | "stopped" | "error", "weight_version", "paused_tags", "error"}."""

@@ -18,14 +18,16 @@ from april_ext.batch import FinishReason
 from april_ext.engine.batch_scheduler import BatchScheduler
 from april_ext.engine.block_manager import BlockManager
 from april_ext.engine.config import EngineConfig
-from april_ext.engine.memory import MEMORY_TAGS, MemoryPlacement
+from april_ext.engine.memory import MemoryPlacement
 from april_ext.engine.model_runner import ModelRunner
 from april_ext.engine.sampler import uniform
 from april_ext.engine.sequence import Sequence, SequenceStatus
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.model import LlamaForCausalLM, ModelConfig, iter_safetensors
+from april_ext.protocol.engine_base import check_weight_version, generate_args
+from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
-from april_ext.protocol.request_ids import abort_ids
+from april_ext.protocol.request_ids import RequestIds, abort_ids
 from april_ext.protocol.sampling_params import SamplingParams
 
 WeightsSource = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike[str]
@@ -64,6 +66,7 @@ class EngineCore:
         self.weight_version = weight_version
         self._requests: dict[str, Sequence] = {}
         self._next_id = 0
+        self._ids = RequestIds("req")
         self._steps = 0
         self._prefill_tokens = 0
         self._decode_tokens = 0
@@ -83,10 +86,12 @@ class EngineCore:
     def add_request(self, input_ids: SequenceOf[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queues a request; returns its id. Raises InvalidArgumentError on bad input."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgumentError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ids = self._check_ids(input_ids)
+        checked, params = generate_args(input_ids, params)
+        ids = checked if isinstance(checked, list) else checked.tolist()
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise InvalidArgumentError(f"input_ids contains {bad[:5]} outside the vocabulary [0, {vocab})")
         total = len(ids) + params.max_new_tokens
         capacity = min(self.max_model_len, self.config.num_blocks * self.config.block_size)
         if total > capacity:
@@ -94,12 +99,7 @@ class EngineCore:
                 f"prompt length {len(ids)} + max_new_tokens {params.max_new_tokens} = {total} exceeds the "
                 f"context limit {capacity} (min of max_model_len {self.max_model_len} and KV capacity "
                 f"{self.config.num_blocks * self.config.block_size} tokens)")
-        if request_id is None:
-            request_id = f"req-{self._next_id}"
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgumentError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self._requests:
-            raise InvalidArgumentError(f"request_id {request_id!r} is already in use")
+        request_id = self._ids.claim(request_id, self._requests)
         seed = params.seed if params.seed is not None else int(uniform(self.config.seed, self._next_id) * 2**53)
         self._next_id += 1
         stop = set(params.stop_token_ids)
@@ -109,20 +109,6 @@ class EngineCore:
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
-
-    def _check_ids(self, input_ids: SequenceOf[int]) -> list[int]:
-        if isinstance(input_ids, torch.Tensor):
-            input_ids = input_ids.tolist()
-        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, SequenceOf):
-            raise InvalidArgumentError(f"input_ids must be a sequence of token ids, got {type(input_ids).__name__}")
-        ids = list(input_ids)
-        if not ids:
-            raise InvalidArgumentError("input_ids must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgumentError(f"input_ids contains {bad[:5]} outside the vocabulary [0, {vocab})")
-        return ids
 
     def has_request(self, request_id: str) -> bool:
         """Whether `request_id` is queued or running."""
@@ -169,11 +155,11 @@ class EngineCore:
         return GenerationChunk(seq.request_id, seq.token_ids[start:], seq.logprobs[start - seq.prompt_len:],
                                self.weight_version, seq.finish_reason, seq.matched_stop)
 
-    def abort(self, request_ids: Iterable[str] | None = None) -> list[GenerationOutput]:
+    def abort(self, request_ids: str | Iterable[str] | None = None) -> list[GenerationOutput]:
         """Ends the given requests (all when None) at once; returns their partial outputs with finish
         reason ABORT. Unknown ids raise UnknownIdError before anything is aborted."""
         outputs = []
-        for request_id in dict.fromkeys(abort_ids(request_ids, self._requests)):
+        for request_id in abort_ids(request_ids, self._requests):
             seq = self._requests.pop(request_id)
             self.scheduler.remove(seq)
             seq.finish(FinishReason.ABORT)
@@ -205,8 +191,7 @@ class EngineCore:
         """Loads new weights in place (named tensors: any subset; a checkpoint directory: all of them),
         sets the weight version and flushes the KV cache: running requests are recomputed under the new
         weights and continue. Bad names or shapes raise InvalidArgumentError and change nothing."""
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise InvalidArgumentError(f"version must be an integer, got {version!r}")
+        check_weight_version(version)
         if self.memory.is_paused("weights"):
             raise InvalidStateError("update_weights needs the 'weights' memory resumed first")
         if isinstance(weights, (str, os.PathLike)):
@@ -223,27 +208,18 @@ class EngineCore:
         self.scheduler.preempt_all()
         self.blocks.reset_prefix_cache()
 
-    def release_memory(self, tags: Iterable[str] | None = None) -> None:
-        """Releases the physical memory of the tags ("weights", "kv_cache"; None = both). The KV cache is
-        flushed first (running requests will be recomputed); weights keep a host copy when
-        EngineConfig.weights_cpu_backup. Steps wait until resume_memory."""
-        tags = self._tags(tags)
-        if "kv_cache" in tags:
+    def release_memory(self, tags: str | Iterable[str] | None = None) -> None:
+        """Releases the physical memory of the tags (protocol.memory_tags: "weights", "kv_cache",
+        "cuda_graph"; None = all). The KV cache is flushed first (running requests will be recomputed);
+        weights keep a host copy when EngineConfig.weights_cpu_backup. "cuda_graph" holds nothing here
+        (the engine captures no CUDA graphs): releasing it changes nothing. Steps wait until resume_memory."""
+        names = memory_tags(tags)
+        if "kv_cache" in names:
             self.flush_cache()
-        self.memory.release(tags)
+        self.memory.release(names)
 
-    def resume_memory(self, tags: Iterable[str] | None = None) -> None:
-        self.memory.resume(self._tags(tags))
-
-    @staticmethod
-    def _tags(tags: Iterable[str] | None) -> list[str]:
-        if tags is None:
-            return list(MEMORY_TAGS)
-        tags = [tags] if isinstance(tags, str) else list(tags)
-        bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad:
-            raise InvalidArgumentError(f"memory tags {bad} are not known (allowed: {list(MEMORY_TAGS)})")
-        return tags
+    def resume_memory(self, tags: str | Iterable[str] | None = None) -> None:
+        self.memory.resume(memory_tags(tags))
 
     # Introspection ----------------------------------------------------------------------------------
 

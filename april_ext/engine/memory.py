@@ -7,7 +7,8 @@ from torch import nn
 
 from april_ext import memory as allocator
 
-MEMORY_TAGS = ("weights", "kv_cache")
+# The memory tags (protocol.memory_tags) that own an allocator region; "cuda_graph" owns none here.
+REGION_TAGS = ("weights", "kv_cache")
 
 
 class MemoryPlacement:
@@ -42,7 +43,7 @@ class MemoryPlacement:
         return tag in self.paused_tags
 
     def release(self, tags: list[str]) -> None:
-        for tag in tags:
+        for tag in (t for t in tags if t in REGION_TAGS):
             if tag not in self.paused_tags:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
@@ -50,13 +51,13 @@ class MemoryPlacement:
                 self.paused_tags.add(tag)
 
     def resume(self, tags: list[str]) -> None:
-        for tag in tags:
+        for tag in (t for t in tags if t in REGION_TAGS):
             if tag in self.paused_tags:
                 allocator.resume(self.region_tag(tag))
                 self.paused_tags.discard(tag)
 
     def resident_bytes(self) -> dict[str, int]:
-        """Physical bytes mapped now per engine tag (0 while released)."""
+        """Physical bytes mapped now per tag with a region (0 while released)."""
         stats = allocator.stats()
         return {tag: stats[self.region_tag(tag)].resident_bytes if self.region_tag(tag) in stats else 0
-                for tag in MEMORY_TAGS}
+                for tag in REGION_TAGS}

@@ -1,16 +1,20 @@
 """The rollout vocabulary every engine, trainer and loop shares: sampling parameters, generation outputs,
-request ids, memory tags, the RolloutEngine and Trainer protocols, and the SGLang wire format
+request ids, memory tags, the RolloutEngine, ServableEngine and Trainer protocols, the checks and the
+stream every engine shares at its boundary (engine_base), and the SGLang wire format
 (``april_ext.protocol.sglang_wire``, imported on its own: it needs safetensors).
 
-This package sits at the bottom of the import graph: it imports nothing of april_ext but errors and batch.
+This package sits at the bottom of the import graph: it imports nothing of april_ext but errors, batch and
+data_source (tests/test_layering.py checks it).
 """
 
+from april_ext.protocol.memory_tags import MEMORY_TAGS, memory_tags
 from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
-from april_ext.protocol.rollout_engine import Clock, RolloutEngine, engine_clock
+from april_ext.protocol.rollout_engine import Clock, RolloutEngine, ServableEngine, engine_clock
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.protocol.trainer import ExportedWeights, Trainer
 
 __all__ = [
+    "MEMORY_TAGS",
     "Clock",
     "EngineStats",
     "ExportedWeights",
@@ -18,6 +22,8 @@ __all__ = [
     "GenerationOutput",
     "RolloutEngine",
     "SamplingParams",
+    "ServableEngine",
     "Trainer",
     "engine_clock",
+    "memory_tags",
 ]

@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from april_ext.protocol.outputs import GenerationChunk, GenerationOutput
+from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
 from april_ext.protocol.sampling_params import SamplingParams
 
 Clock = Callable[[], float]
@@ -28,7 +28,8 @@ class RolloutEngine(Protocol):
       with an ABORT chunk.
     - ``update_weights(weights, version)``: named tensors (Hugging Face names) or a checkpoint directory;
       later tokens carry ``version``.
-    - ``release_memory(tags)`` / ``resume_memory(tags)``: tags "weights" and "kv_cache"; None means all.
+    - ``release_memory(tags)`` / ``resume_memory(tags)``: tags of protocol.memory_tags.MEMORY_TAGS
+      ("weights", "kv_cache", "cuda_graph"); None means all.
     - ``stats()``: a snapshot of load and counters; ``health()``: a dict with at least "status".
     """
 
@@ -48,6 +49,24 @@ class RolloutEngine(Protocol):
     def health(self) -> dict[str, Any]: ...
 
 
+@runtime_checkable
+class ServableEngine(RolloutEngine, Protocol):
+    """What the HTTP server (april_ext.server) needs of an in-process engine beyond RolloutEngine: a
+    lifecycle, stats as EngineStats, and the capacity it reports in /server_info.
+
+    AsyncEngine and SimulatedEngine satisfy it. ``capacity()`` returns SGLang's /server_info fields
+    "page_size", "max_total_num_tokens", "max_running_requests", "context_length" and "device".
+    """
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def capacity(self) -> dict[str, Any]: ...
+
+
 def engine_clock(engine: object, clock: Clock | None = None) -> Clock:
     """The clock the loop measures with: the one given, else the engine's ``clock()``, else
     ``time.perf_counter`` (an engine that runs in real time)."""
@@ -59,4 +78,4 @@ def engine_clock(engine: object, clock: Clock | None = None) -> Clock:
     return time.perf_counter
 
 
-__all__ = ["Clock", "RolloutEngine", "engine_clock"]
+__all__ = ["Clock", "RolloutEngine", "ServableEngine", "engine_clock"]

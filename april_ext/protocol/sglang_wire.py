@@ -18,6 +18,7 @@ from safetensors.torch import save as _save_safetensors
 
 from april_ext.batch import FinishReason
 from april_ext.errors import InvalidArgumentError
+from april_ext.protocol.memory_tags import MEMORY_TAGS
 from april_ext.protocol.sampling_params import MAX_SEED, SamplingParams
 
 # SGLang sampling fields the embedded engine maps onto SamplingParams (SGLang name -> our name).
@@ -35,7 +36,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "custom_params": (None,),
 }
 
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 PAUSE_MODES = ("abort", "retract", "in_place")
 ABORT_MESSAGE = "Aborted"
 ABORT_QUEUED_MESSAGE = "Abort in waiting queue"

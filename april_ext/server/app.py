@@ -1,4 +1,5 @@
-"""EngineServer: the SGLang HTTP API subset (shared/sglang-api.md) in front of an AsyncEngine (aiohttp).
+"""EngineServer: the SGLang HTTP API subset (shared/sglang-api.md) in front of an in-process engine (aiohttp):
+any ServableEngine (april_ext.protocol), e.g. the embedded AsyncEngine or the SimulatedEngine.
 
 The server owns no rollout state: it turns requests into engine calls and engine chunks into SGLang's
 JSON. What it adds is what SGLang keeps above its scheduler: the table of requests in flight (for
@@ -21,14 +22,13 @@ from typing import Any
 from aiohttp import web
 
 from april_ext import __version__
-from april_ext.engine import AsyncEngine
 from april_ext.errors import (
     AprilError,
     ConfigError,
     InvalidArgumentError,
     UnknownIdError,
 )
-from april_ext.protocol import GenerationChunk, SamplingParams, sglang_wire
+from april_ext.protocol import GenerationChunk, SamplingParams, ServableEngine, sglang_wire
 
 logger = logging.getLogger(__name__)
 
@@ -155,9 +155,12 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 class EngineServer:
-    """Serves one AsyncEngine over HTTP. `await server.start()` binds and returns the base url."""
+    """Serves one engine over HTTP. `await server.start()` binds and returns the base url."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig | None = None) -> None:
+    def __init__(self, engine: ServableEngine, config: ServerConfig | None = None) -> None:
+        if not isinstance(engine, ServableEngine):
+            raise ConfigError(f"EngineServer serves a ServableEngine (e.g. AsyncEngine, SimulatedEngine), got a "
+                              f"{type(engine).__name__}")
         self.engine = engine
         self.config = config or ServerConfig()
         self._active: dict[str, _Output] = {}
@@ -403,15 +406,11 @@ class EngineServer:
         return web.Response(status=200)
 
     async def server_info(self, request: web.Request) -> web.Response:
-        core = self.engine.core
         stats = dataclasses.asdict(self.engine.stats())
         return _json_response({
             "model_path": self.config.model_path, "host": self.config.host, "port": self.port,
             "tp_size": 1, "skip_tokenizer_init": True, "enable_memory_saver": self.config.enable_memory_saver,
-            "weight_version": self._versions.label(), "page_size": core.config.block_size,
-            "max_total_num_tokens": core.config.num_blocks * core.config.block_size,
-            "max_running_requests": core.config.max_num_seqs, "context_length": core.max_model_len,
-            "device": core.config.device, "paused": not self._unpaused.is_set(),
+            "weight_version": self._versions.label(), **self.engine.capacity(), "paused": not self._unpaused.is_set(),
             "internal_states": [{**stats, "paused_tags": list(stats["paused_tags"]),
                                  "requests_in_flight": len(self._active)}],
             "version": __version__, "engine": "april_ext",

@@ -17,6 +17,7 @@ from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.errors import AprilError, ConfigError
 from april_ext.model import LlamaForCausalLM, ModelConfig
 from april_ext.model.config import DTYPES
+from april_ext.protocol import ServableEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,15 +76,15 @@ def build_core(args: argparse.Namespace) -> EngineCore:
     return EngineCore(model, config)
 
 
-async def serve(core: EngineCore, config: Any) -> None:
-    """Serves until SIGINT / SIGTERM, then aborts every request and stops. config: a ServerConfig."""
+async def serve(engine: ServableEngine, config: Any) -> None:
+    """Serves `engine` until SIGINT / SIGTERM, then aborts every request and stops. config: a ServerConfig."""
     from april_ext.server.app import EngineServer
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server = EngineServer(AsyncEngine(core), config)
+    server = EngineServer(engine, config)
     url = await server.start()
     print(f"april_ext serve: listening on {url} (weight_version {config.weight_version})", flush=True)
     try:
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, model_path=args.model or args.random_init_config,
                           weight_version=args.weight_version, enable_memory_saver=args.enable_memory_saver,
                           stream_interval=args.stream_interval, max_request_bytes=args.max_request_bytes)
-    asyncio.run(serve(core, config))
+    asyncio.run(serve(AsyncEngine(core), config))
     return 0
 
 

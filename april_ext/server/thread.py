@@ -13,16 +13,19 @@ from typing import Any, TypeVar
 
 from april_ext.engine import AsyncEngine, EngineCore
 from april_ext.errors import InvalidStateError
+from april_ext.protocol import ServableEngine
 from april_ext.server.app import EngineServer, ServerConfig
 
 T = TypeVar("T")
 
 
 class ServerThread:
-    """`with ServerThread(core, ServerConfig(port=0)) as server: server.url` serves `core` until the block ends."""
+    """`with ServerThread(engine, ServerConfig(port=0)) as server: server.url` serves `engine` until the block
+    ends. `engine`: a ServableEngine not yet started (it starts on the server's loop), or an EngineCore,
+    which is served through an AsyncEngine."""
 
-    def __init__(self, core: EngineCore, config: ServerConfig | None = None) -> None:
-        self.core = core
+    def __init__(self, engine: EngineCore | ServableEngine, config: ServerConfig | None = None) -> None:
+        self.engine = AsyncEngine(engine) if isinstance(engine, EngineCore) else engine
         self.config = config or ServerConfig(port=0)
         self.server: EngineServer | None = None
         self.url: str | None = None
@@ -50,7 +53,7 @@ class ServerThread:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:
-            self.server = EngineServer(AsyncEngine(self.core), self.config)
+            self.server = EngineServer(self.engine, self.config)
             self.url = loop.run_until_complete(self.server.start())
         except BaseException as exc:  # handed to start(), which raises it in the caller's thread
             self._error = exc

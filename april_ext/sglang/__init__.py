@@ -4,9 +4,11 @@ the machines that run the servers."""
 
 from __future__ import annotations
 
-from april_ext.sglang.engine import SGLangEngine, SGLangEngineConfig, SGLangEngineStats, wire_rid
+from april_ext.sglang.config import SGLangEngineConfig
+from april_ext.sglang.engine import SGLangEngine, SGLangEngineStats
 from april_ext.sglang.errors import SGLangBadRequestError, SGLangConnectionError, SGLangHTTPError, SGLangLaunchError
 from april_ext.sglang.launcher import SGLangServerArgs, SGLangServerProcess, free_port, launch_sglang_server
+from april_ext.sglang.requests import wire_rid
 
 __all__ = [
     "SGLangBadRequestError",

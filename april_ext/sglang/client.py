@@ -15,6 +15,9 @@ from april_ext.errors import InvalidStateError
 from april_ext.sglang.errors import SGLangBadRequestError, SGLangConnectionError, SGLangHTTPError
 
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, ConnectionError)
+# A response cut mid-body (the server died: its chunked stream ends early) is a payload error to aiohttp,
+# but to the caller it is the same lost connection.
+_STREAM_ERRORS = (*_CONNECTION_ERRORS, aiohttp.ClientPayloadError)
 
 
 def http_error(url: str, status: int, body: str) -> SGLangHTTPError:
@@ -73,15 +76,19 @@ class HTTPClient:
     @asynccontextmanager
     async def events(self, url: str, payload: Any) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """POSTs a streaming request (never retried) and yields an iterator over its `data:` events,
-        decoded, until `data: [DONE]`."""
+        decoded, until `data: [DONE]`. A connection lost once the response started raises
+        SGLangConnectionError saying that the stream broke."""
         timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s, sock_read=self.timeout_s)
+        started = False
         try:
             async with self.session.post(url, json=payload, timeout=timeout) as resp:
                 if resp.status >= 400:
                     raise http_error(url, resp.status, await resp.text())
+                started = True
                 yield _sse(resp, url)
-        except _CONNECTION_ERRORS as exc:
-            raise SGLangConnectionError(url, None, f"{type(exc).__name__}: {exc}") from exc
+        except _STREAM_ERRORS as exc:
+            what = "broke its stream mid-response (the server died or dropped the connection)" if started else None
+            raise SGLangConnectionError(url, None, f"{type(exc).__name__}: {exc}", what) from exc
 
 
 def _decode(body: str) -> Any:

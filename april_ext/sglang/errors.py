@@ -6,13 +6,16 @@ from april_ext.errors import AprilError, InvalidArgumentError
 
 
 class SGLangHTTPError(AprilError, RuntimeError):
-    """An SGLang server (or router) answered an error, or could not be reached (status None)."""
+    """An SGLang server (or router) answered an error, or could not be reached (status None).
 
-    def __init__(self, url: str, status: int | None, body: str) -> None:
+    ``what`` replaces the default description ("answered HTTP <status>" / "could not be reached")."""
+
+    def __init__(self, url: str, status: int | None, body: str, what: str | None = None) -> None:
         self.url = url
         self.status = status
         self.body = body
-        what = "could not be reached" if status is None else f"answered HTTP {status}"
+        if what is None:
+            what = "could not be reached" if status is None else f"answered HTTP {status}"
         super().__init__(f"{url} {what}: {body[:2000]}")
 
 
@@ -21,7 +24,8 @@ class SGLangBadRequestError(SGLangHTTPError, InvalidArgumentError):
 
 
 class SGLangConnectionError(SGLangHTTPError, ConnectionError):
-    """No answer: connection refused or reset, or a timeout (after the retries of idempotent calls)."""
+    """No answer: connection refused or reset, or a timeout (after the retries of idempotent calls), or
+    a stream that broke before its end (the server died or dropped the connection mid-response)."""
 
 
 class SGLangLaunchError(AprilError, RuntimeError):

@@ -27,16 +27,19 @@ import numpy as np
 
 from april_ext.batch import FinishReason
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
+from april_ext.protocol.engine_base import RequestStream, check_weight_version, generate_args, stream_until_finish
 from april_ext.protocol.loop_task import LoopTaskEngine
+from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
-from april_ext.protocol.request_ids import abort_ids
+from april_ext.protocol.request_ids import RequestIds, abort_ids
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.sim.cost import ClusterConfig
 from april_ext.sim.lengths import LengthModel
 from april_ext.sim.replica import Replica, ReplicaCounters, SimRequest, SimSample
 from april_ext.sim.tokens import as_ids, prompt_key, response_logprobs, response_tokens
 
-MEMORY_TAGS = ("weights", "kv_cache")
+# The memory tags whose release the simulation models (protocol.memory_tags has the full list).
+_SIMULATED_TAGS = ("weights", "kv_cache")
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class SimulatedEngine(LoopTaskEngine):
         self._resumable: dict[bytes, deque[SimSample]] = {}
         self._ordinals: defaultdict[int, int] = defaultdict(int)
         self._uids = itertools.count()
-        self._ids = itertools.count()
+        self._ids = RequestIds("sim")
         self._rr = itertools.cycle(range(cluster.num_engines))
         self._delivered_tokens = 0
 
@@ -119,33 +122,26 @@ class SimulatedEngine(LoopTaskEngine):
 
     # ------------------------------------------------------------------ RolloutEngine API
 
-    async def generate(self, input_ids: Sequence[int] | np.ndarray, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+    def generate(self, input_ids: Sequence[int] | np.ndarray, params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
         """Streams the request's chunks until one carries a finish reason; leaving early aborts it."""
+        return stream_until_finish(lambda: self._open(input_ids, params, request_id))
+
+    async def _open(self, input_ids: Sequence[int] | np.ndarray, params: SamplingParams | None,
+                    request_id: str | None) -> RequestStream:
+        ids, params = generate_args(input_ids, params)
         self._require_running()
-        rid = request_id if request_id is not None else f"sim-{next(self._ids)}"
-        if rid in self._requests:
-            raise InvalidArgumentError(f"request_id {rid!r} is already in use")
-        request = self._new_request(rid, input_ids, params or SamplingParams())
+        rid = self._ids.claim(request_id, self._requests)
+        request = self._new_request(rid, ids, params)
         stream = _Stream(request)
         self._requests[rid] = request
         self._streams[rid] = stream
         self._route(request)
         self._notify()
-        finished = False
-        try:
-            while True:
-                if stream.items:
-                    item = stream.items.popleft()
-                    if item.finish_reason is not None:
-                        finished = True
-                        self._close_stream(rid)
-                    yield item
-                    if finished:
-                        return
-                    continue
-                loop = asyncio.get_running_loop()
-                stream.waiter = loop.create_future()
+
+        async def receive() -> GenerationChunk:
+            while not stream.items:
+                stream.waiter = asyncio.get_running_loop().create_future()
                 self._waiting += 1
                 self._notify()
                 try:
@@ -154,11 +150,17 @@ class SimulatedEngine(LoopTaskEngine):
                     if stream.waiter is not None:  # cancelled while waiting: nobody woke it
                         stream.waiter = None
                         self._waiting -= 1
-        finally:
-            if not finished:
+            item = stream.items.popleft()
+            if item.finish_reason is not None:
+                # Closed before the consumer sees the chunk, so the clock never waits on this stream.
                 self._close_stream(rid)
-                if rid in self._requests and not self._closing:
-                    self._abort_now([rid])
+            return item
+
+        def abort() -> None:
+            if rid in self._requests and not self._closing:
+                self._abort_now([rid])
+
+        return RequestStream(receive, abort, lambda: self._close_stream(rid))
 
     async def abort(self, request_ids: str | Iterable[str] | None = None) -> list[GenerationOutput]:
         """Ends the requests (all when None) at the current virtual time and returns their partial outputs;
@@ -171,8 +173,7 @@ class SimulatedEngine(LoopTaskEngine):
     async def update_weights(self, weights: Any, version: int) -> list[str]:
         """Sets the weight version (the weights themselves are not simulated). Running requests deliver their
         tokens so far under the old version and are recomputed, as the embedded engine flushes its cache."""
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise InvalidArgumentError(f"version={version!r} is not allowed: an int")
+        check_weight_version(version)
         if "weights" in self.paused_tags:
             raise InvalidStateError("update_weights: the 'weights' tag is released; resume_memory first")
         self._flush_all()
@@ -180,15 +181,16 @@ class SimulatedEngine(LoopTaskEngine):
         self._notify()
         return list(weights) if isinstance(weights, dict) else []
 
-    async def release_memory(self, tags: Iterable[str] | None = None) -> None:
-        """Marks tags released; while any is, the clock stands still. Releasing kv_cache flushes running work."""
+    async def release_memory(self, tags: str | Iterable[str] | None = None) -> None:
+        """Marks tags released; while any is, the clock stands still. Releasing kv_cache flushes running work.
+        "cuda_graph" holds nothing here (no graphs are simulated): releasing it changes nothing."""
         names = self._tags(tags)
         if "kv_cache" in names and "kv_cache" not in self.paused_tags:
             self._flush_all()
         self.paused_tags.update(names)
         self._notify()
 
-    async def resume_memory(self, tags: Iterable[str] | None = None) -> None:
+    async def resume_memory(self, tags: str | Iterable[str] | None = None) -> None:
         self.paused_tags.difference_update(self._tags(tags))
         self._notify()
 
@@ -204,8 +206,17 @@ class SimulatedEngine(LoopTaskEngine):
             generated_tokens=c.decode_tokens, preemptions=c.preemptions, prefix_cache_hit_tokens=0,
             tokens_per_s=c.decode_tokens / c.now if c.now > 0 else 0.0, paused_tags=tuple(sorted(self.paused_tags)))
 
+    def capacity(self) -> dict[str, Any]:
+        """The /server_info fields of the simulated cluster (see ServableEngine): summed over replicas;
+        a request's context is one replica's KV capacity."""
+        cost = self.cluster.cost
+        return {"page_size": 16, "max_total_num_tokens": cost.kv_capacity_tokens * len(self.replicas),
+                "max_running_requests": cost.max_num_seqs * len(self.replicas),
+                "context_length": cost.kv_capacity_tokens, "device": "simulated"}
+
     def health(self) -> dict[str, Any]:
-        return {"status": self._status(bool(self.paused_tags)), "weight_version": self.weight_version, "paused_tags": sorted(self.paused_tags),
+        return {"status": self._status(bool(self.paused_tags)), "weight_version": self.weight_version,
+                "paused_tags": sorted(self.paused_tags),
                 "error": None if self.last_error is None else repr(self.last_error), "virtual_time": self.now}
 
     def counters(self) -> ClusterCounters:
@@ -219,16 +230,11 @@ class SimulatedEngine(LoopTaskEngine):
 
     # ------------------------------------------------------------------ requests
 
-    def _tags(self, tags: Iterable[str] | None) -> set[str]:
-        names = set(MEMORY_TAGS if tags is None else ([tags] if isinstance(tags, str) else list(tags)))
-        bad = sorted(names - set(MEMORY_TAGS))
-        if bad:
-            raise InvalidArgumentError(f"unknown memory tags {bad}: allowed {list(MEMORY_TAGS)}")
-        return names
+    @staticmethod
+    def _tags(tags: str | Iterable[str] | None) -> set[str]:
+        return {t for t in memory_tags(tags) if t in _SIMULATED_TAGS}
 
-    def _new_request(self, rid: str, input_ids: Any, params: SamplingParams) -> SimRequest:
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgumentError(f"params is a {type(params).__name__}; a SamplingParams is required")
+    def _new_request(self, rid: str, input_ids: list[int] | np.ndarray, params: SamplingParams) -> SimRequest:
         ids = as_ids(input_ids)
         capacity = self.cluster.cost.kv_capacity_tokens
         if ids.size + params.max_new_tokens > capacity:
@@ -293,7 +299,9 @@ class SimulatedEngine(LoopTaskEngine):
 
     def _close_stream(self, rid: str) -> None:
         stream = self._streams.pop(rid, None)
-        if stream is not None and stream.waiter is not None:
+        if stream is None:
+            return
+        if stream.waiter is not None:
             stream.waiter = None
             self._waiting -= 1
         self._notify()
@@ -394,4 +402,4 @@ class SimulatedEngine(LoopTaskEngine):
             raise
 
 
-__all__ = ["ClusterCounters", "MEMORY_TAGS", "SimulatedEngine"]
+__all__ = ["ClusterCounters", "SimulatedEngine"]

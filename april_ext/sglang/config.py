@@ -1,0 +1,88 @@
+"""SGLangEngineConfig: where the SGLang servers are and how the adapter talks to them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from april_ext.errors import ConfigError
+
+BALANCE = ("least_loaded", "round_robin")
+
+
+@dataclass(frozen=True)
+class SGLangEngineConfig:
+    """Where the servers are and how to talk to them.
+
+    worker_urls: SGLang servers; requests go to the least-loaded (fewest requests in flight from this
+    client) or round-robin. router_url instead: requests go to the router, and the workers it lists
+    (GET /workers, or /list_workers on older routers) receive aborts, weight updates and memory calls.
+    timeout_s bounds a control call and the silence between two events of a stream. retries with
+    exponential backoff from backoff_s apply to connection failures of idempotent calls only.
+    initial_weight_version: the version reported for a server's non-numeric label (SGLang's "default").
+    abort_timeout_s: how long abort() waits for the aborted streams to end; abort_resend_s: interval at
+    which the abort is re-sent meanwhile (an abort can overtake its request on another connection).
+    max_connections: the client's connection pool size (0 = unlimited).
+    stream: True streams /generate (a chunk per event, so the scheduler sees tokens as they come);
+    False sends one non-streaming request per generate() and yields one chunk at its end (or its abort),
+    which parses each response once instead of once per event (cumulative events cost O(L^2) for a
+    response of L tokens). SGLang holds weight updates until the requests in flight end (unless they
+    are aborted), so one response never spans two weight versions. timeout_s then bounds the whole response.
+    weight_sync_dir: a directory every server can read at the same path (shared file system). When set,
+    update_weights with named tensors writes them there as model.safetensors and loads them with
+    /update_weights_from_disk, which real SGLang servers accept; unset, they travel in the request.
+    """
+
+    worker_urls: tuple[str, ...] = ()
+    router_url: str | None = None
+    balance: str = "least_loaded"
+    timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
+    retries: int = 3
+    backoff_s: float = 0.2
+    initial_weight_version: int = 0
+    abort_timeout_s: float = 60.0
+    abort_resend_s: float = 0.5
+    max_connections: int = 0
+    weight_sync_dir: str | None = None
+    stream: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.worker_urls, str):
+            raise ConfigError("SGLangEngineConfig.worker_urls must be a sequence of urls, not one string")
+        urls = tuple(_base_url(u, "worker_urls") for u in self.worker_urls)
+        object.__setattr__(self, "worker_urls", urls)
+        if self.router_url is not None:
+            object.__setattr__(self, "router_url", _base_url(self.router_url, "router_url"))
+        if bool(urls) == (self.router_url is not None):
+            raise ConfigError("SGLangEngineConfig needs exactly one of worker_urls (non-empty) or router_url, "
+                              f"got worker_urls={list(urls)} router_url={self.router_url!r}")
+        if self.balance not in BALANCE:
+            raise ConfigError(f"SGLangEngineConfig.balance must be one of {BALANCE}, got {self.balance!r}")
+        for name in ("timeout_s", "connect_timeout_s", "abort_timeout_s", "abort_resend_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"SGLangEngineConfig.{name} must be a number > 0, got {value!r}")
+        for name in ("retries", "max_connections", "initial_weight_version"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"SGLangEngineConfig.{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.stream, bool):
+            raise ConfigError(f"SGLangEngineConfig.stream must be True or False, got {self.stream!r}")
+        if self.weight_sync_dir is not None:
+            if not isinstance(self.weight_sync_dir, (str, os.PathLike)) or not os.fspath(self.weight_sync_dir):
+                raise ConfigError(f"SGLangEngineConfig.weight_sync_dir must be None or a directory path, "
+                                  f"got {self.weight_sync_dir!r}")
+            object.__setattr__(self, "weight_sync_dir", os.path.abspath(os.fspath(self.weight_sync_dir)))
+        if not isinstance(self.backoff_s, (int, float)) or self.backoff_s < 0:
+            raise ConfigError(f"SGLangEngineConfig.backoff_s must be a number >= 0, got {self.backoff_s!r}")
+
+
+def _base_url(url: Any, name: str) -> str:
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ConfigError(f"SGLangEngineConfig.{name}: {url!r} is not an http:// or https:// url")
+    return url.rstrip("/")
+
+
+__all__ = ["BALANCE", "SGLangEngineConfig"]
