@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from april_ext.errors import AprilError, PersistenceError
+from april_ext.errors import AprilError, CorruptStateError, PersistenceError
 
 _calls = itertools.count()
 _TEMP_MARK = ".tmp-"
@@ -138,6 +138,19 @@ def atomic_write_json(path: str | os.PathLike[str], value: Any, *, indent: int |
     atomic_write_text(path, json.dumps(value, indent=indent))
 
 
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """The JSON value of a state file: PersistenceError when it cannot be read, CorruptStateError (naming
+    the file) when it is not JSON."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except OSError as err:
+        raise PersistenceError(f"reading {path!r} failed: {_os_cause(err)}") from None
+    except ValueError as err:
+        raise CorruptStateError(f"{path}: damaged JSON ({err})") from None
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike[str]) -> Iterator[str]:
     """``with atomic_directory(p) as temp:`` fill ``temp``; on a clean exit every file and directory
@@ -208,4 +221,4 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 
 
 __all__ = ["FileDigest", "atomic_directory", "atomic_write", "atomic_write_bytes", "atomic_write_json",
-           "atomic_write_text", "digest_file", "ensure_dir", "fsync_dir", "is_temporary", "sha256_file"]
+           "atomic_write_text", "digest_file", "ensure_dir", "fsync_dir", "is_temporary", "read_json", "sha256_file"]

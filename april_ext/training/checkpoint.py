@@ -14,7 +14,6 @@ unverified, with a warning.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -23,7 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from april_ext.errors import CorruptStateError, PersistenceError
-from april_ext.persistence import atomic_directory, atomic_write_json, digest_file, ensure_dir, is_temporary
+from april_ext.persistence import (
+    atomic_directory,
+    atomic_write_json,
+    digest_file,
+    ensure_dir,
+    is_temporary,
+    read_json,
+)
 from april_ext.scheduler import Scheduler
 from april_ext.trainer import Trainer
 
@@ -70,13 +76,7 @@ def verify_manifest(root: str) -> bool:
     manifest = os.path.join(root, MANIFEST_FILE)
     if not os.path.exists(manifest):
         return False
-    try:
-        with open(manifest, encoding="utf-8") as handle:
-            raw = json.load(handle)
-    except OSError as err:
-        raise PersistenceError(f"reading {manifest!r} failed: {err}") from None
-    except ValueError as err:
-        raise CorruptStateError(f"{manifest}: damaged manifest ({err})") from None
+    raw = read_json(manifest)
     files = raw.get("files") if isinstance(raw, dict) and raw.get("format") == MANIFEST_FORMAT else None
     if not isinstance(files, dict) or not all(
             isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
@@ -142,13 +142,7 @@ class CheckpointManager:
             logger.warning("checkpoint %s has no %s (written by an older april_ext): loading it unverified",
                            info.path, MANIFEST_FILE)
         run_file = os.path.join(info.path, _RUN_FILE)
-        try:
-            with open(run_file, encoding="utf-8") as handle:
-                run_state = json.load(handle)
-        except OSError as err:
-            raise PersistenceError(f"{run_file}: unreadable ({err})") from None
-        except ValueError as err:
-            raise CorruptStateError(f"{run_file}: damaged ({err})") from None
+        run_state = read_json(run_file)
         trainer.load_checkpoint(os.path.join(info.path, _TRAINER_DIR))
         scheduler.load(os.path.join(info.path, _SCHEDULER_FILE))
         return dict(run_state)
