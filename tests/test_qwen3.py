@@ -23,10 +23,10 @@ from april_ext.protocol import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
-BASE = dict(vocab_size=89, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
-            rope_theta=1000.0)
-MOE = dict(model_type="qwen3_moe", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24)
+BASE = {"vocab_size": 89, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000.0}
+MOE = {"model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
 
 CONFIGS = {
     "qwen3": ModelConfig(**BASE, model_type="qwen3"),

@@ -2,8 +2,8 @@
 per-head q/k RMSNorm, Qwen3-MoE's routed experts).
 
 Parameter names equal Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
-Qwen3MoeForCausalLM, so their state dicts load as is. The same modules serve the trainer (full-sequence causal forward, differentiable) and the
-rollout engine (paged KV through an AttentionBackend), so both run the same math.
+Qwen3MoeForCausalLM, so their state dicts load as is. The same modules serve the trainer (full-sequence
+causal forward, differentiable) and the rollout engine (paged KV through an AttentionBackend), so both run the same math.
 """
 
 from __future__ import annotations
