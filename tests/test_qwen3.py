@@ -72,6 +72,9 @@ def test_layer_kinds_follow_the_hf_rule() -> None:
     assert "model.layers.1.mlp.experts.5.down_proj.weight" in names and "model.layers.1.mlp.gate.weight" in names
     assert "model.layers.0.self_attn.q_norm.weight" in names
     assert not any("q_norm" in n for n, _ in LlamaForCausalLM(ModelConfig(**BASE)).named_parameters())
+    mixed.init_weights(seed=0)
+    assert torch.equal(mixed.model.layers[2].self_attn.k_norm.weight, torch.ones(16))
+    assert mixed.model.layers[1].mlp.gate.weight.std() > 0
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
