@@ -132,6 +132,20 @@ def test_engine_greedy_generation_equals_transformers_generate(name: str, tmp_pa
         torch.testing.assert_close(torch.tensor(out.logprobs), reference, rtol=1e-4, atol=1e-4)
 
 
+def test_every_expert_gets_a_gradient_even_when_no_token_chose_it() -> None:
+    config = CONFIGS["qwen3_moe_norm_topk"].replace(num_experts_per_tok=1, num_hidden_layers=1)
+    model = randomized(LlamaForCausalLM(config), seed=1)
+    logits = model(torch.tensor([3]))
+    logits.sum().backward()
+    experts = model.model.layers[0].mlp.experts
+    used = [bool(e.up_proj.weight.grad.abs().sum() > 0) for e in experts]
+    assert sum(used) == 1
+    assert all(e.down_proj.weight.grad is not None for e in experts)
+    # Without gradients only the chosen expert runs; the result is the same.
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor([3])), logits.detach())
+
+
 def test_route_picks_the_top_k_and_renormalises() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
     probs = torch.softmax(logits, dim=-1)

@@ -49,8 +49,12 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = route(self.gate(x), self.top_k, self.normalize)
         out = torch.zeros_like(x)
-        # Only the experts some token chose run, each on its own tokens (one host sync for the list).
-        for e in torch.unique(chosen).tolist():
+        # Without gradients only the experts some token chose run (one host sync for the list). With
+        # gradients every expert runs, on no rows if none chose it, so that each has a (zero) gradient as
+        # in megatron-core's SequentialMLP: the optimizers then treat the two models' parameters alike, and
+        # data-parallel wrappers see every parameter used.
+        experts = range(len(self.experts)) if torch.is_grad_enabled() else torch.unique(chosen).tolist()
+        for e in experts:
             rows, slot = torch.where(chosen == e)
             out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
         return out
