@@ -4,6 +4,7 @@ april_ext.model.LlamaForCausalLM so the torch trainer's loss code drives it unch
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -100,7 +101,7 @@ def _patch_moe_runtime() -> None:
         router.Router.gating = _cpu_gating
 
 
-def _cpu_gating(self: object, input: torch.Tensor) -> torch.Tensor:
+def _cpu_gating(self: Any, input: torch.Tensor) -> torch.Tensor:
     from megatron.core.transformer.moe.moe_utils import router_gating_linear
 
     dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
