@@ -19,6 +19,13 @@ CONFIGS = {
                          num_attention_heads=4, num_key_value_heads=2, qkv_bias=True, model_type="qwen2"),
     "all_biases_mha": ModelConfig(vocab_size=37, hidden_size=32, intermediate_size=24, num_hidden_layers=1,
                                   num_attention_heads=4, qkv_bias=True, o_bias=True, mlp_bias=True),
+    "qwen3": ModelConfig(vocab_size=37, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, model_type="qwen3"),
+    # Layers 0 and 2 sparse, layer 1 dense (mlp_only_layers); expert width differs from the dense one.
+    "qwen3_moe": ModelConfig(vocab_size=37, hidden_size=32, intermediate_size=24, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, model_type="qwen3_moe",
+                             num_experts=3, num_experts_per_tok=2, moe_intermediate_size=12, mlp_only_layers=(1,),
+                             tie_word_embeddings=True),
 }
 
 
@@ -72,12 +79,45 @@ def test_fused_layouts_match_the_per_head_reference(name: str) -> None:
             expected = reference_qkv(hf[h + f"self_attn.q_proj.{s}"], hf[h + f"self_attn.k_proj.{s}"],
                                      hf[h + f"self_attn.v_proj.{s}"], config)
             assert torch.equal(mg[m + f"self_attention.linear_qkv.{s}"], expected)
+        if config.is_moe_layer(i):
+            continue  # test_moe_layers_map_to_megatrons_router_and_local_experts
         fc1 = mg[m + "mlp.linear_fc1.weight"]
         assert torch.equal(fc1[:config.intermediate_size], hf[h + "mlp.gate_proj.weight"])
         assert torch.equal(fc1[config.intermediate_size:], hf[h + "mlp.up_proj.weight"])
         assert torch.equal(mg[m + "input_layernorm.weight"], hf[h + "input_layernorm.weight"])
         assert torch.equal(mg[m + "pre_mlp_layernorm.weight"], hf[h + "post_attention_layernorm.weight"])
     assert ("output_layer.weight" in mg) == (not config.tie_word_embeddings)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_layers_map_to_megatrons_router_and_local_experts(layout: str) -> None:
+    config = CONFIGS["qwen3_moe"]
+    hf = hf_weights(config, seed=4)
+    mg = hf_to_megatron(hf, config, layout=layout)
+    width = config.moe_intermediate_size
+    for i in (0, 2):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        assert torch.equal(mg[m + "mlp.router.weight"], hf[h + "mlp.gate.weight"])
+        for e in range(config.num_experts):
+            fc1 = mg[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"]
+            assert fc1.shape == (2 * width, config.hidden_size)
+            assert torch.equal(fc1[:width], hf[h + f"mlp.experts.{e}.gate_proj.weight"])
+            assert torch.equal(fc1[width:], hf[h + f"mlp.experts.{e}.up_proj.weight"])
+            assert torch.equal(mg[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"],
+                               hf[h + f"mlp.experts.{e}.down_proj.weight"])
+        # The norm before the experts is never folded into a linear layer.
+        assert torch.equal(mg[m + "pre_mlp_layernorm.weight"], hf[h + "post_attention_layernorm.weight"])
+        for which in ("q", "k"):
+            assert torch.equal(mg[m + f"self_attention.{which}_layernorm.weight"],
+                               hf[h + f"self_attn.{which}_norm.weight"])
+    assert not any(k.startswith("decoder.layers.1.mlp.experts") or k == "decoder.layers.1.mlp.router.weight"
+                   for k in mg)
+    dense_fc1 = mg["decoder.layers.1.mlp.linear_fc1.weight"]
+    assert dense_fc1.shape == (2 * config.intermediate_size, config.hidden_size)
+    with pytest.raises(InvalidArgumentError, match="linear_fc1.weight has 12 rows, the config needs "
+                                                   "2 x moe_intermediate_size = 24"):
+        megatron_to_hf({**mg, "decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight": torch.zeros(12, 32)},
+                       config, layout=layout)
 
 
 def test_te_layout_folds_the_norms_into_the_linear_layers() -> None:

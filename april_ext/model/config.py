@@ -1,4 +1,5 @@
-"""ModelConfig: the architecture of a Llama-style decoder, read from and written to Hugging Face config.json."""
+"""ModelConfig: the architecture of a Llama-style decoder (Llama, Qwen2, Mistral, Qwen3, Qwen3-MoE), read from
+and written to Hugging Face config.json."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ import torch
 from april_ext.errors import ConfigError
 from april_ext.persistence import atomic_write_json, ensure_dir
 
-# model_type -> whether q/k/v and o projections carry a bias by default. Qwen2 always has q/k/v biases
-# and no o bias; Llama and Mistral read `attention_bias` for all four.
-_SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Qwen2 always has q/k/v biases and no o bias; the others read `attention_bias` for all four projections.
+# Qwen3 and Qwen3-MoE add an RMSNorm over each query / key head; Qwen3-MoE replaces the MLP of its sparse
+# layers by top-k routed experts.
+_SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
+_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _ROPE_TYPES = ("default", "linear", "llama3")
 # The dtype names config.json (and the serve CLI) may give, and their torch dtypes.
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -27,6 +32,12 @@ class ModelConfig:
 
     rope_scaling holds the extra RoPE parameters of the non-default rope types ("linear": factor;
     "llama3": factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+
+    Mixture of experts (qwen3_moe only; num_experts 0 means dense): layer i is sparse when i is not in
+    mlp_only_layers and (i + 1) % decoder_sparse_step == 0. A sparse layer routes each token to the
+    num_experts_per_tok experts of highest softmax probability, weighted by those probabilities
+    (renormalised to sum to 1 when norm_topk_prob); each expert is a SwiGLU MLP of width
+    moe_intermediate_size. Dense layers keep intermediate_size.
     """
 
     vocab_size: int
@@ -51,6 +62,12 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Resolve the HF defaults once so every reader sees concrete values.
@@ -92,6 +109,29 @@ class ModelConfig:
                 f"ModelConfig.model_type must be one of {_SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"ModelConfig.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.model_type in _QK_NORM_MODEL_TYPES and self.mlp_bias:
+            raise ConfigError(f"ModelConfig.mlp_bias must be False for model_type {self.model_type!r}")
+        self._validate_experts()
+
+    def _validate_experts(self) -> None:
+        if not isinstance(self.num_experts, int) or isinstance(self.num_experts, bool) or self.num_experts < 0:
+            raise ConfigError(f"ModelConfig.num_experts must be an integer >= 0, got {self.num_experts!r}")
+        if self.num_experts == 0:
+            return
+        if self.model_type != "qwen3_moe":
+            raise ConfigError(f"ModelConfig.num_experts must be 0 for model_type {self.model_type!r} "
+                              f"(experts exist for 'qwen3_moe' only), got {self.num_experts}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"ModelConfig.num_experts_per_tok must be in [1, num_experts = {self.num_experts}], "
+                              f"got {self.num_experts_per_tok!r}")
+        for name in ("moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.mlp_only_layers, tuple) or \
+                any(not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
+            raise ConfigError(f"ModelConfig.mlp_only_layers must be a tuple of layer indices in "
+                              f"[0, {self.num_hidden_layers}), got {self.mlp_only_layers!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -105,18 +145,32 @@ class ModelConfig:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
+    @property
+    def qk_norm(self) -> bool:
+        """Whether attention normalises each query and key head (RMSNorm over head_dim) before RoPE."""
+        return self.model_type in _QK_NORM_MODEL_TYPES
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` routes its tokens to experts instead of one MLP."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Builds a config from the fields of a Hugging Face config.json (Llama, Qwen2, Mistral)."""
+        """Builds a config from the fields of a Hugging Face config.json (Llama, Qwen2, Mistral, Qwen3,
+        Qwen3-MoE)."""
         model_type = raw.get("model_type", "llama")
         if model_type not in _SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"config.json model_type must be one of {_SUPPORTED_MODEL_TYPES}, got {model_type!r}")
         if raw.get("use_sliding_window") or (model_type == "mistral" and raw.get("sliding_window")):
             raise ConfigError("config.json enables a sliding window, which the embedded model does not support")
+        if any(kind != "full_attention" for kind in raw.get("layer_types") or ()):
+            raise ConfigError(f"config.json layer_types must all be 'full_attention' (the embedded model has no "
+                              f"sliding window), got {raw['layer_types']}")
         # transformers >= 5 writes rope_parameters; older versions write rope_theta + rope_scaling.
         rope = dict(raw.get("rope_parameters") or {})
         legacy = raw.get("rope_scaling") or {}
@@ -139,6 +193,12 @@ class ModelConfig:
                                "num_attention_heads") if k not in plain]
         if missing:
             raise ConfigError(f"config.json lacks required fields {missing}")
+        if model_type == "qwen3_moe":
+            # transformers >= 5 writes num_local_experts; the published checkpoints write num_experts.
+            plain["num_experts"] = raw.get("num_experts", raw.get("num_local_experts", 0))
+            plain.update({k: raw[k] for k in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                                              "decoder_sparse_step") if k in raw})
+            plain["mlp_only_layers"] = tuple(raw.get("mlp_only_layers") or ())
         return cls(**plain, rope_theta=float(rope_theta), rope_type=rope_type, rope_scaling=scaling,
                    qkv_bias=qkv_bias, o_bias=o_bias, model_type=model_type, dtype=str(dtype))
 
@@ -148,9 +208,8 @@ class ModelConfig:
             raise ConfigError("a qwen2 config needs qkv_bias=True and o_bias=False")
         if self.model_type != "qwen2" and self.qkv_bias != self.o_bias:
             raise ConfigError(f"a {self.model_type} config needs qkv_bias == o_bias (HF attention_bias)")
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
         out: dict[str, Any] = {
-            "architectures": [arch[self.model_type]],
+            "architectures": [_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -175,6 +234,10 @@ class ModelConfig:
             out["attention_bias"] = self.qkv_bias
         if self.rope_type != "default":
             out["rope_scaling"] = {"rope_type": self.rope_type, **self.rope_scaling}
+        if self.model_type == "qwen3_moe":
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers))
         return out
 
     @classmethod

@@ -1,8 +1,9 @@
-"""A Llama-style decoder (RMSNorm, RoPE, SwiGLU, GQA, optional tied embeddings and q/k/v biases).
+"""A Llama-style decoder (RMSNorm, RoPE, SwiGLU, GQA, optional tied embeddings and q/k/v biases, Qwen3's
+per-head q/k RMSNorm, Qwen3-MoE's routed experts).
 
-Parameter names equal Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM, so their state dicts load
-as is. The same modules serve the trainer (full-sequence causal forward, differentiable) and the
-rollout engine (paged KV through an AttentionBackend), so both run the same math.
+Parameter names equal Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
+Qwen3MoeForCausalLM, so their state dicts load as is. The same modules serve the trainer (full-sequence
+causal forward, differentiable) and the rollout engine (paged KV through an AttentionBackend), so both run the same math.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from april_ext.errors import InvalidArgumentError
 from april_ext.model.attention import AttentionBackend, CausalAttention
 from april_ext.model.config import ModelConfig
+from april_ext.model.mlp import MLP, SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
@@ -74,6 +75,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: AttentionBackend) -> torch.Tensor:
@@ -81,6 +86,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -88,23 +95,12 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = SparseMoeBlock(config) if config.is_moe_layer(layer) else \
+            MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -152,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         generator.manual_seed(0 if seed is None else seed)
         std = self.config.initializer_range
         for name, param in self.named_parameters():
-            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            if name.endswith(("layernorm.weight", "_norm.weight")) or name == "model.norm.weight":
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()

@@ -1,4 +1,5 @@
-"""Weight conversion between Hugging Face (Llama / Qwen2 / Mistral) names and megatron-core GPTModel names.
+"""Weight conversion between Hugging Face (Llama / Qwen2 / Mistral / Qwen3 / Qwen3-MoE) names and megatron-core
+GPTModel names.
 
 Megatron fuses what HF keeps apart:
 - ``self_attention.linear_qkv``: q, k and v in one matrix, interleaved per query group. For group g
@@ -10,6 +11,12 @@ Megatron fuses what HF keeps apart:
   (``input_layernorm``, ``pre_mlp_layernorm``); the Transformer-Engine spec folds them into the next
   linear layer (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``). Both layouts are
   supported through ``layout``.
+- Qwen3's per-head q/k norms: ``self_attention.q_layernorm`` / ``k_layernorm`` (both layouts).
+- Qwen3-MoE's sparse layers: the router ``mlp.router`` (HF ``mlp.gate``), expert e's SwiGLU as
+  ``mlp.experts.local_experts.{e}.linear_fc1`` (``[gate_proj; up_proj]``) and ``linear_fc2``, the
+  names of megatron-core's SequentialMLP (``moe_grouped_gemm=False``; the grouped-GEMM names are not
+  handled). The norm before the experts stays ``pre_mlp_layernorm`` in both layouts (Transformer
+  Engine's MoE layer spec does not fold it either).
 
 Every tensor is copied by slicing / concatenation only, so a round trip is bit-exact.
 """
@@ -29,6 +36,9 @@ _NORM_NAMES = {
     "local": ("input_layernorm.weight", "pre_mlp_layernorm.weight"),
     "te": ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"),
 }
+
+# The norm before a MoE layer's experts: a module of its own in both layouts.
+_MOE_NORM = "pre_mlp_layernorm.weight"
 
 
 def _check_layout(layout: str) -> None:
@@ -91,6 +101,25 @@ def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, tor
             v.reshape(groups * dim, *tail))
 
 
+def _mlp_to_megatron(out: dict[str, torch.Tensor], take: _Source, hf: str, mg: str, *, bias: bool) -> None:
+    """One SwiGLU MLP (HF prefix `hf`) into linear_fc1 = [gate_proj; up_proj] and linear_fc2 (prefix `mg`)."""
+    for s in _suffixes(bias):
+        out[mg + f"linear_fc1.{s}"] = torch.cat((take(hf + f"gate_proj.{s}"), take(hf + f"up_proj.{s}")), dim=0)
+        out[mg + f"linear_fc2.{s}"] = take(hf + f"down_proj.{s}")
+
+
+def _mlp_to_hf(out: dict[str, torch.Tensor], take: _Source, mg: str, hf: str, *, bias: bool, width: int,
+               width_name: str) -> None:
+    """The inverse of _mlp_to_megatron; `width` is the MLP's intermediate size (named `width_name`)."""
+    for s in _suffixes(bias):
+        fc1 = take(mg + f"linear_fc1.{s}")
+        if fc1.shape[0] != 2 * width:
+            raise InvalidArgumentError(f"{mg}linear_fc1.{s} has {fc1.shape[0]} rows, the config needs "
+                                       f"2 x {width_name} = {2 * width}")
+        out[hf + f"gate_proj.{s}"], out[hf + f"up_proj.{s}"] = fc1[:width], fc1[width:]
+        out[hf + f"down_proj.{s}"] = take(mg + f"linear_fc2.{s}")
+
+
 def hf_to_megatron(weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                    config: ModelConfig, *, layout: str = "local") -> dict[str, torch.Tensor]:
     """HF-named tensors -> a GPTModel state dict (no ``_extra_state`` entries). Every parameter the config
@@ -108,18 +137,25 @@ def hf_to_megatron(weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, to
         out["output_layer.weight"] = take("lm_head.weight")
     for i in range(config.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        moe = config.is_moe_layer(i)
         out[m + attn_norm] = take(h + "input_layernorm.weight")
-        out[m + mlp_norm] = take(h + "post_attention_layernorm.weight")
+        out[m + (_MOE_NORM if moe else mlp_norm)] = take(h + "post_attention_layernorm.weight")
         for s in _suffixes(config.qkv_bias):
             out[m + f"self_attention.linear_qkv.{s}"] = fuse_qkv(
                 take(h + f"self_attn.q_proj.{s}"), take(h + f"self_attn.k_proj.{s}"),
                 take(h + f"self_attn.v_proj.{s}"), config)
         for s in _suffixes(config.o_bias):
             out[m + f"self_attention.linear_proj.{s}"] = take(h + f"self_attn.o_proj.{s}")
-        for s in _suffixes(config.mlp_bias):
-            out[m + f"mlp.linear_fc1.{s}"] = torch.cat((take(h + f"mlp.gate_proj.{s}"),
-                                                        take(h + f"mlp.up_proj.{s}")), dim=0)
-            out[m + f"mlp.linear_fc2.{s}"] = take(h + f"mlp.down_proj.{s}")
+        if config.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = take(h + "self_attn.q_norm.weight")
+            out[m + "self_attention.k_layernorm.weight"] = take(h + "self_attn.k_norm.weight")
+        if moe:
+            out[m + "mlp.router.weight"] = take(h + "mlp.gate.weight")
+            for e in range(config.num_experts):
+                _mlp_to_megatron(out, take, h + f"mlp.experts.{e}.", m + f"mlp.experts.local_experts.{e}.",
+                                 bias=False)
+        else:
+            _mlp_to_megatron(out, take, h + "mlp.", m + "mlp.", bias=config.mlp_bias)
     take.check_all_taken("this config has no parameter for")
     return out
 
@@ -134,24 +170,28 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, *,
 
     attn_norm, mlp_norm = _NORM_NAMES[layout]
     out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")}
-    inter = config.intermediate_size
     for i in range(config.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        moe = config.is_moe_layer(i)
         for s in _suffixes(config.qkv_bias):
             q, k, v = split_qkv(take(m + f"self_attention.linear_qkv.{s}"), config)
             out[h + f"self_attn.q_proj.{s}"], out[h + f"self_attn.k_proj.{s}"] = q, k
             out[h + f"self_attn.v_proj.{s}"] = v
         for s in _suffixes(config.o_bias):
             out[h + f"self_attn.o_proj.{s}"] = take(m + f"self_attention.linear_proj.{s}")
-        for s in _suffixes(config.mlp_bias):
-            fc1 = take(m + f"mlp.linear_fc1.{s}")
-            if fc1.shape[0] != 2 * inter:
-                raise InvalidArgumentError(f"{m}mlp.linear_fc1.{s} has {fc1.shape[0]} rows, the config needs "
-                                           f"2 x intermediate_size = {2 * inter}")
-            out[h + f"mlp.gate_proj.{s}"], out[h + f"mlp.up_proj.{s}"] = fc1[:inter], fc1[inter:]
-            out[h + f"mlp.down_proj.{s}"] = take(m + f"mlp.linear_fc2.{s}")
+        if config.qk_norm:
+            out[h + "self_attn.q_norm.weight"] = take(m + "self_attention.q_layernorm.weight")
+            out[h + "self_attn.k_norm.weight"] = take(m + "self_attention.k_layernorm.weight")
+        if moe:
+            out[h + "mlp.gate.weight"] = take(m + "mlp.router.weight")
+            for e in range(config.num_experts):
+                _mlp_to_hf(out, take, m + f"mlp.experts.local_experts.{e}.", h + f"mlp.experts.{e}.",
+                           bias=False, width=config.moe_intermediate_size, width_name="moe_intermediate_size")
+        else:
+            _mlp_to_hf(out, take, m + "mlp.", h + "mlp.", bias=config.mlp_bias, width=config.intermediate_size,
+                       width_name="intermediate_size")
         out[h + "input_layernorm.weight"] = take(m + attn_norm)
-        out[h + "post_attention_layernorm.weight"] = take(m + mlp_norm)
+        out[h + "post_attention_layernorm.weight"] = take(m + (_MOE_NORM if moe else mlp_norm))
     out["model.norm.weight"] = take("decoder.final_layernorm.weight")
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("output_layer.weight")

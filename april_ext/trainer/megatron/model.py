@@ -4,6 +4,7 @@ april_ext.model.LlamaForCausalLM so the torch trainer's loss code drives it unch
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,12 +13,14 @@ from torch import nn
 from april_ext.errors import ConfigError, InvalidArgumentError
 from april_ext.model import ModelConfig
 from april_ext.model.llama import rope_inv_freq
+from april_ext.trainer.megatron import compat
 from april_ext.trainer.megatron.conversion import hf_to_megatron, megatron_to_hf
 
 
 def transformer_config(config: ModelConfig, *, params_dtype: torch.dtype = torch.float32) -> object:
     """The megatron-core TransformerConfig of a Llama-style ModelConfig (no dropout, no fused kernels,
-    so the local layer spec runs anywhere)."""
+    so the local layer spec runs anywhere). Qwen3's per-head q/k RMSNorm is ``qk_layernorm``; Qwen3-MoE's
+    sparse layers are megatron-core MoE layers (see ``_moe_fields``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     biases = (config.qkv_bias, config.o_bias, config.mlp_bias)
@@ -51,17 +54,73 @@ def transformer_config(config: ModelConfig, *, params_dtype: torch.dtype = torch
         use_cpu_initialization=True,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
+        qk_layernorm=config.qk_norm,
+        **_moe_fields(config),
     )
 
 
-def build_gpt_model(config: ModelConfig, *, params_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A GPTModel with the local (non-Transformer-Engine) layer spec. Needs ``parallel.initialize()``."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def _moe_fields(config: ModelConfig) -> dict[str, object]:
+    """TransformerConfig fields of the experts. HF's router takes the softmax over all experts, then the
+    top k, renormalised when norm_topk_prob; megatron's softmax router with pre_softmax=True is the first
+    (softmax, then top k, no renormalisation), with pre_softmax=False it takes the top-k logits, then
+    their softmax, which is the renormalised form. No token is dropped (no capacity factor), no expert
+    bias, no auxiliary loss (it would change the training loss, not the logits)."""
+    if config.num_experts == 0:
+        return {}
+    return {
+        "num_moe_experts": config.num_experts,
+        "moe_ffn_hidden_size": config.moe_intermediate_size,
+        "moe_router_topk": config.num_experts_per_tok,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not config.norm_topk_prob,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_dtype": "fp32",
+        # The all-gather dispatcher: the all-to-all one also needs CUDA streams and split sizes on the GPU.
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+        "moe_layer_freq": [int(config.is_moe_layer(i)) for i in range(config.num_hidden_layers)],
+    }
 
+
+def _patch_moe_runtime() -> None:
+    """Two stand-ins for megatron-core 0.16's router, applied once and only where they are needed (a
+    small compatibility patch kept here, next to the only code that builds MoE layers):
+    - ``moe_utils.te_general_gemm`` is imported only with Transformer Engine but read unconditionally by
+      ``router_gating_linear`` (a NameError without TE, on any device): define it as None, the value
+      megatron itself tests for.
+    - ``Router.gating`` moves CPU router weights to ``torch.cuda.current_device()``, which raises on a
+      CPU-only torch: on such a torch, the same gating without the move.
+    """
+    from megatron.core.transformer.moe import moe_utils, router
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if compat.cpu_patches_needed() and router.Router.gating is not _cpu_gating:
+        router.Router.gating = _cpu_gating
+
+
+def _cpu_gating(self: Any, input: torch.Tensor) -> torch.Tensor:
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+    return router_gating_linear(input, self.weight, self.bias, dtype)
+
+
+def build_gpt_model(config: ModelConfig, *, params_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A GPTModel with the local (non-Transformer-Engine) layer specs, dense or MoE per layer. Needs
+    ``parallel.initialize()``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    if config.num_experts:
+        _patch_moe_runtime()
+    transformer = transformer_config(config, params_dtype=params_dtype)
     model = GPTModel(
-        config=transformer_config(config, params_dtype=params_dtype),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=transformer,
+        transformer_layer_spec=get_gpt_decoder_block_spec(transformer, use_transformer_engine=False,
+                                                          normalization="RMSNorm"),
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope",
