@@ -33,12 +33,13 @@ from april_ext.errors import InvalidArgumentError
 from april_ext.model import LlamaForCausalLM, load_pretrained
 from april_ext.persistence import atomic_write_text
 from april_ext.protocol import RolloutEngine, SamplingParams, Trainer
-from april_ext.rollout import RewardFn, RolloutLoop, scheduler_config_for
+from april_ext.rollout import GroupFilter, RewardFn, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler
 from april_ext.training.checkpoint import CheckpointManager
 from april_ext.training.config import TrainConfig
 from april_ext.training.engines import EngineFactory, build_engine, engine_metrics
 from april_ext.training.handoff import StepMemory, sync_weights
+from april_ext.training.hooks import ImportedFilter, ImportedReward
 from april_ext.training.metrics import read_metrics, step_row, summarize
 from april_ext.training.trainers import TrainerFactory, algorithm_config, build_trainer
 
@@ -93,14 +94,28 @@ def _build_task(config: TrainConfig) -> _Task:
     from april_ext.data import DatasetConfig, PromptDataset, load_tokenizer
     from april_ext.tasks import MathReward
 
-    assert config.data is not None and config.tokenizer is not None and config.model is not None
-    tokenizer = load_tokenizer(config.tokenizer)
+    assert config.data is not None and config.tokenizer_dir is not None and config.model is not None
+    tokenizer = load_tokenizer(config.tokenizer_dir)
     dataset = PromptDataset.from_file(config.data, tokenizer, DatasetConfig(
         prompt_key=config.prompt_key, label_key=config.label_key, seed=config.seed, epochs=config.num_epochs))
     eos = tokenizer.eos_token_id
     model_dir = config.model
     return _Task(dataset, MathReward(tokenizer), () if eos is None else (int(eos),),
                  config.max_response_len or 1024, lambda: load_pretrained(model_dir, device="cpu"))
+
+
+def _reward_fn(config: TrainConfig, task_reward: RewardFn) -> RewardFn:
+    """The task's reward function, or custom_rm_path's."""
+    if config.custom_rm_path is None:
+        return task_reward
+    return ImportedReward.from_path(config.custom_rm_path, config.custom_rm_kind, config.custom_rm_timeout_s)
+
+
+def _group_filter(config: TrainConfig) -> GroupFilter | None:
+    """dynamic_sampling_filter_path's filter, else the algorithm's (DAPO: reject uniform groups)."""
+    if config.dynamic_sampling_filter_path is not None:
+        return ImportedFilter.from_path(config.dynamic_sampling_filter_path)
+    return reject_uniform_groups if algorithm_config(config).dynamic_sampling else None
 
 
 def _build_scheduler(config: TrainConfig, task: _Task) -> Scheduler:
@@ -193,6 +208,8 @@ class TrainingRun:
             torch.set_num_threads(config.num_threads)
         _seed_everything(config.seed)
         task = _build_task(config)
+        # Imported before anything is started, so that a bad import path fails at once.
+        reward_fn, group_filter = _reward_fn(config, task.reward_fn), _group_filter(config)
         self.scheduler = _build_scheduler(config, task)
         model = task.make_model()
         self.trainer: Trainer = _conforming(
@@ -201,26 +218,27 @@ class TrainingRun:
         self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.keep_checkpoints)
         os.makedirs(config.output_dir, exist_ok=True)
         self.metrics_path = os.path.join(config.output_dir, METRICS_FILE)
-        if config.resume:
-            self._resume()
+        if config.resume_dir is not None:
+            self._resume(config.resume_dir)
         self._open_outputs()
         # After the resume: the engine starts on the trainer's current weights and version.
         self.engine: RolloutEngine = _conforming(await self._stack.enter_async_context(
             self._engine_factory(config, self.trainer, model.config, self.memory_tag_prefix)), RolloutEngine, "engine")
         self.rollout = RolloutLoop(
-            self.engine, self.scheduler, task.reward_fn,
-            sampling=SamplingParams(temperature=config.temperature, top_p=config.top_p,
+            self.engine, self.scheduler, reward_fn,
+            sampling=SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                     stop_token_ids=task.stop_token_ids),
-            group_filter=reject_uniform_groups if algorithm_config(config).dynamic_sampling else None,
+            group_filter=group_filter,
             seed=config.seed, engine_capacity=config.max_num_seqs)
         self.memory = StepMemory(self.engine, self.trainer) if config.colocate else None
         return self
 
-    def _resume(self) -> None:
-        """Restores the trainer and the scheduler from the newest checkpoint, if there is one, and keeps the
-        metrics rows up to its step."""
+    def _resume(self, directory: str) -> None:
+        """Restores the trainer and the scheduler from the newest checkpoint in ``directory``, if there is
+        one, and keeps the metrics rows up to its step."""
+        source = CheckpointManager(directory, keep=self.config.keep_checkpoints)
         # The newest intact checkpoint: a damaged newer one is skipped with a warning.
-        latest = self.checkpoints.restore_newest(self.trainer, self.scheduler)
+        latest = source.restore_newest(self.trainer, self.scheduler)
         if latest is not None:
             self.resumed_from = self.steps_done = latest.step
             self.last_saved = latest.path

@@ -1,0 +1,91 @@
+"""slime's flag names for `april-ext train`: each parses to the same TrainConfig as our name."""
+
+from __future__ import annotations
+
+import pytest
+
+from april_ext import cli
+from april_ext.errors import ConfigError
+from april_ext.training.command import SLIME_ALIASES, config_from_args
+from april_ext.training.trainers import algorithm_config, trainer_config
+
+DATA = ["--tokenizer", "tok", "--model", "ckpt"]
+
+
+def _config(*argv: str):
+    return config_from_args(cli.build_parser().parse_args(["train", *argv]))
+
+
+@pytest.mark.parametrize("slime, ours", [
+    (["--rollout-max-response-len", "77"], ["--max-response-len", "77"]),
+    (["--mask-offpolicy-in-partial-rollout"], ["--mask-offpolicy"]),
+    (["--advantage-estimator", "gspo"], ["--algorithm", "gspo"]),
+    (["--rollout-temperature", "0.7"], ["--temperature", "0.7"]),
+    (["--rollout-top-p", "0.9"], ["--top-p", "0.9"]),
+    (["--rollout-top-k", "20"], ["--top-k", "20"]),
+    (["--hf-checkpoint", "/ckpt"], ["--model", "/ckpt"]),
+    (["--prompt-data", "p.jsonl", "--hf-checkpoint", "ckpt"], ["--data", "p.jsonl", "--model", "ckpt"]),
+    (["--input-key", "question"], ["--prompt-key", "question"]),
+    (["--num-rollout", "5"], ["--num-steps", "5"]),
+    (["--rollout-seed", "9"], ["--seed", "9"]),
+    (["--use-tis"], ["--tis-cap", "2.0"]),
+    (["--use-tis", "--tis-clip", "1.5"], ["--tis-cap", "1.5"]),
+    (["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0"], ["--tis-cap", "1.5"]),
+    (["--use-kl-loss", "--kl-loss-coef", "0.01"], ["--kl-coef", "0.01"]),
+    (["--apply-chat-template"], []),
+])
+def test_slime_flag_parses_to_the_same_config_as_ours(slime, ours):
+    assert _config(*slime) == _config(*ours)
+    assert _config(*slime) != _config() or not ours
+
+
+def test_every_alias_is_tested_and_shown_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flags in SLIME_ALIASES.values():
+        for flag in flags:
+            assert flag in text
+    for flag in ("--use-tis", "--tis-clip", "--tis-clip-low", "--kl-loss-coef", "--apply-chat-template",
+                 "--eps-clip", "--eps-clip-high", "--global-batch-size", "--save", "--load", "--save-interval",
+                 "--label-key", "--custom-rm-path", "--dynamic-sampling-filter-path", "--use-tensorboard",
+                 "--use-wandb"):
+        assert flag in text
+
+
+def test_slime_names_that_are_our_names_mean_slimes_setting():
+    config = _config("--eps-clip", "0.1", "--eps-clip-high", "0.3", "--global-batch-size", "16",
+                     "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--save", "s", "--load", "l",
+                     "--save-interval", "3", "--label-key", "answer")
+    algo = algorithm_config(config)
+    assert (algo.eps_low, algo.eps_high) == (0.1, 0.3)
+    # slime's global batch counts samples: 4 x 8 samples in steps of 16 is two optimizer steps per rollout.
+    assert trainer_config(config).minibatches == 2
+    assert (config.checkpoint_dir, config.resume_dir, config.save_interval, config.label_key) == ("s", "l", 3, "answer")
+    # slime's --eps-clip-high defaults to --eps-clip; the algorithm's presets apply when neither is given.
+    assert algorithm_config(_config("--eps-clip", "0.1")).eps_high == 0.1
+    assert algorithm_config(_config("--algorithm", "dapo")).eps_high == 0.28
+    assert trainer_config(_config("--rollout-top-k", "5")).top_k == 5
+
+
+def test_tokenizer_defaults_to_the_checkpoint_as_in_slime():
+    config = _config("--prompt-data", "p.jsonl", "--hf-checkpoint", "ckpt")
+    assert config.tokenizer is None and config.tokenizer_dir == "ckpt" and config.task is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tis-clip", "1.5"], "without --use-tis"),
+    (["--use-tis", "--tis-clip-low", "0.5"], "not supported"),
+    (["--kl-loss-coef", "0.1"], "without --use-kl-loss"),
+    (["--use-kl-loss"], "needs --kl-loss-coef"),
+    (["--use-tis", "--tis-cap", "3"], "give one of them"),
+    (["--advantage-estimator", "reinforce_plus_plus"], "algorithm"),
+    (["--global-batch-size", "12", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8"], "multiple of"),
+    (["--global-batch-size", "24", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8"], "divides"),
+    (["--eps-clip", "1.5"], "eps_clip"),
+    (["--custom-rm-path", "not a path"], "import path"),
+    (["--custom-rm-kind", "token"], "custom_rm_kind"),
+])
+def test_unsupported_or_inconsistent_slime_flags_are_config_errors(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        _config(*argv)
