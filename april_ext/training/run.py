@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -31,7 +32,7 @@ from april_ext.algorithms import reject_uniform_groups
 from april_ext.data_source import DataSource
 from april_ext.errors import InvalidArgumentError
 from april_ext.model import LlamaForCausalLM, load_pretrained
-from april_ext.persistence import atomic_write_text
+from april_ext.persistence import atomic_write_json, atomic_write_text
 from april_ext.protocol import RolloutEngine, SamplingParams, Trainer
 from april_ext.rollout import GroupFilter, RewardFn, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler
@@ -41,9 +42,11 @@ from april_ext.training.engines import EngineFactory, build_engine, engine_metri
 from april_ext.training.handoff import StepMemory, sync_weights
 from april_ext.training.hooks import ImportedFilter, ImportedReward
 from april_ext.training.metrics import read_metrics, step_row, summarize
+from april_ext.training.sinks import TENSORBOARD_DIR, MetricsSink, TensorBoardSink, WandbSink
 from april_ext.training.trainers import TrainerFactory, algorithm_config, build_trainer
 
 METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
 _run_ids = itertools.count()
 
 
@@ -248,6 +251,8 @@ class TrainingRun:
         """metrics.jsonl (rewritten with the rows kept: a resumed run drops those written after its
         checkpoint, a fresh run starts it empty) and the progress bar."""
         atomic_write_text(self.metrics_path, "".join(json.dumps(row) + "\n" for row in self.history))
+        atomic_write_json(os.path.join(self.config.output_dir, CONFIG_FILE), self.resolved_config, indent=2)
+        self.sinks = self._open_sinks()
         from tqdm import tqdm
 
         config = self.config
@@ -255,6 +260,30 @@ class TrainingRun:
             total=config.num_steps, initial=self.steps_done, desc=f"train[{self.mode}]", unit="step",
             disable=not config.progress, dynamic_ncols=True, position=self.bar_position))
         self.metrics_file = self._stack.enter_context(open(self.metrics_path, "a", encoding="utf-8"))
+
+    @property
+    def resolved_config(self) -> dict[str, Any]:
+        """Every setting of the run as it runs (the defaults filled in), logged at the start."""
+        return {**dataclasses.asdict(self.config), "checkpoint_dir": self.config.checkpoint_dir,
+                "mode": self.mode}
+
+    def _open_sinks(self) -> list[MetricsSink]:
+        """The TensorBoard / W&B sinks the config asks for, closed with the run."""
+        config, sinks = self.config, []
+        if config.use_tensorboard:
+            sinks.append(TensorBoardSink(os.path.join(config.output_dir, TENSORBOARD_DIR), self.resolved_config))
+        if config.use_wandb:
+            sinks.append(WandbSink(config.wandb_project, config.wandb_dir or config.output_dir,
+                                   os.path.basename(os.path.abspath(config.output_dir)), self.resolved_config))
+        for sink in sinks:
+            self._stack.callback(sink.close)
+        return sinks
+
+    def _log(self, row: dict[str, Any]) -> None:
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+        for sink in self.sinks:
+            sink.log(row["step"], row)
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self._stack.aclose()
@@ -287,8 +316,7 @@ class TrainingRun:
                    time.perf_counter() - step_start)
         row.update(await engine_metrics(engine))
         self.history.append(row)
-        self.metrics_file.write(json.dumps(row) + "\n")
-        self.metrics_file.flush()
+        self._log(row)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{rm.reward_mean:.3f}", tok_s=f"{rm.tokens_per_s:.0f}",
                              partial=f"{rm.scheduler['carried_token_ratio']:.2f}")
@@ -317,5 +345,5 @@ class TrainingRun:
                            self.data_exhausted, summarize(self.history), self.memory_tag_prefix)
 
 
-__all__ = ["METRICS_FILE", "StepMemory", "TrainResult", "TrainingRun", "summarize", "train", "train_async",
+__all__ = ["CONFIG_FILE", "METRICS_FILE", "StepMemory", "TrainResult", "TrainingRun", "summarize", "train", "train_async",
            "train_side_by_side"]
