@@ -105,3 +105,20 @@ def test_wandb_offline_run_directory_holds_the_metrics_and_the_config(tmp_path, 
         assert logged["train/loss"] == pytest.approx(row["train/loss"])
     assert config["rollout_batch_size"] == 2 and config["use_wandb"] is True and config["mode"] == "april"
     assert os.path.isdir(os.path.dirname(runs[0]))
+
+
+def test_evaluation_rows_reach_metrics_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    train(TrainConfig(**{**TINY, "num_steps": 4}, output_dir=str(out), use_tensorboard=True, eval_interval=2,
+                      n_samples_per_eval_prompt=3, eval_counting_prompts=5))
+    rows = _rows(out / "metrics.jsonl")
+    evaluated = [r for r in rows if "eval/reward_mean" in r]
+    assert [r["step"] for r in evaluated] == [2, 4]
+    for r in evaluated:
+        assert r["eval/prompts"] == 5 and 0 <= r["eval/pass@1"] <= r["eval/pass@3"] <= 1
+        assert 0 <= r["eval/reward_mean"] <= 1 and r["time/eval_s"] > 0
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/reward_mean")] == [2, 4]

@@ -89,3 +89,16 @@ def test_tokenizer_defaults_to_the_checkpoint_as_in_slime():
 def test_unsupported_or_inconsistent_slime_flags_are_config_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
         _config(*argv)
+
+
+def test_eval_prompt_data_takes_slimes_name_path_form():
+    base = ["--prompt-data", "p.jsonl", "--hf-checkpoint", "ckpt", "--eval-interval", "5"]
+    named = _config(*base, "--eval-prompt-data", "aime", "/data/aime.jsonl", "--n-samples-per-eval-prompt", "4")
+    assert named == _config(*base, "--eval-prompt-data", "/data/aime.jsonl", "--n-samples-per-eval-prompt", "4")
+    assert (named.eval_prompt_data, named.eval_interval, named.n_samples_per_eval_prompt) == ("/data/aime.jsonl", 5, 4)
+    with pytest.raises(ConfigError, match="one held-out set"):
+        _config(*base, "--eval-prompt-data", "a", "x.jsonl", "b", "y.jsonl")
+    with pytest.raises(ConfigError, match="eval_interval"):
+        _config("--prompt-data", "p.jsonl", "--hf-checkpoint", "ckpt", "--eval-prompt-data", "x.jsonl")
+    with pytest.raises(ConfigError, match="eval_prompt_data"):
+        _config("--eval-interval", "2", "--eval-prompt-data", "x.jsonl")

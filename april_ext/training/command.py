@@ -22,6 +22,7 @@ _GROUPS = {
     "rollout": (*SCHEDULER_SETTINGS, "partial_rollout", "temperature", "top_p", "top_k"),
     "rewards and filters": ("custom_rm_path", "custom_rm_kind", "custom_rm_timeout_s",
                             "dynamic_sampling_filter_path"),
+    "evaluation": ("eval_interval", "eval_prompt_data", "n_samples_per_eval_prompt", "eval_counting_prompts"),
     "metrics": ("use_tensorboard", "use_wandb", "wandb_project", "wandb_dir", "plots", "progress"),
 }
 
@@ -54,6 +55,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     owner = {f: g for g, names in _GROUPS.items() for f in names}
     known = settings(TrainConfig)
     for name in (*owner, *(n for n in known if n not in owner)):
+        if name == "eval_prompt_data":
+            # slime's form "NAME PATH" is accepted as well as a bare path; one held-out set, so the name is unused.
+            groups["evaluation"].add_argument(
+                "--eval-prompt-data", nargs="+", default=argparse.SUPPRESS, metavar="[NAME] PATH",
+                help=f"{known[name].doc} slime's 'NAME PATH' works too. (default: None)")
+            continue
         add_flag(groups[owner.get(name, "training and outputs")], known[name], SLIME_ALIASES.get(name, ()))
     _add_slime_flags(parser.add_argument_group(
         "slime flags", "slime's flags whose meaning takes two of its flags; see docs/loop.md"))
@@ -109,6 +116,12 @@ def _slime_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     overrides.update(_slime_overrides(args))
+    if "eval_prompt_data" in overrides:
+        values = overrides["eval_prompt_data"]
+        if len(values) > 2:
+            raise ConfigError(f"--eval-prompt-data {' '.join(values)}: one held-out set, PATH or NAME PATH, is "
+                              "supported")
+        overrides["eval_prompt_data"] = None if values[-1].lower() == "none" else values[-1]
     if "data" in overrides and "task" not in overrides:
         overrides["task"] = None
     if args.config:

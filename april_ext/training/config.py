@@ -155,6 +155,15 @@ class TrainConfig:
     dynamic_sampling_filter_path: str | None = None
     """Group filter by import path: fn(rewards: list[float]) -> bool (False drops the group); replaces the
     algorithm's (DAPO's rejection of uniform groups)."""
+    eval_interval: int = 0
+    """Evaluate on held-out prompts every k steps (0: never); eval metrics join that step's metrics row."""
+    eval_prompt_data: str | None = None
+    """Held-out prompt file (JSONL / Parquet, read with data's keys and tokenizer); None: eval_counting_prompts
+    held-out prompts of the counting task."""
+    n_samples_per_eval_prompt: int = 1
+    """Samples per held-out prompt (pass@k with k = this)."""
+    eval_counting_prompts: int = 32
+    """Counting task: held-out prompts per evaluation (a stream of their own, seed + 1)."""
     colocate: bool = False
     """Pause the trainer's memory while the engine generates and the engine's while the trainer trains."""
     num_threads: int | None = None
@@ -200,10 +209,16 @@ class TrainConfig:
         if self.data is not None and self.model is None:
             _bad("model", None, "a checkpoint directory when data is given (the tiny model is for the counting task)")
         for name in ("num_epochs", "counting_max_count", "counting_symbols", "hidden_size", "num_layers",
-                     "max_num_seqs", "num_blocks", "block_size", "micro_batch_tokens", "num_steps", "keep_checkpoints"):
+                     "max_num_seqs", "num_blocks", "block_size", "micro_batch_tokens", "num_steps", "keep_checkpoints",
+                     "n_samples_per_eval_prompt", "eval_counting_prompts"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "an int >= 1")
-        for name in ("seed", "save_interval"):
+        if self.eval_prompt_data is not None and self.data is None:
+            _bad("eval_prompt_data", self.eval_prompt_data, "None unless data is given (it is read with data's "
+                 "tokenizer and keys; the counting task evaluates on eval_counting_prompts held-out prompts)")
+        if self.eval_prompt_data is not None and self.eval_interval == 0:
+            _bad("eval_interval", 0, "an int >= 1 when eval_prompt_data is given (0 never evaluates)")
+        for name in ("seed", "save_interval", "eval_interval"):
             if getattr(self, name) < 0:
                 _bad(name, getattr(self, name), "an int >= 0")
         if self.num_threads is not None and self.num_threads < 1:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from april_ext.algorithms import reject_uniform_groups
-from april_ext.data_source import DataSource
+from april_ext.data_source import DataSource, Prompt
 from april_ext.errors import InvalidArgumentError
 from april_ext.model import LlamaForCausalLM, load_pretrained
 from april_ext.persistence import atomic_write_json, atomic_write_text
@@ -39,6 +39,7 @@ from april_ext.scheduler import Scheduler
 from april_ext.training.checkpoint import CheckpointManager
 from april_ext.training.config import TrainConfig
 from april_ext.training.engines import EngineFactory, build_engine, engine_metrics
+from april_ext.training.evaluation import evaluate
 from april_ext.training.handoff import StepMemory, sync_weights
 from april_ext.training.hooks import ImportedFilter, ImportedReward
 from april_ext.training.metrics import read_metrics, step_row, summarize
@@ -72,15 +73,20 @@ class _Task:
     stop_token_ids: tuple[int, ...]
     max_response_len: int
     make_model: Callable[[], LlamaForCausalLM]
+    eval_prompts: Callable[[], list[Prompt]]
+    """The held-out prompts of evaluation (read when the run evaluates)."""
 
 
 def _build_task(config: TrainConfig) -> _Task:
     if config.task == "counting":
         from april_ext.tasks import CountingTask, CountingTaskConfig
 
-        task = CountingTask(CountingTaskConfig(
-            n_symbols=config.counting_symbols, max_count=config.counting_max_count,
-            median_count=config.counting_median, sigma=config.counting_sigma, seed=config.seed))
+        def counting(seed: int) -> CountingTask:
+            return CountingTask(CountingTaskConfig(
+                n_symbols=config.counting_symbols, max_count=config.counting_max_count,
+                median_count=config.counting_median, sigma=config.counting_sigma, seed=seed))
+
+        task = counting(config.seed)
         longest = task.max_response_len()
         max_len = config.max_response_len or longest
 
@@ -93,7 +99,8 @@ def _build_task(config: TrainConfig) -> _Task:
             model.init_weights(config.seed)
             return model
 
-        return _Task(task, task.reward, (task.eos_id,), max_len, make_model)
+        return _Task(task, task.reward, (task.eos_id,), max_len, make_model,
+                     lambda: counting(config.seed + 1).prompts(0, config.eval_counting_prompts))
     from april_ext.data import DatasetConfig, PromptDataset, load_tokenizer
     from april_ext.tasks import MathReward
 
@@ -103,8 +110,15 @@ def _build_task(config: TrainConfig) -> _Task:
         prompt_key=config.prompt_key, label_key=config.label_key, seed=config.seed, epochs=config.num_epochs))
     eos = tokenizer.eos_token_id
     model_dir = config.model
+
+    def eval_prompts() -> list[Prompt]:
+        assert config.eval_prompt_data is not None
+        held_out = PromptDataset.from_file(config.eval_prompt_data, tokenizer, DatasetConfig(
+            prompt_key=config.prompt_key, label_key=config.label_key, shuffle=False))
+        return [held_out[i] for i in range(len(held_out))]
+
     return _Task(dataset, MathReward(tokenizer), () if eos is None else (int(eos),),
-                 config.max_response_len or 1024, lambda: load_pretrained(model_dir, device="cpu"))
+                 config.max_response_len or 1024, lambda: load_pretrained(model_dir, device="cpu"), eval_prompts)
 
 
 def _reward_fn(config: TrainConfig, task_reward: RewardFn) -> RewardFn:
@@ -213,6 +227,7 @@ class TrainingRun:
         task = _build_task(config)
         # Imported before anything is started, so that a bad import path fails at once.
         reward_fn, group_filter = _reward_fn(config, task.reward_fn), _group_filter(config)
+        self.eval_prompts = task.eval_prompts() if config.eval_interval else []
         self.scheduler = _build_scheduler(config, task)
         model = task.make_model()
         self.trainer: Trainer = _conforming(
@@ -227,10 +242,11 @@ class TrainingRun:
         # After the resume: the engine starts on the trainer's current weights and version.
         self.engine: RolloutEngine = _conforming(await self._stack.enter_async_context(
             self._engine_factory(config, self.trainer, model.config, self.memory_tag_prefix)), RolloutEngine, "engine")
+        self.sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                                       stop_token_ids=task.stop_token_ids, max_new_tokens=task.max_response_len)
+        self.reward_fn = reward_fn
         self.rollout = RolloutLoop(
-            self.engine, self.scheduler, reward_fn,
-            sampling=SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                                    stop_token_ids=task.stop_token_ids),
+            self.engine, self.scheduler, reward_fn, sampling=self.sampling,
             group_filter=group_filter,
             seed=config.seed, engine_capacity=config.max_num_seqs)
         self.memory = StepMemory(self.engine, self.trainer) if config.colocate else None
@@ -315,6 +331,8 @@ class TrainingRun:
         row = step_row(self.steps_done, self.mode, rm, tm, train_s, time.perf_counter() - sync_start,
                    time.perf_counter() - step_start)
         row.update(await engine_metrics(engine))
+        if config.eval_interval and self.steps_done % config.eval_interval == 0:
+            row.update(await self.evaluate())
         self.history.append(row)
         self._log(row)
         self.bar.update(1)
@@ -323,6 +341,19 @@ class TrainingRun:
         if config.save_interval and self.steps_done % config.save_interval == 0 and not self.done:
             await self.save()
         return row
+
+    async def evaluate(self) -> dict[str, float]:
+        """Eval metrics of the current weights on the held-out prompts (training.evaluation), through the
+        run's engine while it has nothing else to do (between steps)."""
+        start = time.perf_counter()
+        if self.memory is not None:
+            await self.memory.to_rollout()
+        metrics = await evaluate(self.engine, self.eval_prompts, self.reward_fn, self.sampling,
+                                 n_samples=self.config.n_samples_per_eval_prompt, seed=self.config.seed,
+                                 concurrency=self.config.max_num_seqs)
+        if self.memory is not None:
+            await self.memory.to_training()
+        return {**metrics, "time/eval_s": time.perf_counter() - start}
 
     async def save(self) -> str:
         """Checkpoints now (after every pending reward reached the scheduler)."""
