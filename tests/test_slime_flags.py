@@ -102,3 +102,49 @@ def test_eval_prompt_data_takes_slimes_name_path_form():
         _config("--prompt-data", "p.jsonl", "--hf-checkpoint", "ckpt", "--eval-prompt-data", "x.jsonl")
     with pytest.raises(ConfigError, match="eval_prompt_data"):
         _config("--eval-interval", "2", "--eval-prompt-data", "x.jsonl")
+
+
+def test_a_slime_command_line_trains(tmp_path, monkeypatch, capsys):
+    """The README's slime command line, on a tiny checkpoint whose directory also holds the tokenizer."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from _torch_threads import one_torch_thread
+    from april_ext.model import LlamaForCausalLM, ModelConfig, save_pretrained
+
+    words = ["[PAD]", "[BOS]", "[EOS]", "what", "is", "1+1", "2+2", "3+3", "?", "2", "4", "6", "\\boxed{4}"]
+    ckpt = tmp_path / "ckpt"
+    model = LlamaForCausalLM(ModelConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=64, eos_token_id=2))
+    model.init_weights(0)
+    save_pretrained(model, ckpt)
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[PAD]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="[EOS]", pad_token="[PAD]").save_pretrained(ckpt)
+    records = [{"input": f"what is {a}+{a} ?", "label": str(2 * a)} for a in (1, 2, 3)] * 4
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
+    (tmp_path / "my_rm.py").write_text("def reward(prompt, response):\n    return float(4 in response)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["train", "--hf-checkpoint", str(ckpt), "--prompt-data", str(tmp_path / "train.jsonl"),
+            "--input-key", "input", "--label-key", "label", "--apply-chat-template",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--over-sampling-batch-size", "4",
+            "--rollout-max-response-len", "6", "--rollout-temperature", "1.0", "--rollout-top-p", "1.0",
+            "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
+            "--use-tis", "--tis-clip", "2.0", "--mask-offpolicy-in-partial-rollout", "--global-batch-size", "4",
+            "--use-kl-loss", "--kl-loss-coef", "0.001", "--num-rollout", "2", "--rollout-seed", "42",
+            "--custom-rm-path", "my_rm:reward", "--eval-prompt-data", "toy", str(tmp_path / "eval.jsonl"),
+            "--eval-interval", "2", "--n-samples-per-eval-prompt", "2", "--use-tensorboard",
+            "--save", str(tmp_path / "ckpts"), "--save-interval", "1", "--output-dir", str(tmp_path / "run"),
+            "--max-num-seqs", "64", "--num-blocks", "128", "--no-progress", "--no-plots"]
+    with one_torch_thread():
+        assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl", encoding="utf-8")]
+    assert [r["step"] for r in rows] == [1, 2] and "eval/pass@2" in rows[1]
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["step_000001", "step_000002"]
+    assert (tmp_path / "run" / "tensorboard").is_dir()
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["tis_cap"], config["kl_coef"], config["mask_offpolicy"], config["seed"]) == (2.0, 0.001, True, 42)
