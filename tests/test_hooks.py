@@ -116,6 +116,12 @@ def test_a_failing_or_slow_reward_is_an_error_naming_it(hooks_module, fn, messag
     assert time.perf_counter() - start < 4  # the slow one is not waited for
 
 
+def test_a_reward_built_with_decode_gets_text(hooks_module):
+    name, _ = hooks_module
+    reward = ImportedReward.from_path(f"{name}:by_group", decode=lambda ids: "x" * (2 * len(ids)))
+    assert asyncio.run(reward.score_group(PROMPT, RESPONSES)) == [2.0, 4.0, 10.0]
+
+
 def test_bad_paths_and_signatures_are_config_errors(hooks_module):
     name, module = hooks_module
     with pytest.raises(ConfigError, match="cannot import module 'no_such_module_xyz'"):

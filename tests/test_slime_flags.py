@@ -85,6 +85,7 @@ def test_tokenizer_defaults_to_the_checkpoint_as_in_slime():
     (["--eps-clip", "1.5"], "eps_clip"),
     (["--custom-rm-path", "not a path"], "import path"),
     (["--custom-rm-kind", "token"], "custom_rm_kind"),
+    (["--custom-rm-path", "m:f", "--custom-rm-text"], "custom_rm_text"),
 ])
 def test_unsupported_or_inconsistent_slime_flags_are_config_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -127,7 +128,11 @@ def test_a_slime_command_line_trains(tmp_path, monkeypatch, capsys):
     records = [{"input": f"what is {a}+{a} ?", "label": str(2 * a)} for a in (1, 2, 3)] * 4
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
-    (tmp_path / "my_rm.py").write_text("def reward(prompt, response):\n    return float(4 in response)\n")
+    (tmp_path / "my_rm.py").write_text(
+        "seen = []\n"
+        "def reward(prompt, response):\n"
+        "    seen.append(response)\n"
+        "    return float(prompt.metadata['label'] in response.split())\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     argv = ["train", "--hf-checkpoint", str(ckpt), "--prompt-data", str(tmp_path / "train.jsonl"),
             "--input-key", "input", "--label-key", "label", "--apply-chat-template",
@@ -136,7 +141,7 @@ def test_a_slime_command_line_trains(tmp_path, monkeypatch, capsys):
             "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
             "--use-tis", "--tis-clip", "2.0", "--mask-offpolicy-in-partial-rollout", "--global-batch-size", "4",
             "--use-kl-loss", "--kl-loss-coef", "0.001", "--num-rollout", "2", "--rollout-seed", "42",
-            "--custom-rm-path", "my_rm:reward", "--eval-prompt-data", "toy", str(tmp_path / "eval.jsonl"),
+            "--custom-rm-path", "my_rm:reward", "--custom-rm-text", "--eval-prompt-data", "toy", str(tmp_path / "eval.jsonl"),
             "--eval-interval", "2", "--n-samples-per-eval-prompt", "2", "--use-tensorboard",
             "--save", str(tmp_path / "ckpts"), "--save-interval", "1", "--output-dir", str(tmp_path / "run"),
             "--max-num-seqs", "64", "--num-blocks", "128", "--no-progress", "--no-plots"]
@@ -146,5 +151,8 @@ def test_a_slime_command_line_trains(tmp_path, monkeypatch, capsys):
     assert [r["step"] for r in rows] == [1, 2] and "eval/pass@2" in rows[1]
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["step_000001", "step_000002"]
     assert (tmp_path / "run" / "tensorboard").is_dir()
+    import my_rm  # the reward saw decoded text: words of the tokenizer's vocabulary
+
+    assert my_rm.seen and all(isinstance(t, str) and set(t.split()) <= set(words) for t in my_rm.seen)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (config["tis_cap"], config["kl_coef"], config["mask_offpolicy"], config["seed"]) == (2.0, 0.001, True, 42)

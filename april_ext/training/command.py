@@ -20,7 +20,7 @@ _GROUPS = {
     "SGLang engine": ("sglang_urls", "sglang_router_url", "sglang_launch", "sglang_num_servers", "sglang_module",
                       "sglang_args", "sglang_launch_timeout_s", "sglang_weight_sync_dir", "sglang_stream"),
     "rollout": (*SCHEDULER_SETTINGS, "partial_rollout", "temperature", "top_p", "top_k"),
-    "rewards and filters": ("custom_rm_path", "custom_rm_kind", "custom_rm_timeout_s",
+    "rewards and filters": ("custom_rm_path", "custom_rm_kind", "custom_rm_text", "custom_rm_timeout_s",
                             "dynamic_sampling_filter_path"),
     "evaluation": ("eval_interval", "eval_prompt_data", "n_samples_per_eval_prompt", "eval_counting_prompts"),
     "metrics": ("use_tensorboard", "use_wandb", "wandb_project", "wandb_dir", "plots", "progress"),

@@ -150,6 +150,9 @@ class TrainConfig:
     """How custom_rm_path is called: "sample" fn(prompt, response_ids) -> float, "batch" fn(prompts,
     responses) -> list[float] (one group per call), "group" fn(prompt, responses) -> list[float]; sync or
     async. "auto" reads it from the function's `reward_kind` attribute, else from its parameter names."""
+    custom_rm_text: bool = False
+    """custom_rm_path gets each response as text decoded with the tokenizer (skipping special tokens) instead
+    of token ids; needs data."""
     custom_rm_timeout_s: float = 300.0
     """Seconds one call of custom_rm_path may take; past that the run stops with an error naming it."""
     dynamic_sampling_filter_path: str | None = None
@@ -213,6 +216,9 @@ class TrainConfig:
                      "n_samples_per_eval_prompt", "eval_counting_prompts"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "an int >= 1")
+        if self.custom_rm_text and (self.custom_rm_path is None or self.data is None):
+            _bad("custom_rm_text", True, "False unless custom_rm_path and data are given (the text is decoded "
+                 "with data's tokenizer)")
         if self.eval_prompt_data is not None and self.data is None:
             _bad("eval_prompt_data", self.eval_prompt_data, "None unless data is given (it is read with data's "
                  "tokenizer and keys; the counting task evaluates on eval_counting_prompts held-out prompts)")

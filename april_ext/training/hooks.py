@@ -9,7 +9,7 @@ A reward function has one of three kinds, each sync or ``async def``:
   loop rewards each group as it completes, so a batch is one group).
 
 ``prompt`` is an april_ext Prompt (``prompt.metadata["label"]`` holds a data file's label), a response is
-its token ids (a numpy int32 array). The kind is the function's ``reward_kind`` attribute if it has one,
+its token ids (a numpy int32 array), or its text when the reward is built with ``decode``. The kind is the function's ``reward_kind`` attribute if it has one,
 else read from its parameter names (first ``prompts``: batch; second ``responses``: group; else sample),
 unless ``custom_rm_kind`` declares it. Sync functions run in a daemon thread (one per group), so a slow
 one never holds up the event loop (and the abort that ends a step), nor the exit of a run it failed; a call that raises or takes longer than its timeout
@@ -113,20 +113,23 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 class ImportedReward:
     """A reward function imported by path, as the rollout loop calls it: ``await score_group(prompt,
     responses)`` per completed group (the loop prefers it to per-sample calls), each call bounded by
-    ``timeout_s``; ``await reward(prompt, response)`` scores one response."""
+    ``timeout_s``; ``await reward(prompt, response)`` scores one response. ``decode`` (token ids -> text),
+    when given, turns each response into text before ``fn`` sees it."""
 
-    def __init__(self, fn: Callable[..., Any], path: str, kind: str, timeout_s: float) -> None:
+    def __init__(self, fn: Callable[..., Any], path: str, kind: str, timeout_s: float,
+                 decode: Callable[[Sequence[int]], str] | None = None) -> None:
         if kind not in REWARD_KINDS:
             raise ConfigError(f"reward kind {kind!r} is not allowed: one of {REWARD_KINDS}")
         if not math.isfinite(timeout_s) or timeout_s <= 0:
             raise ConfigError(f"custom_rm_timeout_s={timeout_s!r} is not allowed: a finite number > 0")
-        self.fn, self.path, self.kind, self.timeout_s = fn, path, kind, timeout_s
+        self.fn, self.path, self.kind, self.timeout_s, self.decode = fn, path, kind, timeout_s, decode
         self.is_async = _is_async(fn)
 
     @classmethod
-    def from_path(cls, path: str, kind: str = "auto", timeout_s: float = 300.0) -> ImportedReward:
+    def from_path(cls, path: str, kind: str = "auto", timeout_s: float = 300.0,
+                  decode: Callable[[Sequence[int]], str] | None = None) -> ImportedReward:
         fn = import_function(path, "custom_rm_path")
-        return cls(fn, path, reward_kind(fn, path, kind), timeout_s)
+        return cls(fn, path, reward_kind(fn, path, kind), timeout_s, decode)
 
     async def __call__(self, prompt: Prompt, response: Sequence[int]) -> float:
         return (await self.score_group(prompt, [response]))[0]
@@ -151,6 +154,8 @@ class ImportedReward:
 
     async def _call(self, prompt: Prompt, responses: Sequence[Sequence[int]]) -> Any:
         fn = self.fn
+        if self.decode is not None:
+            responses = [self.decode(list(r)) for r in responses]  # type: ignore[misc]
         if self.kind == "sample":
             if self.is_async:
                 return list(await asyncio.gather(*(fn(prompt, r) for r in responses)))

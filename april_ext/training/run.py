@@ -21,7 +21,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -75,6 +75,8 @@ class _Task:
     make_model: Callable[[], LlamaForCausalLM]
     eval_prompts: Callable[[], list[Prompt]]
     """The held-out prompts of evaluation (read when the run evaluates)."""
+    decode: Callable[[Sequence[int]], str] | None = None
+    """Token ids to text (data runs: the tokenizer's, without special tokens)."""
 
 
 def _build_task(config: TrainConfig) -> _Task:
@@ -118,14 +120,16 @@ def _build_task(config: TrainConfig) -> _Task:
         return [held_out[i] for i in range(len(held_out))]
 
     return _Task(dataset, MathReward(tokenizer), () if eos is None else (int(eos),),
-                 config.max_response_len or 1024, lambda: load_pretrained(model_dir, device="cpu"), eval_prompts)
+                 config.max_response_len or 1024, lambda: load_pretrained(model_dir, device="cpu"), eval_prompts,
+                 lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
 
 
-def _reward_fn(config: TrainConfig, task_reward: RewardFn) -> RewardFn:
-    """The task's reward function, or custom_rm_path's."""
+def _reward_fn(config: TrainConfig, task: _Task) -> RewardFn:
+    """The task's reward function, or custom_rm_path's (given text when custom_rm_text)."""
     if config.custom_rm_path is None:
-        return task_reward
-    return ImportedReward.from_path(config.custom_rm_path, config.custom_rm_kind, config.custom_rm_timeout_s)
+        return task.reward_fn
+    return ImportedReward.from_path(config.custom_rm_path, config.custom_rm_kind, config.custom_rm_timeout_s,
+                                    task.decode if config.custom_rm_text else None)
 
 
 def _group_filter(config: TrainConfig) -> GroupFilter | None:
@@ -226,7 +230,7 @@ class TrainingRun:
         _seed_everything(config.seed)
         task = _build_task(config)
         # Imported before anything is started, so that a bad import path fails at once.
-        reward_fn, group_filter = _reward_fn(config, task.reward_fn), _group_filter(config)
+        reward_fn, group_filter = _reward_fn(config, task), _group_filter(config)
         self.eval_prompts = task.eval_prompts() if config.eval_interval else []
         self.scheduler = _build_scheduler(config, task)
         model = task.make_model()
