@@ -175,7 +175,7 @@ def test_a_run_with_a_custom_reward_path_and_a_filter_path(hooks_module, tmp_pat
                          num_blocks=256, progress=False, plots=False, num_steps=2, output_dir=str(tmp_path / "run"),
                          custom_rm_path=f"{name}:length_reward", dynamic_sampling_filter_path=f"{name}.keep_all")
     result = train(config)
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl", encoding="utf-8")]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 == len(result.history)
     for row in rows:  # the batch's rewards are the imported function's: length / 100
         assert row["rollout/reward_mean"] == pytest.approx(np.mean(row["rollout/response_lens"]) / 100)

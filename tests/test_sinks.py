@@ -15,9 +15,9 @@ from april_ext.training.sinks import scalars
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = dict(counting_max_count=12, counting_symbols=2, hidden_size=16, num_layers=1, rollout_batch_size=2,
-            n_samples_per_prompt=4, over_sampling_batch_size=4, max_num_seqs=64, num_blocks=256, progress=False,
-            plots=False, num_steps=2)
+TINY = {"counting_max_count": 12, "counting_symbols": 2, "hidden_size": 16, "num_layers": 1,
+        "rollout_batch_size": 2, "n_samples_per_prompt": 4, "over_sampling_batch_size": 4, "max_num_seqs": 64,
+        "num_blocks": 256, "progress": False, "plots": False, "num_steps": 2}
 
 
 def _rows(path) -> list[dict]:

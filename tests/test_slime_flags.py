@@ -109,10 +109,10 @@ def test_a_slime_command_line_trains(tmp_path, monkeypatch, capsys):
     """The README's slime command line, on a tiny checkpoint whose directory also holds the tokenizer."""
     import json
 
+    from _torch_threads import one_torch_thread
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from _torch_threads import one_torch_thread
     from april_ext.model import LlamaForCausalLM, ModelConfig, save_pretrained
 
     words = ["[PAD]", "[BOS]", "[EOS]", "what", "is", "1+1", "2+2", "3+3", "?", "2", "4", "6", "\\boxed{4}"]
@@ -141,13 +141,14 @@ def test_a_slime_command_line_trains(tmp_path, monkeypatch, capsys):
             "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
             "--use-tis", "--tis-clip", "2.0", "--mask-offpolicy-in-partial-rollout", "--global-batch-size", "4",
             "--use-kl-loss", "--kl-loss-coef", "0.001", "--num-rollout", "2", "--rollout-seed", "42",
-            "--custom-rm-path", "my_rm:reward", "--custom-rm-text", "--eval-prompt-data", "toy", str(tmp_path / "eval.jsonl"),
+            "--custom-rm-path", "my_rm:reward", "--custom-rm-text",
+            "--eval-prompt-data", "toy", str(tmp_path / "eval.jsonl"),
             "--eval-interval", "2", "--n-samples-per-eval-prompt", "2", "--use-tensorboard",
             "--save", str(tmp_path / "ckpts"), "--save-interval", "1", "--output-dir", str(tmp_path / "run"),
             "--max-num-seqs", "64", "--num-blocks", "128", "--no-progress", "--no-plots"]
     with one_torch_thread():
         assert cli.main(argv) == 0
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl", encoding="utf-8")]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and "eval/pass@2" in rows[1]
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["step_000001", "step_000002"]
     assert (tmp_path / "run" / "tensorboard").is_dir()

@@ -88,8 +88,8 @@ class RolloutLoop:
 
     reward_fn(prompt, response_ids) -> float scores each sample; a plain function runs in a worker
     thread (one call per group), an ``async def`` function is awaited; a reward_fn with an async
-    ``score_group(prompt, responses) -> list[float]`` method is called once per group instead. group_filter(rewards) -> bool
-    keeps or drops a rewarded group. sampling is the template of every request (its max_new_tokens is
+    ``score_group(prompt, responses) -> list[float]`` method is called once per group instead.
+    group_filter(rewards) -> bool keeps or drops a rewarded group. sampling is the template of every request (its max_new_tokens is
     replaced by the scheduler's budget and its seed by a per-sample seed derived from ``seed``, so a
     resumed sample continues the same random stream). clock: see :func:`engine_clock`.
     engine_capacity: how many requests the engine runs at once, for the occupancy metric.

@@ -32,13 +32,13 @@ def parse_answer(text: str) -> list[Any]:
     return list(_library().parse(text, parsing_timeout=None))
 
 
-def _gold(label: str | int | float) -> list[Any]:
+def _gold(label: str | float) -> list[Any]:
     text = str(label).strip()
     lib = _library()
     return list(lib.parse(f"${text}$", parsing_timeout=None) or lib.parse(text, parsing_timeout=None))
 
 
-def verify_math_answer(response: str, label: str | int | float) -> bool:
+def verify_math_answer(response: str, label: str | float) -> bool:
     """True when the response's answer equals the label (math-verify's parse + verify)."""
     gold, predicted = _gold(label), parse_answer(response)
     if not gold or not predicted:
@@ -46,6 +46,6 @@ def verify_math_answer(response: str, label: str | int | float) -> bool:
     return bool(_library().verify(gold, predicted, timeout_seconds=None))
 
 
-def math_reward(response: str, label: str | int | float) -> float:
+def math_reward(response: str, label: str | float) -> float:
     """1.0 if the response's answer matches the label, else 0.0."""
     return 1.0 if verify_math_answer(response, label) else 0.0

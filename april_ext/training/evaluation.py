@@ -15,7 +15,6 @@ import inspect
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
@@ -40,8 +39,9 @@ async def _score(reward_fn: RewardFn, prompt: Prompt, responses: list[np.ndarray
     group = getattr(reward_fn, "score_group", None)
     if group is not None:
         return list(await group(prompt, responses))
-    if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(getattr(reward_fn, "__call__", None)):
-        return [float(v) for v in await asyncio.gather(*(reward_fn(prompt, r) for r in responses))]  # type: ignore[misc]
+    if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(type(reward_fn).__call__):
+        values = await asyncio.gather(*(reward_fn(prompt, r) for r in responses))  # type: ignore[misc]
+        return [float(v) for v in values]
     return await asyncio.to_thread(lambda: [float(reward_fn(prompt, r)) for r in responses])  # type: ignore[arg-type]
 
 
@@ -61,7 +61,8 @@ async def evaluate(engine: RolloutEngine, prompts: Sequence[Prompt], reward_fn: 
     run = next(_ids)
 
     async def one(i: int, j: int) -> np.ndarray:
-        params = sampling if sampling.greedy else replace(sampling, seed=(seed * 1_000_003 + i * 7919 + j) % (2**31 - 1))
+        sample_seed = (seed * 1_000_003 + i * 7919 + j) % (2**31 - 1)
+        params = sampling if sampling.greedy else replace(sampling, seed=sample_seed)
         async with gate:
             return np.asarray(await _answer(engine, prompts[i], params, f"eval{run}-{i}-{j}"), dtype=np.int32)
 

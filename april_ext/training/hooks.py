@@ -9,11 +9,12 @@ A reward function has one of three kinds, each sync or ``async def``:
   loop rewards each group as it completes, so a batch is one group).
 
 ``prompt`` is an april_ext Prompt (``prompt.metadata["label"]`` holds a data file's label), a response is
-its token ids (a numpy int32 array), or its text when the reward is built with ``decode``. The kind is the function's ``reward_kind`` attribute if it has one,
-else read from its parameter names (first ``prompts``: batch; second ``responses``: group; else sample),
-unless ``custom_rm_kind`` declares it. Sync functions run in a daemon thread (one per group), so a slow
-one never holds up the event loop (and the abort that ends a step), nor the exit of a run it failed; a call that raises or takes longer than its timeout
-stops the run with an InvalidStateError naming the function and the prompt.
+its token ids (a numpy int32 array), or its text when the reward is built with ``decode``. The kind is
+the function's ``reward_kind`` attribute if it has one, else read from its parameter names (first
+``prompts``: batch; second ``responses``: group; else sample), unless ``custom_rm_kind`` declares it.
+Sync functions run in a daemon thread (one per group), so a slow one never holds up the event loop (and
+the abort that ends a step), nor the exit of a run it failed; a call that raises or takes longer than
+its timeout stops the run with an InvalidStateError naming the function and the prompt.
 
 A group filter is ``fn(rewards: list[float]) -> bool`` (False drops the group); it is called on the
 event loop, so it must be quick.
@@ -95,7 +96,7 @@ async def _in_daemon_thread(work: Callable[[], Any], name: str) -> Any:
     def run() -> None:
         try:
             result, err = work(), None
-        except BaseException as caught:  # handed to the awaiting task
+        except BaseException as caught:  # noqa: BLE001 - handed to the awaiting task, which raises it
             result, err = None, caught
         try:
             loop.call_soon_threadsafe(settle, result, err)
@@ -107,7 +108,7 @@ async def _in_daemon_thread(work: Callable[[], Any], name: str) -> Any:
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 class ImportedReward:

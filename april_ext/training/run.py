@@ -380,5 +380,5 @@ class TrainingRun:
                            self.data_exhausted, summarize(self.history), self.memory_tag_prefix)
 
 
-__all__ = ["CONFIG_FILE", "METRICS_FILE", "StepMemory", "TrainResult", "TrainingRun", "summarize", "train", "train_async",
-           "train_side_by_side"]
+__all__ = ["CONFIG_FILE", "METRICS_FILE", "StepMemory", "TrainResult", "TrainingRun", "summarize", "train",
+           "train_async", "train_side_by_side"]

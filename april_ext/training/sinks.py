@@ -34,9 +34,7 @@ def scalars(row: Mapping[str, Any]) -> dict[str, float]:
     for key, value in row.items():
         if key in ("step", "rollout/response_lens"):
             continue
-        if isinstance(value, bool):
-            out[key] = float(value)
-        elif isinstance(value, (int, float)) and math.isfinite(value):
+        if isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value)):
             out[key] = float(value)
         elif isinstance(value, list) and key.endswith("histogram"):
             out.update({f"{key}/{i}": float(v) for i, v in enumerate(value)})
