@@ -30,7 +30,7 @@ def _config(*argv: str):
     (["--rollout-seed", "9"], ["--seed", "9"]),
     (["--use-tis"], ["--tis-cap", "2.0"]),
     (["--use-tis", "--tis-clip", "1.5"], ["--tis-cap", "1.5"]),
-    (["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0"], ["--tis-cap", "1.5"]),
+    (["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0.5"], ["--tis-cap", "1.5", "--tis-floor", "0.5"]),
     (["--use-kl-loss", "--kl-loss-coef", "0.01"], ["--kl-coef", "0.01"]),
     (["--apply-chat-template"], []),
 ])
@@ -75,7 +75,8 @@ def test_tokenizer_defaults_to_the_checkpoint_as_in_slime():
 
 @pytest.mark.parametrize("argv, message", [
     (["--tis-clip", "1.5"], "without --use-tis"),
-    (["--use-tis", "--tis-clip-low", "0.5"], "not supported"),
+    (["--use-tis", "--tis-clip-low", "2.5"], "tis_floor"),
+    (["--tis-floor", "0.5"], "tis_floor"),
     (["--kl-loss-coef", "0.1"], "without --use-kl-loss"),
     (["--use-kl-loss"], "needs --kl-loss-coef"),
     (["--use-tis", "--tis-cap", "3"], "give one of them"),
@@ -157,3 +158,17 @@ def test_a_slime_command_line_trains(tmp_path, monkeypatch, capsys):
     assert my_rm.seen and all(isinstance(t, str) and set(t.split()) <= set(words) for t in my_rm.seen)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (config["tis_cap"], config["kl_coef"], config["mask_offpolicy"], config["seed"]) == (2.0, 0.001, True, 42)
+
+
+def test_tis_clip_low_floors_the_importance_weights():
+    import torch
+
+    from april_ext.algorithms import truncated_is_weights
+
+    config = _config("--use-tis", "--tis-clip", "2.0", "--tis-clip-low", "0.5")
+    algo = algorithm_config(config)
+    assert (algo.tis_cap, algo.tis_floor) == (2.0, 0.5)
+    train = torch.log(torch.tensor([0.1, 0.4, 0.9]))
+    behavior = torch.log(torch.tensor([0.8, 0.4, 0.3]))
+    weights = truncated_is_weights(train, behavior, algo.tis_cap, algo.tis_floor)
+    assert weights.tolist() == pytest.approx([0.5, 1.0, 2.0])  # 0.125 floored, 1, 3 capped

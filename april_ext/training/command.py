@@ -75,7 +75,7 @@ def _add_slime_flags(group: Any) -> None:
                        help=f"with --use-tis: the cap of the importance ratio pi_train / pi_rollout (default: "
                             f"{_TIS_CLIP}, slime's)")
     group.add_argument("--tis-clip-low", type=float, default=argparse.SUPPRESS, metavar="FLOAT",
-                       help="with --use-tis: the floor of the ratio; only 0 (slime's default: no floor)")
+                       help="with --use-tis: the floor of the importance ratio: sets tis_floor (default: 0, none)")
     group.add_argument("--use-kl-loss", action="store_true", default=argparse.SUPPRESS,
                        help="a k3 KL loss term weighted by --kl-loss-coef: sets kl_coef")
     group.add_argument("--kl-loss-coef", type=float, default=argparse.SUPPRESS, metavar="FLOAT",
@@ -94,12 +94,11 @@ def _slime_overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if given.get("use_tis"):
         out["tis_cap"] = given.get("tis_clip", _TIS_CLIP)
+        if "tis_clip_low" in given:
+            out["tis_floor"] = given["tis_clip_low"]
     for flag, dest in (("--tis-clip", "tis_clip"), ("--tis-clip-low", "tis_clip_low")):
         if dest in given and not given.get("use_tis"):
             raise ConfigError(f"{flag} is given without --use-tis; it only has a meaning with --use-tis")
-    if given.get("tis_clip_low", 0.0) != 0.0:
-        raise ConfigError(f"--tis-clip-low={given['tis_clip_low']!r} is not supported: only 0 (no floor on the "
-                          "importance ratio, slime's default)")
     if "kl_loss_coef" in given:
         if not given.get("use_kl_loss"):
             raise ConfigError("--kl-loss-coef is given without --use-kl-loss; it only has a meaning with "
@@ -107,7 +106,7 @@ def _slime_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["kl_coef"] = given["kl_loss_coef"]
     elif given.get("use_kl_loss"):
         raise ConfigError("--use-kl-loss needs --kl-loss-coef (slime's default 0 would turn the loss off)")
-    for ours, theirs in (("tis_cap", "--use-tis"), ("kl_coef", "--use-kl-loss")):
+    for ours, theirs in (("tis_cap", "--use-tis"), ("tis_floor", "--tis-clip-low"), ("kl_coef", "--use-kl-loss")):
         if ours in out and ours in given:
             raise ConfigError(f"--{ours.replace('_', '-')} and {theirs} both set {ours}; give one of them")
     return out

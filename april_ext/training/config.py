@@ -134,6 +134,8 @@ class TrainConfig:
     algorithm's (0.2; DAPO 0.28; GSPO 4e-4)."""
     tis_cap: float | None = None
     """Truncated importance sampling cap for off-policy tokens (resumed partials); None: off."""
+    tis_floor: float = 0.0
+    """Lower clip of the truncated importance weight (slime's --tis-clip-low); 0: none. Needs tis_cap."""
     global_batch_size: int | None = None
     """Samples per optimizer step (whole groups: a multiple of n_samples_per_prompt dividing
     rollout_batch_size * n_samples_per_prompt); None: the whole batch, one optimizer step per rollout."""
@@ -243,6 +245,8 @@ class TrainConfig:
                 _bad(name, getattr(self, name), "a finite number >= 0")
         if self.tis_cap is not None and (not math.isfinite(self.tis_cap) or self.tis_cap <= 0):
             _bad("tis_cap", self.tis_cap, "None or a finite number > 0")
+        if self.tis_floor != 0 and (self.tis_cap is None or not 0 <= self.tis_floor < self.tis_cap):
+            _bad("tis_floor", self.tis_floor, f"0, or a number in [0, tis_cap) with tis_cap set (tis_cap={self.tis_cap})")
         if not 0 < self.top_p <= 1:
             _bad("top_p", self.top_p, "a number in (0, 1]")
         for name in ("eps_clip", "eps_clip_high"):

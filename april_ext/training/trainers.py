@@ -28,13 +28,14 @@ _ALGORITHMS: dict[str, Callable[..., AlgorithmConfig]] = {
 
 
 def algorithm_config(config: TrainConfig) -> AlgorithmConfig:
-    """The objective: the preset TrainConfig.algorithm names, with the run's kl_coef, tis_cap and clip range."""
+    """The objective: the preset TrainConfig.algorithm names, with the run's kl_coef, TIS clip and clip range."""
     clip: dict[str, float] = {}
     if config.eps_clip is not None:
         clip = {"eps_low": config.eps_clip, "eps_high": config.eps_clip}
     if config.eps_clip_high is not None:
         clip["eps_high"] = config.eps_clip_high
-    return _ALGORITHMS[config.algorithm](kl_coef=config.kl_coef, tis_cap=config.tis_cap, **clip)
+    return _ALGORITHMS[config.algorithm](kl_coef=config.kl_coef, tis_cap=config.tis_cap, tis_floor=config.tis_floor,
+                                         **clip)
 
 
 def trainer_config(config: TrainConfig, memory_tag_prefix: str = "") -> TrainerConfig:
