@@ -1,5 +1,7 @@
-"""PNG plots of a training run's metrics (metrics.jsonl rows): reward, rollout throughput, partial and
-off-policy token ratios, response-length histograms; and a baseline-vs-APRIL comparison."""
+"""PNG plots of a training run's metrics (metrics.jsonl rows): reward (per step and against wall-clock
+time, raw and smoothed), rollout throughput, partial and off-policy token ratios, response-length
+histograms; and a baseline-vs-APRIL comparison, whose reward-against-time panel is the view that shows
+APRIL's benefit (the same reward sooner)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from april_ext.errors import InvalidArgumentError
 from april_ext.persistence import atomic_write
 
 
@@ -28,14 +31,49 @@ def save_figure(fig: Any, path: str, dpi: int) -> str:
     return path
 
 
+def smooth(values: Sequence[float], weight: float = 0.8) -> list[float]:
+    """Exponential moving average with bias correction (TensorBoard's smoothing): point i averages the
+    points up to i with weights ``weight ** age``, so the first points are not pulled toward 0."""
+    if not 0 <= weight < 1:
+        raise InvalidArgumentError(f"weight={weight!r} is not allowed: a number in [0, 1)")
+    out, average, norm = [], 0.0, 0.0
+    for value in values:
+        average = weight * average + (1 - weight) * value
+        norm = weight * norm + (1 - weight)
+        out.append(average / norm)
+    return out
+
+
+def wall_clock(history: Sequence[dict[str, Any]]) -> list[float]:
+    """Seconds from the start of the run to the end of each step (the sum of the steps' time/step_s)."""
+    return np.cumsum([r["time/step_s"] for r in history]).tolist()
+
+
+def _reward_curves(ax: Any, x: Sequence[float], rewards: Sequence[float], label: str | None = None) -> None:
+    """The raw reward faintly, the smoothed one on top in the same colour."""
+    (raw,) = ax.plot(x, rewards, alpha=0.3, linewidth=1)
+    ax.plot(x, smooth(rewards), color=raw.get_color(), linewidth=2, label=label)
+
+
 def plot_run(history: Sequence[dict[str, Any]], output_dir: str) -> list[str]:
-    """Writes training.png (four panels) and response_lengths.png into output_dir; returns their paths."""
+    """Writes training.png (six panels) and response_lengths.png into output_dir; returns their paths."""
     plt = _pyplot()
     steps = [r["step"] for r in history]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    rewards = [r["rollout/reward_mean"] for r in history]
+    fig, axes = plt.subplots(3, 2, figsize=(11, 11))
     ax = axes[0][0]
-    ax.plot(steps, [r["rollout/reward_mean"] for r in history], marker=".")
-    ax.set(title="reward (batch mean)", xlabel="step", ylabel="reward")
+    _reward_curves(ax, steps, rewards)
+    ax.set(title="reward (batch mean; smoothed)", xlabel="step", ylabel="reward")
+    ax = axes[2][0]
+    _reward_curves(ax, wall_clock(history), rewards)
+    ax.set(title="reward against wall-clock time", xlabel="seconds since the start", ylabel="reward")
+    ax = axes[2][1]
+    evals = [r for r in history if "eval/reward_mean" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval/reward_mean"] for r in evals], marker="o")
+        ax.set(title="eval reward (held-out prompts)", xlabel="step", ylabel="mean reward")
+    else:
+        ax.axis("off")
     ax = axes[0][1]
     ax.plot(steps, [r["rollout/tokens_per_s"] for r in history], marker=".")
     ax.set(title="rollout throughput", xlabel="step", ylabel="generated tokens / s")
@@ -68,15 +106,19 @@ def plot_run(history: Sequence[dict[str, Any]], output_dir: str) -> list[str]:
 
 
 def plot_compare(runs: dict[str, Sequence[dict[str, Any]]], path: str) -> str:
-    """Reward and rollout throughput per step of several runs (e.g. baseline and APRIL) side by side."""
+    """Reward per step, reward against wall-clock time (smoothed, raw faint) and rollout throughput per
+    step of several runs (e.g. baseline and APRIL) side by side."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for name, history in runs.items():
         steps = [r["step"] for r in history]
-        axes[0].plot(steps, [r["rollout/reward_mean"] for r in history], marker=".", label=name)
-        axes[1].plot(steps, [r["rollout/tokens_per_s"] for r in history], marker=".", label=name)
-    axes[0].set(title="reward", xlabel="step", ylabel="batch mean reward")
-    axes[1].set(title="rollout throughput", xlabel="step", ylabel="generated tokens / s")
+        rewards = [r["rollout/reward_mean"] for r in history]
+        _reward_curves(axes[0], steps, rewards, label=name)
+        _reward_curves(axes[1], wall_clock(history), rewards, label=name)
+        axes[2].plot(steps, [r["rollout/tokens_per_s"] for r in history], marker=".", label=name)
+    axes[0].set(title="reward (smoothed)", xlabel="step", ylabel="batch mean reward")
+    axes[1].set(title="reward against wall-clock time", xlabel="seconds since the start", ylabel="batch mean reward")
+    axes[2].set(title="rollout throughput", xlabel="step", ylabel="generated tokens / s")
     for ax in axes:
         ax.legend()
     fig.tight_layout()
@@ -85,4 +127,4 @@ def plot_compare(runs: dict[str, Sequence[dict[str, Any]]], path: str) -> str:
     return path
 
 
-__all__ = ["plot_compare", "plot_run", "save_figure"]
+__all__ = ["plot_compare", "plot_run", "save_figure", "smooth", "wall_clock"]

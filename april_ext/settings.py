@@ -127,18 +127,20 @@ def adopt(source: type, *, exclude: Iterable[str] = (), defaults: Mapping[str, A
     return apply
 
 
-def add_flag(group: Any, setting: Setting) -> None:
-    """Adds ``setting``'s flag (``--no-...`` too for a bool) to an argparse parser or group. The flag stays
-    out of the parsed namespace unless given, so that the dataclass's default applies."""
+def add_flag(group: Any, setting: Setting, aliases: Iterable[str] = ()) -> None:
+    """Adds ``setting``'s flag (``--no-...`` too for a bool), and ``aliases`` (other flag names of the same
+    setting), to an argparse parser or group. The flag stays out of the parsed namespace unless given, so
+    that the dataclass's default applies."""
     # "%%": argparse formats help strings with %.
     text = f"{setting.doc} (default: {setting.default!r})".strip().replace("%", "%%")
     if setting.kind is bool:
-        group.add_argument(setting.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           help=text)
+        group.add_argument(setting.flag, *aliases, dest=setting.name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=text)
         return
     metavar = ("{" + ",".join(setting.choices) + "}" if setting.choices
                else "VALUE,..." if setting.kind is tuple else setting.kind.__name__.upper())
-    group.add_argument(setting.flag, type=setting.parse, default=argparse.SUPPRESS, metavar=metavar, help=text)
+    group.add_argument(setting.flag, *aliases, dest=setting.name, type=setting.parse, default=argparse.SUPPRESS,
+                       metavar=metavar, help=text)
 
 
 __all__ = ["Setting", "add_flag", "adopt", "settings"]

@@ -11,8 +11,8 @@ from april_ext.tasks import (
     CountingTask,
     CountingTaskConfig,
     MathReward,
-    extract_answer,
     math_reward,
+    parse_answer,
     score_group,
     verify_math_answer,
 )
@@ -82,33 +82,42 @@ def test_counting_model_config_matches_vocabulary():
     assert task.model_config(num_hidden_layers=1).num_hidden_layers == 1
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("so the result is \\boxed{42}.", "42"),
-    ("first \\boxed{1} then \\boxed{\\frac{3}{4}}", "\\frac{3}{4}"),
-    ("nested \\boxed{\\sqrt{x^{2}}} done", "\\sqrt{x^{2}}"),
-    ("The final answer is 17.", "17"),
-    ("work...\nAnswer: $-3$", "$-3$"),
-    ("#### 1,250", "1,250"),
-    ("no answer here", None),
-])
-def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
+# The behaviour table of docs/training.md ("Math answers"), row by row.
+MATH_TABLE = [
+    ("so the result is \\boxed{42}.", "42", True),
+    ("The final answer is 17.", "17", True),
+    ("work...\nAnswer: $-3$", "-3", True),
+    ("#### 1,250", "1250", True),
+    ("the answer is 3", "3", True),
+    ("I think it is 5 or maybe 6", "6", True),
+    ("no answer here", "1", False),
+    ("\\boxed{0.5}", "\\frac{1}{2}", True),
+    ("\\boxed{\\dfrac12}", "1/2", True),
+    ("\\boxed{1,000}", "1000", True),
+    ("\\boxed{50\\%}", "0.5", True),
+    ("\\boxed{x = 7}", "7", True),
+    ("\\boxed{90^\\circ}", "90", True),
+    ("\\boxed{\\text{(B)}}", "B", True),
+    ("\\boxed{\\sqrt2}", "\\sqrt{2}", True),
+    ("\\boxed{2x+2}", "2(x+1)", True),
+    ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", True),
+    ("\\boxed{\\pi/2}", "\\frac{\\pi}{2}", True),
+    ("\\boxed{0.33}", "1/3", False),
+    ("\\boxed{(1,2)}", "(2,1)", False),
+    ("\\boxed{7}", "-7", False),
+    ("first \\boxed{1} then \\boxed{\\frac{3}{4}}", "0.75", False),
+    ("\\boxed{12.}", 12, False),
+]
 
 
-@pytest.mark.parametrize("predicted, label", [
-    ("0.5", "\\frac{1}{2}"), ("\\dfrac12", "1/2"), ("$\\frac{-3}{4}$", "-0.75"), ("-\\frac{3}{4}", "-3/4"),
-    ("1,000", "1000"), ("50\\%", "0.5"), ("x = 7", "7"), ("90^\\circ", "90"), ("\\text{(B)}", "(B)"),
-    ("\\sqrt2", "\\sqrt{2}"), ("\\left(1, 2\\right)", "(1,2)"), ("12.", 12),
-])
-def test_verify_equivalent_answers(predicted, label):
-    assert verify_math_answer(predicted, label)
+@pytest.mark.parametrize("response, label, expected", MATH_TABLE)
+def test_math_verify_behaviour_table(response, label, expected):
+    assert verify_math_answer(response, label) is expected
 
 
-@pytest.mark.parametrize("predicted, label", [
-    ("0.33", "1/3"), ("\\frac{1}{3}", "\\frac{1}{4}"), ("(1,2)", "(2,1)"), (None, "1"), ("7", "-7"),
-])
-def test_verify_different_answers(predicted, label):
-    assert not verify_math_answer(predicted, label)
+def test_parse_answer_returns_what_was_extracted():
+    assert parse_answer("so \\boxed{\\frac{6}{8}}")[-1] == "\\frac{6}{8}"
+    assert parse_answer("nothing to see") == []
 
 
 def test_math_reward_and_group_scoring():

@@ -173,8 +173,8 @@ def test_bad_configs_name_the_setting(tmp_path):
         TrainConfig(algorithm="ppo2")
     with pytest.raises(ConfigError, match="exactly one of task and data"):
         TrainConfig(data="x.jsonl", tokenizer="t", model="m")
-    with pytest.raises(ConfigError, match="TrainConfig.tokenizer=None"):
-        TrainConfig(task=None, data="x.jsonl", model="m")
+    with pytest.raises(ConfigError, match="TrainConfig.model=None"):
+        TrainConfig(task=None, data="x.jsonl", tokenizer="t")
     with pytest.raises(ConfigError, match=r"over_sampling_batch_size=4 is not allowed.*>= rollout_batch_size \(8\)"):
         TrainConfig(over_sampling_batch_size=4)
     bad = tmp_path / "bad.toml"

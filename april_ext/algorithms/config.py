@@ -27,6 +27,7 @@ class AlgorithmConfig:
     kl_coef: weight of the k3 KL estimate to the reference policy (0 disables it and the reference model).
     tis_cap: truncated importance sampling cap C: each token's loss is weighted by
         min(pi_train / pi_behavior, C); None disables the correction.
+    tis_floor: the lower clip of that weight, max(weight, tis_floor) (slime's --tis-clip-low; 0: none).
     offpolicy_mask: "none"; "stale" drops tokens older than max_staleness versions; "offpolicy" drops every
         token not produced by the policy version being trained.
     max_staleness: the bound for offpolicy_mask="stale".
@@ -41,6 +42,7 @@ class AlgorithmConfig:
     aggregation: str = "token"
     kl_coef: float = 0.0
     tis_cap: float | None = None
+    tis_floor: float = 0.0
     offpolicy_mask: str = "none"
     max_staleness: int | None = None
     dynamic_sampling: bool = False
@@ -58,6 +60,8 @@ class AlgorithmConfig:
         if self.tis_cap is not None:
             _number("tis_cap", self.tis_cap, low=0.0, high=math.inf, allowed="None or a finite number > 0",
                     low_open=True)
+        _number("tis_floor", self.tis_floor, low=0.0, high=math.inf if self.tis_cap is None else self.tis_cap,
+                allowed="a finite number >= 0 and below tis_cap", high_open=self.tis_cap is not None)
         if self.max_staleness is not None and (
                 not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool)
                 or self.max_staleness < 0):

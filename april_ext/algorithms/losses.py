@@ -76,8 +76,8 @@ def policy_loss(config: AlgorithmConfig, inputs: PolicyLossInputs) -> PolicyLoss
     if config.loss == "ppo":
         ratio = torch.exp(log_ratio)
         advantages = inputs.advantages
-        is_weight = (truncated_is_weights(inputs.old_logprobs, inputs.behavior_logprobs, config.tis_cap)
-                     if config.tis_cap is not None else None)
+        is_weight = (truncated_is_weights(inputs.old_logprobs, inputs.behavior_logprobs, config.tis_cap,
+                                          config.tis_floor) if config.tis_cap is not None else None)
     else:
         counts = _segment_sum(mask, inputs.seq_index, inputs.n_seqs).clamp(min=1.0)
         seq_log_ratio = _segment_sum(log_ratio, inputs.seq_index, inputs.n_seqs) / counts
@@ -88,7 +88,7 @@ def policy_loss(config: AlgorithmConfig, inputs: PolicyLossInputs) -> PolicyLoss
         if config.tis_cap is not None:
             seq_log_w = _segment_sum((inputs.old_logprobs - inputs.behavior_logprobs).detach() * mask,
                                      inputs.seq_index, inputs.n_seqs) / counts
-            is_weight = torch.exp(seq_log_w).clamp(max=config.tis_cap)[inputs.seq_index]
+            is_weight = torch.exp(seq_log_w).clamp(min=config.tis_floor, max=config.tis_cap)[inputs.seq_index]
     token_loss, clipped_low, clipped_high = _clipped_surrogate(ratio, advantages, config.eps_low,
                                                                config.eps_high)
     if is_weight is not None:

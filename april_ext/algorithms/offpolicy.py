@@ -32,10 +32,11 @@ def offpolicy_loss_mask(loss_mask: torch.Tensor, versions: torch.Tensor, policy_
 
 
 def truncated_is_weights(train_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor,
-                         cap: float) -> torch.Tensor:
-    """Per-token truncated importance weights min(pi_train / pi_behavior, cap), without gradient."""
+                         cap: float, floor: float = 0.0) -> torch.Tensor:
+    """Per-token truncated importance weights min(pi_train / pi_behavior, cap), at least ``floor``, without
+    gradient."""
     if cap <= 0:
         raise InvalidArgumentError(f"cap must be > 0, got {cap!r}")
     log_w = (train_logprobs.detach() - behavior_logprobs.detach()).to(torch.float32)
     # exp may overflow to inf for very unlikely behavior tokens; the clamp maps inf to the cap.
-    return torch.exp(log_w).clamp(max=cap)
+    return torch.exp(log_w).clamp(min=floor, max=cap)

@@ -87,8 +87,9 @@ class RolloutLoop:
     """Drives ``scheduler`` over ``engine``. One step at a time; call from a single event loop.
 
     reward_fn(prompt, response_ids) -> float scores each sample; a plain function runs in a worker
-    thread (one call per group), an ``async def`` function is awaited. group_filter(rewards) -> bool
-    keeps or drops a rewarded group. sampling is the template of every request (its max_new_tokens is
+    thread (one call per group), an ``async def`` function is awaited; a reward_fn with an async
+    ``score_group(prompt, responses) -> list[float]`` method is called once per group instead.
+    group_filter(rewards) -> bool keeps or drops a rewarded group. sampling is the template of every request (its max_new_tokens is
     replaced by the scheduler's budget and its seed by a per-sample seed derived from ``seed``, so a
     resumed sample continues the same random stream). clock: see :func:`engine_clock`.
     engine_capacity: how many requests the engine runs at once, for the occupancy metric.
@@ -304,7 +305,10 @@ class RolloutLoop:
         self._notify()
 
     async def _reward(self, group: CompletedGroup) -> None:
-        if self._async_reward:
+        score_whole_group = getattr(self.reward_fn, "score_group", None)
+        if score_whole_group is not None:  # a group-level reward (training.hooks) schedules its own calls
+            rewards = await score_whole_group(group.prompt, group.responses)
+        elif self._async_reward:
             rewards = list(await asyncio.gather(*(self.reward_fn(group.prompt, r) for r in group.responses)))
         else:
             rewards = await asyncio.to_thread(score_group, self.reward_fn, group.prompt, group.responses)

@@ -1,7 +1,7 @@
 """Tasks: prompt sources with verifiable rewards (the synthetic counting task, math answers)."""
 
 from april_ext.tasks.counting import CountingTask, CountingTaskConfig
-from april_ext.tasks.math_verify import extract_answer, math_reward, normalize_answer, verify_math_answer
+from april_ext.tasks.math_verify import math_reward, parse_answer, verify_math_answer
 from april_ext.tasks.reward import MathReward, RewardFunction, score_group
 
 __all__ = [
@@ -9,9 +9,8 @@ __all__ = [
     "CountingTaskConfig",
     "MathReward",
     "RewardFunction",
-    "extract_answer",
     "math_reward",
-    "normalize_answer",
+    "parse_answer",
     "score_group",
     "verify_math_answer",
 ]

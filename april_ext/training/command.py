@@ -19,8 +19,27 @@ _GROUPS = {
                          "engine"),
     "SGLang engine": ("sglang_urls", "sglang_router_url", "sglang_launch", "sglang_num_servers", "sglang_module",
                       "sglang_args", "sglang_launch_timeout_s", "sglang_weight_sync_dir", "sglang_stream"),
-    "rollout": (*SCHEDULER_SETTINGS, "partial_rollout", "temperature", "top_p"),
+    "rollout": (*SCHEDULER_SETTINGS, "partial_rollout", "temperature", "top_p", "top_k"),
+    "rewards and filters": ("custom_rm_path", "custom_rm_kind", "custom_rm_text", "custom_rm_timeout_s",
+                            "dynamic_sampling_filter_path"),
+    "evaluation": ("eval_interval", "eval_prompt_data", "n_samples_per_eval_prompt", "eval_counting_prompts"),
+    "metrics": ("use_tensorboard", "use_wandb", "wandb_project", "wandb_dir", "plots", "progress"),
 }
+
+SLIME_ALIASES: dict[str, tuple[str, ...]] = {
+    "max_response_len": ("--rollout-max-response-len",),
+    "mask_offpolicy": ("--mask-offpolicy-in-partial-rollout",),
+    "algorithm": ("--advantage-estimator",),
+    "temperature": ("--rollout-temperature",),
+    "top_p": ("--rollout-top-p",),
+    "top_k": ("--rollout-top-k",),
+    "model": ("--hf-checkpoint",),
+    "data": ("--prompt-data",),
+    "prompt_key": ("--input-key",),
+    "num_steps": ("--num-rollout",),
+    "seed": ("--rollout-seed",),
+}
+"""slime's names of our settings (docs/loop.md has the table): each flag is another name of the same setting."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -36,13 +55,72 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     owner = {f: g for g, names in _GROUPS.items() for f in names}
     known = settings(TrainConfig)
     for name in (*owner, *(n for n in known if n not in owner)):
-        add_flag(groups[owner.get(name, "training and outputs")], known[name])
+        if name == "eval_prompt_data":
+            # slime's form "NAME PATH" is accepted as well as a bare path; one held-out set, so the name is unused.
+            groups["evaluation"].add_argument(
+                "--eval-prompt-data", nargs="+", default=argparse.SUPPRESS, metavar="[NAME] PATH",
+                help=f"{known[name].doc} slime's 'NAME PATH' works too. (default: None)")
+            continue
+        add_flag(groups[owner.get(name, "training and outputs")], known[name], SLIME_ALIASES.get(name, ()))
+    _add_slime_flags(parser.add_argument_group(
+        "slime flags", "slime's flags whose meaning takes two of its flags; see docs/loop.md"))
     parser.set_defaults(func=run)
     return parser
 
 
+def _add_slime_flags(group: Any) -> None:
+    group.add_argument("--use-tis", action="store_true", default=argparse.SUPPRESS,
+                       help="truncated importance sampling at --tis-clip: sets tis_cap")
+    group.add_argument("--tis-clip", type=float, default=argparse.SUPPRESS, metavar="FLOAT",
+                       help=f"with --use-tis: the cap of the importance ratio pi_train / pi_rollout (default: "
+                            f"{_TIS_CLIP}, slime's)")
+    group.add_argument("--tis-clip-low", type=float, default=argparse.SUPPRESS, metavar="FLOAT",
+                       help="with --use-tis: the floor of the importance ratio: sets tis_floor (default: 0, none)")
+    group.add_argument("--use-kl-loss", action="store_true", default=argparse.SUPPRESS,
+                       help="a k3 KL loss term weighted by --kl-loss-coef: sets kl_coef")
+    group.add_argument("--kl-loss-coef", type=float, default=argparse.SUPPRESS, metavar="FLOAT",
+                       help="with --use-kl-loss: the weight of the KL loss term")
+    group.add_argument("--apply-chat-template", action="store_true", default=argparse.SUPPRESS,
+                       help="accepted for slime's command lines: a prompt that is a chat (list of messages) always "
+                            "goes through the tokenizer's chat template, a text prompt never")
+
+
+_TIS_CLIP = 2.0
+
+
+def _slime_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings slime's paired flags stand for (--use-tis with --tis-clip, --use-kl-loss with --kl-loss-coef)."""
+    given = vars(args)
+    out: dict[str, Any] = {}
+    if given.get("use_tis"):
+        out["tis_cap"] = given.get("tis_clip", _TIS_CLIP)
+        if "tis_clip_low" in given:
+            out["tis_floor"] = given["tis_clip_low"]
+    for flag, dest in (("--tis-clip", "tis_clip"), ("--tis-clip-low", "tis_clip_low")):
+        if dest in given and not given.get("use_tis"):
+            raise ConfigError(f"{flag} is given without --use-tis; it only has a meaning with --use-tis")
+    if "kl_loss_coef" in given:
+        if not given.get("use_kl_loss"):
+            raise ConfigError("--kl-loss-coef is given without --use-kl-loss; it only has a meaning with "
+                              "--use-kl-loss")
+        out["kl_coef"] = given["kl_loss_coef"]
+    elif given.get("use_kl_loss"):
+        raise ConfigError("--use-kl-loss needs --kl-loss-coef (slime's default 0 would turn the loss off)")
+    for ours, theirs in (("tis_cap", "--use-tis"), ("tis_floor", "--tis-clip-low"), ("kl_coef", "--use-kl-loss")):
+        if ours in out and ours in given:
+            raise ConfigError(f"--{ours.replace('_', '-')} and {theirs} both set {ours}; give one of them")
+    return out
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    overrides.update(_slime_overrides(args))
+    if "eval_prompt_data" in overrides:
+        values = overrides["eval_prompt_data"]
+        if len(values) > 2:
+            raise ConfigError(f"--eval-prompt-data {' '.join(values)}: one held-out set, PATH or NAME PATH, is "
+                              "supported")
+        overrides["eval_prompt_data"] = None if values[-1].lower() == "none" else values[-1]
     if "data" in overrides and "task" not in overrides:
         overrides["task"] = None
     if args.config:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shlex
 import sys
+import typing
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from april_ext.errors import ConfigError
 from april_ext.scheduler import SchedulerConfig
@@ -29,6 +31,8 @@ TASKS = ("counting",)
 ALGORITHMS = ("grpo", "drgrpo", "dapo", "gspo")
 ENGINES = ("embedded", "sglang")
 TRAINERS = ("torch", "megatron")
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)")
+RewardKind = Literal["auto", "sample", "batch", "group"]
 
 
 SCHEDULER_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(SchedulerConfig))
@@ -48,7 +52,8 @@ class TrainConfig:
     data: str | None = None
     """JSONL / Parquet prompt file (math answers are verified against label_key)."""
     tokenizer: str | None = None
-    """Local Hugging Face tokenizer directory (required with data)."""
+    """Local Hugging Face tokenizer directory; None with data: the model directory (as slime takes the tokenizer
+    from --hf-checkpoint)."""
     prompt_key: str = "prompt"
     """Record field holding the prompt (text or chat); dotted keys walk nested objects."""
     label_key: str = "label"
@@ -80,6 +85,8 @@ class TrainConfig:
     """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling (<= 0: off)."""
     # --- engine
     max_num_seqs: int = 256
     """Engine: sequences running at once."""
@@ -118,15 +125,50 @@ class TrainConfig:
     lr: float = 2e-3
     """AdamW learning rate."""
     kl_coef: float = 0.0
-    """KL penalty to the initial policy (0: none)."""
+    """Weight of the k3 KL loss term to the initial policy (0: none); slime's --kl-loss-coef, not its
+    reward-shaping --kl-coef."""
+    eps_clip: float | None = None
+    """PPO clip range below 1 (ratio >= 1 - eps_clip); None: the algorithm's (0.2; GSPO 3e-4)."""
+    eps_clip_high: float | None = None
+    """PPO clip range above 1 (ratio <= 1 + eps_clip_high); None: eps_clip when that is set, else the
+    algorithm's (0.2; DAPO 0.28; GSPO 4e-4)."""
     tis_cap: float | None = None
     """Truncated importance sampling cap for off-policy tokens (resumed partials); None: off."""
+    tis_floor: float = 0.0
+    """Lower clip of the truncated importance weight (slime's --tis-clip-low); 0: none. Needs tis_cap."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step (whole groups: a multiple of n_samples_per_prompt dividing
+    rollout_batch_size * n_samples_per_prompt); None: the whole batch, one optimizer step per rollout."""
     micro_batch_tokens: int = 8192
     """Trainer: token budget of one forward/backward."""
     num_steps: int = 20
     """Training steps of the run (a resumed run counts its earlier steps)."""
     seed: int = 0
     """Seeds the task stream, model init, request sampling and RNGs."""
+    custom_rm_path: str | None = None
+    """Reward function by import path, "pkg.module:fn" (or "pkg.module.fn"), instead of the task's; see
+    custom_rm_kind for its signatures."""
+    custom_rm_kind: RewardKind = "auto"
+    """How custom_rm_path is called: "sample" fn(prompt, response_ids) -> float, "batch" fn(prompts,
+    responses) -> list[float] (one group per call), "group" fn(prompt, responses) -> list[float]; sync or
+    async. "auto" reads it from the function's `reward_kind` attribute, else from its parameter names."""
+    custom_rm_text: bool = False
+    """custom_rm_path gets each response as text decoded with the tokenizer (skipping special tokens) instead
+    of token ids; needs data."""
+    custom_rm_timeout_s: float = 300.0
+    """Seconds one call of custom_rm_path may take; past that the run stops with an error naming it."""
+    dynamic_sampling_filter_path: str | None = None
+    """Group filter by import path: fn(rewards: list[float]) -> bool (False drops the group); replaces the
+    algorithm's (DAPO's rejection of uniform groups)."""
+    eval_interval: int = 0
+    """Evaluate on held-out prompts every k steps (0: never); eval metrics join that step's metrics row."""
+    eval_prompt_data: str | None = None
+    """Held-out prompt file (JSONL / Parquet, read with data's keys and tokenizer); None: eval_counting_prompts
+    held-out prompts of the counting task."""
+    n_samples_per_eval_prompt: int = 1
+    """Samples per held-out prompt (pass@k with k = this)."""
+    eval_counting_prompts: int = 32
+    """Counting task: held-out prompts per evaluation (a stream of their own, seed + 1)."""
     colocate: bool = False
     """Pause the trainer's memory while the engine generates and the engine's while the trainer trains."""
     num_threads: int | None = None
@@ -142,6 +184,17 @@ class TrainConfig:
     """Newest checkpoints kept."""
     resume: bool = False
     """Continue from the newest checkpoint in the checkpoint directory (a fresh start when there is none)."""
+    load: str | None = None
+    """Continue from the newest checkpoint in this directory (a fresh start when there is none) and save new
+    ones to the checkpoint directory; None: resume decides."""
+    use_tensorboard: bool = False
+    """Also write the metrics as TensorBoard event files under <output_dir>/tensorboard (needs april_ext[logging])."""
+    use_wandb: bool = False
+    """Also log the metrics to Weights & Biases (needs april_ext[logging]); WANDB_MODE=offline keeps the run local."""
+    wandb_project: str = "april_ext"
+    """use_wandb: the W&B project."""
+    wandb_dir: str | None = None
+    """use_wandb: where the W&B run directory goes; None: <output_dir>."""
     plots: bool = True
     """Write PNG plots at the end."""
     progress: bool = True
@@ -158,23 +211,31 @@ class TrainConfig:
             _bad("task", self.task, f"one of {TASKS}, or None with data")
         if (self.task is None) == (self.data is None):
             _bad("task", self.task, f"exactly one of task and data (data={self.data!r})")
-        if self.data is not None and self.tokenizer is None:
-            _bad("tokenizer", None, "a tokenizer directory when data is given")
         if self.data is not None and self.model is None:
             _bad("model", None, "a checkpoint directory when data is given (the tiny model is for the counting task)")
         for name in ("num_epochs", "counting_max_count", "counting_symbols", "hidden_size", "num_layers",
-                     "max_num_seqs", "num_blocks", "block_size", "micro_batch_tokens", "num_steps", "keep_checkpoints"):
+                     "max_num_seqs", "num_blocks", "block_size", "micro_batch_tokens", "num_steps", "keep_checkpoints",
+                     "n_samples_per_eval_prompt", "eval_counting_prompts"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "an int >= 1")
-        for name in ("seed", "save_interval"):
+        if self.custom_rm_text and (self.custom_rm_path is None or self.data is None):
+            _bad("custom_rm_text", True, "False unless custom_rm_path and data are given (the text is decoded "
+                 "with data's tokenizer)")
+        if self.eval_prompt_data is not None and self.data is None:
+            _bad("eval_prompt_data", self.eval_prompt_data, "None unless data is given (it is read with data's "
+                 "tokenizer and keys; the counting task evaluates on eval_counting_prompts held-out prompts)")
+        if self.eval_prompt_data is not None and self.eval_interval == 0:
+            _bad("eval_interval", 0, "an int >= 1 when eval_prompt_data is given (0 never evaluates)")
+        for name in ("seed", "save_interval", "eval_interval"):
             if getattr(self, name) < 0:
                 _bad(name, getattr(self, name), "an int >= 0")
         if self.num_threads is not None and self.num_threads < 1:
             _bad("num_threads", self.num_threads, "None or an int >= 1")
-        for name, allowed in (("algorithm", ALGORITHMS), ("engine", ENGINES), ("trainer", TRAINERS)):
+        for name, allowed in (("algorithm", ALGORITHMS), ("engine", ENGINES), ("trainer", TRAINERS),
+                              ("custom_rm_kind", typing.get_args(RewardKind))):
             if getattr(self, name) not in allowed:
                 _bad(name, getattr(self, name), f"one of {allowed}")
-        for name in ("counting_median", "lr"):
+        for name in ("counting_median", "lr", "custom_rm_timeout_s"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 _bad(name, getattr(self, name), "a finite number > 0")
         if self.counting_median < 1:
@@ -184,8 +245,25 @@ class TrainConfig:
                 _bad(name, getattr(self, name), "a finite number >= 0")
         if self.tis_cap is not None and (not math.isfinite(self.tis_cap) or self.tis_cap <= 0):
             _bad("tis_cap", self.tis_cap, "None or a finite number > 0")
+        if self.tis_floor != 0 and (self.tis_cap is None or not 0 <= self.tis_floor < self.tis_cap):
+            _bad("tis_floor", self.tis_floor, f"0, or a number in [0, tis_cap) with tis_cap set (tis_cap={self.tis_cap})")
         if not 0 < self.top_p <= 1:
             _bad("top_p", self.top_p, "a number in (0, 1]")
+        for name in ("eps_clip", "eps_clip_high"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value < 0 or (name == "eps_clip" and value >= 1)):
+                _bad(name, value, "None or a finite number in [0, 1)" if name == "eps_clip"
+                     else "None or a finite number >= 0")
+        if self.global_batch_size is not None:
+            n, total = self.n_samples_per_prompt, self.rollout_batch_size * self.n_samples_per_prompt
+            if self.global_batch_size < 1 or self.global_batch_size % n or total % self.global_batch_size:
+                _bad("global_batch_size", self.global_batch_size,
+                     f"None or a multiple of n_samples_per_prompt ({n}) that divides rollout_batch_size * "
+                     f"n_samples_per_prompt ({total})")
+        for name in ("custom_rm_path", "dynamic_sampling_filter_path"):
+            path = getattr(self, name)
+            if path is not None and not _IMPORT_PATH.fullmatch(path):
+                _bad(name, path, "an import path 'pkg.module:function' or 'pkg.module.function'")
         self._check_sglang()
 
     def _check_sglang(self) -> None:
@@ -233,6 +311,24 @@ class TrainConfig:
     @property
     def checkpoint_dir(self) -> str:
         return self.save if self.save is not None else os.path.join(self.output_dir, "checkpoints")
+
+    @property
+    def resume_dir(self) -> str | None:
+        """Where the run looks for a checkpoint to continue from; None: it starts fresh."""
+        if self.load is not None:
+            return self.load
+        return self.checkpoint_dir if self.resume else None
+
+    @property
+    def tokenizer_dir(self) -> str | None:
+        return self.tokenizer if self.tokenizer is not None else self.model
+
+    @property
+    def minibatches(self) -> int:
+        """Optimizer steps per rollout batch (global_batch_size's)."""
+        if self.global_batch_size is None:
+            return 1
+        return self.rollout_batch_size * self.n_samples_per_prompt // self.global_batch_size
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -28,21 +29,25 @@ import numpy as np
 import torch
 
 from april_ext.algorithms import reject_uniform_groups
-from april_ext.data_source import DataSource
+from april_ext.data_source import DataSource, Prompt
 from april_ext.errors import InvalidArgumentError
 from april_ext.model import LlamaForCausalLM, load_pretrained
-from april_ext.persistence import atomic_write_text
+from april_ext.persistence import atomic_write_json, atomic_write_text
 from april_ext.protocol import RolloutEngine, SamplingParams, Trainer
-from april_ext.rollout import RewardFn, RolloutLoop, scheduler_config_for
+from april_ext.rollout import GroupFilter, RewardFn, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler
 from april_ext.training.checkpoint import CheckpointManager
 from april_ext.training.config import TrainConfig
 from april_ext.training.engines import EngineFactory, build_engine, engine_metrics
+from april_ext.training.evaluation import evaluate
 from april_ext.training.handoff import StepMemory, sync_weights
+from april_ext.training.hooks import ImportedFilter, ImportedReward
 from april_ext.training.metrics import read_metrics, step_row, summarize
+from april_ext.training.sinks import TENSORBOARD_DIR, MetricsSink, TensorBoardSink, WandbSink
 from april_ext.training.trainers import TrainerFactory, algorithm_config, build_trainer
 
 METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
 _run_ids = itertools.count()
 
 
@@ -68,15 +73,22 @@ class _Task:
     stop_token_ids: tuple[int, ...]
     max_response_len: int
     make_model: Callable[[], LlamaForCausalLM]
+    eval_prompts: Callable[[], list[Prompt]]
+    """The held-out prompts of evaluation (read when the run evaluates)."""
+    decode: Callable[[Sequence[int]], str] | None = None
+    """Token ids to text (data runs: the tokenizer's, without special tokens)."""
 
 
 def _build_task(config: TrainConfig) -> _Task:
     if config.task == "counting":
         from april_ext.tasks import CountingTask, CountingTaskConfig
 
-        task = CountingTask(CountingTaskConfig(
-            n_symbols=config.counting_symbols, max_count=config.counting_max_count,
-            median_count=config.counting_median, sigma=config.counting_sigma, seed=config.seed))
+        def counting(seed: int) -> CountingTask:
+            return CountingTask(CountingTaskConfig(
+                n_symbols=config.counting_symbols, max_count=config.counting_max_count,
+                median_count=config.counting_median, sigma=config.counting_sigma, seed=seed))
+
+        task = counting(config.seed)
         longest = task.max_response_len()
         max_len = config.max_response_len or longest
 
@@ -89,18 +101,42 @@ def _build_task(config: TrainConfig) -> _Task:
             model.init_weights(config.seed)
             return model
 
-        return _Task(task, task.reward, (task.eos_id,), max_len, make_model)
+        return _Task(task, task.reward, (task.eos_id,), max_len, make_model,
+                     lambda: counting(config.seed + 1).prompts(0, config.eval_counting_prompts))
     from april_ext.data import DatasetConfig, PromptDataset, load_tokenizer
     from april_ext.tasks import MathReward
 
-    assert config.data is not None and config.tokenizer is not None and config.model is not None
-    tokenizer = load_tokenizer(config.tokenizer)
+    assert config.data is not None and config.tokenizer_dir is not None and config.model is not None
+    tokenizer = load_tokenizer(config.tokenizer_dir)
     dataset = PromptDataset.from_file(config.data, tokenizer, DatasetConfig(
         prompt_key=config.prompt_key, label_key=config.label_key, seed=config.seed, epochs=config.num_epochs))
     eos = tokenizer.eos_token_id
     model_dir = config.model
+
+    def eval_prompts() -> list[Prompt]:
+        assert config.eval_prompt_data is not None
+        held_out = PromptDataset.from_file(config.eval_prompt_data, tokenizer, DatasetConfig(
+            prompt_key=config.prompt_key, label_key=config.label_key, shuffle=False))
+        return [held_out[i] for i in range(len(held_out))]
+
     return _Task(dataset, MathReward(tokenizer), () if eos is None else (int(eos),),
-                 config.max_response_len or 1024, lambda: load_pretrained(model_dir, device="cpu"))
+                 config.max_response_len or 1024, lambda: load_pretrained(model_dir, device="cpu"), eval_prompts,
+                 lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+def _reward_fn(config: TrainConfig, task: _Task) -> RewardFn:
+    """The task's reward function, or custom_rm_path's (given text when custom_rm_text)."""
+    if config.custom_rm_path is None:
+        return task.reward_fn
+    return ImportedReward.from_path(config.custom_rm_path, config.custom_rm_kind, config.custom_rm_timeout_s,
+                                    task.decode if config.custom_rm_text else None)
+
+
+def _group_filter(config: TrainConfig) -> GroupFilter | None:
+    """dynamic_sampling_filter_path's filter, else the algorithm's (DAPO: reject uniform groups)."""
+    if config.dynamic_sampling_filter_path is not None:
+        return ImportedFilter.from_path(config.dynamic_sampling_filter_path)
+    return reject_uniform_groups if algorithm_config(config).dynamic_sampling else None
 
 
 def _build_scheduler(config: TrainConfig, task: _Task) -> Scheduler:
@@ -193,6 +229,9 @@ class TrainingRun:
             torch.set_num_threads(config.num_threads)
         _seed_everything(config.seed)
         task = _build_task(config)
+        # Imported before anything is started, so that a bad import path fails at once.
+        reward_fn, group_filter = _reward_fn(config, task), _group_filter(config)
+        self.eval_prompts = task.eval_prompts() if config.eval_interval else []
         self.scheduler = _build_scheduler(config, task)
         model = task.make_model()
         self.trainer: Trainer = _conforming(
@@ -201,26 +240,28 @@ class TrainingRun:
         self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.keep_checkpoints)
         os.makedirs(config.output_dir, exist_ok=True)
         self.metrics_path = os.path.join(config.output_dir, METRICS_FILE)
-        if config.resume:
-            self._resume()
+        if config.resume_dir is not None:
+            self._resume(config.resume_dir)
         self._open_outputs()
         # After the resume: the engine starts on the trainer's current weights and version.
         self.engine: RolloutEngine = _conforming(await self._stack.enter_async_context(
             self._engine_factory(config, self.trainer, model.config, self.memory_tag_prefix)), RolloutEngine, "engine")
+        self.sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                                       stop_token_ids=task.stop_token_ids, max_new_tokens=task.max_response_len)
+        self.reward_fn = reward_fn
         self.rollout = RolloutLoop(
-            self.engine, self.scheduler, task.reward_fn,
-            sampling=SamplingParams(temperature=config.temperature, top_p=config.top_p,
-                                    stop_token_ids=task.stop_token_ids),
-            group_filter=reject_uniform_groups if algorithm_config(config).dynamic_sampling else None,
+            self.engine, self.scheduler, reward_fn, sampling=self.sampling,
+            group_filter=group_filter,
             seed=config.seed, engine_capacity=config.max_num_seqs)
         self.memory = StepMemory(self.engine, self.trainer) if config.colocate else None
         return self
 
-    def _resume(self) -> None:
-        """Restores the trainer and the scheduler from the newest checkpoint, if there is one, and keeps the
-        metrics rows up to its step."""
+    def _resume(self, directory: str) -> None:
+        """Restores the trainer and the scheduler from the newest checkpoint in ``directory``, if there is
+        one, and keeps the metrics rows up to its step."""
+        source = CheckpointManager(directory, keep=self.config.keep_checkpoints)
         # The newest intact checkpoint: a damaged newer one is skipped with a warning.
-        latest = self.checkpoints.restore_newest(self.trainer, self.scheduler)
+        latest = source.restore_newest(self.trainer, self.scheduler)
         if latest is not None:
             self.resumed_from = self.steps_done = latest.step
             self.last_saved = latest.path
@@ -230,6 +271,8 @@ class TrainingRun:
         """metrics.jsonl (rewritten with the rows kept: a resumed run drops those written after its
         checkpoint, a fresh run starts it empty) and the progress bar."""
         atomic_write_text(self.metrics_path, "".join(json.dumps(row) + "\n" for row in self.history))
+        atomic_write_json(os.path.join(self.config.output_dir, CONFIG_FILE), self.resolved_config, indent=2)
+        self.sinks = self._open_sinks()
         from tqdm import tqdm
 
         config = self.config
@@ -237,6 +280,30 @@ class TrainingRun:
             total=config.num_steps, initial=self.steps_done, desc=f"train[{self.mode}]", unit="step",
             disable=not config.progress, dynamic_ncols=True, position=self.bar_position))
         self.metrics_file = self._stack.enter_context(open(self.metrics_path, "a", encoding="utf-8"))
+
+    @property
+    def resolved_config(self) -> dict[str, Any]:
+        """Every setting of the run as it runs (the defaults filled in), logged at the start."""
+        return {**dataclasses.asdict(self.config), "checkpoint_dir": self.config.checkpoint_dir,
+                "mode": self.mode}
+
+    def _open_sinks(self) -> list[MetricsSink]:
+        """The TensorBoard / W&B sinks the config asks for, closed with the run."""
+        config, sinks = self.config, []
+        if config.use_tensorboard:
+            sinks.append(TensorBoardSink(os.path.join(config.output_dir, TENSORBOARD_DIR), self.resolved_config))
+        if config.use_wandb:
+            sinks.append(WandbSink(config.wandb_project, config.wandb_dir or config.output_dir,
+                                   os.path.basename(os.path.abspath(config.output_dir)), self.resolved_config))
+        for sink in sinks:
+            self._stack.callback(sink.close)
+        return sinks
+
+    def _log(self, row: dict[str, Any]) -> None:
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+        for sink in self.sinks:
+            sink.log(row["step"], row)
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self._stack.aclose()
@@ -268,15 +335,29 @@ class TrainingRun:
         row = step_row(self.steps_done, self.mode, rm, tm, train_s, time.perf_counter() - sync_start,
                    time.perf_counter() - step_start)
         row.update(await engine_metrics(engine))
+        if config.eval_interval and self.steps_done % config.eval_interval == 0:
+            row.update(await self.evaluate())
         self.history.append(row)
-        self.metrics_file.write(json.dumps(row) + "\n")
-        self.metrics_file.flush()
+        self._log(row)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{rm.reward_mean:.3f}", tok_s=f"{rm.tokens_per_s:.0f}",
                              partial=f"{rm.scheduler['carried_token_ratio']:.2f}")
         if config.save_interval and self.steps_done % config.save_interval == 0 and not self.done:
             await self.save()
         return row
+
+    async def evaluate(self) -> dict[str, float]:
+        """Eval metrics of the current weights on the held-out prompts (training.evaluation), through the
+        run's engine while it has nothing else to do (between steps)."""
+        start = time.perf_counter()
+        if self.memory is not None:
+            await self.memory.to_rollout()
+        metrics = await evaluate(self.engine, self.eval_prompts, self.reward_fn, self.sampling,
+                                 n_samples=self.config.n_samples_per_eval_prompt, seed=self.config.seed,
+                                 concurrency=self.config.max_num_seqs)
+        if self.memory is not None:
+            await self.memory.to_training()
+        return {**metrics, "time/eval_s": time.perf_counter() - start}
 
     async def save(self) -> str:
         """Checkpoints now (after every pending reward reached the scheduler)."""
@@ -299,5 +380,5 @@ class TrainingRun:
                            self.data_exhausted, summarize(self.history), self.memory_tag_prefix)
 
 
-__all__ = ["METRICS_FILE", "StepMemory", "TrainResult", "TrainingRun", "summarize", "train", "train_async",
-           "train_side_by_side"]
+__all__ = ["CONFIG_FILE", "METRICS_FILE", "StepMemory", "TrainResult", "TrainingRun", "summarize", "train",
+           "train_async", "train_side_by_side"]

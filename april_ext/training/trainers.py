@@ -28,15 +28,22 @@ _ALGORITHMS: dict[str, Callable[..., AlgorithmConfig]] = {
 
 
 def algorithm_config(config: TrainConfig) -> AlgorithmConfig:
-    """The objective: the preset TrainConfig.algorithm names, with the run's kl_coef and tis_cap."""
-    return _ALGORITHMS[config.algorithm](kl_coef=config.kl_coef, tis_cap=config.tis_cap)
+    """The objective: the preset TrainConfig.algorithm names, with the run's kl_coef, TIS clip and clip range."""
+    clip: dict[str, float] = {}
+    if config.eps_clip is not None:
+        clip = {"eps_low": config.eps_clip, "eps_high": config.eps_clip}
+    if config.eps_clip_high is not None:
+        clip["eps_high"] = config.eps_clip_high
+    return _ALGORITHMS[config.algorithm](kl_coef=config.kl_coef, tis_cap=config.tis_cap, tis_floor=config.tis_floor,
+                                         **clip)
 
 
 def trainer_config(config: TrainConfig, memory_tag_prefix: str = "") -> TrainerConfig:
     """The optimisation settings every kind of trainer shares; pi_train follows the rollouts' sampling."""
     return TrainerConfig(
         algorithm=algorithm_config(config), lr=config.lr, micro_batch_tokens=config.micro_batch_tokens,
-        device=config.device, temperature=config.temperature, top_p=config.top_p, colocated=config.colocate,
+        minibatches=config.minibatches, device=config.device, temperature=config.temperature, top_k=config.top_k,
+        top_p=config.top_p, colocated=config.colocate,
         memory_tag=memory_tag_prefix + "trainer")
 
 

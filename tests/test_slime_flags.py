@@ -1,0 +1,174 @@
+"""slime's flag names for `april-ext train`: each parses to the same TrainConfig as our name."""
+
+from __future__ import annotations
+
+import pytest
+
+from april_ext import cli
+from april_ext.errors import ConfigError
+from april_ext.training.command import SLIME_ALIASES, config_from_args
+from april_ext.training.trainers import algorithm_config, trainer_config
+
+DATA = ["--tokenizer", "tok", "--model", "ckpt"]
+
+
+def _config(*argv: str):
+    return config_from_args(cli.build_parser().parse_args(["train", *argv]))
+
+
+@pytest.mark.parametrize("slime, ours", [
+    (["--rollout-max-response-len", "77"], ["--max-response-len", "77"]),
+    (["--mask-offpolicy-in-partial-rollout"], ["--mask-offpolicy"]),
+    (["--advantage-estimator", "gspo"], ["--algorithm", "gspo"]),
+    (["--rollout-temperature", "0.7"], ["--temperature", "0.7"]),
+    (["--rollout-top-p", "0.9"], ["--top-p", "0.9"]),
+    (["--rollout-top-k", "20"], ["--top-k", "20"]),
+    (["--hf-checkpoint", "/ckpt"], ["--model", "/ckpt"]),
+    (["--prompt-data", "p.jsonl", "--hf-checkpoint", "ckpt"], ["--data", "p.jsonl", "--model", "ckpt"]),
+    (["--input-key", "question"], ["--prompt-key", "question"]),
+    (["--num-rollout", "5"], ["--num-steps", "5"]),
+    (["--rollout-seed", "9"], ["--seed", "9"]),
+    (["--use-tis"], ["--tis-cap", "2.0"]),
+    (["--use-tis", "--tis-clip", "1.5"], ["--tis-cap", "1.5"]),
+    (["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0.5"], ["--tis-cap", "1.5", "--tis-floor", "0.5"]),
+    (["--use-kl-loss", "--kl-loss-coef", "0.01"], ["--kl-coef", "0.01"]),
+    (["--apply-chat-template"], []),
+])
+def test_slime_flag_parses_to_the_same_config_as_ours(slime, ours):
+    assert _config(*slime) == _config(*ours)
+    assert _config(*slime) != _config() or not ours
+
+
+def test_every_alias_is_tested_and_shown_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flags in SLIME_ALIASES.values():
+        for flag in flags:
+            assert flag in text
+    for flag in ("--use-tis", "--tis-clip", "--tis-clip-low", "--kl-loss-coef", "--apply-chat-template",
+                 "--eps-clip", "--eps-clip-high", "--global-batch-size", "--save", "--load", "--save-interval",
+                 "--label-key", "--custom-rm-path", "--dynamic-sampling-filter-path", "--use-tensorboard",
+                 "--use-wandb"):
+        assert flag in text
+
+
+def test_slime_names_that_are_our_names_mean_slimes_setting():
+    config = _config("--eps-clip", "0.1", "--eps-clip-high", "0.3", "--global-batch-size", "16",
+                     "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--save", "s", "--load", "l",
+                     "--save-interval", "3", "--label-key", "answer")
+    algo = algorithm_config(config)
+    assert (algo.eps_low, algo.eps_high) == (0.1, 0.3)
+    # slime's global batch counts samples: 4 x 8 samples in steps of 16 is two optimizer steps per rollout.
+    assert trainer_config(config).minibatches == 2
+    assert (config.checkpoint_dir, config.resume_dir, config.save_interval, config.label_key) == ("s", "l", 3, "answer")
+    # slime's --eps-clip-high defaults to --eps-clip; the algorithm's presets apply when neither is given.
+    assert algorithm_config(_config("--eps-clip", "0.1")).eps_high == 0.1
+    assert algorithm_config(_config("--algorithm", "dapo")).eps_high == 0.28
+    assert trainer_config(_config("--rollout-top-k", "5")).top_k == 5
+
+
+def test_tokenizer_defaults_to_the_checkpoint_as_in_slime():
+    config = _config("--prompt-data", "p.jsonl", "--hf-checkpoint", "ckpt")
+    assert config.tokenizer is None and config.tokenizer_dir == "ckpt" and config.task is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tis-clip", "1.5"], "without --use-tis"),
+    (["--use-tis", "--tis-clip-low", "2.5"], "tis_floor"),
+    (["--tis-floor", "0.5"], "tis_floor"),
+    (["--kl-loss-coef", "0.1"], "without --use-kl-loss"),
+    (["--use-kl-loss"], "needs --kl-loss-coef"),
+    (["--use-tis", "--tis-cap", "3"], "give one of them"),
+    (["--advantage-estimator", "reinforce_plus_plus"], "algorithm"),
+    (["--global-batch-size", "12", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8"], "multiple of"),
+    (["--global-batch-size", "24", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8"], "divides"),
+    (["--eps-clip", "1.5"], "eps_clip"),
+    (["--custom-rm-path", "not a path"], "import path"),
+    (["--custom-rm-kind", "token"], "custom_rm_kind"),
+    (["--custom-rm-path", "m:f", "--custom-rm-text"], "custom_rm_text"),
+])
+def test_unsupported_or_inconsistent_slime_flags_are_config_errors(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        _config(*argv)
+
+
+def test_eval_prompt_data_takes_slimes_name_path_form():
+    base = ["--prompt-data", "p.jsonl", "--hf-checkpoint", "ckpt", "--eval-interval", "5"]
+    named = _config(*base, "--eval-prompt-data", "aime", "/data/aime.jsonl", "--n-samples-per-eval-prompt", "4")
+    assert named == _config(*base, "--eval-prompt-data", "/data/aime.jsonl", "--n-samples-per-eval-prompt", "4")
+    assert (named.eval_prompt_data, named.eval_interval, named.n_samples_per_eval_prompt) == ("/data/aime.jsonl", 5, 4)
+    with pytest.raises(ConfigError, match="one held-out set"):
+        _config(*base, "--eval-prompt-data", "a", "x.jsonl", "b", "y.jsonl")
+    with pytest.raises(ConfigError, match="eval_interval"):
+        _config("--prompt-data", "p.jsonl", "--hf-checkpoint", "ckpt", "--eval-prompt-data", "x.jsonl")
+    with pytest.raises(ConfigError, match="eval_prompt_data"):
+        _config("--eval-interval", "2", "--eval-prompt-data", "x.jsonl")
+
+
+def test_a_slime_command_line_trains(tmp_path, monkeypatch, capsys):
+    """The README's slime command line, on a tiny checkpoint whose directory also holds the tokenizer."""
+    import json
+
+    from _torch_threads import one_torch_thread
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from april_ext.model import LlamaForCausalLM, ModelConfig, save_pretrained
+
+    words = ["[PAD]", "[BOS]", "[EOS]", "what", "is", "1+1", "2+2", "3+3", "?", "2", "4", "6", "\\boxed{4}"]
+    ckpt = tmp_path / "ckpt"
+    model = LlamaForCausalLM(ModelConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=64, eos_token_id=2))
+    model.init_weights(0)
+    save_pretrained(model, ckpt)
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[PAD]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="[EOS]", pad_token="[PAD]").save_pretrained(ckpt)
+    records = [{"input": f"what is {a}+{a} ?", "label": str(2 * a)} for a in (1, 2, 3)] * 4
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
+    (tmp_path / "my_rm.py").write_text(
+        "seen = []\n"
+        "def reward(prompt, response):\n"
+        "    seen.append(response)\n"
+        "    return float(prompt.metadata['label'] in response.split())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["train", "--hf-checkpoint", str(ckpt), "--prompt-data", str(tmp_path / "train.jsonl"),
+            "--input-key", "input", "--label-key", "label", "--apply-chat-template",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--over-sampling-batch-size", "4",
+            "--rollout-max-response-len", "6", "--rollout-temperature", "1.0", "--rollout-top-p", "1.0",
+            "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
+            "--use-tis", "--tis-clip", "2.0", "--mask-offpolicy-in-partial-rollout", "--global-batch-size", "4",
+            "--use-kl-loss", "--kl-loss-coef", "0.001", "--num-rollout", "2", "--rollout-seed", "42",
+            "--custom-rm-path", "my_rm:reward", "--custom-rm-text",
+            "--eval-prompt-data", "toy", str(tmp_path / "eval.jsonl"),
+            "--eval-interval", "2", "--n-samples-per-eval-prompt", "2", "--use-tensorboard",
+            "--save", str(tmp_path / "ckpts"), "--save-interval", "1", "--output-dir", str(tmp_path / "run"),
+            "--max-num-seqs", "64", "--num-blocks", "128", "--no-progress", "--no-plots"]
+    with one_torch_thread():
+        assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and "eval/pass@2" in rows[1]
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["step_000001", "step_000002"]
+    assert (tmp_path / "run" / "tensorboard").is_dir()
+    import my_rm  # the reward saw decoded text: words of the tokenizer's vocabulary
+
+    assert my_rm.seen and all(isinstance(t, str) and set(t.split()) <= set(words) for t in my_rm.seen)
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["tis_cap"], config["kl_coef"], config["mask_offpolicy"], config["seed"]) == (2.0, 0.001, True, 42)
+
+
+def test_tis_clip_low_floors_the_importance_weights():
+    import torch
+
+    from april_ext.algorithms import truncated_is_weights
+
+    config = _config("--use-tis", "--tis-clip", "2.0", "--tis-clip-low", "0.5")
+    algo = algorithm_config(config)
+    assert (algo.tis_cap, algo.tis_floor) == (2.0, 0.5)
+    train = torch.log(torch.tensor([0.1, 0.4, 0.9]))
+    behavior = torch.log(torch.tensor([0.8, 0.4, 0.3]))
+    weights = truncated_is_weights(train, behavior, algo.tis_cap, algo.tis_floor)
+    assert weights.tolist() == pytest.approx([0.5, 1.0, 2.0])  # 0.125 floored, 1, 3 capped
