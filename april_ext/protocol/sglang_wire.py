@@ -76,6 +76,11 @@ class SGLangDialect:
     def version_tuple(self) -> tuple[int, ...]:
         return version_tuple(self.version)
 
+    @property
+    def pause_has_modes(self) -> bool:
+        """Whether /pause_generation reads a body with a mode (older releases read none and abort)."""
+        return self.pause_modes != ("abort",)
+
 
 _DISK_04 = ("model_path", "load_format", "abort_all_requests")
 _TENSOR_04 = ("serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests")
@@ -413,7 +418,7 @@ def _check_rid(rid: Any, what: str) -> None:
 def parse_pause(body: Any, dialect: SGLangDialect = CURRENT) -> str:
     """The pause mode. A release without modes reads no body and always aborts."""
     what = "/pause_generation"
-    if dialect.pause_modes == ("abort",):
+    if not dialect.pause_has_modes:
         return "abort"
     body = _object(body, what)
     _check_keys(body, ("mode", *BASE_REQ_FIELDS), what)
@@ -429,7 +434,7 @@ def parse_pause(body: Any, dialect: SGLangDialect = CURRENT) -> str:
 def parse_continue(body: Any, dialect: SGLangDialect = CURRENT) -> None:
     """/continue_generation: torch_empty_cache only frees the allocator cache of a GPU process."""
     what = "/continue_generation"
-    if dialect.pause_modes == ("abort",):
+    if not dialect.pause_has_modes:
         return
     body = _object(body, what)
     _check_keys(body, ("torch_empty_cache", *BASE_REQ_FIELDS), what)
