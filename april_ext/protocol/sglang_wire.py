@@ -263,6 +263,9 @@ _GENERATE_HINTS: dict[str, str] = {
     "bootstrap_pair_key": "str", "decode_tp_size": "int", "routed_dp_rank": "int", "data_parallel_rank": "int",
     "disagg_prefill_dp_rank": "int", "kv_hints": "any",
 }
+# Not a GenerateReqInput field: sglang-router adds the model name it routed by to every /generate body it
+# forwards (SGLang ignores fields it does not define; this server refuses unknown ones, so names it).
+_ROUTER_FIELDS: dict[str, str] = {"model": "any"}
 # Features the engine lacks (multimodal input, embeddings, sessions, LoRA, hidden states, top / per-token
 # logprobs of other tokens, ...): only SGLang's default, the value that leaves them off.
 _GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -282,7 +285,7 @@ _GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "video_max_dynamic_patch": (None,), "images_config": (None,), "mm_processor_kwargs": (None,),
     "multi_item_delimiter_indices": (None,), "token_indices_to_pool": (None,),
 }
-GENERATE_FIELDS = (*_GENERATE_HONOURED, *_GENERATE_HINTS, *_GENERATE_NEUTRAL)
+GENERATE_FIELDS = (*_GENERATE_HONOURED, *_GENERATE_HINTS, *_GENERATE_NEUTRAL, *_ROUTER_FIELDS)
 SAMPLING_FIELDS = (*_MAPPED, *_TEXT_ONLY, *_SAMPLING_EXTRA, *_NEUTRAL)
 _KINDS: dict[str, tuple[type, ...]] = {"bool": (bool,), "int": (int,), "number": (int, float), "str": (str,),
                                        "object": (dict,)}
