@@ -30,7 +30,7 @@ _TEXT_ONLY = ("no_stop_trim", "skip_special_tokens", "spaces_between_special_tok
 # SGLang sampling fields the engine does not implement: accepted only at the value that disables them
 # (SGLang's default, of that JSON type: false is not 0 and 1.0 is not 1). The last six are fields SGLang
 # fills in itself (normalize()), listed so that a body copied from its logs is still read.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
+SAMPLING_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "min_new_tokens": (0, None), "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
     "repetition_penalty": (1, 1.0, None), "min_p": (0, 0.0, None), "n": (1, None), "stop": (None, [], ""),
     "stop_regex": (None, [], ""), "beam_width": (None, 1), "regex": (None,), "json_schema": (None,),
@@ -265,10 +265,10 @@ _GENERATE_HINTS: dict[str, str] = {
 }
 # Not a GenerateReqInput field: sglang-router adds the model name it routed by to every /generate body it
 # forwards (SGLang ignores fields it does not define; this server refuses unknown ones, so names it).
-_ROUTER_FIELDS: dict[str, str] = {"model": "any"}
+ROUTER_FIELDS: dict[str, str] = {"model": "any"}
 # Features the engine lacks (multimodal input, embeddings, sessions, LoRA, hidden states, top / per-token
 # logprobs of other tokens, ...): only SGLang's default, the value that leaves them off.
-_GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "session_id": (None,), "input_embeds": (None,), "image_data": (None,), "video_data": (None,),
     "audio_data": (None,), "mm_hashes": (None,), "mm_content_hashes": (None,), "use_audio_in_video": (False, None),
     "video_config": (None,), "watermark": (None,), "top_logprobs_num": (None, 0), "token_ids_logprob": (None,),
@@ -285,8 +285,8 @@ _GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "video_max_dynamic_patch": (None,), "images_config": (None,), "mm_processor_kwargs": (None,),
     "multi_item_delimiter_indices": (None,), "token_indices_to_pool": (None,),
 }
-GENERATE_FIELDS = (*_GENERATE_HONOURED, *_GENERATE_HINTS, *_GENERATE_NEUTRAL, *_ROUTER_FIELDS)
-SAMPLING_FIELDS = (*_MAPPED, *_TEXT_ONLY, *_SAMPLING_EXTRA, *_NEUTRAL)
+GENERATE_FIELDS = (*_GENERATE_HONOURED, *_GENERATE_HINTS, *GENERATE_NEUTRAL, *ROUTER_FIELDS)
+SAMPLING_FIELDS = (*_MAPPED, *_TEXT_ONLY, *_SAMPLING_EXTRA, *SAMPLING_NEUTRAL)
 _KINDS: dict[str, tuple[type, ...]] = {"bool": (bool,), "int": (int,), "number": (int, float), "str": (str,),
                                        "object": (dict,)}
 
@@ -338,7 +338,7 @@ def parse_generate(body: Any) -> GenerateRequest:
         _check_rid(rid, what)
         if not rid:
             raise InvalidArgumentError(f"{what}: rid must be a non-empty string or null, got \"\"")
-    for key, allowed in _GENERATE_NEUTRAL.items():
+    for key, allowed in GENERATE_NEUTRAL.items():
         if key in body and not _neutral(body[key], allowed):
             raise InvalidArgumentError(f"{what}: {key} is not supported by the embedded server (allowed: "
                                        f"{' or '.join(_show(a) for a in allowed)}), got {_show(body[key])}")
@@ -361,7 +361,7 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
     what = "/generate sampling_params"
     raw = _object(raw, what)
     _check_keys(raw, SAMPLING_FIELDS, what)
-    for key, neutral in _NEUTRAL.items():
+    for key, neutral in SAMPLING_NEUTRAL.items():
         if key in raw and not _neutral(raw[key], neutral):
             raise InvalidArgumentError(f"{what}: {key}={_show(raw[key])} is not supported by the embedded engine "
                                        f"(allowed: {' or '.join(_show(n) for n in neutral)})")
