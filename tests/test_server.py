@@ -115,6 +115,11 @@ def test_serve_cli_builds_a_random_engine_from_a_config(tmp_path) -> None:
     assert core.model_config.vocab_size == tiny_model().config.vocab_size
     assert args.func.__name__ == "run"
     assert build_parser().parse_args(["serve", "--model-path", "/ckpt", "--enable-memory-saver"]).func is args.func
+    compat = build_parser().parse_args(["serve", "--model-path", "/ckpt", "--sglang-compat", "0.5.3",
+                                        "--tokenizer-path", "/tok"])
+    assert (compat.sglang_compat, compat.tokenizer_path, args.sglang_compat) == ("0.5.3", "/tok", "current")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model-path", "/ckpt", "--sglang-compat", "0.3"])
     args.tp = 2
     with pytest.raises(Exception, match="--tp must be 1"):
         build_core(args)
@@ -576,3 +581,49 @@ def test_launcher_runs_the_server_outside_the_callers_directory(tmp_path, monkey
     assert big_status == 413 and "limit of 4096 bytes" in big["error"]["message"]
     assert server.process.returncode == 0
     assert not server.log_path.startswith(str(checkout))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A word-level tokenizer over the tiny model's vocabulary (ids 0-3 special, then words w4 ... w100)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[BOS]", "[EOS]", *(f"w{i}" for i in range(4, 101))])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]",
+                                   unk_token="[UNK]")
+    path = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(path)
+    return str(path)
+
+
+def test_text_prompts_with_a_tokenizer_and_per_request_stream_interval(model, server, tokenizer_dir) -> None:
+    greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+    async def body(url):
+        async with aiohttp.ClientSession() as session:
+            by_text = await post(session, f"{url}/generate", {"text": "w5 w17 w33", "sampling_params": greedy})
+            both = await post(session, f"{url}/generate", {"text": "w5", "input_ids": [5], "sampling_params": greedy})
+            events = await stream_events(session, f"{url}/generate", {
+                "text": "w5 w17 w33", "stream": True, "sampling_params": {**greedy, "stream_interval": 4}})
+            return by_text, both, events
+
+    async def token_only(url):
+        async with aiohttp.ClientSession() as session:
+            return await post(session, f"{url}/generate", {"text": "w5", "sampling_params": greedy})
+
+    with one_torch_thread(), live_server(tiny_model(), tokenizer_path=tokenizer_dir) as s:
+        (status, out), both, events = run(body(s.url))
+    want = greedy_reference(model, [2, 5, 17, 33], 6)  # [BOS] w5 w17 w33
+    assert status == 200 and out["output_ids"] == want and out["meta_info"]["prompt_tokens"] == 4
+    words = [f"w{t}" for t in want if t > 3]  # the detokenized output skips special tokens, as SGLang's default
+    assert out["text"].split() == words
+    assert both[0] == 400 and "either text or input_ids" in both[1]["error"]["message"]
+    # stream_interval 4 of 6 tokens: an event at 4, then the last at 6.
+    assert [len(e["output_ids"]) for e in events[:-1]] == [4, 6] and events[-1] == "[DONE]"
+    assert events[-2]["text"] == out["text"]
+    refused = run(token_only(server.url))
+    assert refused[0] == 400 and "needs a tokenizer" in refused[1]["error"]["message"]
