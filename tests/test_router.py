@@ -95,11 +95,14 @@ def test_the_adapter_through_the_router_reaches_every_worker(tmp_path) -> None:
             short = SamplingParams(max_new_tokens=6, temperature=0.0)
             greedy = [[t async for c in engine.generate(PROMPT, short) for t in c.token_ids] for _ in range(2)]
 
-            async def consume(i: int) -> list[int]:
-                return [t async for c in engine.generate(PROMPT, long, request_id=f"s-{i}") for t in c.token_ids]
+            started: dict[int, int] = {}
+
+            async def consume(i: int) -> None:
+                async for c in engine.generate(PROMPT, long, request_id=f"s-{i}"):
+                    started[i] = started.get(i, 0) + len(c.token_ids)
 
             streams = [asyncio.create_task(consume(i)) for i in range(6)]
-            while engine.stats().generated_tokens < 12:
+            while len([n for n in started.values() if n > 0]) < 6:  # every request is decoding
                 await asyncio.sleep(0.01)
             busy = {url: await _in_flight(engine, url) for url in workers}
             aborted = await engine.abort()
