@@ -100,18 +100,20 @@ def test_each_release_line_is_mimicked_strictly(compat) -> None:
         async with aiohttp.ClientSession() as session:
             paths = {p: (await get(session, f"{url}{p}"))[0] for p in
                      ("/server_info", "/get_server_info", "/model_info", "/get_model_info", "/get_weight_version")}
+            relabel = (await post(session, f"{url}/update_weight_version", {"new_version": "v"}))[0]
             disk = await post(session, f"{url}/update_weights_from_disk",
                               {"model_path": "/nowhere", "weight_version": "1", "flush_cache": True})
             _, answer = await post(session, f"{url}/generate", {"input_ids": PROMPT,
                                                                 "sampling_params": {"max_new_tokens": 2}})
-            return paths, disk, answer
+            return paths, relabel, disk, answer
 
     with one_torch_thread(), live_server(tiny_model(), sglang_compat=compat) as server:
-        paths, disk, answer = asyncio.run(body(server.url))
+        paths, relabel, disk, answer = asyncio.run(body(server.url))
     served = {p for p, status in paths.items() if status == 200}
     assert served == {*dialect.server_info, *dialect.model_info,
                       *(("/get_weight_version",) if dialect.get_weight_version else ())}
     assert set(paths.values()) <= {200, 404}
+    assert relabel == (200 if dialect.weight_versions else 404)  # 0.4.x labels no weights
     if compat == "current":
         assert disk[0] == 400 and "Failed to update weights" in disk[1]["message"]  # read, then the path fails
     else:

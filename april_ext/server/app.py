@@ -216,7 +216,6 @@ class EngineServer:
             ("GET", "/resume_memory_occupation", self.resume_memory),
             ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
             ("POST", "/update_weights_from_tensor", self.update_weights_from_tensor),
-            ("POST", "/update_weight_version", self.update_weight_version),
             ("GET", "/flush_cache", self.flush_cache), ("POST", "/flush_cache", self.flush_cache),
             ("GET", "/health", self.health), ("GET", "/health_generate", self.health_generate),
         ]
@@ -225,6 +224,8 @@ class EngineServer:
         routes += [("GET", path, self.model_info) for path in self.dialect.model_info]
         if self.dialect.get_weight_version:
             routes.append(("GET", "/get_weight_version", self.weight_version))
+        if self.dialect.weight_versions:
+            routes.append(("POST", "/update_weight_version", self.update_weight_version))
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
         return app
