@@ -53,12 +53,16 @@ def sglang_router(worker_urls: list[str], tmp_path, timeout_s: float = 90.0) -> 
     """`python -m sglang_router.launch_router` on a free loopback port, in its own process group; returns
     once its /workers lists every worker as healthy. Stopped with SIGTERM (then SIGKILL) on exit."""
     port = free_port()
-    log = open(tmp_path / "router.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                             "--port", str(port), "--worker-urls", *worker_urls, "--policy", "round_robin",
-                             "--log-level", "warn"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *worker_urls, "--policy", "round_robin", "--log-level", "warn"]
+    with open(tmp_path / "router.log", "wb") as log, \
+            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                             start_new_session=True) as proc:
+        yield from _serve(proc, f"http://127.0.0.1:{port}", worker_urls, tmp_path, timeout_s)
+
+
+def _serve(proc: subprocess.Popen, url: str, worker_urls: list[str], tmp_path, timeout_s: float) -> Iterator[str]:
+    """Waits until the router lists every worker as healthy, yields its url, then stops it."""
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -80,7 +84,6 @@ def sglang_router(worker_urls: list[str], tmp_path, timeout_s: float = 90.0) -> 
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=15)
-        log.close()
 
 
 def test_the_adapter_through_the_router_reaches_every_worker(tmp_path) -> None:
@@ -93,7 +96,7 @@ def test_the_adapter_through_the_router_reaches_every_worker(tmp_path) -> None:
             health = engine.health()
             listed = await engine.worker_urls()
             short = SamplingParams(max_new_tokens=6, temperature=0.0)
-            greedy = [[t async for c in engine.generate(PROMPT, short) for t in c.token_ids] for _ in range(2)]
+            greedy = [await _greedy(engine, short) for _ in range(2)]
 
             started: dict[int, int] = {}
 
@@ -110,8 +113,7 @@ def test_the_adapter_through_the_router_reaches_every_worker(tmp_path) -> None:
             idle = {url: await _in_flight(engine, url) for url in workers}
             names = await engine.update_weights(str(tmp_path / "ckpt"), version=5)
             versions = await engine.weight_versions()
-            after = [[(t, c.weight_version) async for c in engine.generate(PROMPT, short) for t in c.token_ids]
-                     for _ in range(2)]
+            after = [await _greedy(engine, short, versions=True) for _ in range(2)]
             checked = await engine.check_health()
             return health, listed, greedy, busy, aborted, idle, names, versions, after, checked
 
@@ -136,6 +138,13 @@ def test_the_adapter_through_the_router_reaches_every_worker(tmp_path) -> None:
     assert checked["status"] == "ok"
 
 
+async def _greedy(engine: SGLangEngine, params: SamplingParams, versions: bool = False) -> list:
+    out = []
+    async for chunk in engine.generate(PROMPT, params):
+        out += [(t, chunk.weight_version) if versions else t for t in chunk.token_ids]
+    return out
+
+
 async def _in_flight(engine: SGLangEngine, url: str) -> int:
     info = (await engine.server_info())[url]
     return int(info["internal_states"][0]["requests_in_flight"])
@@ -151,10 +160,10 @@ def _counting_checkpoint(path) -> str:
 
 def test_an_april_training_run_through_the_router(tmp_path) -> None:
     ckpt = _counting_checkpoint(tmp_path / "ckpt")
-    settings = dict(counting_median=3.0, counting_sigma=0.8, counting_max_count=12, counting_symbols=2,
-                    hidden_size=16, num_layers=1, rollout_batch_size=2, n_samples_per_prompt=4,
-                    over_sampling_batch_size=4, max_num_seqs=64, num_blocks=256, lr=0.003, progress=False,
-                    plots=False)
+    settings = {"counting_median": 3.0, "counting_sigma": 0.8, "counting_max_count": 12, "counting_symbols": 2,
+                "hidden_size": 16, "num_layers": 1, "rollout_batch_size": 2, "n_samples_per_prompt": 4,
+                "over_sampling_batch_size": 4, "max_num_seqs": 64, "num_blocks": 256, "lr": 0.003,
+                "progress": False, "plots": False}
     with one_torch_thread(), \
             live_server(load_pretrained(ckpt), weight_version="17", block_size=16, max_num_seqs=64) as a, \
             live_server(load_pretrained(ckpt), weight_version="17", block_size=16, max_num_seqs=64) as b:

@@ -16,7 +16,12 @@ from _torch_threads import one_torch_thread
 from april_ext.errors import InvalidArgumentError
 from april_ext.model import save_pretrained
 from april_ext.protocol import SamplingParams
-from april_ext.protocol.sglang_wire import DIALECTS, SGLANG_RELEASE, dialect_for, version_tuple
+from april_ext.protocol.sglang_wire import (
+    DIALECTS,
+    SGLANG_RELEASE,
+    dialect_for,
+    version_tuple,
+)
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig
 from april_ext.sglang.engine import UNLABELLED
 from april_ext.sglang.requests import generate_payload

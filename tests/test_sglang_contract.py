@@ -36,7 +36,7 @@ from april_ext.sglang.client import HTTPClient
 
 def _sglang_root() -> str | None:
     spec = importlib.util.find_spec("sglang")  # finds the package without running its __init__
-    return None if spec is None or not spec.submodule_search_locations else list(spec.submodule_search_locations)[0]
+    return None if spec is None or not spec.submodule_search_locations else next(iter(spec.submodule_search_locations))
 
 
 ROOT = _sglang_root()

@@ -68,8 +68,9 @@ class RequestState:
     def apply(self, event: Any, url: str, initial_version: int, current_version: int) -> GenerationChunk | None:
         """Takes one cumulative event (or a non-streaming answer); returns the chunk of what is new in it
         (None when nothing is). Its tokens carry the event's meta_info.weight_version; a release that
-        labels no weights (0.4.x) sends none, and they carry current_version, the adapter's own. Raises SGLangBadRequestError for an in-band error or refused input, and
-        SGLangHTTPError for an event the adapter cannot read."""
+        labels no weights (0.4.x) sends none, and they carry current_version, the adapter's own. Raises
+        SGLangBadRequestError for an in-band error or refused input, and SGLangHTTPError for an event the
+        adapter cannot read."""
         if not isinstance(event, dict) or "error" in event:
             message = event.get("error", {}).get("message", event) if isinstance(event, dict) else event
             raise SGLangBadRequestError(url, 200, str(message))
