@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 import torch
 from _engine_utils import greedy_reference, tiny_model
-from _sglang_utils import get, in_flight, live_server, post, stream_events, wait_for
+from _sglang_utils import engine_state, get, in_flight, live_server, post, stream_events, wait_for
 from _torch_threads import one_torch_thread
 
 from april_ext.batch import FinishReason
@@ -43,7 +43,11 @@ def test_parse_generate_maps_sglang_sampling_names() -> None:
 
 
 @pytest.mark.parametrize("body, fragment", [
-    ({"text": "hello"}, "token-only"),
+    ({"text": "hello", "input_ids": [1]}, "either text or input_ids"),
+    ({"text": ["a", "b"]}, "batched requests"),
+    ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k must be -1 (disable) or at least 1"),
+    ({"input_ids": [1], "return_hidden_states": True}, "return_hidden_states is not supported"),
+    ({"input_ids": [1], "priority": "high"}, "priority must be an integer"),
     ({}, "input_ids is required"),
     ({"input_ids": [[1, 2], [3]]}, "batched requests"),
     ({"input_ids": "1 2"}, "must be a list"),
@@ -77,10 +81,11 @@ def test_memory_tags_pause_modes_and_weight_bodies() -> None:
     with pytest.raises(InvalidArgumentError, match="unknown memory tags"):
         sglang_wire.parse_memory_tags({"tags": ["activations"]}, "x")
     assert sglang_wire.parse_pause(None) == "abort"
-    with pytest.raises(InvalidArgumentError, match="not supported by the embedded engine"):
-        sglang_wire.parse_pause({"mode": "retract"})
+    assert [sglang_wire.parse_pause({"mode": m}) for m in ("retract", "in_place")] == ["retract", "in_place"]
     with pytest.raises(InvalidArgumentError, match="mode must be one of"):
         sglang_wire.parse_pause({"mode": "later"})
+    # A release without modes reads no body: its pause always aborts.
+    assert sglang_wire.parse_pause({"mode": "retract"}, sglang_wire.DIALECTS["0.5.3"]) == "abort"
     disk = sglang_wire.parse_weights_from_disk({"model_path": "/ckpt", "weight_version": 4, "flush_cache": True})
     assert (disk.model_path, disk.weight_version, disk.abort_all_requests) == ("/ckpt", "4", False)
     with pytest.raises(InvalidArgumentError, match="load_format"):
@@ -110,6 +115,11 @@ def test_serve_cli_builds_a_random_engine_from_a_config(tmp_path) -> None:
     assert core.model_config.vocab_size == tiny_model().config.vocab_size
     assert args.func.__name__ == "run"
     assert build_parser().parse_args(["serve", "--model-path", "/ckpt", "--enable-memory-saver"]).func is args.func
+    compat = build_parser().parse_args(["serve", "--model-path", "/ckpt", "--sglang-compat", "0.5.3",
+                                        "--tokenizer-path", "/tok"])
+    assert (compat.sglang_compat, compat.tokenizer_path, args.sglang_compat) == ("0.5.3", "/tok", "current")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model-path", "/ckpt", "--sglang-compat", "0.3"])
     args.tp = 2
     with pytest.raises(Exception, match="--tp must be 1"):
         build_core(args)
@@ -334,16 +344,18 @@ def test_health_and_server_info(server) -> None:
     async def body():
         async with aiohttp.ClientSession() as session:
             return [await get(session, f"{server.url}{path}") for path in
-                    ("/health", "/health_generate", "/server_info", "/get_server_info", "/get_model_info",
-                     "/get_weight_version", "/no_such_endpoint")]
+                    ("/health", "/health_generate", "/server_info", "/get_server_info", "/model_info",
+                     "/get_model_info", "/get_weight_version", "/no_such_endpoint")]
 
-    (h, _), (hg, _), (si, info), (gsi, alias), (mi, model_info), (wv, version), (missing, _) = run(body())
-    assert (h, hg, si, gsi, mi, wv, missing) == (200, 200, 200, 200, 200, 200, 404)
+    (h, _), (hg, _), (si, info), (gsi, alias), (mi, model_info), (gmi, _), (wv, _), (missing, _) = run(body())
+    # As the current SGLang release: /get_weight_version is gone, the version is in /model_info.
+    assert (h, hg, si, gsi, mi, gmi, wv, missing) == (200, 200, 200, 200, 200, 200, 404, 404)
     assert info["skip_tokenizer_init"] is True and info["page_size"] == 4 and info["tp_size"] == 1
     assert info["max_total_num_tokens"] == 1024 and info["weight_version"] == "default"
     assert info["port"] == int(server.url.rsplit(":", 1)[1])
+    assert info["version"] == sglang_wire.SGLANG_RELEASE and info["engine"] == "april_ext"
     assert alias["weight_version"] == info["weight_version"] and "internal_states" in alias
-    assert model_info["is_generation"] is True and version == {"weight_version": "default"}
+    assert model_info["is_generation"] is True and model_info["weight_version"] == "default"
 
 
 def test_weight_updates_from_disk_and_tensor_change_outputs_and_versions(tmp_path) -> None:
@@ -455,17 +467,66 @@ def test_pause_aborts_running_and_holds_new_requests_until_continue(server) -> N
                 "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3, "temperature": 0.0}}))
             await asyncio.sleep(0.3)
             held_while_paused = not held.done()
-            refused = await post(session, f"{url}/pause_generation", {"mode": "in_place"})
             resumed = await post(session, f"{url}/continue_generation")
-            return paused, aborted, held_while_paused, refused, resumed, await held
+            return paused, aborted, held_while_paused, resumed, await held
 
-    paused, aborted, held_while_paused, refused, resumed, held = run(body())
+    paused, aborted, held_while_paused, resumed, held = run(body())
     assert paused == (200, {"message": "Generation paused successfully.", "status": "ok"})
     assert aborted[1]["meta_info"]["finish_reason"]["type"] == "abort"
     assert held_while_paused
-    assert refused[0] == 400
     assert resumed == (200, {"message": "Generation continued successfully.", "status": "ok"})
     assert held[0] == 200 and held[1]["meta_info"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_in_place_or_retract_holds_requests_and_continue_finishes_them_unchanged(server, mode) -> None:
+    """in_place keeps the running request and its KV cache; retract sends it back to the queue with its KV
+    cache freed. Either way nothing is generated until continue, and the output is the uninterrupted one."""
+    body_of = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 60, "temperature": 0.0,
+                                                        "ignore_eos": True}}
+
+    async def body():
+        async with aiohttp.ClientSession() as session:
+            url = server.url
+            _, whole = await post(session, f"{url}/generate", body_of)
+            running = asyncio.create_task(post(session, f"{url}/generate", body_of))
+            await wait_for(lambda: _in_flight_at_least(session, url, 1))
+            paused = await post(session, f"{url}/pause_generation", {"mode": mode})
+            held_at = await engine_state(session, url)
+            await asyncio.sleep(0.3)
+            later = await engine_state(session, url)
+            resumed = await post(session, f"{url}/continue_generation", {})
+            return whole, paused, held_at, later, resumed, await running
+
+    whole, paused, held_at, later, resumed, (status, out) = run(body())
+    assert paused[0] == 200 and resumed[0] == 200
+    assert later["generated_tokens"] == held_at["generated_tokens"]  # nothing ran while paused
+    assert held_at["requests_in_flight"] == 1
+    if mode == "in_place":
+        assert (held_at["running"], held_at["waiting"]) == (1, 0) and held_at["free_blocks"] < held_at["total_blocks"]
+    else:
+        assert (held_at["running"], held_at["waiting"]) == (0, 1)
+        assert held_at["free_blocks"] == held_at["total_blocks"]
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert out["output_ids"] == whole["output_ids"]
+
+
+def test_pause_modes_other_than_abort_need_an_engine_that_can_hold() -> None:
+    from april_ext.sim import ClusterConfig, CostModel, SimulatedEngine, TraceLengths
+
+    cost = CostModel(decode_fixed_s=1.0, decode_per_seq_s=0.0, decode_per_kv_token_s=0.0, prefill_per_token_s=0.0,
+                     kv_capacity_tokens=10_000, max_num_seqs=8)
+
+    async def body(url):
+        async with aiohttp.ClientSession() as session:
+            return (await post(session, f"{url}/pause_generation", {"mode": "in_place"}),
+                    await post(session, f"{url}/pause_generation", {"mode": "abort"}),
+                    await post(session, f"{url}/continue_generation", {}))
+
+    with ServerThread(SimulatedEngine(ClusterConfig(cost=cost, num_engines=1), TraceLengths([[3]]))) as s:
+        refused, aborted, resumed = run(body(s.url))
+    assert refused[0] == 400 and "cannot: use mode 'abort'" in refused[1]["error"]["message"]
+    assert aborted[0] == 200 and resumed[0] == 200
 
 
 def test_client_disconnect_aborts_its_request(server) -> None:
@@ -520,3 +581,49 @@ def test_launcher_runs_the_server_outside_the_callers_directory(tmp_path, monkey
     assert big_status == 413 and "limit of 4096 bytes" in big["error"]["message"]
     assert server.process.returncode == 0
     assert not server.log_path.startswith(str(checkout))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A word-level tokenizer over the tiny model's vocabulary (ids 0-3 special, then words w4 ... w100)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[BOS]", "[EOS]", *(f"w{i}" for i in range(4, 101))])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]",
+                                   unk_token="[UNK]")
+    path = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(path)
+    return str(path)
+
+
+def test_text_prompts_with_a_tokenizer_and_per_request_stream_interval(model, server, tokenizer_dir) -> None:
+    greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+    async def body(url):
+        async with aiohttp.ClientSession() as session:
+            by_text = await post(session, f"{url}/generate", {"text": "w5 w17 w33", "sampling_params": greedy})
+            both = await post(session, f"{url}/generate", {"text": "w5", "input_ids": [5], "sampling_params": greedy})
+            events = await stream_events(session, f"{url}/generate", {
+                "text": "w5 w17 w33", "stream": True, "sampling_params": {**greedy, "stream_interval": 4}})
+            return by_text, both, events
+
+    async def token_only(url):
+        async with aiohttp.ClientSession() as session:
+            return await post(session, f"{url}/generate", {"text": "w5", "sampling_params": greedy})
+
+    with one_torch_thread(), live_server(tiny_model(), tokenizer_path=tokenizer_dir) as s:
+        (status, out), both, events = run(body(s.url))
+    want = greedy_reference(model, [2, 5, 17, 33], 6)  # [BOS] w5 w17 w33
+    assert status == 200 and out["output_ids"] == want and out["meta_info"]["prompt_tokens"] == 4
+    words = [f"w{t}" for t in want if t > 3]  # the detokenized output skips special tokens, as SGLang's default
+    assert out["text"].split() == words
+    assert both[0] == 400 and "either text or input_ids" in both[1]["error"]["message"]
+    # stream_interval 4 of 6 tokens: an event at 4, then the last at 6.
+    assert [len(e["output_ids"]) for e in events[:-1]] == [4, 6] and events[-1] == "[DONE]"
+    assert events[-2]["text"] == out["text"]
+    refused = run(token_only(server.url))
+    assert refused[0] == 400 and "needs a tokenizer" in refused[1]["error"]["message"]

@@ -135,7 +135,7 @@ def test_running_servers_get_the_initial_weights_and_each_new_version(tmp_path):
                                 "sglang_stream": False})
         result = train(config)
         _check_rows(result.history, 2, sglang=True)
-        with urllib.request.urlopen(f"{server.url}/get_weight_version", timeout=5) as resp:
+        with urllib.request.urlopen(f"{server.url}/model_info", timeout=5) as resp:
             assert json.loads(resp.read())["weight_version"] == "2"
 
 

@@ -146,7 +146,7 @@ def test_sglang_engine_on_running_servers_gets_the_trainers_weights_and_version(
                 return list((await engine.weight_versions()).values())
 
         assert asyncio.run(build()) == ["7"]
-        with urllib.request.urlopen(f"{server.url}/get_weight_version", timeout=5) as resp:
+        with urllib.request.urlopen(f"{server.url}/model_info", timeout=5) as resp:
             assert json.loads(resp.read())["weight_version"] == "7"
     # Pushed the way every later sync goes: through the weight-sync directory.
     synced = dict(iter_safetensors(tmp_path / "run" / "sglang" / "weight_sync"))

@@ -37,6 +37,7 @@ class AsyncEngine(LoopTaskEngine):
         self._streams: dict[str, asyncio.Queue[GenerationChunk | BaseException]] = {}
         self._commands: deque[tuple[_Command, asyncio.Future[Any]]] = deque()
         self._ids = RequestIds("async")
+        self._held = False
 
     # Public API -------------------------------------------------------------------------------------
 
@@ -95,6 +96,21 @@ class AsyncEngine(LoopTaskEngine):
         names = memory_tags(tags)
         await self._call(lambda: (self.core.resume_memory(names), []))
 
+    async def hold(self, retract: bool) -> None:
+        """Stops stepping until release(); the requests stay. retract: their KV cache is dropped (they go
+        back to the queue and are recomputed when stepping resumes); otherwise it is kept as it is."""
+        def run() -> tuple[None, list[GenerationChunk]]:
+            if retract:
+                self.core.flush_cache()
+            self._held = True
+            return None, []
+
+        await self._call(run)
+
+    async def release(self) -> None:
+        self._held = False
+        self._notify()
+
     def stats(self) -> EngineStats:
         return self.core.stats()
 
@@ -152,7 +168,7 @@ class AsyncEngine(LoopTaskEngine):
                     future.set_result(result)
             if self._closing:
                 return
-            if self.core.has_unfinished() and not self.core.paused:
+            if self.core.has_unfinished() and not self.core.paused and not self._held:
                 try:
                     chunks = await asyncio.to_thread(self.core.step)
                 except Exception as exc:  # a failed step fails its requests, not the server

@@ -25,18 +25,112 @@ from april_ext.protocol.sampling_params import MAX_SEED, SamplingParams
 _MAPPED = {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
            "top_k": "top_k", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
            "sampling_seed": "seed"}
-# Text-only booleans: a token-only server has no text to trim or detokenize, so either value is harmless.
+# Detokenizer switches: either value is honoured (they only shape the text of a server with a tokenizer).
 _TEXT_ONLY = ("no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens")
-# SGLang fields the engine does not implement: accepted only at the value that disables them (of that
-# JSON type: false is not 0 and 1.0 is not 1).
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
+# SGLang sampling fields the engine does not implement: accepted only at the value that disables them
+# (SGLang's default, of that JSON type: false is not 0 and 1.0 is not 1). The last six are fields SGLang
+# fills in itself (normalize()), listed so that a body copied from its logs is still read.
+SAMPLING_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "min_new_tokens": (0, None), "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
     "repetition_penalty": (1, 1.0, None), "min_p": (0, 0.0, None), "n": (1, None), "stop": (None, [], ""),
-    "regex": (None,), "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,),
-    "logit_bias": (None, {}), "custom_params": (None,),
+    "stop_regex": (None, [], ""), "beam_width": (None, 1), "regex": (None,), "json_schema": (None,),
+    "ebnf": (None,), "structural_tag": (None,), "logit_bias": (None, {}), "custom_params": (None,),
+    "watermark": (None,), "stop_strs": (None, [], ""), "stop_regex_strs": (None, [], ""),
+    "stop_str_max_len": (0, None), "stop_regex_max_len": (0, None), "is_normalized": (False, None),
+    "ebnf_full_assistant": (False, None),
 }
+# Honoured per request: events of a streamed request every this many tokens (the server's by default).
+_SAMPLING_EXTRA = ("stream_interval",)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+# The SGLang release whose request classes this module follows: the one place it is pinned. .ci/run installs
+# its wheel and tests/test_sglang_contract.py checks this module and the adapter against that wheel's source.
+SGLANG_RELEASE = "0.5.23"
+
+
+@dataclass(frozen=True)
+class SGLangDialect:
+    """What one line of SGLang releases serves, as far as an RL client needs it (read from each release's
+    http_server.py and io_struct.py). The adapter picks the row of the newest release not newer than a
+    server's version; the embedded server can mimic each row (ServerConfig.sglang_compat) so that the
+    adapter's adaptation is tested over real HTTP.
+
+    server_info / model_info: the GET paths, preferred first. get_weight_version: GET /get_weight_version
+    exists (deprecated, then removed). weight_versions: weights carry a version label (in /generate's
+    meta_info, /model_info or /get_weight_version, and the weight_version field of the updates).
+    pause_modes: the modes /pause_generation takes (an older server reads no body and always aborts).
+    disk_fields / tensor_fields: the fields of update_weights_from_disk / _from_tensor."""
+
+    name: str
+    version: str
+    server_info: tuple[str, ...]
+    model_info: tuple[str, ...]
+    get_weight_version: bool
+    weight_versions: bool
+    pause_modes: tuple[str, ...]
+    disk_fields: tuple[str, ...]
+    tensor_fields: tuple[str, ...]
+
+    @property
+    def version_tuple(self) -> tuple[int, ...]:
+        return version_tuple(self.version)
+
+    @property
+    def pause_has_modes(self) -> bool:
+        """Whether /pause_generation reads a body with a mode (older releases read none and abort)."""
+        return self.pause_modes != ("abort",)
+
+
+_DISK_04 = ("model_path", "load_format", "abort_all_requests")
+_TENSOR_04 = ("serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests")
+_DISK_053 = (*_DISK_04, "weight_version", "is_async", "torch_empty_cache", "keep_pause")
+_TENSOR_053 = (*_TENSOR_04, "weight_version")
+DIALECTS: dict[str, SGLangDialect] = {d.name: d for d in (
+    SGLangDialect("0.4", "0.4.10.post2", ("/get_server_info",), ("/get_model_info",), False, False, ("abort",),
+                  _DISK_04, _TENSOR_04),
+    SGLangDialect("0.5.3", "0.5.3", ("/get_server_info",), ("/get_model_info",), True, True, ("abort",),
+                  _DISK_053, _TENSOR_053),
+    SGLangDialect("current", SGLANG_RELEASE, ("/server_info", "/get_server_info"), ("/model_info", "/get_model_info"),
+                  False, True, PAUSE_MODES,
+                  (*_DISK_053, "recapture_cuda_graph", "token_step", "flush_cache", "manifest"),
+                  (*_TENSOR_053, "selector", "torch_empty_cache")),
+)}
+CURRENT = DIALECTS["current"]
+# Fields every request class of the current release inherits (BaseReq): an id for its logs and the IPC
+# address of the HTTP worker. Neither changes what the call does.
+BASE_REQ_FIELDS = ("rid", "http_worker_ipc")
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """"0.4.10.post2" -> (0, 4, 10): the numeric release, suffixes dropped."""
+    numbers = []
+    for part in str(version).split("."):
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) < len(part):
+            break
+    return tuple(numbers)
+
+
+def dialect_for(version: str | None) -> SGLangDialect:
+    """The row of the newest documented release not newer than `version` (the oldest row below them all;
+    no version at all: the current release, which is what a server without one is taken to be)."""
+    if version is None or not version_tuple(version):
+        return CURRENT
+    wanted = version_tuple(version)
+    rows = sorted(DIALECTS.values(), key=lambda d: d.version_tuple)
+    chosen = rows[0]
+    for row in rows:
+        if row.version_tuple <= wanted:
+            chosen = row
+    return chosen
 ABORT_MESSAGE = "Aborted"
 ABORT_QUEUED_MESSAGE = "Abort in waiting queue"
 # SGLang bodies nest a few levels; a deeper one is refused before any field is read.
@@ -49,10 +143,13 @@ class GenerateRequest:
     """One validated /generate request."""
 
     rid: str | None
-    input_ids: list[int]
+    input_ids: list[int] | None
     params: SamplingParams
     return_logprob: bool
     stream: bool
+    text: str | None = None
+    stream_interval: int | None = None
+    skip_special_tokens: bool = True
 
 
 def parse_json(data: bytes, what: str) -> Any:
@@ -153,30 +250,86 @@ def _opt_str(body: Mapping[str, Any], key: str, what: str) -> str | None:
     return str(value)
 
 
-# Generate fields of features the engine lacks: accepted only at the value that disables them.
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {"top_logprobs_num": (None, 0), "return_hidden_states": (None, False),
-                                            "lora_path": (None,), "custom_logit_processor": (None,)}
-_GENERATE_KEYS = ("rid", "input_ids", "text", "sampling_params", "return_logprob", "stream", "logprob_start_len",
-                  "top_logprobs_num", "return_text_in_logprobs", "return_hidden_states", "lora_path",
-                  "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+# GenerateReqInput (SGLang SGLANG_RELEASE), field by field. Honoured: what parse_generate reads.
+_GENERATE_HONOURED = ("rid", "text", "input_ids", "sampling_params", "return_logprob", "stream")
+# Hints for SGLang's logging, tracing, routing, scheduling priority and prefill-decode disaggregation: a value
+# of the right JSON type changes nothing a single embedded engine does. Kind: "bool", "int", "number", "str",
+# "object" (a JSON object) or "any".
+_GENERATE_HINTS: dict[str, str] = {
+    "log_metrics": "bool", "no_logs": "bool", "return_text_in_logprobs": "bool", "logprob_start_len": "int",
+    "custom_labels": "object", "external_trace_header": "object", "received_time": "number",
+    "routing_key": "str", "conversation_id": "str", "priority": "int", "extra_key": "any", "cache_salt": "any",
+    "http_worker_ipc": "str", "bootstrap_host": "str", "bootstrap_port": "int", "bootstrap_room": "int",
+    "bootstrap_pair_key": "str", "decode_tp_size": "int", "routed_dp_rank": "int", "data_parallel_rank": "int",
+    "disagg_prefill_dp_rank": "int", "kv_hints": "any",
+}
+# Not a GenerateReqInput field: sglang-router adds the model name it routed by to every /generate body it
+# forwards (SGLang ignores fields it does not define; this server refuses unknown ones, so names it).
+ROUTER_FIELDS: dict[str, str] = {"model": "any"}
+# Features the engine lacks (multimodal input, embeddings, sessions, LoRA, hidden states, top / per-token
+# logprobs of other tokens, ...): only SGLang's default, the value that leaves them off.
+GENERATE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "session_id": (None,), "input_embeds": (None,), "image_data": (None,), "video_data": (None,),
+    "audio_data": (None,), "mm_hashes": (None,), "mm_content_hashes": (None,), "use_audio_in_video": (False, None),
+    "video_config": (None,), "watermark": (None,), "top_logprobs_num": (None, 0), "token_ids_logprob": (None,),
+    "return_sampling_mask": (None, False), "sampling_logprobs_mode": (None,),
+    "return_flat_raw_top_logprobs": (False, None), "return_flat_raw_output_top_logprobs": (False, None),
+    "return_flat_raw_top_logprobs_b64": (False, None), "return_hidden_states": (False, None),
+    "return_routed_experts": (False, None), "routed_experts_start_len": (0, None),
+    "return_indexer_topk": (False, None), "modalities": (None,), "session_params": (None,), "lora_path": (None,),
+    "lora_id": (None,), "custom_logit_processor": (None,), "positional_embed_overrides": (None,),
+    "background": (False, None), "require_reasoning": (False, None), "max_thinking_tokens": (None,),
+    "return_bytes": (False, None), "return_entropy": (False, None), "return_prompt_token_ids": (False, None),
+    "need_wait_for_mm_inputs": (None,), "num_items_assigned": (None,), "encoder_urls": (None,),
+    "max_dynamic_patch": (None,), "min_dynamic_patch": (None,), "image_max_dynamic_patch": (None,),
+    "video_max_dynamic_patch": (None,), "images_config": (None,), "mm_processor_kwargs": (None,),
+    "multi_item_delimiter_indices": (None,), "token_indices_to_pool": (None,),
+}
+GENERATE_FIELDS = (*_GENERATE_HONOURED, *_GENERATE_HINTS, *GENERATE_NEUTRAL, *ROUTER_FIELDS)
+SAMPLING_FIELDS = (*_MAPPED, *_TEXT_ONLY, *_SAMPLING_EXTRA, *SAMPLING_NEUTRAL)
+_KINDS: dict[str, tuple[type, ...]] = {"bool": (bool,), "int": (int,), "number": (int, float), "str": (str,),
+                                       "object": (dict,)}
+
+
+def _hint(body: Mapping[str, Any], key: str, kind: str, what: str) -> None:
+    """Checks the JSON type of a field whose value is not used."""
+    checks = {"bool": lambda: _bool(body, key, False, what), "int": lambda: _int(body, key, what),
+              "number": lambda: _number(body, key, what)}
+    if kind in checks:
+        checks[kind]()
+        return
+    value = body.get(key)
+    if value is None or kind == "any":
+        return
+    types = _KINDS[kind]
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        raise InvalidArgumentError(f"{what}: {key} must be a JSON {'string' if kind == 'str' else kind} or null, "
+                                   f"got {_show(value)}")
 
 
 def parse_generate(body: Any) -> GenerateRequest:
-    """Validates a /generate body (SGLang's GenerateReqInput, single request, token ids only)."""
+    """Validates a /generate body (SGLang's GenerateReqInput, one request): input_ids, or text for a
+    server with a tokenizer (the caller turns it into ids)."""
     what = "/generate"
     body = _object(body, what)
-    _check_keys(body, _GENERATE_KEYS, what)
-    if body.get("text") is not None:
-        raise InvalidArgumentError(f"{what}: this server is token-only (no tokenizer, like SGLang's "
-                                   "--skip-tokenizer-init): send input_ids instead of text")
-    ids = body.get("input_ids")
-    if ids is None:
-        raise InvalidArgumentError(f"{what}: input_ids is required (a list of token ids)")
-    if not isinstance(ids, list):
-        raise InvalidArgumentError(f"{what}: input_ids must be a list of token ids, got {type(ids).__name__}")
-    if ids and isinstance(ids[0], list):
-        raise InvalidArgumentError(f"{what}: batched requests (a list of input_ids lists) are not supported "
-                                   "by the embedded server: send one request per call")
+    _check_keys(body, GENERATE_FIELDS, what)
+    text, ids = body.get("text"), body.get("input_ids")
+    if text is not None and ids is not None:
+        raise InvalidArgumentError(f"{what}: send either text or input_ids, not both")
+    if isinstance(text, list):
+        raise InvalidArgumentError(f"{what}: batched requests (a list of texts) are not supported by the embedded "
+                                   "server: send one request per call")
+    if text is not None and not isinstance(text, str):
+        raise InvalidArgumentError(f"{what}: text must be a string, got {_show(text)}")
+    if text is None:
+        if ids is None:
+            raise InvalidArgumentError(f"{what}: input_ids is required (a list of token ids), or text on a server "
+                                       "started with a tokenizer")
+        if not isinstance(ids, list):
+            raise InvalidArgumentError(f"{what}: input_ids must be a list of token ids, got {type(ids).__name__}")
+        if ids and isinstance(ids[0], list):
+            raise InvalidArgumentError(f"{what}: batched requests (a list of input_ids lists) are not supported "
+                                       "by the embedded server: send one request per call")
     rid = body.get("rid")
     if isinstance(rid, list):
         raise InvalidArgumentError(f"{what}: a list of rids is SGLang's batch form; the embedded server takes one "
@@ -185,28 +338,30 @@ def parse_generate(body: Any) -> GenerateRequest:
         _check_rid(rid, what)
         if not rid:
             raise InvalidArgumentError(f"{what}: rid must be a non-empty string or null, got \"\"")
-    for key, allowed in _UNSUPPORTED.items():
+    for key, allowed in GENERATE_NEUTRAL.items():
         if key in body and not _neutral(body[key], allowed):
             raise InvalidArgumentError(f"{what}: {key} is not supported by the embedded server (allowed: "
                                        f"{' or '.join(_show(a) for a in allowed)}), got {_show(body[key])}")
-    # Accepted and unused (no prompt logprobs, no text, no prefill-decode disaggregation), but typed.
-    _bool(body, "return_text_in_logprobs", True, what)
-    for key in ("logprob_start_len", "bootstrap_port", "bootstrap_room"):
-        _int(body, key, what)
-    if not isinstance(body.get("bootstrap_host", ""), (str, type(None))):
-        raise InvalidArgumentError(f"{what}: bootstrap_host must be a string or null, "
-                                   f"got {_show(body['bootstrap_host'])}")
-    return GenerateRequest(rid=rid, input_ids=ids, params=parse_sampling_params(body.get("sampling_params")),
+    for key, kind in _GENERATE_HINTS.items():
+        _hint(body, key, kind, what)
+    raw = _object(body.get("sampling_params"), f"{what} sampling_params")
+    interval = _int(raw, "stream_interval", f"{what} sampling_params")
+    if interval is not None and interval < 1:
+        raise InvalidArgumentError(f"{what} sampling_params: stream_interval must be an integer >= 1 or null, "
+                                   f"got {interval}")
+    return GenerateRequest(rid=rid, input_ids=ids, params=parse_sampling_params(raw),
                            return_logprob=_bool(body, "return_logprob", False, what),
-                           stream=_bool(body, "stream", False, what))
+                           stream=_bool(body, "stream", False, what), text=text, stream_interval=interval,
+                           skip_special_tokens=_bool(raw, "skip_special_tokens", True, f"{what} sampling_params"))
 
 
 def parse_sampling_params(raw: Any) -> SamplingParams:
-    """SGLang sampling_params -> SamplingParams. Unknown fields and enabled unsupported features are errors."""
+    """SGLang sampling_params -> SamplingParams. Unknown fields and enabled unsupported features are errors;
+    top_k 0 is refused as SGLang refuses it (-1 disables the filter)."""
     what = "/generate sampling_params"
     raw = _object(raw, what)
-    _check_keys(raw, tuple(_MAPPED) + _TEXT_ONLY + tuple(_NEUTRAL), what)
-    for key, neutral in _NEUTRAL.items():
+    _check_keys(raw, SAMPLING_FIELDS, what)
+    for key, neutral in SAMPLING_NEUTRAL.items():
         if key in raw and not _neutral(raw[key], neutral):
             raise InvalidArgumentError(f"{what}: {key}={_show(raw[key])} is not supported by the embedded engine "
                                        f"(allowed: {' or '.join(_show(n) for n in neutral)})")
@@ -215,6 +370,9 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
     values = {"max_new_tokens": _int(raw, "max_new_tokens", what), "temperature": _number(raw, "temperature", what),
               "top_p": _number(raw, "top_p", what), "top_k": _int(raw, "top_k", what),
               "sampling_seed": _int(raw, "sampling_seed", what), "ignore_eos": _bool(raw, "ignore_eos", False, what)}
+    if values["top_k"] is not None and (values["top_k"] == 0 or values["top_k"] < -1):
+        raise InvalidArgumentError(f"{what}: top_k must be -1 (disable) or at least 1, as in SGLang, "
+                                   f"got {values['top_k']}")
     if values["sampling_seed"] is not None and not 0 <= values["sampling_seed"] <= MAX_SEED:
         raise InvalidArgumentError(f"{what}: sampling_seed must be an integer in [0, 2**64 - 1] (a 64-bit seed), "
                                    f"got {values['sampling_seed']}")
@@ -240,11 +398,16 @@ class AbortRequest:
 def parse_abort(body: Any) -> AbortRequest:
     what = "/abort_request"
     body = _object(body, what)
-    _check_keys(body, ("rid", "abort_all", "abort_message"), what)
+    # finished_reason and weight_versions are filled in by SGLang's own processes; abort_message only
+    # changes the text of the finish reason.
+    _check_keys(body, ("rid", "abort_all", "abort_message", "finished_reason", "weight_versions", "http_worker_ipc",
+                       "abort_reason"), what)
     rid = body.get("rid")
     if rid is None:
         rid = ""
     _check_rid(rid, what)
+    _hint(body, "abort_message", "str", what)
+    _hint(body, "http_worker_ipc", "str", what)
     return AbortRequest(rid, _bool(body, "abort_all", False, what))
 
 
@@ -255,28 +418,44 @@ def _check_rid(rid: Any, what: str) -> None:
         raise InvalidArgumentError(f"{what}: rid must have at most {MAX_RID_LENGTH} characters, got {len(rid)}")
 
 
-def parse_pause(body: Any) -> str:
-    """Returns the pause mode. The embedded engine cannot hold a running batch, so only "abort"."""
+def parse_pause(body: Any, dialect: SGLangDialect = CURRENT) -> str:
+    """The pause mode. A release without modes reads no body and always aborts."""
     what = "/pause_generation"
+    if not dialect.pause_has_modes:
+        return "abort"
     body = _object(body, what)
-    _check_keys(body, ("mode", "torch_empty_cache"), what)
-    _bool(body, "torch_empty_cache", False, what)
+    _check_keys(body, ("mode", *BASE_REQ_FIELDS), what)
+    _base_fields(body, what)
     mode = body.get("mode")
     if mode is None:
         mode = "abort"
-    if mode not in PAUSE_MODES:
-        raise InvalidArgumentError(f"{what}: mode must be one of {list(PAUSE_MODES)}, got {_show(mode)}")
-    if mode != "abort":
-        raise InvalidArgumentError(f"{what}: mode {mode!r} is not supported by the embedded engine (it cannot "
-                                   "hold a running batch in place): use mode 'abort'")
+    if mode not in dialect.pause_modes:
+        raise InvalidArgumentError(f"{what}: mode must be one of {list(dialect.pause_modes)}, got {_show(mode)}")
     return mode
+
+
+def parse_continue(body: Any, dialect: SGLangDialect = CURRENT) -> None:
+    """/continue_generation: torch_empty_cache only frees the allocator cache of a GPU process."""
+    what = "/continue_generation"
+    if not dialect.pause_has_modes:
+        return
+    body = _object(body, what)
+    _check_keys(body, ("torch_empty_cache", *BASE_REQ_FIELDS), what)
+    _base_fields(body, what)
+    _bool(body, "torch_empty_cache", True, what)
+
+
+def _base_fields(body: Mapping[str, Any], what: str) -> None:
+    for key in BASE_REQ_FIELDS:
+        _hint(body, key, "str", what)
 
 
 def parse_memory_tags(body: Any, what: str) -> list[str] | None:
     """SGLang memory tags -> engine tags (None = all). "cuda_graph" is accepted: the embedded engine
     captures no graphs, so it has nothing to release for it."""
     body = _object(body, what)
-    _check_keys(body, ("tags",), what)
+    _check_keys(body, ("tags", *BASE_REQ_FIELDS), what)
+    _base_fields(body, what)
     tags = body.get("tags")
     if tags is None:
         return None
@@ -295,20 +474,25 @@ class WeightsFromDisk:
     abort_all_requests: bool
 
 
-def parse_weights_from_disk(body: Any) -> WeightsFromDisk:
-    """flush_cache (and SGLang's scheduling hints) are accepted; the engine always drops its KV cache
-    on a weight update, so requests in flight are recomputed under the new weights."""
+def parse_weights_from_disk(body: Any, dialect: SGLangDialect = CURRENT) -> WeightsFromDisk:
+    """The fields of the dialect's release, strictly. flush_cache, the scheduling hints (is_async, keep_pause,
+    token_step) and the GPU ones (torch_empty_cache, recapture_cuda_graph) are accepted: the engine always
+    drops its KV cache on a weight update, so requests in flight are recomputed under the new weights.
+    manifest (a list of the files to load) is accepted only as null: the server loads the whole directory."""
     what = "/update_weights_from_disk"
     body = _object(body, what)
-    _check_keys(body, ("model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache",
-                       "is_async", "torch_empty_cache", "keep_pause", "token_step"), what)
+    _check_keys(body, dialect.disk_fields + (BASE_REQ_FIELDS if dialect is CURRENT else ()), what)
+    _base_fields(body, what)
     path = body.get("model_path")
     if not isinstance(path, str) or not path:
         raise InvalidArgumentError(f"{what}: model_path must be a checkpoint directory path, got {_show(path)}")
     if body.get("load_format") not in (None, "auto", "safetensors"):
         raise InvalidArgumentError(f"{what}: load_format must be null, 'auto' or 'safetensors', "
                                    f"got {_show(body['load_format'])}")
-    for key in ("flush_cache", "is_async", "torch_empty_cache", "keep_pause"):
+    if body.get("manifest") is not None:
+        raise InvalidArgumentError(f"{what}: manifest is not supported by the embedded server (allowed: null: "
+                                   f"the whole directory is loaded), got {_show(body['manifest'])}")
+    for key in ("flush_cache", "is_async", "torch_empty_cache", "keep_pause", "recapture_cuda_graph"):
         _bool(body, key, False, what)
     _int(body, "token_step", what)
     return WeightsFromDisk(path, _opt_str(body, "weight_version", what),
@@ -322,11 +506,11 @@ class WeightsFromTensor:
     abort_all_requests: bool
 
 
-def parse_weights_from_tensor(body: Any) -> WeightsFromTensor:
+def parse_weights_from_tensor(body: Any, dialect: SGLangDialect = CURRENT) -> WeightsFromTensor:
     what = "/update_weights_from_tensor"
     body = _object(body, what)
-    _check_keys(body, ("serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
-                       "weight_version"), what)
+    _check_keys(body, dialect.tensor_fields + (BASE_REQ_FIELDS if dialect is CURRENT else ()), what)
+    _base_fields(body, what)
     blobs = body.get("serialized_named_tensors")
     if not isinstance(blobs, list) or not blobs or not all(isinstance(b, str) for b in blobs):
         raise InvalidArgumentError(f"{what}: serialized_named_tensors must be a non-empty list of base64 strings "
@@ -335,7 +519,12 @@ def parse_weights_from_tensor(body: Any) -> WeightsFromTensor:
         raise InvalidArgumentError(f"{what}: load_format must be null or 'safetensors' (base64 of a safetensors "
                                    f"blob); SGLang's own serializer formats are not readable here, got "
                                    f"{_show(body['load_format'])}")
+    # The embedded engine has one model: "target" or "all" of it; "draft" names a speculative model it lacks.
+    if body.get("selector") not in (None, "all", "target"):
+        raise InvalidArgumentError(f"{what}: selector must be null, 'all' or 'target' (no draft model here), "
+                                   f"got {_show(body['selector'])}")
     _bool(body, "flush_cache", True, what)
+    _bool(body, "torch_empty_cache", False, what)
     return WeightsFromTensor(blobs, _opt_str(body, "weight_version", what),
                              _bool(body, "abort_all_requests", False, what))
 
@@ -343,7 +532,8 @@ def parse_weights_from_tensor(body: Any) -> WeightsFromTensor:
 def parse_weight_version(body: Any) -> tuple[str, bool]:
     what = "/update_weight_version"
     body = _object(body, what)
-    _check_keys(body, ("new_version", "abort_all_requests"), what)
+    _check_keys(body, ("new_version", "abort_all_requests", *BASE_REQ_FIELDS), what)
+    _base_fields(body, what)
     version = _opt_str(body, "new_version", what)
     if version is None:
         raise InvalidArgumentError(f"{what}: new_version is required")

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from aiohttp import web
 
@@ -28,6 +28,7 @@ from april_ext.errors import (
     InvalidArgumentError,
     UnknownIdError,
 )
+from april_ext.data.tokenizer import encode_prompt, load_tokenizer
 from april_ext.protocol import GenerationChunk, SamplingParams, ServableEngine, sglang_wire
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,12 @@ class ServerConfig:
     SGLang's --stream-interval; events are cumulative, so long responses want a larger interval.
     max_request_bytes: the largest request body; a larger one answers 413 before it is read (the default
     admits /update_weights_from_tensor blobs of small models; larger ones go through a checkpoint
-    directory and /update_weights_from_disk)."""
+    directory and /update_weights_from_disk).
+    tokenizer_path: a Hugging Face tokenizer directory: /generate then takes `text` and answers with the
+    detokenized output too (None: token ids only, as SGLang with --skip-tokenizer-init).
+    sglang_compat: the SGLang release line whose endpoints and fields the server mimics (a key of
+    april_ext.protocol.sglang_wire.DIALECTS: "0.4", "0.5.3" or "current"), so clients can be tested
+    against each line over real HTTP."""
 
     host: str = "127.0.0.1"
     port: int = 30000
@@ -53,8 +59,13 @@ class ServerConfig:
     health_timeout_s: float = 20.0
     stream_interval: int = 1
     max_request_bytes: int = 64 << 20
+    tokenizer_path: str | None = None
+    sglang_compat: str = "current"
 
     def __post_init__(self) -> None:
+        if self.sglang_compat not in sglang_wire.DIALECTS:
+            raise ConfigError(f"ServerConfig.sglang_compat must be one of {sorted(sglang_wire.DIALECTS)}, "
+                              f"got {self.sglang_compat!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError(f"ServerConfig.host must be a non-empty string, got {self.host!r}")
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -73,11 +84,24 @@ class ServerConfig:
                 f"ServerConfig.max_request_bytes must be an integer >= 1, got {self.max_request_bytes!r}")
 
 
+@runtime_checkable
+class _Holdable(Protocol):
+    """An engine that can hold its running batch (pause modes "retract" and "in_place")."""
+
+    async def hold(self, retract: bool) -> None: ...
+
+    async def release(self) -> None: ...
+
+
 class _Output:
     """The cumulative output of one /generate request, rendered as SGLang's response object."""
 
-    def __init__(self, rid: str, prompt_tokens: int, params: SamplingParams, return_logprob: bool) -> None:
+    def __init__(self, rid: str, prompt_tokens: int, params: SamplingParams, return_logprob: bool,
+                 stream_interval: int, decode: Any = None, versions: bool = True) -> None:
         self.rid = rid
+        self.stream_interval = stream_interval
+        self.decode = decode
+        self.versions = versions
         self.prompt_tokens = prompt_tokens
         self.max_new_tokens = params.max_new_tokens
         self.return_logprob = return_logprob
@@ -101,12 +125,16 @@ class _Output:
             "completion_tokens": len(self.output_ids),
             # The engine shares prefix blocks but does not count them per request.
             "cached_tokens": 0,
-            "weight_version": version_label,
             "e2e_latency": time.perf_counter() - self.started,
         }
+        if self.versions:
+            meta["weight_version"] = version_label
         if self.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
-        return {"output_ids": list(self.output_ids), "meta_info": meta}
+        answer: dict[str, Any] = {"output_ids": list(self.output_ids), "meta_info": meta}
+        if self.decode is not None:
+            answer["text"] = self.decode(self.output_ids)
+        return answer
 
 
 class _Versions:
@@ -163,6 +191,9 @@ class EngineServer:
                               f"{type(engine).__name__}")
         self.engine = engine
         self.config = config or ServerConfig()
+        self.dialect = sglang_wire.DIALECTS[self.config.sglang_compat]
+        self.tokenizer = None if self.config.tokenizer_path is None else load_tokenizer(self.config.tokenizer_path)
+        self._pause_mode: str | None = None
         self._active: dict[str, _Output] = {}
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -185,12 +216,16 @@ class EngineServer:
             ("GET", "/resume_memory_occupation", self.resume_memory),
             ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
             ("POST", "/update_weights_from_tensor", self.update_weights_from_tensor),
-            ("POST", "/update_weight_version", self.update_weight_version),
             ("GET", "/flush_cache", self.flush_cache), ("POST", "/flush_cache", self.flush_cache),
             ("GET", "/health", self.health), ("GET", "/health_generate", self.health_generate),
-            ("GET", "/server_info", self.server_info), ("GET", "/get_server_info", self.server_info),
-            ("GET", "/get_model_info", self.model_info), ("GET", "/get_weight_version", self.weight_version),
         ]
+        # The info endpoints of the release line the server mimics (their names moved between releases).
+        routes += [("GET", path, self.server_info) for path in self.dialect.server_info]
+        routes += [("GET", path, self.model_info) for path in self.dialect.model_info]
+        if self.dialect.get_weight_version:
+            routes.append(("GET", "/get_weight_version", self.weight_version))
+        if self.dialect.weight_versions:
+            routes.append(("POST", "/update_weight_version", self.update_weight_version))
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
         return app
@@ -232,14 +267,17 @@ class EngineServer:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         req = sglang_wire.parse_generate(await self._body(request))
+        input_ids = req.input_ids if req.text is None else self._encode(req.text)
         await self._unpaused.wait()
         rid = req.rid if req.rid is not None else uuid.uuid4().hex
         if rid in self._active:
             raise InvalidArgumentError(f"/generate: rid {rid!r} is already in flight")
-        output = _Output(rid, len(req.input_ids), req.params, req.return_logprob)
+        output = _Output(rid, len(input_ids), req.params, req.return_logprob,
+                         req.stream_interval or self.config.stream_interval, self._decoder(req.skip_special_tokens),
+                         self.dialect.weight_versions)
         # Registered before the engine sees it (no await in between), so an abort can always find it.
         self._active[rid] = output
-        stream = self.engine.generate(req.input_ids, req.params, rid)
+        stream = self.engine.generate(input_ids, req.params, rid)
         try:
             first = await anext(stream)
             if req.stream:
@@ -268,7 +306,7 @@ class EngineServer:
                     await self._event(response, output)
                     sent = len(output.output_ids)
                 output.add(chunk)
-                if chunk.finish_reason is not None or len(output.output_ids) - sent >= self.config.stream_interval:
+                if chunk.finish_reason is not None or len(output.output_ids) - sent >= output.stream_interval:
                     await self._event(response, output)
                     sent = len(output.output_ids)
                 if chunk.finish_reason is not None:
@@ -279,6 +317,19 @@ class EngineServer:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidArgumentError("/generate: text needs a tokenizer: this server is token-only (start it with "
+                                       "--tokenizer-path, or send input_ids)")
+        return encode_prompt(self.tokenizer, text, where="/generate text")
+
+    def _decoder(self, skip_special_tokens: bool) -> Any:
+        """The output's text, as SGLang's detokenizer makes it (special tokens skipped by default)."""
+        if self.tokenizer is None:
+            return None
+        tokenizer = self.tokenizer
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     async def _event(self, response: web.StreamResponse, output: _Output) -> None:
         assert output.last is not None
@@ -307,14 +358,28 @@ class EngineServer:
                     continue
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        """Mode "abort": aborts every request in flight and holds new ones until /continue_generation."""
-        sglang_wire.parse_pause(await self._body(request))
+        """New requests wait until /continue_generation. Mode "abort" aborts every request in flight;
+        "retract" holds them and drops their KV cache (recomputed on continue); "in_place" holds them with
+        their KV cache. The last two need an engine that can hold its batch (AsyncEngine.hold)."""
+        mode = sglang_wire.parse_pause(await self._body(request), self.dialect)
+        if mode != "abort" and not isinstance(self.engine, _Holdable):
+            raise InvalidArgumentError(f"/pause_generation: mode {mode!r} needs an engine that can hold its running "
+                                       f"batch; {type(self.engine).__name__} cannot: use mode 'abort'")
         self._unpaused.clear()
-        await self.engine.abort()
+        if mode == "abort":
+            await self.engine.abort()
+            if self._pause_mode in ("retract", "in_place"):
+                await self.engine.release()  # type: ignore[attr-defined]
+        else:
+            await self.engine.hold(retract=mode == "retract")  # type: ignore[attr-defined]
+        self._pause_mode = mode
         return _json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        sglang_wire.parse_pause(await self._body(request))
+        sglang_wire.parse_continue(await self._body(request), self.dialect)
+        if self._pause_mode in ("retract", "in_place"):
+            await self.engine.release()  # type: ignore[attr-defined]
+        self._pause_mode = None
         self._unpaused.set()
         return _json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -338,7 +403,7 @@ class EngineServer:
         return _json_response(None)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        req = sglang_wire.parse_weights_from_disk(await self._body(request))
+        req = sglang_wire.parse_weights_from_disk(await self._body(request), self.dialect)
         ok, message = await self._update_weights(req.model_path, req.weight_version, req.abort_all_requests,
                                                  req.model_path)
         return _json_response({"success": ok, "message": message, "num_paused_requests": 0}, 200 if ok else 400)
@@ -346,7 +411,7 @@ class EngineServer:
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """Accepts base64 of a safetensors blob per TP rank; the embedded engine has one rank and loads
         the first blob (every rank's blob holds the same full tensors)."""
-        req = sglang_wire.parse_weights_from_tensor(await self._body(request))
+        req = sglang_wire.parse_weights_from_tensor(await self._body(request), self.dialect)
         tensors = sglang_wire.decode_named_tensors(req.serialized[0])
         ok, message = await self._update_weights(tensors, req.weight_version, req.abort_all_requests,
                                                  "serialized_named_tensors[0]")
@@ -407,18 +472,26 @@ class EngineServer:
 
     async def server_info(self, request: web.Request) -> web.Response:
         stats = dataclasses.asdict(self.engine.stats())
-        return _json_response({
+        info = {
             "model_path": self.config.model_path, "host": self.config.host, "port": self.port,
-            "tp_size": 1, "skip_tokenizer_init": True, "enable_memory_saver": self.config.enable_memory_saver,
-            "weight_version": self._versions.label(), **self.engine.capacity(), "paused": not self._unpaused.is_set(),
+            "tp_size": 1, "skip_tokenizer_init": self.tokenizer is None,
+            "tokenizer_path": self.config.tokenizer_path, "enable_memory_saver": self.config.enable_memory_saver,
+            **self.engine.capacity(), "paused": not self._unpaused.is_set(), "pause_mode": self._pause_mode,
             "internal_states": [{**stats, "paused_tags": list(stats["paused_tags"]),
                                  "requests_in_flight": len(self._active)}],
-            "version": __version__, "engine": "april_ext",
-        })
+            # "version" is the SGLang release whose API is served: clients adapt to it.
+            "version": self.dialect.version, "engine": "april_ext", "april_ext_version": __version__,
+        }
+        if self.dialect.weight_versions:
+            info["weight_version"] = self._versions.label()
+        return _json_response(info)
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return _json_response({"model_path": self.config.model_path, "tokenizer_path": None, "is_generation": True,
-                               "weight_version": self._versions.label()})
+        info = {"model_path": self.config.model_path, "tokenizer_path": self.config.tokenizer_path,
+                "is_generation": True}
+        if self.dialect.weight_versions:
+            info["weight_version"] = self._versions.label()
+        return _json_response(info)
 
     async def weight_version(self, request: web.Request) -> web.Response:
         return _json_response({"weight_version": self._versions.label()})

@@ -18,6 +18,7 @@ from april_ext.errors import AprilError, ConfigError
 from april_ext.model import LlamaForCausalLM, ModelConfig
 from april_ext.model.config import DTYPES
 from april_ext.protocol import ServableEngine
+from april_ext.protocol.sglang_wire import DIALECTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow /release_memory_occupation (as in SGLang)")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true",
                         help="keep a host copy of released weights, so resume restores them without an update")
+    parser.add_argument("--tokenizer-path", default=None, metavar="DIR",
+                        help="a Hugging Face tokenizer directory: /generate then takes text and answers with text")
     parser.add_argument("--skip-tokenizer-init", action="store_true",
-                        help="accepted for SGLang compatibility: this server is always token-only")
+                        help="token ids only, even with --tokenizer-path (as SGLang)")
+    parser.add_argument("--sglang-compat", choices=sorted(DIALECTS), default="current",
+                        help="mimic the endpoints and request fields of this SGLang release line (for testing "
+                             "clients against older SGLang servers)")
     parser.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1, help="only 1 (one engine process)")
 
 
@@ -99,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
     core = build_core(args)
     config = ServerConfig(host=args.host, port=args.port, model_path=args.model or args.random_init_config,
                           weight_version=args.weight_version, enable_memory_saver=args.enable_memory_saver,
-                          stream_interval=args.stream_interval, max_request_bytes=args.max_request_bytes)
+                          stream_interval=args.stream_interval, max_request_bytes=args.max_request_bytes,
+                          tokenizer_path=None if args.skip_tokenizer_init else args.tokenizer_path,
+                          sglang_compat=args.sglang_compat)
     asyncio.run(serve(AsyncEngine(core), config))
     return 0
 

@@ -27,11 +27,15 @@ from april_ext.sglang.aborts import Aborter
 from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangHTTPError
+from april_ext.sglang.profiles import ServerProfile
 from april_ext.sglang.requests import RequestState, generate_payload
 from april_ext.sglang.weights import WeightsSource, push_weights
 from april_ext.sglang.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
+
+# weight_versions() for a server whose release labels no weights (SGLang 0.4.x).
+UNLABELLED = "unlabelled"
 
 
 @dataclass(frozen=True)
@@ -133,10 +137,12 @@ class SGLangEngine:
             if self.config.stream:
                 async with self._http.events(url, payload) as events:
                     async for event in events:
-                        self._deliver(state, state.apply(event, url, self.config.initial_weight_version))
+                        self._deliver(state, state.apply(event, url, self.config.initial_weight_version,
+                                                                   self._weight_version))
             else:
                 answer = await self._http.call("POST", url, {**payload, "stream": False}, idempotent=False)
-                self._deliver(state, state.apply(answer, url, self.config.initial_weight_version))
+                self._deliver(state, state.apply(answer, url, self.config.initial_weight_version,
+                                                           self._weight_version))
             if state.finish_reason is None:
                 raise SGLangHTTPError(url, 200, "the response ended without a finish reason")
         except Exception as exc:  # delivered to the consumer of generate(), which raises it
@@ -204,13 +210,21 @@ class SGLangEngine:
 
     async def pause_generation(self, mode: str = "abort") -> None:
         """/pause_generation on every worker: "abort" ends the running requests (their streams end with
-        ABORT) and holds new ones until continue_generation; "retract" / "in_place" (SGLang only) keep them."""
+        ABORT) and holds new ones until continue_generation; "retract" holds them with their KV cache freed
+        (recomputed on continue), "in_place" holds them with it. Releases before the modes (whose pause
+        always aborts) are sent no body, and a mode other than "abort" for one of them raises
+        InvalidArgumentError naming the worker, before any worker is paused."""
         if mode not in PAUSE_MODES:
             raise InvalidArgumentError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-        await self._workers.broadcast("/pause_generation", {"mode": mode})
+        profiles = await self._workers.profiles()
+        old = [f"{p.url} (SGLang {p.version})" for p in profiles if mode not in p.dialect.pause_modes]
+        if old:
+            raise InvalidArgumentError(f"pause_generation mode {mode!r} is not served by {', '.join(old)}: their "
+                                       "release only aborts on pause; use mode 'abort'")
+        await self._workers.broadcast("/pause_generation", lambda p: _with_modes(p, {"mode": mode}))
 
     async def continue_generation(self) -> None:
-        await self._workers.broadcast("/continue_generation", {})
+        await self._workers.broadcast("/continue_generation", lambda p: _with_modes(p, {}))
 
     async def flush_cache(self) -> None:
         await self._workers.broadcast("/flush_cache", None)
@@ -226,13 +240,25 @@ class SGLangEngine:
         return self.health()
 
     async def server_info(self) -> dict[str, Any]:
-        """GET /server_info of every worker, by url."""
-        return dict(await self._workers.broadcast("/server_info", None, method="GET"))
+        """The server info of every worker, by url (/server_info, or /get_server_info on older releases)."""
+        return dict(await self._workers.each(
+            lambda p: self._http.call("GET", f"{p.url}{p.server_info_path}", idempotent=True)))
 
     async def weight_versions(self) -> dict[str, str]:
-        """GET /get_weight_version of every worker: the label each server reports for its weights, by url."""
-        return {url: str(answer.get("weight_version")) if isinstance(answer, dict) else str(answer)
-                for url, answer in await self._workers.broadcast("/get_weight_version", None, method="GET")}
+        """The label each worker reports for its current weights, by url: from /model_info (current
+        releases), /get_weight_version (0.5.x before its removal), or UNLABELLED for releases without
+        weight versions (0.4.x)."""
+        async def label(profile: ServerProfile) -> str:
+            if profile.weight_version_path is None:
+                return UNLABELLED
+            answer = await self._http.call("GET", f"{profile.url}{profile.weight_version_path}", idempotent=True)
+            return str(answer.get("weight_version")) if isinstance(answer, dict) else str(answer)
+
+        return dict(await self._workers.each(label))
+
+    async def server_profiles(self) -> dict[str, ServerProfile]:
+        """What the adapter probed of each worker: its SGLang version and the dialect spoken to it."""
+        return {p.url: p for p in await self._workers.profiles()}
 
     def stats(self) -> SGLangEngineStats:
         return SGLangEngineStats(dict(self._workers.load), self._requests, self._generated, self._aborted,
@@ -243,9 +269,14 @@ class SGLangEngine:
         return await self._workers.worker_urls()
 
 
+def _with_modes(profile: ServerProfile, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The pause / continue body: none for a release whose pause takes no modes (it reads no body)."""
+    return body if profile.dialect.pause_has_modes else None
+
+
 def _wire_tags(tags: str | Iterable[str] | None) -> list[str] | None:
     """The tags of a memory call; None stays None (SGLang's "all", whatever tags the server has)."""
     return None if tags is None else memory_tags(tags)
 
 
-__all__ = ["SGLangEngine", "SGLangEngineStats"]
+__all__ = ["UNLABELLED", "SGLangEngine", "SGLangEngineStats"]

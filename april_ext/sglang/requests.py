@@ -23,8 +23,10 @@ def wire_rid(request_id: str) -> str:
 
 def generate_payload(rid: str, ids: list[int], params: SamplingParams) -> dict[str, Any]:
     """The /generate body of a request (streaming; the non-streaming mode overrides "stream")."""
+    # top_k <= 0 disables the filter here; SGLang refuses 0 and takes -1 for "disabled".
     sampling: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
-                                "top_p": params.top_p, "top_k": params.top_k, "ignore_eos": params.ignore_eos,
+                                "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else -1,
+                                "ignore_eos": params.ignore_eos,
                                 "stop_token_ids": list(params.stop_token_ids), "no_stop_trim": True}
     if params.seed is not None:
         sampling["sampling_seed"] = params.seed
@@ -63,10 +65,12 @@ class RequestState:
         return GenerationOutput(self.request_id, list(self.prompt_ids), list(self.token_ids), list(self.logprobs),
                                 list(self.versions), self.finish_reason, self.matched_stop)
 
-    def apply(self, event: Any, url: str, initial_version: int) -> GenerationChunk | None:
+    def apply(self, event: Any, url: str, initial_version: int, current_version: int) -> GenerationChunk | None:
         """Takes one cumulative event (or a non-streaming answer); returns the chunk of what is new in it
-        (None when nothing is). Raises SGLangBadRequestError for an in-band error or refused input, and
-        SGLangHTTPError for an event the adapter cannot read."""
+        (None when nothing is). Its tokens carry the event's meta_info.weight_version; a release that
+        labels no weights (0.4.x) sends none, and they carry current_version, the adapter's own. Raises
+        SGLangBadRequestError for an in-band error or refused input, and SGLangHTTPError for an event the
+        adapter cannot read."""
         if not isinstance(event, dict) or "error" in event:
             message = event.get("error", {}).get("message", event) if isinstance(event, dict) else event
             raise SGLangBadRequestError(url, 200, str(message))
@@ -84,7 +88,8 @@ class RequestState:
             raise SGLangHTTPError(url, 200, f"{len(ids)} output_ids but {len(rows)} output_token_logprobs: "
                                   "the server ignored return_logprob")
         new_logprobs = [float(row[0]) for row in rows[len(self.token_ids):len(ids)]]
-        version = weight_version_of(meta.get("weight_version"), initial_version)
+        label = meta.get("weight_version")
+        version = current_version if label is None else weight_version_of(label, initial_version)
         self.token_ids.extend(new_ids)
         self.logprobs.extend(new_logprobs)
         self.versions.extend([version] * len(new_ids))

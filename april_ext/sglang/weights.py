@@ -46,8 +46,11 @@ async def push_weights(workers: WorkerPool, weights: WeightsSource, version: int
 
 
 async def _load(workers: WorkerPool, endpoint: str, payload: dict[str, Any], version: int) -> None:
+    """Each worker gets the fields its SGLang release defines (0.4.x has no weight_version, flush_cache came
+    with 0.5.x, ...); a server without weight versions still loads the weights, and the adapter tags their
+    tokens with its own version."""
     payload.update(weight_version=str(version), flush_cache=True, abort_all_requests=False)
-    for url, answer in await workers.broadcast(endpoint, payload):
+    for url, answer in await workers.broadcast(endpoint, lambda profile: profile.fields(endpoint, payload)):
         if not isinstance(answer, dict) or not answer.get("success", False):
             raise SGLangHTTPError(f"{url}{endpoint}", 200, f"weight update failed: {answer!r}")
 
