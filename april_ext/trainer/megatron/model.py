@@ -54,14 +54,27 @@ def transformer_config(config: ModelConfig, *, params_dtype: torch.dtype = torch
     )
 
 
-def build_gpt_model(config: ModelConfig, *, params_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A GPTModel with the local (non-Transformer-Engine) layer spec. Needs ``parallel.initialize()``."""
+def build_gpt_model(config: ModelConfig, *, params_dtype: torch.dtype = torch.float32, packed: bool = False,
+                    pre_process: bool = True, post_process: bool = True, **transformer_changes: object) -> nn.Module:
+    """A GPTModel with the local (non-Transformer-Engine) layer spec. Needs ``parallel.initialize()``.
+    packed: attention takes THD input (packed.PackedDotProductAttention); pre_process / post_process: this
+    pipeline stage holds the embedding / the output layer; transformer_changes: TransformerConfig fields
+    (e.g. sequence_parallel) replaced after the mapping."""
+    import dataclasses
+
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if packed:
+        from april_ext.trainer.megatron.packed import packed_layer_spec
+
+        spec = packed_layer_spec(spec)
     model = GPTModel(
-        config=transformer_config(config, params_dtype=params_dtype),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=dataclasses.replace(transformer_config(config, params_dtype=params_dtype), **transformer_changes),
+        transformer_layer_spec=spec,
+        pre_process=pre_process,
+        post_process=post_process,
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope",

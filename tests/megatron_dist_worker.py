@@ -1,0 +1,79 @@
+"""One rank of tests/test_megatron_distributed.py, started by torchrun: for each layout named on the
+command line (in one launch, since importing megatron-core costs seconds per process), builds a
+DistributedMegatronTrainer from the counting-task model, computes the batch's per-token log-probs, takes
+train steps and exports the weights; rank 0 writes what it saw to OUT/<layout>.pt.
+
+Usage: torchrun --nproc-per-node N tests/megatron_dist_worker.py OUT LAYOUT [LAYOUT ...]
+A layout is tp<T>pp<P>[sp][do] (sp: sequence parallel, do: distributed optimizer), or "raise": rank 1
+raises while rank 0 waits in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _trainer_utils import make_batch, make_model  # noqa: E402
+
+from april_ext.algorithms import AlgorithmConfig  # noqa: E402
+from april_ext.errors import InvalidStateError  # noqa: E402
+from april_ext.persistence import atomic_write  # noqa: E402
+from april_ext.trainer import TrainerConfig  # noqa: E402
+from april_ext.trainer.megatron import parallel  # noqa: E402
+from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer  # noqa: E402
+from april_ext.trainer.megatron.parallel import MegatronParallelConfig  # noqa: E402
+from april_ext.trainer.megatron.trainer import MegatronTrainerConfig  # noqa: E402
+
+TIMEOUT_S = 60.0
+LAYOUT = re.compile(r"^tp(\d)pp(\d)(sp)?(do)?$")
+
+
+def trainer_config() -> TrainerConfig:
+    """Shared with the test's single-process reference."""
+    return TrainerConfig(lr=1e-2, micro_batch_tokens=40, grad_clip=0.5, mixed_precision="fp32",
+                         algorithm=AlgorithmConfig(kl_coef=0.05, max_staleness=None), minibatches=2)
+
+
+def run_layout(out: str, name: str) -> None:
+    match = LAYOUT.match(name)
+    if match is None:
+        raise SystemExit(f"unknown layout {name!r}")
+    par = MegatronParallelConfig(tensor_model_parallel_size=int(match[1]), pipeline_model_parallel_size=int(match[2]),
+                                 sequence_parallel=bool(match[3]), use_distributed_optimizer=bool(match[4]),
+                                 timeout_s=TIMEOUT_S)
+    model = make_model(3)
+    trainer = DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config(),
+                                                               parallel=par), model.named_parameters())
+    batches = [make_batch(model, step, seed=step) for step in range(2)]
+    result = {"logprobs": trainer.token_logprobs(batches[0]),
+              "metrics": [trainer.train_step(b) for b in batches],
+              "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
+    if dist.get_rank() == 0:
+        atomic_write(os.path.join(out, f"{name}.pt"), lambda path: torch.save(result, path))
+    parallel.shutdown()
+
+
+def main() -> None:
+    out, layouts = sys.argv[1], sys.argv[2:]
+    torch.set_num_threads(1)
+    # The process group outlives each layout's model-parallel state (parallel.shutdown leaves it alone).
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    for name in layouts:
+        if name == "raise":
+            if dist.get_rank() == 1:
+                raise InvalidStateError("rank 1 failed on purpose")
+            dist.all_reduce(torch.ones(1))
+            continue
+        run_layout(out, name)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
