@@ -21,7 +21,13 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from _trainer_utils import make_batch, make_model  # noqa: E402
 from megatron_dist_worker import trainer_config  # noqa: E402
 
+from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError  # noqa: E402
 from april_ext.trainer import TorchTrainer  # noqa: E402
+from april_ext.trainer.megatron import parallel  # noqa: E402
+from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer  # noqa: E402
+from april_ext.trainer.megatron.packed import pack  # noqa: E402
+from april_ext.trainer.megatron.parallel import MegatronParallelConfig  # noqa: E402
+from april_ext.trainer.megatron.trainer import MegatronTrainer, MegatronTrainerConfig  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_dist_worker.py")
 ROOT = WORKER.parent.parent
@@ -50,7 +56,10 @@ def reference() -> dict[str, object]:
 
 
 def check_layout(out: Path, name: str, expected: dict[str, object]) -> None:
-    got = torch.load(out / f"{name}.pt", weights_only=False)
+    check(torch.load(out / f"{name}.pt", weights_only=False), name, expected)
+
+
+def check(got: dict[str, object], name: str, expected: dict[str, object]) -> None:
     torch.testing.assert_close(torch.from_numpy(got["logprobs"]), torch.from_numpy(expected["logprobs"]),
                                rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: logprobs: {m}")
     for step, (mine, theirs) in enumerate(zip(got["metrics"], expected["metrics"])):
@@ -72,8 +81,8 @@ def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: dic
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process(tmp_path: Path, reference: dict[str, object]) -> None:
-    # TP=2, PP=2 (1F1B), DP=2 (tp1pp1 on two ranks).
-    run_and_check(2, ["tp2pp1", "tp1pp2", "tp1pp1"], tmp_path, reference)
+    # TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), DP=2 (tp1pp1 on two ranks).
+    run_and_check(2, ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1"], tmp_path, reference)
 
 
 @pytest.mark.slow
@@ -89,3 +98,53 @@ def test_a_failing_rank_stops_every_rank(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "rank 1 failed on purpose" in proc.stderr
     assert time.monotonic() - start < LAUNCH_TIMEOUT_S / 2
+
+
+def test_one_process_equals_the_embedded_trainer(reference: dict[str, object]) -> None:
+    # The whole distributed path (DDP, Megatron's optimizer, the schedule, packing) in a world of one.
+    model = make_model(3)
+    try:
+        trainer = DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config()),
+                                             model.named_parameters())
+        batches = [make_batch(model, step, seed=step) for step in range(2)]
+        got = {"logprobs": trainer.token_logprobs(batches[0]), "metrics": [trainer.train_step(b) for b in batches],
+               "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
+        with pytest.raises(InvalidStateError, match="policy_version is 0 but the trainer holds version 2"):
+            trainer.train_step(batches[0])
+    finally:
+        parallel.shutdown()
+    check(got, "world of one", reference)
+
+
+def test_pack_puts_samples_in_one_row_and_pads_to_the_multiple() -> None:
+    tokens = torch.arange(10, 17)
+    packed = pack(tokens, torch.tensor([0, 3, 4, 7]), multiple=4)
+    assert packed.pad == 1 and packed.n_tokens == 7
+    assert packed.input_ids.tolist() == [[10, 11, 12, 13, 14, 15, 16, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 0, 1, 2, 0]]
+    assert packed.params.qkv_format == "thd" and packed.params.max_seqlen_q == 3
+    assert packed.params.cu_seqlens_q.tolist() == [0, 3, 4, 7, 8]
+    assert pack(tokens, torch.tensor([0, 7])).pad == 0
+    with pytest.raises(InvalidArgumentError, match="rising strictly from 0 to T = 7"):
+        pack(tokens, torch.tensor([0, 3, 3, 7]))
+
+
+def test_parallel_config_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size must be an integer >= 1, got 0"):
+        MegatronParallelConfig(tensor_model_parallel_size=0)
+    with pytest.raises(ConfigError, match="context_parallel_size must be 1"):
+        MegatronParallelConfig(context_parallel_size=2)
+    with pytest.raises(ConfigError, match="sequence_parallel needs tensor_model_parallel_size > 1"):
+        MegatronParallelConfig(sequence_parallel=True)
+    with pytest.raises(ConfigError, match="timeout_s must be a finite number > 0"):
+        MegatronParallelConfig(timeout_s=0)
+    config = MegatronParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    assert config.data_parallel_size(8) == 2
+    with pytest.raises(ConfigError, match="the world has 6 ranks, not a multiple of"):
+        config.data_parallel_size(6)
+    model = make_model(0)
+    with pytest.raises(ConfigError, match="needs DistributedMegatronTrainer"):
+        MegatronTrainer(MegatronTrainerConfig(model=model.config, parallel=config))
+    with pytest.raises(ConfigError, match="vocab_size 20 must be a multiple of tensor_model_parallel_size 3"):
+        DistributedMegatronTrainer(MegatronTrainerConfig(
+            model=model.config, parallel=MegatronParallelConfig(tensor_model_parallel_size=3)))

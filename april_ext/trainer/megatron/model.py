@@ -65,13 +65,14 @@ def build_gpt_model(config: ModelConfig, *, params_dtype: torch.dtype = torch.fl
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    megatron_config = dataclasses.replace(transformer_config(config, params_dtype=params_dtype), **transformer_changes)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if packed:
         from april_ext.trainer.megatron.packed import packed_layer_spec
 
-        spec = packed_layer_spec(spec)
+        spec = packed_layer_spec(spec, megatron_config)
     model = GPTModel(
-        config=dataclasses.replace(transformer_config(config, params_dtype=params_dtype), **transformer_changes),
+        config=megatron_config,
         transformer_layer_spec=spec,
         pre_process=pre_process,
         post_process=post_process,

@@ -49,14 +49,35 @@ class PackedDotProductAttention(DotProductAttention):
         return out.transpose(0, 1).reshape(query.shape[0], -1)
 
 
-def packed_layer_spec(spec: ModuleSpec) -> ModuleSpec:
-    """``spec`` (a local GPT layer spec) with its core attention replaced by PackedDotProductAttention."""
-    attention = spec.submodules.self_attention.submodules
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm built as megatron-core builds its norms. megatron-core's own torch norm refuses
+    sequence parallelism, though a norm needs nothing for it but this: each tensor-parallel rank normalises
+    its slice of the tokens, so the weight's gradient is partial per rank, and the ``sequence_parallel``
+    mark makes finalize_model_grads all-reduce it across the tensor-parallel group."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def packed_layer_spec(spec: ModuleSpec, config: Any) -> Any:
+    """The block spec of the distributed trainer from a local GPT layer spec: its core attention replaced
+    by PackedDotProductAttention and, under ``config.sequence_parallel``, its norms (and the final one)
+    by SequenceParallelRMSNorm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = spec.submodules
+    attention = layer.self_attention.submodules
     if attention.core_attention is not DotProductAttention:
         raise InvalidArgumentError(f"packed_layer_spec takes the local layer spec (DotProductAttention), got "
                                    f"{attention.core_attention}")
     attention.core_attention = PackedDotProductAttention
-    return spec
+    if not config.sequence_parallel:
+        return spec
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+    # What megatron-core builds from a layer spec (this stage's layers), with our final norm.
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelRMSNorm)
 
 
 @dataclass(frozen=True)
@@ -95,4 +116,4 @@ def pack(tokens: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1) -> P
                             params=params, n_tokens=n, pad=pad)
 
 
-__all__ = ["PackedDotProductAttention", "PackedMicroBatch", "pack", "packed_layer_spec"]
+__all__ = ["PackedDotProductAttention", "PackedMicroBatch", "SequenceParallelRMSNorm", "pack", "packed_layer_spec"]
