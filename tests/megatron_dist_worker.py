@@ -4,8 +4,9 @@ DistributedMegatronTrainer from the counting-task model, computes the batch's pe
 train steps and exports the weights; rank 0 writes what it saw to OUT/<layout>.pt.
 
 Usage: torchrun --nproc-per-node N tests/megatron_dist_worker.py OUT LAYOUT [LAYOUT ...]
-A layout is tp<T>pp<P>[sp][do] (sp: sequence parallel, do: distributed optimizer), or "raise": rank 1
-raises while rank 0 waits in a collective.
+A layout is tp<T>pp<P>[sp][do] (sp: sequence parallel, do: distributed optimizer); "resume" saves a
+checkpoint at TP=2 and resumes it at TP=1 (two ranks); "raise": rank 1 raises while rank 0 waits in a
+collective.
 """
 
 from __future__ import annotations
@@ -60,6 +61,32 @@ def run_layout(out: str, name: str) -> None:
     parallel.shutdown()
 
 
+def build(par: MegatronParallelConfig, seed: int) -> DistributedMegatronTrainer:
+    model = make_model(seed)
+    return DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config(), parallel=par),
+                                      model.named_parameters())
+
+
+def save_and_resume(out: str) -> None:
+    """Saves at TP=2 after one step, takes a second; a trainer at TP=1 (DP=2 on two ranks) built from other
+    weights loads the checkpoint and takes the same second step."""
+    model = make_model(3)
+    batches = [make_batch(model, step, seed=step) for step in range(2)]
+    path = os.path.join(out, "checkpoint")
+    first = build(MegatronParallelConfig(tensor_model_parallel_size=2, timeout_s=TIMEOUT_S), 3)
+    first.train_step(batches[0])
+    first.save_checkpoint(path, extra={"data_position": 12})
+    expected = {"metrics": first.train_step(batches[1]), "weights": dict(first.export_weights(to_cpu=True).tensors)}
+    parallel.shutdown()
+    resumed = build(MegatronParallelConfig(timeout_s=TIMEOUT_S), 1)
+    extra = resumed.load_checkpoint(path)
+    got = {"extra": extra, "version": resumed.version, "metrics": resumed.train_step(batches[1]),
+           "weights": dict(resumed.export_weights(to_cpu=True).tensors)}
+    parallel.shutdown()
+    if dist.get_rank() == 0:
+        atomic_write(os.path.join(out, "resume.pt"), lambda p: torch.save({"expected": expected, "got": got}, p))
+
+
 def main() -> None:
     out, layouts = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
@@ -70,6 +97,9 @@ def main() -> None:
             if dist.get_rank() == 1:
                 raise InvalidStateError("rank 1 failed on purpose")
             dist.all_reduce(torch.ones(1))
+            continue
+        if name == "resume":
+            save_and_resume(out)
             continue
         run_layout(out, name)
     dist.destroy_process_group()

@@ -72,17 +72,29 @@ def check(got: dict[str, object], name: str, expected: dict[str, object]) -> Non
                                    msg=lambda m: f"{name}: {key}: {m}")
 
 
-def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: dict[str, object]) -> None:
-    proc = torchrun(nproc, tmp_path, *layouts)
+def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: dict[str, object],
+                  *extra: str) -> None:
+    proc = torchrun(nproc, tmp_path, *layouts, *extra)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for name in layouts:
         check_layout(tmp_path, name, reference)
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_process(tmp_path: Path, reference: dict[str, object]) -> None:
-    # TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), DP=2 (tp1pp1 on two ranks).
-    run_and_check(2, ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1"], tmp_path, reference)
+def test_two_ranks_equal_one_process_and_resume_across_layouts(tmp_path: Path,
+                                                               reference: dict[str, object]) -> None:
+    # TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), DP=2 (tp1pp1 on two ranks); then a checkpoint
+    # saved at TP=2 resumed at TP=1 x DP=2.
+    run_and_check(2, ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1"], tmp_path, reference, "resume")
+    result = torch.load(tmp_path / "resume.pt", weights_only=False)
+    expected, got = result["expected"], result["got"]
+    assert got["extra"] == {"data_position": 12} and got["version"] == 1
+    for key in ("loss", "grad_norm", "entropy", "version"):
+        assert got["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-5), key
+    for key, tensor in got["weights"].items():
+        torch.testing.assert_close(tensor, expected["weights"][key], rtol=1e-5, atol=1e-6)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "resume.pt", *sorted(f"{n}.pt" for n in
+                                                                              ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1"])]
 
 
 @pytest.mark.slow

@@ -106,6 +106,12 @@ _SHIMMED_MODULES = (
     "megatron.core.optimizer.distrib_optimizer",  # shard bookkeeping: device="cuda"
     "megatron.core.pipeline_parallel.schedules",  # total_num_tokens: device="cuda"
     "megatron.core.pipeline_parallel.p2p_communication",  # torch.cuda.synchronize()
+    # dist_checkpointing save / load: torch.cuda.synchronize() and device="cuda" buffers.
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.exchange_utils",
 )
 
 

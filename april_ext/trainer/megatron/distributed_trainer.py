@@ -22,6 +22,8 @@ time).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -34,8 +36,10 @@ import torch.distributed as dist
 
 from april_ext.algorithms import PolicyLossInputs, aggregation_weights, policy_loss
 from april_ext.batch import TrainingBatch
-from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
+from april_ext.errors import ConfigError, CorruptStateError, InvalidArgumentError, InvalidStateError
+from april_ext.persistence import atomic_directory
 from april_ext.protocol.trainer import ExportedWeights
+from april_ext.trainer import checkpoint
 from april_ext.trainer.batching import (
     StepInputs,
     minibatch_bounds,
@@ -47,6 +51,8 @@ from april_ext.trainer.logprobs import use_bf16_autocast
 from april_ext.trainer.loss_step import step_metrics
 from april_ext.trainer.megatron import compat, parallel, sharded
 from april_ext.trainer.megatron.trainer import MegatronTrainerConfig
+
+CHECKPOINT_FORMAT = "april_ext.megatron_distributed/1"
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,10 @@ class DistributedMegatronTrainer:
         if weights is not None:
             sharded.load_hf_weights(gpt, weights, self.config.model)
         gpt.to(self.device)
-        self.gpt = gpt if train else getattr(self, "gpt", gpt)
+        if train:
+            self.gpt = gpt
+        else:
+            self.ref_gpt = gpt
         module = Float16Module(gpt.config, gpt) if self.bf16 else gpt
         if not train:
             return module.eval().requires_grad_(False)
@@ -320,6 +329,51 @@ class DistributedMegatronTrainer:
     def export_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
         tensors = [(name, t.to("cpu", copy=True) if to_cpu else t) for name, t in self.iter_hf_weights()]
         return ExportedWeights(version=self._version, tensors=tensors)
+
+    # ----- checkpoints ------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
+        """A megatron-core distributed checkpoint (dist_checkpointing: every rank writes its shards of the
+        model, the KL reference and the optimizer state), written into a temporary directory that replaces
+        ``path`` once every rank is done. It loads into any tensor / pipeline / data-parallel layout."""
+        from megatron.core import dist_checkpointing
+
+        checkpoint.check_extra(extra or {}, "extra")
+        state = self._sharded_state(loading=False)
+        state["trainer"] = {"format": CHECKPOINT_FORMAT, "version": self._version, "step": self.step,
+                            "extra": extra or {}}
+        with contextlib.ExitStack() as stack:
+            temp = [stack.enter_context(atomic_directory(path)) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(temp, src=0)
+            dist_checkpointing.save(state, temp[0])
+            # Rank 0 renames the directory into place only when every rank has written its shards.
+            dist.barrier()
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restores what ``save_checkpoint`` wrote (at any layout); returns its ``extra``."""
+        from megatron.core import dist_checkpointing
+
+        path = os.fspath(path)
+        common = dist_checkpointing.load_common_state_dict(path)
+        trainer = common.get("trainer") if isinstance(common, dict) else None
+        if not isinstance(trainer, dict) or trainer.get("format") != CHECKPOINT_FORMAT:
+            raise CorruptStateError(f"{path!r} is not a {CHECKPOINT_FORMAT} checkpoint")
+        state = self._sharded_state(loading=True)
+        loaded = dist_checkpointing.load(state, path)
+        self.gpt.load_state_dict(loaded["model"])
+        if self.ref_model is not None:
+            self.ref_gpt.load_state_dict({k.removeprefix("reference."): v for k, v in loaded["reference"].items()})
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self._version = int(trainer["version"])
+        self.step = int(trainer["step"])
+        return dict(trainer["extra"])
+
+    def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
+        model = self.gpt.sharded_state_dict()
+        state = {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
+        if self.ref_model is not None:
+            state["reference"] = self.ref_gpt.sharded_state_dict(prefix="reference.")
+        return state
 
     def offload(self) -> None:
         """Nothing to release: the distributed trainer does not run colocated (refused at construction)."""
