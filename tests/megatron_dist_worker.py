@@ -21,16 +21,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _trainer_utils import make_batch, make_model  # noqa: E402
+from _trainer_utils import make_batch, make_model
 
-from april_ext.algorithms import AlgorithmConfig  # noqa: E402
-from april_ext.errors import InvalidStateError  # noqa: E402
-from april_ext.persistence import atomic_write  # noqa: E402
-from april_ext.trainer import TrainerConfig  # noqa: E402
-from april_ext.trainer.megatron import parallel  # noqa: E402
-from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer  # noqa: E402
-from april_ext.trainer.megatron.parallel import MegatronParallelConfig  # noqa: E402
-from april_ext.trainer.megatron.trainer import MegatronTrainerConfig  # noqa: E402
+from april_ext.algorithms import AlgorithmConfig
+from april_ext.errors import InvalidStateError
+from april_ext.persistence import atomic_write
+from april_ext.trainer import TrainerConfig
+from april_ext.trainer.megatron import parallel
+from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer
+from april_ext.trainer.megatron.parallel import MegatronParallelConfig
+from april_ext.trainer.megatron.trainer import MegatronTrainerConfig
 
 TIMEOUT_S = 60.0
 LAYOUT = re.compile(r"^tp(\d)pp(\d)(sp)?(do)?$")

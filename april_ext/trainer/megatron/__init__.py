@@ -2,7 +2,13 @@
 and the CPU compatibility layer. Needs the ``megatron`` extra (megatron-core); importing this package
 does not import megatron-core, constructing a trainer does."""
 
-from april_ext.trainer.megatron.conversion import LAYOUTS, fuse_qkv, hf_to_megatron, megatron_to_hf, split_qkv
+from april_ext.trainer.megatron.conversion import (
+    LAYOUTS,
+    fuse_qkv,
+    hf_to_megatron,
+    megatron_to_hf,
+    split_qkv,
+)
 from april_ext.trainer.megatron.trainer import MegatronTrainer, MegatronTrainerConfig
 
 __all__ = [

@@ -36,7 +36,12 @@ import torch.distributed as dist
 
 from april_ext.algorithms import PolicyLossInputs, aggregation_weights, policy_loss
 from april_ext.batch import TrainingBatch
-from april_ext.errors import ConfigError, CorruptStateError, InvalidArgumentError, InvalidStateError
+from april_ext.errors import (
+    ConfigError,
+    CorruptStateError,
+    InvalidArgumentError,
+    InvalidStateError,
+)
 from april_ext.persistence import atomic_directory
 from april_ext.protocol.trainer import ExportedWeights
 from april_ext.trainer import checkpoint
@@ -115,7 +120,10 @@ class DistributedMegatronTrainer:
     # ----- construction -----------------------------------------------------------------------------------
 
     def _build(self, weights: list[tuple[str, torch.Tensor]] | None, *, train: bool) -> Any:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.transformer.module import Float16Module
 
@@ -182,20 +190,19 @@ class DistributedMegatronTrainer:
         start = time.perf_counter()
         algo = self.settings.algorithm
         inputs = prepare_inputs(batch, algo, self.device)
-        parts = [self._my_slice(s0, s1) for s0, s1 in minibatch_bounds(inputs.group_index,
-                                                                       self.settings.minibatches)]
-        mine = [self._micro_batches(inputs, a, b) for a, b in parts]
+        bounds = minibatch_bounds(inputs.group_index, self.settings.minibatches)
+        mine = [self._micro_batches(inputs, *self._my_slice(s0, s1)) for s0, s1 in bounds]
         # With several optimizer steps the clip compares against the weights before the first one.
-        old = [self._forward_logprobs(self.model, mbs) for mbs in mine] if len(parts) > 1 else None
+        old = [self._forward_logprobs(self.model, mbs) for mbs in mine] if len(bounds) > 1 else None
         ref = [self._forward_logprobs(self.ref_model, mbs) for mbs in mine] if self.ref_model is not None else None
         self._sums = {}
         grad_norms = []
-        for k, (s0, s1) in enumerate(minibatch_bounds(inputs.group_index, self.settings.minibatches)):
+        for k, (s0, s1) in enumerate(bounds):
             offsets = inputs.offsets
             t0, t1 = int(offsets[s0]), int(offsets[s1])
             weights = aggregation_weights(inputs.mask[t0:t1], inputs.seq_index[t0:t1] - s0, s1 - s0,
                                           algo.aggregation)
-            context = _StepContext(inputs=inputs, s0=s0, t0=t0, weights=weights,
+            context = _StepContext(inputs=inputs, t0=t0, weights=weights,
                                    old=old[k] if old is not None else None, ref=ref[k] if ref is not None else None,
                                    n_micro=len(mine[k]))
             self._run(self.model, mine[k], partial(self._loss, context), forward_only=False)
@@ -384,11 +391,9 @@ class DistributedMegatronTrainer:
 
 @dataclass(frozen=True)
 class _StepContext:
-    """What the loss of a minibatch's micro-batches needs: the step's inputs, the minibatch's first sample and
-    token, its aggregation weights, the per-micro-batch old / reference log-probs, the micro-batch count."""
+    """What the loss of a minibatch's micro-batches needs: the step's inputs, the minibatch's first token, its aggregation weights, the per-micro-batch old / reference log-probs, the micro-batch count."""
 
     inputs: StepInputs
-    s0: int
     t0: int
     weights: torch.Tensor
     old: list[torch.Tensor] | None

@@ -12,6 +12,7 @@ Imports megatron-core: import this module only where megatron-core is needed.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,7 @@ class PackedDotProductAttention(DotProductAttention):
         # [T, h, d] -> [h, T, d]; each sample is a contiguous slice of the token dimension.
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))
         out = torch.empty_like(q)
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        for start, end in itertools.pairwise(bounds):
             out[:, start:end] = F.scaled_dot_product_attention(
                 q[:, start:end], k[:, start:end], v[:, start:end], is_causal=True, scale=self.softmax_scale,
                 enable_gqa=q.shape[0] != k.shape[0])
@@ -64,7 +65,10 @@ def packed_layer_spec(spec: ModuleSpec, config: Any) -> Any:
     """The block spec of the distributed trainer from a local GPT layer spec: its core attention replaced
     by PackedDotProductAttention and, under ``config.sequence_parallel``, its norms (and the final one)
     by SequenceParallelRMSNorm."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     layer = spec.submodules
     attention = layer.self_attention.submodules

@@ -58,7 +58,7 @@ def _tp_slice(full: torch.Tensor, param: torch.Tensor, name: str, rank: int, siz
     if not getattr(param, "tensor_model_parallel", False) or size == 1:
         return full
     dim = param.partition_dim
-    if name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias"):
+    if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
         gate, up = full.chunk(2, dim=0)
         return torch.cat((gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]), dim=0)
     return full.chunk(size, dim=dim)[rank]
@@ -94,7 +94,7 @@ def _gather_tp(param: torch.Tensor, name: str) -> torch.Tensor:
         return param.detach()
     shards = [torch.empty_like(param) for _ in range(size)]
     dist.all_gather(shards, param.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    if name.endswith("mlp.linear_fc1.weight") or name.endswith("mlp.linear_fc1.bias"):
+    if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=param.partition_dim)

@@ -20,8 +20,8 @@ from april_ext.protocol.trainer import ExportedWeights
 from april_ext.trainer.checkpoint import REFERENCE_FILE
 from april_ext.trainer.config import TrainerConfig
 from april_ext.trainer.megatron import parallel
-from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 from april_ext.trainer.megatron.model import MegatronCausalLM
+from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 from april_ext.trainer.torch_trainer import TorchTrainer
 
 _MODEL_FILE = "model.safetensors"
