@@ -30,9 +30,9 @@ from april_ext.trainer import TorchTrainer, TrainerConfig, split_by_token_budget
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
 
-from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, parallel  # noqa: E402
-from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer  # noqa: E402
-from april_ext.trainer.megatron.model import MegatronCausalLM, length_buckets  # noqa: E402
+from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, parallel
+from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer
+from april_ext.trainer.megatron.model import MegatronCausalLM, length_buckets
 
 MODEL = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
