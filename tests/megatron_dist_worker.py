@@ -4,7 +4,8 @@ DistributedMegatronTrainer from the counting-task model, computes the batch's pe
 train steps and exports the weights; rank 0 writes what it saw to OUT/<layout>.pt.
 
 Usage: torchrun --nproc-per-node N tests/megatron_dist_worker.py OUT LAYOUT [LAYOUT ...]
-A layout is tp<T>pp<P>[sp][do] (sp: sequence parallel, do: distributed optimizer); "resume" saves a
+A layout is tp<T>pp<P>[sp][do][tie] (sp: sequence parallel, do: distributed optimizer, tie: tied
+embeddings); "single" records whether the one-process MegatronTrainer refuses the two-rank world; "resume" saves a
 checkpoint at TP=2 and resumes it at TP=1 (two ranks); "raise": rank 1 raises while rank 0 waits in a
 collective.
 """
@@ -21,19 +22,29 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _trainer_utils import make_batch, make_model
+from _trainer_utils import TASK, make_batch, make_model
 
 from april_ext.algorithms import AlgorithmConfig
 from april_ext.errors import InvalidStateError
+from april_ext.model import LlamaForCausalLM
 from april_ext.persistence import atomic_write
 from april_ext.trainer import TrainerConfig
 from april_ext.trainer.megatron import parallel
 from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
-from april_ext.trainer.megatron.trainer import MegatronTrainerConfig
+from april_ext.trainer.megatron.trainer import MegatronTrainer, MegatronTrainerConfig
 
 TIMEOUT_S = 60.0
-LAYOUT = re.compile(r"^tp(\d)pp(\d)(sp)?(do)?$")
+LAYOUT = re.compile(r"^tp(\d)pp(\d)(sp)?(do)?(tie)?$")
+
+
+def tiny_model(seed: int, tied: bool = False) -> LlamaForCausalLM:
+    """The counting-task model of the trainer tests, optionally with tied input / output embeddings."""
+    if not tied:
+        return make_model(seed)
+    model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, tie_word_embeddings=True))
+    model.init_weights(seed)
+    return model
 
 
 def trainer_config() -> TrainerConfig:
@@ -49,7 +60,7 @@ def run_layout(out: str, name: str) -> None:
     par = MegatronParallelConfig(tensor_model_parallel_size=int(match[1]), pipeline_model_parallel_size=int(match[2]),
                                  sequence_parallel=bool(match[3]), use_distributed_optimizer=bool(match[4]),
                                  timeout_s=TIMEOUT_S)
-    model = make_model(3)
+    model = tiny_model(3, tied=bool(match[5]))
     trainer = DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config(),
                                                                parallel=par), model.named_parameters())
     batches = [make_batch(model, step, seed=step) for step in range(2)]
@@ -87,6 +98,18 @@ def save_and_resume(out: str) -> None:
         atomic_write(os.path.join(out, "resume.pt"), lambda p: torch.save({"expected": expected, "got": got}, p))
 
 
+def refuse_single_process_trainer(out: str) -> None:
+    model = make_model(0)
+    try:
+        MegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config()), model.named_parameters())
+        outcome = "constructed"
+    except InvalidStateError as err:
+        outcome = str(err)
+    parallel.shutdown()
+    if dist.get_rank() == 0:
+        atomic_write(os.path.join(out, "single.pt"), lambda p: torch.save(outcome, p))
+
+
 def main() -> None:
     out, layouts = sys.argv[1], sys.argv[2:]
     torch.set_num_threads(1)
@@ -97,6 +120,9 @@ def main() -> None:
             if dist.get_rank() == 1:
                 raise InvalidStateError("rank 1 failed on purpose")
             dist.all_reduce(torch.ones(1))
+            continue
+        if name == "single":
+            refuse_single_process_trainer(out)
             continue
         if name == "resume":
             save_and_resume(out)

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
 
 from _trainer_utils import make_batch, make_model
-from megatron_dist_worker import trainer_config
+from megatron_dist_worker import tiny_model, trainer_config
 
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.trainer import TorchTrainer
@@ -45,10 +45,9 @@ def torchrun(nproc: int, out: Path, *layouts: str) -> subprocess.CompletedProces
                           check=False)
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict[str, object]:
-    """One process: the embedded trainer on the same weights, batches and settings as the worker."""
-    model = make_model(3)
+def one_process(tied: bool) -> dict[str, object]:
+    """The embedded trainer on the same weights, batches and settings as the worker."""
+    model = tiny_model(3, tied)
     trainer = TorchTrainer(copy.deepcopy(model), trainer_config())
     batches = [make_batch(model, step, seed=step) for step in range(2)]
     return {"logprobs": trainer.token_logprobs(batches[0]),
@@ -56,8 +55,14 @@ def reference() -> dict[str, object]:
             "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
 
 
-def check_layout(out: Path, name: str, expected: dict[str, object]) -> None:
-    check(torch.load(out / f"{name}.pt", weights_only=False), name, expected)
+@pytest.fixture(scope="module")
+def reference() -> dict[bool, dict[str, object]]:
+    """By whether the embeddings are tied."""
+    return {tied: one_process(tied) for tied in (False, True)}
+
+
+def check_layout(out: Path, name: str, expected: dict[bool, dict[str, object]]) -> None:
+    check(torch.load(out / f"{name}.pt", weights_only=False), name, expected[name.endswith("tie")])
 
 
 def check(got: dict[str, object], name: str, expected: dict[str, object]) -> None:
@@ -73,7 +78,7 @@ def check(got: dict[str, object], name: str, expected: dict[str, object]) -> Non
                                    msg=lambda m, key=key: f"{name}: {key}: {m}")
 
 
-def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: dict[str, object],
+def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: dict[bool, dict[str, object]],
                   *extra: str) -> None:
     proc = torchrun(nproc, tmp_path, *layouts, *extra)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -83,10 +88,13 @@ def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: dic
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_and_resume_across_layouts(tmp_path: Path,
-                                                               reference: dict[str, object]) -> None:
-    # TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), DP=2 (tp1pp1 on two ranks); then a checkpoint
-    # saved at TP=2 resumed at TP=1 x DP=2.
-    run_and_check(2, ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1"], tmp_path, reference, "resume")
+                                                               reference: dict[bool, dict[str, object]]) -> None:
+    # TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), DP=2 (tp1pp1 on two ranks), PP=2 with tied
+    # embeddings (the last stage's copy); then a checkpoint saved at TP=2 resumed at TP=1 x DP=2; and the
+    # one-process MegatronTrainer refuses a world of two (it has no gradient all-reduce).
+    layouts = ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1", "tp1pp2tie"]
+    run_and_check(2, layouts, tmp_path, reference, "resume", "single")
+    assert "runs in a world of one process, this one has 2" in torch.load(tmp_path / "single.pt")
     result = torch.load(tmp_path / "resume.pt", weights_only=False)
     expected, got = result["expected"], result["got"]
     assert got["extra"] == {"data_position": 12} and got["version"] == 1
@@ -94,12 +102,12 @@ def test_two_ranks_equal_one_process_and_resume_across_layouts(tmp_path: Path,
         assert got["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-5), key
     for key, tensor in got["weights"].items():
         torch.testing.assert_close(tensor, expected["weights"][key], rtol=1e-5, atol=1e-6)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "resume.pt", *sorted(f"{n}.pt" for n in
-                                                                              ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1"])]
+    assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint", "resume.pt", "single.pt",
+                                                   *(f"{n}.pt" for n in layouts)])
 
 
 @pytest.mark.slow
-def test_four_ranks_equal_one_process(tmp_path: Path, reference: dict[str, object]) -> None:
+def test_four_ranks_equal_one_process(tmp_path: Path, reference: dict[bool, dict[str, object]]) -> None:
     # TP=2 x DP=2 with and without the distributed optimizer, TP=2 x PP=2.
     run_and_check(4, ["tp2pp1", "tp2pp1do", "tp2pp2"], tmp_path, reference)
 
@@ -113,7 +121,7 @@ def test_a_failing_rank_stops_every_rank(tmp_path: Path) -> None:
     assert time.monotonic() - start < LAUNCH_TIMEOUT_S / 2
 
 
-def test_one_process_equals_the_embedded_trainer(reference: dict[str, object]) -> None:
+def test_one_process_equals_the_embedded_trainer(reference: dict[bool, dict[str, object]]) -> None:
     # The whole distributed path (DDP, Megatron's optimizer, the schedule, packing) in a world of one.
     model = make_model(3)
     try:
@@ -126,7 +134,7 @@ def test_one_process_equals_the_embedded_trainer(reference: dict[str, object]) -
             trainer.train_step(batches[0])
     finally:
         parallel.shutdown()
-    check(got, "world of one", reference)
+    check(got, "world of one", reference[False])
 
 
 def test_pack_puts_samples_in_one_row_and_pads_to_the_multiple() -> None:

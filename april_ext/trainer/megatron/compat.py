@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 _lock = threading.Lock()
+# Held while a Tensor method is temporarily replaced (cuda_type_names, the tied-embedding setup).
+_method_lock = threading.RLock()
 _applied = False
 
 
@@ -40,6 +42,7 @@ def apply_cpu_patches() -> bool:
             _patch_default_masks()
             _patch_global_memory_buffer()
             _patch_current_device()
+            _patch_tied_embedding_setup()
             _shim_modules()
             _applied = True
     return True
@@ -95,6 +98,26 @@ def _patch_current_device() -> None:
     # pipeline's shape exchange (p2p_communication.py) and the distributed optimizer's shards. "cpu" is
     # the device those tensors belong on here.
     torch.cuda.current_device = lambda: "cpu"
+
+
+def _patch_tied_embedding_setup() -> None:
+    # With tied embeddings across pipeline stages, LanguageModule.setup_embeddings_and_output_layer moves
+    # the last stage's copy of the embedding with Tensor.cuda() before all-reducing it from the first
+    # stage. While it runs on a CPU, Tensor.cuda() leaves the tensor where it is.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self: LanguageModule) -> None:
+        cuda = torch.Tensor.cuda
+        with _method_lock:
+            torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor  # type: ignore[method-assign]
+            try:
+                original(self)
+            finally:
+                torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
 # Modules whose global name ``torch`` is replaced by _CpuTorch: they allocate with a literal
@@ -201,7 +224,7 @@ def cuda_type_names() -> Iterator[None]:
             return name
         return name.replace("torch.", "torch.cuda.", 1)
 
-    with _lock:
+    with _method_lock:
         torch.Tensor.type = cuda_named_type  # type: ignore[method-assign]
         try:
             yield
