@@ -64,7 +64,12 @@ def run_layout(out: str, name: str) -> None:
     trainer = DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config(),
                                                                parallel=par), model.named_parameters())
     batches = [make_batch(model, step, seed=step) for step in range(2)]
-    result = {"logprobs": trainer.token_logprobs(batches[0]),
+    loaded = dict(model.named_parameters())
+    exported = list(trainer.iter_hf_weights())
+    # HF -> sharded -> gathered HF only slices and concatenates: bit-exact.
+    round_trip = (sorted(n for n, _ in exported) == sorted(loaded)
+                  and all(torch.equal(t, loaded[n]) for n, t in exported))
+    result = {"round_trip": round_trip, "logprobs": trainer.token_logprobs(batches[0]),
               "metrics": [trainer.train_step(b) for b in batches],
               "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
     if dist.get_rank() == 0:

@@ -62,7 +62,9 @@ def reference() -> dict[bool, dict[str, object]]:
 
 
 def check_layout(out: Path, name: str, expected: dict[bool, dict[str, object]]) -> None:
-    check(torch.load(out / f"{name}.pt", weights_only=False), name, expected[name.endswith("tie")])
+    got = torch.load(out / f"{name}.pt", weights_only=False)
+    assert got["round_trip"] is True, f"{name}: the weights gathered right after loading differ from the HF ones"
+    check(got, name, expected[name.endswith("tie")])
 
 
 def check(got: dict[str, object], name: str, expected: dict[str, object]) -> None:
