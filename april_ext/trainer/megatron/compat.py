@@ -104,7 +104,9 @@ def _patch_tied_embedding_setup() -> None:
     # With tied embeddings across pipeline stages, LanguageModule.setup_embeddings_and_output_layer moves
     # the last stage's copy of the embedding with Tensor.cuda() before all-reducing it from the first
     # stage. While it runs on a CPU, Tensor.cuda() leaves the tensor where it is.
-    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.models.common.language_module.language_module import (
+        LanguageModule,
+    )
 
     original = LanguageModule.setup_embeddings_and_output_layer
 

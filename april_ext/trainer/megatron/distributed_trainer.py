@@ -133,7 +133,9 @@ class DistributedMegatronTrainer:
         rng = torch.get_rng_state()
         torch.manual_seed(self.config.seed)
         try:
+            # bf16 parameters (and pipeline activations) with a GPU; Megatron's optimizer keeps fp32 main copies.
             gpt = build_gpt_model(self.config.model, packed=True, pre_process=self.first_stage,
+                                  params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
                                   post_process=self.last_stage, sequence_parallel=par.sequence_parallel,
                                   tensor_model_parallel_size=par.tensor_model_parallel_size,
                                   pipeline_model_parallel_size=par.pipeline_model_parallel_size,
