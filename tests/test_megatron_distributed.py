@@ -171,3 +171,17 @@ def test_parallel_config_errors_name_the_field() -> None:
     with pytest.raises(ConfigError, match="vocab_size 20 must be a multiple of tensor_model_parallel_size 3"):
         DistributedMegatronTrainer(MegatronTrainerConfig(
             model=model.config, parallel=MegatronParallelConfig(tensor_model_parallel_size=3)))
+
+
+def test_checkpoints_refuse_the_distributed_optimizer(tmp_path: Path) -> None:
+    model = make_model(0)
+    config = MegatronTrainerConfig(model=model.config, trainer=trainer_config(),
+                                   parallel=MegatronParallelConfig(use_distributed_optimizer=True))
+    try:
+        trainer = DistributedMegatronTrainer(config, model.named_parameters())
+        for call in (lambda: trainer.save_checkpoint(tmp_path / "ckpt"), lambda: trainer.load_checkpoint(tmp_path)):
+            with pytest.raises(InvalidStateError, match="need use_distributed_optimizer=False"):
+                call()
+    finally:
+        parallel.shutdown()
+    assert os.listdir(tmp_path) == []

@@ -347,6 +347,7 @@ class DistributedMegatronTrainer:
         ``path`` once every rank is done. It loads into any tensor / pipeline / data-parallel layout."""
         from megatron.core import dist_checkpointing
 
+        self._require_checkpointable()
         checkpoint.check_extra(extra or {}, "extra")
         state = self._sharded_state(loading=False)
         state["trainer"] = {"format": CHECKPOINT_FORMAT, "version": self._version, "step": self.step,
@@ -362,6 +363,7 @@ class DistributedMegatronTrainer:
         """Restores what ``save_checkpoint`` wrote (at any layout); returns its ``extra``."""
         from megatron.core import dist_checkpointing
 
+        self._require_checkpointable()
         path = os.fspath(path)
         common = dist_checkpointing.load_common_state_dict(path)
         trainer = common.get("trainer") if isinstance(common, dict) else None
@@ -376,6 +378,15 @@ class DistributedMegatronTrainer:
         self._version = int(trainer["version"])
         self.step = int(trainer["step"])
         return dict(trainer["extra"])
+
+    def _require_checkpointable(self) -> None:
+        # megatron-core 0.16's distributed optimizer checkpoints fail with the torch Adam it falls back to
+        # without Transformer Engine / Apex: its default format is refused by dist_checkpointing
+        # ("flattened_range is not supported"), and loading the fully_reshardable one raises KeyError 'step'.
+        if self.config.parallel.use_distributed_optimizer:
+            raise InvalidStateError("checkpoints of the distributed Megatron trainer need "
+                                    "use_distributed_optimizer=False (with torch's Adam, megatron-core 0.16 fails "
+                                    "to save or reload the distributed optimizer's state)")
 
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
         model = self.gpt.sharded_state_dict()
