@@ -1,15 +1,16 @@
-"""train_step throughput of MegatronTrainer next to TorchTrainer on the same weights and batch
-(pytest-benchmark, or a plain script that prints the side-by-side table).
+"""train_step throughput of MegatronTrainer (one process, length-bucketed padding, torch AdamW) and
+DistributedMegatronTrainer (a world of one here: packed THD rows, Megatron's DDP, optimizer and schedule)
+next to TorchTrainer on the same weights and batch (pytest-benchmark, or a plain script that prints the
+side-by-side table).
 
     .venv/bin/python -m pytest bench/bench_megatron_trainer.py --benchmark-only -q
     .venv/bin/python bench/bench_megatron_trainer.py
 
 A Llama-style model (hidden 256, 4 layers, GQA 8/2, vocab 2048, fp32), 4 groups x 4 samples with
 32-token prompts and long-tailed responses (log-normal, median 48, capped at 256), micro-batches of
-1024 tokens; medians of 5 interleaved steps. Both trainers run the same RL step; the Megatron model
-right-pads each micro-batch into buckets of similar lengths (its local attention takes [batch, seq]),
-the torch model runs the packed tokens, so the ratio includes that padding (reported as padded / real
-tokens).
+1024 tokens; medians of 5 interleaved steps. All trainers run the same RL step; MegatronTrainer's model
+right-pads each micro-batch into buckets of similar lengths (reported as padded / real tokens), the
+torch model and DistributedMegatronTrainer run the packed tokens only.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from april_ext.trainer import TorchTrainer, TrainerConfig, split_by_token_budget
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
 
-from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, parallel  # noqa: E402
-from april_ext.trainer.megatron.model import MegatronCausalLM, length_buckets  # noqa: E402
+from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, parallel
+from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer
+from april_ext.trainer.megatron.model import MegatronCausalLM, length_buckets
 
 MODEL = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
@@ -69,14 +71,16 @@ def padded_tokens(batch: TrainingBatch) -> int:
     return total
 
 
-def make_trainers() -> tuple[TorchTrainer, MegatronTrainer]:
+def make_trainers() -> tuple[TorchTrainer, MegatronTrainer, DistributedMegatronTrainer]:
     model = LlamaForCausalLM(MODEL)
     model.init_weights(0)
-    megatron = MegatronTrainer(MegatronTrainerConfig(model=MODEL, trainer=TRAINER), model.named_parameters())
-    return TorchTrainer(copy.deepcopy(model), TRAINER), megatron
+    config = MegatronTrainerConfig(model=MODEL, trainer=TRAINER)
+    megatron = MegatronTrainer(config, model.named_parameters())
+    distributed = DistributedMegatronTrainer(config, model.named_parameters())
+    return TorchTrainer(copy.deepcopy(model), TRAINER), megatron, distributed
 
 
-def time_steps(trainers: tuple[TorchTrainer, ...], rounds: int) -> list[float]:
+def time_steps(trainers: tuple[object, ...], rounds: int) -> list[float]:
     """Median seconds of one train_step per trainer on the same samples, the trainers interleaved round
     by round (so load from other processes hits both alike), after one warm-up step each."""
     times: list[list[float]] = [[] for _ in trainers]
@@ -97,27 +101,27 @@ def trainers():
     parallel.shutdown()
 
 
-@pytest.mark.parametrize("which", ["torch", "megatron"])
+@pytest.mark.parametrize("which", ["torch", "megatron", "megatron_packed"])
 def test_train_step(benchmark, trainers, which: str) -> None:
-    trainer = trainers[0] if which == "torch" else trainers[1]
+    trainer = trainers[["torch", "megatron", "megatron_packed"].index(which)]
     benchmark.pedantic(lambda: trainer.train_step(make_batch(trainer.version)), rounds=3, warmup_rounds=1)
 
 
 def main() -> None:
     parallel.initialize()
     try:
-        torch_trainer, megatron = make_trainers()
+        trainers = make_trainers()
         batch = make_batch(0)
-        t_torch, t_megatron = time_steps((torch_trainer, megatron), 5)
+        t_torch, t_megatron, t_packed = time_steps(trainers, 5)
     finally:
         parallel.shutdown()
     n = batch.n_tokens
     print(f"threads={torch.get_num_threads()}  tokens/step={n}  padded/real (megatron)={padded_tokens(batch) / n:.2f}")
-    print("| trainer  | s/step | tokens/s |")
-    print("|----------|-------:|---------:|")
-    print(f"| torch    | {t_torch:6.3f} | {n / t_torch:8.0f} |")
-    print(f"| megatron | {t_megatron:6.3f} | {n / t_megatron:8.0f} |")
-    print(f"megatron / torch step time: {t_megatron / t_torch:.2f}x")
+    print("| trainer | s/step | tokens/s | / torch |")
+    print("|---|---:|---:|---:|")
+    for name, t in (("TorchTrainer", t_torch), ("MegatronTrainer (buckets)", t_megatron),
+                    ("DistributedMegatronTrainer (packed)", t_packed)):
+        print(f"| {name} | {t:6.3f} | {n / t:8.0f} | {t / t_torch:.2f}x |")
 
 
 if __name__ == "__main__":

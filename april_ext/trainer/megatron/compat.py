@@ -1,22 +1,29 @@
-"""CPU stand-ins for the few CUDA-only pieces of megatron-core that a tensor/pipeline-parallel size 1
-model touches. Applied by ``apply_cpu_patches()`` only when torch has no usable GPU; with a GPU,
-megatron-core runs unmodified.
+"""CPU stand-ins for the CUDA-only pieces of megatron-core that its model, tensor / pipeline / data
+parallel machinery (DDP grad buffers, optimizer, pipeline schedule) touch. Applied by
+``apply_cpu_patches()`` only when torch has no usable GPU; with a GPU, megatron-core runs unmodified.
 
-Each patch replaces one module attribute and says why. They only change behaviour that would otherwise
-raise (CUDA calls on a CPU-only torch), so applying them cannot alter a computation that already worked.
+Each patch replaces one attribute and says why. They only change behaviour that would otherwise raise
+(CUDA calls on a CPU-only torch), so applying them cannot alter a computation that already worked. The one
+exception, ``cuda_type_names`` (Tensor.type() naming CPU tensors as CUDA ones), is therefore not
+installed globally: the trainer enters it only around the optimizer's construction and step.
+/work/shared/notes/megatron-cpu.md has the measurements behind each patch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import operator
 import threading
 from collections.abc import Iterator
 from functools import reduce
+from typing import Any
 
 import torch
 
 _lock = threading.Lock()
+# Held while a Tensor method is temporarily replaced (cuda_type_names, the tied-embedding setup).
+_method_lock = threading.RLock()
 _applied = False
 
 
@@ -34,6 +41,9 @@ def apply_cpu_patches() -> bool:
             _patch_rotary_embedding()
             _patch_default_masks()
             _patch_global_memory_buffer()
+            _patch_current_device()
+            _patch_tied_embedding_setup()
+            _shim_modules()
             _applied = True
     return True
 
@@ -82,14 +92,160 @@ def _patch_global_memory_buffer() -> None:
     utils.GlobalMemoryBuffer.get_tensor = get_tensor
 
 
-def install_cpu_rng_tracker(seed: int) -> None:
+def _patch_current_device() -> None:
+    # torch.cuda.current_device() raises on a CPU-only torch; megatron-core passes it as the device of
+    # the DDP grad buffers (param_and_grad_buffer.py), the sequence-parallel gathers (mappings.py), the
+    # pipeline's shape exchange (p2p_communication.py) and the distributed optimizer's shards. "cpu" is
+    # the device those tensors belong on here.
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def _patch_tied_embedding_setup() -> None:
+    # With tied embeddings across pipeline stages, LanguageModule.setup_embeddings_and_output_layer moves
+    # the last stage's copy of the embedding with Tensor.cuda() before all-reducing it from the first
+    # stage. While it runs on a CPU, Tensor.cuda() leaves the tensor where it is.
+    from megatron.core.models.common.language_module.language_module import (
+        LanguageModule,
+    )
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self: LanguageModule) -> None:
+        cuda = torch.Tensor.cuda
+        with _method_lock:
+            torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor  # type: ignore[method-assign]
+            try:
+                original(self)
+            finally:
+                torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+# Modules whose global name ``torch`` is replaced by _CpuTorch: they allocate with a literal
+# device="cuda" or call torch.cuda.synchronize / streams (file:line in the notes above).
+_SHIMMED_MODULES = (
+    "megatron.core.utils",  # local grad-norm helpers: device="cuda"
+    "megatron.core.optimizer.optimizer",  # FP32Optimizer: device="cuda"
+    "megatron.core.optimizer.clip_grads",  # grad norm / clipping: device="cuda"
+    "megatron.core.optimizer.distrib_optimizer",  # shard bookkeeping: device="cuda"
+    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens: device="cuda"
+    "megatron.core.pipeline_parallel.p2p_communication",  # torch.cuda.synchronize()
+    # dist_checkpointing save / load: torch.cuda.synchronize() and device="cuda" buffers.
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.exchange_utils",
+)
+
+
+def _shim_modules() -> None:
+    for name in _SHIMMED_MODULES:
+        module = importlib.import_module(name)
+        module.torch = _CpuTorch()  # type: ignore[attr-defined]
+
+
+def _cpu_device(device: Any) -> Any:
+    return "cpu" if device is not None and str(device).startswith("cuda") else device
+
+
+def _on_cpu(factory: Any) -> Any:
+    def make(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return make
+
+
+class _NullStream:
+    """A CUDA stream / event stand-in whose waits and records do nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+class _CpuCuda:
+    """torch.cuda as the shimmed modules see it: synchronisation and streams do nothing (CPU work is
+    synchronous), everything else is torch.cuda's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def synchronize(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+    @staticmethod
+    def stream(*args: Any, **kwargs: Any) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def current_stream(*args: Any, **kwargs: Any) -> _NullStream:
+        return _NullStream()
+
+    Stream = Event = _NullStream
+
+
+class _CpuTorch:
+    """The torch module with device="cuda" in its tensor factories mapped to the CPU."""
+
+    cuda = _CpuCuda()
+    tensor = staticmethod(_on_cpu(torch.tensor))
+    zeros = staticmethod(_on_cpu(torch.zeros))
+    ones = staticmethod(_on_cpu(torch.ones))
+    empty = staticmethod(_on_cpu(torch.empty))
+    full = staticmethod(_on_cpu(torch.full))
+    arange = staticmethod(_on_cpu(torch.arange))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def cuda_type_names() -> Iterator[None]:
+    """While active, ``Tensor.type()`` without arguments names a CPU float tensor as its CUDA type
+    (torch.cuda.FloatTensor): megatron-core's optimizer accepts parameters by comparing those strings
+    (optimizer.py, distrib_optimizer.py, clip_grads.py). A no-op with a GPU or outside the CPU patches."""
+    if not cpu_patches_needed():
+        yield
+        return
+    original = torch.Tensor.type
+
+    def cuda_named_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    with _method_lock:
+        torch.Tensor.type = cuda_named_type  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+def install_cpu_rng_tracker(seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> None:
     """Replaces megatron-core's CUDA RNG tracker (which seeds and swaps torch.cuda generator states; the
     local attention forks it around its dropout) with one that keeps named CPU generator states, and adds
-    the model-parallel stream seeded as model_parallel_cuda_manual_seed would (seed + 2718 + tp rank 0)."""
+    the three streams model_parallel_cuda_manual_seed registers, seeded as it seeds them: data-parallel
+    (seed), model-parallel (seed + 2718 + tp rank) and expert-parallel (seed + 1024 + 100 x ep rank +
+    expert-tp rank)."""
     from megatron.core.tensor_parallel import random as mrandom
 
     tracker = CpuRNGStatesTracker()
-    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 

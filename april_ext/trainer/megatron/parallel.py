@@ -1,18 +1,27 @@
-"""Process-group setup for megatron-core in one process: torch.distributed world size 1 (gloo on a CPU,
-nccl on a GPU, rendezvous through a FileStore in a temporary directory, so no port is taken) and
-tensor / pipeline model parallel size 1."""
+"""Process groups for megatron-core: ``torch.distributed`` plus
+``parallel_state.initialize_model_parallel``, from one ``MegatronParallelConfig``.
+
+Under ``torchrun`` (WORLD_SIZE, RANK, MASTER_ADDR / MASTER_PORT in the environment) every rank calls
+``initialize``; the data-parallel size is what the world leaves after tensor x pipeline x context
+parallel. A process started on its own gets a world of one through a FileStore in a temporary directory,
+so no port is taken. Backend: nccl with a GPU, gloo on a CPU. Every collective has the config's timeout,
+so a rank that dies makes the others fail instead of waiting forever.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
 import threading
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from april_ext.errors import InvalidStateError
+from april_ext.errors import ConfigError, InvalidStateError
 from april_ext.trainer.megatron import compat
 
 _lock = threading.Lock()
@@ -21,33 +30,117 @@ _owns_process_group = False
 _owns_model_parallel = False
 
 
-def initialize(seed: int = 0) -> None:
-    """Makes megatron-core usable in this process. Reuses a process group and model-parallel state that
-    someone else set up (they must have tensor / pipeline parallel size 1); otherwise creates them and
-    remembers to tear them down in ``shutdown``."""
+@dataclass(frozen=True)
+class MegatronParallelConfig:
+    """How a model is split across the ranks (Megatron's flag names, with dashes for underscores).
+
+    tensor_model_parallel_size: ranks sharing each layer (attention heads, MLP columns, the vocabulary).
+    pipeline_model_parallel_size: consecutive stages of layers (the 1F1B schedule).
+    context_parallel_size: only 1: megatron-core splits a packed sequence across context-parallel ranks
+        only in Transformer Engine's attention, which this path does not use.
+    expert_model_parallel_size: ranks sharing the experts of a mixture-of-experts model.
+    sequence_parallel: layer norms and dropout work on a 1/tp slice of the tokens (needs tp > 1).
+    use_distributed_optimizer: Adam state and fp32 main parameters sharded across data-parallel ranks.
+    timeout_s: the limit of every collective (and of the rendezvous).
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"MegatronParallelConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.context_parallel_size != 1:
+            raise ConfigError(f"MegatronParallelConfig.context_parallel_size must be 1, got "
+                              f"{self.context_parallel_size}: megatron-core splits packed sequences across "
+                              f"context-parallel ranks only in Transformer Engine attention, not used here")
+        for name in ("sequence_parallel", "use_distributed_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"MegatronParallelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError("MegatronParallelConfig.sequence_parallel needs tensor_model_parallel_size > 1")
+        if (not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool)
+                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
+            raise ConfigError(f"MegatronParallelConfig.timeout_s must be a finite number > 0, got "
+                              f"{self.timeout_s!r}")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel size of a world of ``world_size`` ranks."""
+        if world_size % self.model_parallel_size:
+            raise ConfigError(f"the world has {world_size} ranks, not a multiple of tensor x pipeline x context "
+                              f"parallel = {self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size}"
+                              f" x {self.context_parallel_size}")
+        dp = world_size // self.model_parallel_size
+        if (dp * self.context_parallel_size) % self.expert_model_parallel_size:
+            raise ConfigError(f"expert_model_parallel_size={self.expert_model_parallel_size} must divide the "
+                              f"data x context parallel size {dp * self.context_parallel_size}")
+        return dp
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a multi-process launch (torchrun's environment)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def initialize(config: MegatronParallelConfig | None = None, seed: int = 0) -> None:
+    """Makes megatron-core usable in this process with ``config`` (default: everything 1). Reuses a
+    process group and model-parallel state that someone else set up (their sizes must equal
+    ``config``'s); otherwise creates them and remembers to tear them down in ``shutdown``."""
     global _owned_dir, _owns_process_group, _owns_model_parallel
+    config = config or MegatronParallelConfig()
+    if not isinstance(config, MegatronParallelConfig):
+        raise ConfigError(f"config must be a MegatronParallelConfig, got {type(config).__name__}")
     compat.apply_cpu_patches()
     from megatron.core import parallel_state, tensor_parallel
 
+    timeout = timedelta(seconds=config.timeout_s)
     with _lock:
         if not dist.is_initialized():
-            _owned_dir = tempfile.mkdtemp(prefix="april_ext_megatron_pg-")
-            store = dist.FileStore(os.path.join(_owned_dir, "store"), 1)
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, store=store, rank=0, world_size=1)
+            if launched_by_torchrun():
+                if backend == "nccl":
+                    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                dist.init_process_group(backend, init_method="env://", timeout=timeout)
+            else:
+                _owned_dir = tempfile.mkdtemp(prefix="april_ext_megatron_pg-")
+                store = dist.FileStore(os.path.join(_owned_dir, "store"), 1)
+                dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
             _owns_process_group = True
+        config.data_parallel_size(dist.get_world_size())
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(1, 1)
+            parallel_state.initialize_model_parallel(
+                config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
+                context_parallel_size=config.context_parallel_size,
+                expert_model_parallel_size=config.expert_model_parallel_size,
+                distributed_timeout_minutes=max(1, math.ceil(config.timeout_s / 60)))
             _owns_model_parallel = True
             if compat.cpu_patches_needed():
-                compat.install_cpu_rng_tracker(seed)
+                compat.install_cpu_rng_tracker(seed, parallel_state.get_tensor_model_parallel_rank(),
+                                               parallel_state.get_expert_model_parallel_rank(),
+                                               parallel_state.get_expert_tensor_parallel_rank())
             else:
                 tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-        if tp != 1 or pp != 1:
-            raise InvalidStateError(f"MegatronTrainer runs with tensor and pipeline parallel size 1, the "
-                                    f"process has tensor={tp}, pipeline={pp}")
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_context_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        want = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
+                config.context_parallel_size, config.expert_model_parallel_size)
+        if have != want:
+            raise InvalidStateError(f"the process's model-parallel state has (tensor, pipeline, context, expert) "
+                                    f"sizes {have}, the config asks for {want}")
 
 
 def shutdown() -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from april_ext.errors import ConfigError
+from april_ext.errors import ConfigError, InvalidStateError
 from april_ext.model import ModelConfig, iter_safetensors
 from april_ext.model.checkpoint import save_safetensors
 from april_ext.protocol.trainer import ExportedWeights
@@ -21,6 +21,7 @@ from april_ext.trainer.checkpoint import REFERENCE_FILE
 from april_ext.trainer.config import TrainerConfig
 from april_ext.trainer.megatron import parallel
 from april_ext.trainer.megatron.model import MegatronCausalLM
+from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 from april_ext.trainer.torch_trainer import TorchTrainer
 
 _MODEL_FILE = "model.safetensors"
@@ -34,11 +35,14 @@ class MegatronTrainerConfig:
     trainer: optimisation settings, shared with the torch trainer (algorithm, lr, AdamW betas and eps,
         grad_clip, micro_batch_tokens, minibatches, mixed_precision, device, colocated, memory_tag).
     seed: seeds Megatron's initialisation when no weights are given, and its model-parallel RNG stream.
+    parallel: how the model is split across ranks (DistributedMegatronTrainer); MegatronTrainer takes
+        only the default, a world of one.
     """
 
     model: ModelConfig
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
+    parallel: MegatronParallelConfig = field(default_factory=MegatronParallelConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelConfig):
@@ -48,6 +52,9 @@ class MegatronTrainerConfig:
                               f"{type(self.trainer).__name__}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ConfigError(f"MegatronTrainerConfig.seed must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.parallel, MegatronParallelConfig):
+            raise ConfigError(f"MegatronTrainerConfig.parallel must be a MegatronParallelConfig, got "
+                              f"{type(self.parallel).__name__}")
 
 
 class MegatronTrainer(TorchTrainer):
@@ -67,8 +74,15 @@ class MegatronTrainer(TorchTrainer):
                  initial_version: int = 0) -> None:
         if not isinstance(config, MegatronTrainerConfig):
             raise ConfigError(f"config must be a MegatronTrainerConfig, got {type(config).__name__}")
+        if config.parallel != MegatronParallelConfig():
+            raise ConfigError("MegatronTrainer runs in a world of one process; a MegatronTrainerConfig.parallel "
+                              "other than the default needs DistributedMegatronTrainer")
         self.megatron_config = config
-        parallel.initialize(config.seed)
+        parallel.initialize(seed=config.seed)
+        if torch.distributed.get_world_size() != 1:
+            # Without a gradient all-reduce the ranks would train diverging replicas.
+            raise InvalidStateError(f"MegatronTrainer runs in a world of one process, this one has "
+                                    f"{torch.distributed.get_world_size()}: use DistributedMegatronTrainer")
         rng = torch.get_rng_state()
         torch.manual_seed(config.seed)
         try:

@@ -1,0 +1,421 @@
+"""DistributedMegatronTrainer: the RL step on a GPTModel split by tensor, pipeline and data parallelism,
+with megatron-core's own machinery.
+
+- The model: one pipeline stage of a GPTModel (local layer spec, packed THD attention), wrapped in
+  megatron-core's DistributedDataParallel (contiguous grad buffers, grads reduced across data-parallel
+  ranks after the last micro-batch); bf16 parameters (Float16Module) with a GPU, fp32 on a CPU.
+- The optimizer: ``get_megatron_optimizer`` (Adam with fp32 main parameters, gradient clipping by the
+  global norm across all model-parallel ranks, optionally the distributed optimizer).
+- The step: ``get_forward_backward_func`` (1F1B across pipeline stages; plain accumulation without
+  pipelining) over micro-batches of whole samples packed into one row each (packed.pack), so the work is
+  that of the real tokens. The loss is the torch trainer's (algorithms.policy_loss with aggregation
+  weights over the whole minibatch), computed on the last stage from per-token log-probs of the
+  vocabulary-sharded logits (vocab_parallel.token_logprobs).
+- Data parallelism: every rank receives the same TrainingBatch; data-parallel rank r trains the r-th of
+  dp consecutive slices of each minibatch. Each rank's loss is its slice's share of the minibatch loss
+  times dp, and DDP averages over dp, so the update equals one process training the whole minibatch.
+
+Every rank of the world constructs the trainer and calls each method in the same order (they are
+collective). Weights leave in HF names through ``sharded.iter_hf_weights`` (gathered, one tensor at a
+time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from april_ext.algorithms import PolicyLossInputs, aggregation_weights, policy_loss
+from april_ext.batch import TrainingBatch
+from april_ext.errors import (
+    ConfigError,
+    CorruptStateError,
+    InvalidArgumentError,
+    InvalidStateError,
+)
+from april_ext.persistence import atomic_directory
+from april_ext.protocol.trainer import ExportedWeights
+from april_ext.trainer import checkpoint
+from april_ext.trainer.batching import (
+    StepInputs,
+    minibatch_bounds,
+    prepare_inputs,
+    split_by_token_budget,
+    validate_batch,
+)
+from april_ext.trainer.logprobs import use_bf16_autocast
+from april_ext.trainer.loss_step import step_metrics
+from april_ext.trainer.megatron import compat, parallel, sharded
+from april_ext.trainer.megatron.trainer import MegatronTrainerConfig
+
+CHECKPOINT_FORMAT = "april_ext.megatron_distributed/1"
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    """Samples [a, b) (tokens [t0, t1)) of the batch, packed; the index-th micro-batch of its minibatch."""
+
+    index: int
+    a: int
+    b: int
+    t0: int
+    t1: int
+    packed: Any
+
+
+class DistributedMegatronTrainer:
+    """Trains a megatron-core GPTModel across the ranks ``config.parallel`` describes (see the module
+    docstring). weights: HF-named (name, tensor) pairs of the whole model (every rank takes its slice), or
+    None for Megatron's seeded initialisation."""
+
+    def __init__(self, config: MegatronTrainerConfig, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 *, initial_version: int = 0) -> None:
+        if not isinstance(config, MegatronTrainerConfig):
+            raise ConfigError(f"config must be a MegatronTrainerConfig, got {type(config).__name__}")
+        settings, model_config, par = config.trainer, config.model, config.parallel
+        if settings.colocated:
+            raise ConfigError("TrainerConfig.colocated is not supported by the distributed Megatron trainer")
+        if settings.temperature > 0 and (settings.top_k > 0 or settings.top_p < 1):
+            raise ConfigError("TrainerConfig.top_k / top_p need the whole vocabulary on one rank; the distributed "
+                              "Megatron trainer computes log-probs from vocabulary-sharded logits (leave them off)")
+        if model_config.vocab_size % par.tensor_model_parallel_size:
+            raise ConfigError(f"vocab_size {model_config.vocab_size} must be a multiple of "
+                              f"tensor_model_parallel_size {par.tensor_model_parallel_size}")
+        self.config = config
+        self.settings = settings
+        device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        self.bf16 = use_bf16_autocast(settings.mixed_precision, self.device)
+        if self.bf16 and self.device.type != "cuda":
+            raise ConfigError("TrainerConfig.mixed_precision='bf16' needs a GPU in the distributed Megatron trainer "
+                              "(bf16 parameters with fp32 main parameters)")
+        parallel.initialize(par, seed=config.seed)
+        from megatron.core import parallel_state as ps
+
+        self._ps = ps
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.first_stage = ps.is_pipeline_first_stage()
+        self.last_stage = ps.is_pipeline_last_stage()
+        weights = list(weights) if weights is not None else None
+        self.model = self._build(weights, train=True)
+        self.ref_model = None
+        if settings.algorithm.kl_coef > 0:
+            self.ref_model = self._build(weights if weights is not None else list(self.iter_hf_weights()),
+                                         train=False)
+        self.optimizer = self._build_optimizer()
+        self._version = int(initial_version)
+        self.step = 0
+        self._sums: dict[str, float] = {}
+
+    # ----- construction -----------------------------------------------------------------------------------
+
+    def _build(self, weights: list[tuple[str, torch.Tensor]] | None, *, train: bool) -> Any:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.transformer.module import Float16Module
+
+        from april_ext.trainer.megatron.model import build_gpt_model
+
+        par = self.config.parallel
+        rng = torch.get_rng_state()
+        torch.manual_seed(self.config.seed)
+        try:
+            # bf16 parameters (and pipeline activations) with a GPU; Megatron's optimizer keeps fp32 main copies.
+            gpt = build_gpt_model(self.config.model, packed=True, pre_process=self.first_stage,
+                                  params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
+                                  post_process=self.last_stage, sequence_parallel=par.sequence_parallel,
+                                  tensor_model_parallel_size=par.tensor_model_parallel_size,
+                                  pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+                                  expert_model_parallel_size=par.expert_model_parallel_size,
+                                  bf16=self.bf16, **self._pipeline_changes())
+        finally:
+            torch.set_rng_state(rng)
+        if weights is not None:
+            sharded.load_hf_weights(gpt, weights, self.config.model)
+        gpt.to(self.device)
+        if train:
+            self.gpt = gpt
+        else:
+            self.ref_gpt = gpt
+        module = Float16Module(gpt.config, gpt) if self.bf16 else gpt
+        if not train:
+            return module.eval().requires_grad_(False)
+        ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=par.use_distributed_optimizer), module)
+        gpt.config.finalize_model_grads_func = finalize_model_grads
+        gpt.config.no_sync_func = ddp.no_sync
+        return ddp
+
+    def _pipeline_changes(self) -> dict[str, Any]:
+        # Stages exchange activations of each micro-batch's own length (packed rows differ in length);
+        # megatron-core allows that only with the alltoall MoE dispatcher (checked even without experts).
+        if self.config.parallel.pipeline_model_parallel_size == 1:
+            return {}
+        return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
+
+    def _build_optimizer(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        s = self.settings
+        config = OptimizerConfig(optimizer="adam", lr=s.lr, min_lr=s.lr, weight_decay=s.weight_decay,
+                                 adam_beta1=s.betas[0], adam_beta2=s.betas[1], adam_eps=s.adam_eps,
+                                 clip_grad=s.grad_clip if s.grad_clip is not None else 0.0, bf16=self.bf16,
+                                 params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
+                                 use_distributed_optimizer=self.config.parallel.use_distributed_optimizer)
+        with compat.cuda_type_names():
+            return get_megatron_optimizer(config, [self.model])
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ----- the step ---------------------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainingBatch) -> dict[str, float]:
+        validate_batch(batch)
+        if batch.policy_version != self._version:
+            raise InvalidStateError(f"batch.policy_version is {batch.policy_version} but the trainer holds "
+                                    f"version {self._version}; the batch must be built for the current version")
+        start = time.perf_counter()
+        algo = self.settings.algorithm
+        inputs = prepare_inputs(batch, algo, self.device)
+        bounds = minibatch_bounds(inputs.group_index, self.settings.minibatches)
+        mine = [self._micro_batches(inputs, *self._my_slice(s0, s1)) for s0, s1 in bounds]
+        # With several optimizer steps the clip compares against the weights before the first one.
+        old = [self._forward_logprobs(self.model, mbs) for mbs in mine] if len(bounds) > 1 else None
+        ref = [self._forward_logprobs(self.ref_model, mbs) for mbs in mine] if self.ref_model is not None else None
+        self._sums = {}
+        grad_norms = []
+        for k, (s0, s1) in enumerate(bounds):
+            offsets = inputs.offsets
+            t0, t1 = int(offsets[s0]), int(offsets[s1])
+            weights = aggregation_weights(inputs.mask[t0:t1], inputs.seq_index[t0:t1] - s0, s1 - s0,
+                                          algo.aggregation)
+            context = _StepContext(inputs=inputs, t0=t0, weights=weights,
+                                   old=old[k] if old is not None else None, ref=ref[k] if ref is not None else None,
+                                   n_micro=len(mine[k]))
+            self._run(self.model, mine[k], partial(self._loss, context), forward_only=False)
+            with compat.cuda_type_names():
+                ok, grad_norm, _ = self.optimizer.step()
+            if not ok:
+                raise InvalidStateError("megatron-core's optimizer skipped the step (non-finite gradients)")
+            grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        self._version += 1
+        self.step += 1
+        return step_metrics(batch, inputs, self._reduce_sums(), grad_norms, self.settings.lr, self._version,
+                            time.perf_counter() - start)
+
+    def token_logprobs(self, batch: TrainingBatch) -> np.ndarray:
+        """pi_train of every token of ``batch`` under the current weights (float32 [T], 0 at each sample's
+        first token), on every rank."""
+        validate_batch(batch)
+        inputs = prepare_inputs(batch, self.settings.algorithm, self.device)
+        a, b = self._my_slice(0, batch.n_samples)
+        mbs = self._micro_batches(inputs, a, b)
+        pieces = self._forward_logprobs(self.model, mbs)
+        report = self.last_stage and self._ps.get_tensor_model_parallel_rank() == 0
+        mine = (int(inputs.offsets[a]), torch.cat(pieces).cpu().numpy()) if report and pieces else None
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        out = np.zeros(batch.n_tokens, dtype=np.float32)
+        for item in gathered:
+            if item is not None:
+                out[item[0]:item[0] + len(item[1])] = item[1]
+        return out
+
+    def _my_slice(self, s0: int, s1: int) -> tuple[int, int]:
+        n = s1 - s0
+        if n < self.dp_size:
+            raise InvalidArgumentError(f"a minibatch of {n} samples cannot be split across {self.dp_size} "
+                                       f"data-parallel ranks")
+        return s0 + (n * self.dp_rank) // self.dp_size, s0 + (n * (self.dp_rank + 1)) // self.dp_size
+
+    def _micro_batches(self, inputs: StepInputs, a: int, b: int) -> list[_MicroBatch]:
+        from april_ext.trainer.megatron.packed import pack
+
+        offsets = inputs.offsets
+        multiple = self.config.parallel.tensor_model_parallel_size if self.config.parallel.sequence_parallel else 1
+        out = []
+        for u, v in split_by_token_budget(offsets[a:b + 1].diff().tolist(), self.settings.micro_batch_tokens):
+            u, v = u + a, v + a
+            t0, t1 = int(offsets[u]), int(offsets[v])
+            out.append(_MicroBatch(index=len(out), a=u, b=v, t0=t0, t1=t1,
+                                   packed=pack(inputs.tokens[t0:t1], offsets[u:v + 1] - offsets[u], multiple)))
+        return out
+
+    def _run(self, model: Any, mbs: list[_MicroBatch], loss: Callable[..., Any], *, forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data: Iterator[_MicroBatch], module: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+            mb = next(data)
+            p = mb.packed
+            output = module(p.input_ids, p.position_ids, attention_mask=None, packed_seq_params=p.params)
+            return output, partial(loss, mb)
+
+        longest = max(mb.packed.input_ids.shape[1] for mb in mbs)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
+            seq_length=longest, micro_batch_size=1, forward_only=forward_only, collect_non_loss_data=forward_only)
+
+    def _token_logprobs(self, mb: _MicroBatch, output: torch.Tensor, *,
+                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs [n] of the micro-batch's tokens (0 at sample starts) from the last stage's
+        logits [1, n + pad, V/tp]."""
+        from april_ext.trainer.megatron.vocab_parallel import token_logprobs
+
+        p = mb.packed
+        tokens = p.input_ids[0, :p.n_tokens]
+        picked, entropy = token_logprobs(output[0, :p.n_tokens - 1], tokens[1:], self.settings.temperature,
+                                         with_entropy=with_entropy)
+        starts = p.cu_seqlens[:-1].to(tokens.device)
+        out = torch.cat((picked.new_zeros(1), picked)).index_fill(0, starts, 0.0)
+        if entropy is not None:
+            entropy = torch.cat((entropy.new_zeros(1), entropy)).index_fill(0, starts, 0.0)
+        return out, entropy
+
+    def _forward_logprobs(self, model: Any, mbs: list[_MicroBatch]) -> list[torch.Tensor]:
+        """Per micro-batch log-probs without gradient (on the last stage; empty elsewhere)."""
+
+        def collect(mb: _MicroBatch, output: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:
+            return self._token_logprobs(mb, output, with_entropy=False)[0]
+
+        with torch.no_grad():
+            return list(self._run(model, mbs, collect, forward_only=True))
+
+    def _loss(self, ctx: _StepContext, mb: _MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The micro-batch's share of the minibatch loss, scaled for the schedule and DDP (see the module
+        docstring); adds the metrics to the step's sums."""
+        inputs = ctx.inputs
+        logprobs, entropy = self._token_logprobs(mb, output, with_entropy=True)
+        u0, u1 = mb.t0, mb.t1
+        weights = ctx.weights[u0 - ctx.t0:u1 - ctx.t0]
+        out = policy_loss(self.settings.algorithm, PolicyLossInputs(
+            logprobs=logprobs,
+            old_logprobs=ctx.old[mb.index] if ctx.old is not None else logprobs.detach(),
+            behavior_logprobs=inputs.behavior[u0:u1], advantages=inputs.token_advantages[u0:u1],
+            mask=inputs.mask[u0:u1], weights=weights, seq_index=inputs.seq_index[u0:u1] - mb.a, n_seqs=mb.b - mb.a,
+            ref_logprobs=ctx.ref[mb.index] if ctx.ref is not None else None))
+        _add(self._sums, "loss", float(out.loss.detach()))
+        _add(self._sums, "entropy", float((weights * entropy).sum()))
+        for name, value in out.metrics.items():
+            _add(self._sums, name, float(value))
+        # The schedule divides by the number of micro-batches and DDP averages over the data-parallel ranks.
+        return out.loss * (ctx.n_micro * self.dp_size), {}
+
+    def _reduce_sums(self) -> dict[str, float]:
+        """The metric sums of all data-parallel ranks, known on every rank."""
+        report = self.last_stage and self._ps.get_tensor_model_parallel_rank() == 0
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self._sums if report else None)
+        total: dict[str, float] = {}
+        for sums in gathered:
+            for name, value in (sums or {}).items():
+                _add(total, name, value)
+        return total
+
+    # ----- weights ----------------------------------------------------------------------------------------
+
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The current weights in HF names, gathered across tensor and pipeline ranks one tensor at a time,
+        on every rank (collective: every rank iterates to the end)."""
+        return sharded.iter_hf_weights(self.gpt, self.config.model)
+
+    def export_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
+        tensors = [(name, t.to("cpu", copy=True) if to_cpu else t) for name, t in self.iter_hf_weights()]
+        return ExportedWeights(version=self._version, tensors=tensors)
+
+    # ----- checkpoints ------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
+        """A megatron-core distributed checkpoint (dist_checkpointing: every rank writes its shards of the
+        model, the KL reference and the optimizer state), written into a temporary directory that replaces
+        ``path`` once every rank is done. It loads into any tensor / pipeline / data-parallel layout."""
+        from megatron.core import dist_checkpointing
+
+        self._require_checkpointable()
+        checkpoint.check_extra(extra or {}, "extra")
+        state = self._sharded_state(loading=False)
+        state["trainer"] = {"format": CHECKPOINT_FORMAT, "version": self._version, "step": self.step,
+                            "extra": extra or {}}
+        with contextlib.ExitStack() as stack:
+            temp = [stack.enter_context(atomic_directory(path)) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(temp, src=0)
+            dist_checkpointing.save(state, temp[0])
+            # Rank 0 renames the directory into place only when every rank has written its shards.
+            dist.barrier()
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restores what ``save_checkpoint`` wrote (at any layout); returns its ``extra``."""
+        from megatron.core import dist_checkpointing
+
+        self._require_checkpointable()
+        path = os.fspath(path)
+        common = dist_checkpointing.load_common_state_dict(path)
+        trainer = common.get("trainer") if isinstance(common, dict) else None
+        if not isinstance(trainer, dict) or trainer.get("format") != CHECKPOINT_FORMAT:
+            raise CorruptStateError(f"{path!r} is not a {CHECKPOINT_FORMAT} checkpoint")
+        state = self._sharded_state(loading=True)
+        loaded = dist_checkpointing.load(state, path)
+        self.gpt.load_state_dict(loaded["model"])
+        if self.ref_model is not None:
+            self.ref_gpt.load_state_dict({k.removeprefix("reference."): v for k, v in loaded["reference"].items()})
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self._version = int(trainer["version"])
+        self.step = int(trainer["step"])
+        return dict(trainer["extra"])
+
+    def _require_checkpointable(self) -> None:
+        # megatron-core 0.16's distributed optimizer checkpoints fail with the torch Adam it falls back to
+        # without Transformer Engine / Apex: its default format is refused by dist_checkpointing
+        # ("flattened_range is not supported"), and loading the fully_reshardable one raises KeyError 'step'.
+        if self.config.parallel.use_distributed_optimizer:
+            raise InvalidStateError("checkpoints of the distributed Megatron trainer need "
+                                    "use_distributed_optimizer=False (with torch's Adam, megatron-core 0.16 fails "
+                                    "to save or reload the distributed optimizer's state)")
+
+    def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
+        model = self.gpt.sharded_state_dict()
+        state = {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
+        if self.ref_model is not None:
+            state["reference"] = self.ref_gpt.sharded_state_dict(prefix="reference.")
+        return state
+
+    def offload(self) -> None:
+        """Nothing to release: the distributed trainer does not run colocated (refused at construction)."""
+
+    def onload(self) -> None:
+        """Nothing to restore (see ``offload``)."""
+
+
+@dataclass(frozen=True)
+class _StepContext:
+    """What the loss of a minibatch's micro-batches needs: the step's inputs, the minibatch's first token, its aggregation weights, the per-micro-batch old / reference log-probs, the micro-batch count."""
+
+    inputs: StepInputs
+    t0: int
+    weights: torch.Tensor
+    old: list[torch.Tensor] | None
+    ref: list[torch.Tensor] | None
+    n_micro: int
+
+
+def _add(sums: dict[str, float], name: str, value: float) -> None:
+    sums[name] = sums.get(name, 0.0) + value
+
+
+__all__ = ["DistributedMegatronTrainer"]

@@ -1,0 +1,140 @@
+"""One rank of tests/test_megatron_distributed.py, started by torchrun: for each layout named on the
+command line (in one launch, since importing megatron-core costs seconds per process), builds a
+DistributedMegatronTrainer from the counting-task model, computes the batch's per-token log-probs, takes
+train steps and exports the weights; rank 0 writes what it saw to OUT/<layout>.pt.
+
+Usage: torchrun --nproc-per-node N tests/megatron_dist_worker.py OUT LAYOUT [LAYOUT ...]
+A layout is tp<T>pp<P>[sp][do][tie] (sp: sequence parallel, do: distributed optimizer, tie: tied
+embeddings); "single" records whether the one-process MegatronTrainer refuses the two-rank world; "resume" saves a
+checkpoint at TP=2 and resumes it at TP=1 (two ranks); "raise": rank 1 raises while rank 0 waits in a
+collective.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _trainer_utils import TASK, make_batch, make_model
+
+from april_ext.algorithms import AlgorithmConfig
+from april_ext.errors import InvalidStateError
+from april_ext.model import LlamaForCausalLM
+from april_ext.persistence import atomic_write
+from april_ext.trainer import TrainerConfig
+from april_ext.trainer.megatron import parallel
+from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer
+from april_ext.trainer.megatron.parallel import MegatronParallelConfig
+from april_ext.trainer.megatron.trainer import MegatronTrainer, MegatronTrainerConfig
+
+TIMEOUT_S = 60.0
+LAYOUT = re.compile(r"^tp(\d)pp(\d)(sp)?(do)?(tie)?$")
+
+
+def tiny_model(seed: int, tied: bool = False) -> LlamaForCausalLM:
+    """The counting-task model of the trainer tests, optionally with tied input / output embeddings."""
+    if not tied:
+        return make_model(seed)
+    model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, tie_word_embeddings=True))
+    model.init_weights(seed)
+    return model
+
+
+def trainer_config() -> TrainerConfig:
+    """Shared with the test's single-process reference."""
+    return TrainerConfig(lr=1e-2, micro_batch_tokens=40, grad_clip=0.5, mixed_precision="fp32",
+                         algorithm=AlgorithmConfig(kl_coef=0.05, max_staleness=None), minibatches=2)
+
+
+def run_layout(out: str, name: str) -> None:
+    match = LAYOUT.match(name)
+    if match is None:
+        raise SystemExit(f"unknown layout {name!r}")
+    par = MegatronParallelConfig(tensor_model_parallel_size=int(match[1]), pipeline_model_parallel_size=int(match[2]),
+                                 sequence_parallel=bool(match[3]), use_distributed_optimizer=bool(match[4]),
+                                 timeout_s=TIMEOUT_S)
+    model = tiny_model(3, tied=bool(match[5]))
+    trainer = DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config(),
+                                                               parallel=par), model.named_parameters())
+    batches = [make_batch(model, step, seed=step) for step in range(2)]
+    loaded = dict(model.named_parameters())
+    exported = list(trainer.iter_hf_weights())
+    # HF -> sharded -> gathered HF only slices and concatenates: bit-exact.
+    round_trip = (sorted(n for n, _ in exported) == sorted(loaded)
+                  and all(torch.equal(t, loaded[n]) for n, t in exported))
+    result = {"round_trip": round_trip, "logprobs": trainer.token_logprobs(batches[0]),
+              "metrics": [trainer.train_step(b) for b in batches],
+              "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
+    if dist.get_rank() == 0:
+        atomic_write(os.path.join(out, f"{name}.pt"), lambda path: torch.save(result, path))
+    parallel.shutdown()
+
+
+def build(par: MegatronParallelConfig, seed: int) -> DistributedMegatronTrainer:
+    model = make_model(seed)
+    return DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config(), parallel=par),
+                                      model.named_parameters())
+
+
+def save_and_resume(out: str) -> None:
+    """Saves at TP=2 after one step, takes a second; a trainer at TP=1 (DP=2 on two ranks) built from other
+    weights loads the checkpoint and takes the same second step."""
+    model = make_model(3)
+    batches = [make_batch(model, step, seed=step) for step in range(2)]
+    path = os.path.join(out, "checkpoint")
+    first = build(MegatronParallelConfig(tensor_model_parallel_size=2, timeout_s=TIMEOUT_S), 3)
+    first.train_step(batches[0])
+    first.save_checkpoint(path, extra={"data_position": 12})
+    expected = {"metrics": first.train_step(batches[1]), "weights": dict(first.export_weights(to_cpu=True).tensors)}
+    parallel.shutdown()
+    resumed = build(MegatronParallelConfig(timeout_s=TIMEOUT_S), 1)
+    extra = resumed.load_checkpoint(path)
+    got = {"extra": extra, "version": resumed.version, "metrics": resumed.train_step(batches[1]),
+           "weights": dict(resumed.export_weights(to_cpu=True).tensors)}
+    parallel.shutdown()
+    if dist.get_rank() == 0:
+        atomic_write(os.path.join(out, "resume.pt"), lambda p: torch.save({"expected": expected, "got": got}, p))
+
+
+def refuse_single_process_trainer(out: str) -> None:
+    model = make_model(0)
+    try:
+        MegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config()), model.named_parameters())
+        outcome = "constructed"
+    except InvalidStateError as err:
+        outcome = str(err)
+    parallel.shutdown()
+    if dist.get_rank() == 0:
+        atomic_write(os.path.join(out, "single.pt"), lambda p: torch.save(outcome, p))
+
+
+def main() -> None:
+    out, layouts = sys.argv[1], sys.argv[2:]
+    torch.set_num_threads(1)
+    # The process group outlives each layout's model-parallel state (parallel.shutdown leaves it alone).
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    for name in layouts:
+        if name == "raise":
+            if dist.get_rank() == 1:
+                raise InvalidStateError("rank 1 failed on purpose")
+            dist.all_reduce(torch.ones(1))
+            continue
+        if name == "single":
+            refuse_single_process_trainer(out)
+            continue
+        if name == "resume":
+            save_and_resume(out)
+            continue
+        run_layout(out, name)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

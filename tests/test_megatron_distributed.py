@@ -1,0 +1,187 @@
+"""DistributedMegatronTrainer across real processes (torchrun, gloo on the CPU) against the embedded
+TorchTrainer in this process: per-token log-probs, two train steps' metrics and the gathered weights after
+them must equal one process's within fp32 tolerance for every layout. Each torchrun launch runs several
+layouts (tests/megatron_dist_worker.py), since each rank spends seconds importing megatron-core."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
+
+from _trainer_utils import make_batch, make_model
+from megatron_dist_worker import tiny_model, trainer_config
+
+from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
+from april_ext.trainer import TorchTrainer
+from april_ext.trainer.megatron import parallel
+from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer
+from april_ext.trainer.megatron.packed import pack
+from april_ext.trainer.megatron.parallel import MegatronParallelConfig
+from april_ext.trainer.megatron.trainer import MegatronTrainer, MegatronTrainerConfig
+
+WORKER = Path(__file__).with_name("megatron_dist_worker.py")
+ROOT = WORKER.parent.parent
+LAUNCH_TIMEOUT_S = 240
+
+
+def torchrun(nproc: int, out: Path, *layouts: str) -> subprocess.CompletedProcess[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+               f"--master-port={port}", str(WORKER), str(out), *layouts]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=ROOT,
+                          check=False)
+
+
+def one_process(tied: bool) -> dict[str, object]:
+    """The embedded trainer on the same weights, batches and settings as the worker."""
+    model = tiny_model(3, tied)
+    trainer = TorchTrainer(copy.deepcopy(model), trainer_config())
+    batches = [make_batch(model, step, seed=step) for step in range(2)]
+    return {"logprobs": trainer.token_logprobs(batches[0]),
+            "metrics": [trainer.train_step(b) for b in batches],
+            "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[bool, dict[str, object]]:
+    """By whether the embeddings are tied."""
+    return {tied: one_process(tied) for tied in (False, True)}
+
+
+def check_layout(out: Path, name: str, expected: dict[bool, dict[str, object]]) -> None:
+    got = torch.load(out / f"{name}.pt", weights_only=False)
+    assert got["round_trip"] is True, f"{name}: the weights gathered right after loading differ from the HF ones"
+    check(got, name, expected[name.endswith("tie")])
+
+
+def check(got: dict[str, object], name: str, expected: dict[str, object]) -> None:
+    torch.testing.assert_close(torch.from_numpy(got["logprobs"]), torch.from_numpy(expected["logprobs"]),
+                               rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: logprobs: {m}")
+    for step, (mine, theirs) in enumerate(zip(got["metrics"], expected["metrics"])):
+        for key in ("loss", "grad_norm", "entropy", "n_loss_tokens", "optimizer_steps", "version"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (name, step, key)
+    assert sorted(got["weights"]) == sorted(expected["weights"]), name
+    # Adam's step g / sqrt(v) magnifies reduction-order differences of near-zero gradients (lr 1e-2).
+    for key, tensor in got["weights"].items():
+        torch.testing.assert_close(tensor, expected["weights"][key], rtol=1e-4, atol=5e-5,
+                                   msg=lambda m, key=key: f"{name}: {key}: {m}")
+
+
+def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: dict[bool, dict[str, object]],
+                  *extra: str) -> None:
+    proc = torchrun(nproc, tmp_path, *layouts, *extra)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name in layouts:
+        check_layout(tmp_path, name, reference)
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_and_resume_across_layouts(tmp_path: Path,
+                                                               reference: dict[bool, dict[str, object]]) -> None:
+    # TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), DP=2 (tp1pp1 on two ranks), PP=2 with tied
+    # embeddings (the last stage's copy); then a checkpoint saved at TP=2 resumed at TP=1 x DP=2; and the
+    # one-process MegatronTrainer refuses a world of two (it has no gradient all-reduce).
+    layouts = ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1", "tp1pp2tie"]
+    run_and_check(2, layouts, tmp_path, reference, "resume", "single")
+    assert "runs in a world of one process, this one has 2" in torch.load(tmp_path / "single.pt")
+    result = torch.load(tmp_path / "resume.pt", weights_only=False)
+    expected, got = result["expected"], result["got"]
+    assert got["extra"] == {"data_position": 12} and got["version"] == 1
+    for key in ("loss", "grad_norm", "entropy", "version"):
+        assert got["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-5), key
+    for key, tensor in got["weights"].items():
+        torch.testing.assert_close(tensor, expected["weights"][key], rtol=1e-5, atol=1e-6)
+    assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint", "resume.pt", "single.pt",
+                                                   *(f"{n}.pt" for n in layouts)])
+
+
+@pytest.mark.slow
+def test_four_ranks_equal_one_process(tmp_path: Path, reference: dict[bool, dict[str, object]]) -> None:
+    # TP=2 x DP=2 with and without the distributed optimizer, TP=2 x PP=2.
+    run_and_check(4, ["tp2pp1", "tp2pp1do", "tp2pp2"], tmp_path, reference)
+
+
+@pytest.mark.slow
+def test_a_failing_rank_stops_every_rank(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = torchrun(2, tmp_path, "raise")
+    assert proc.returncode != 0
+    assert "rank 1 failed on purpose" in proc.stderr
+    assert time.monotonic() - start < LAUNCH_TIMEOUT_S / 2
+
+
+def test_one_process_equals_the_embedded_trainer(reference: dict[bool, dict[str, object]]) -> None:
+    # The whole distributed path (DDP, Megatron's optimizer, the schedule, packing) in a world of one.
+    model = make_model(3)
+    try:
+        trainer = DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config()),
+                                             model.named_parameters())
+        batches = [make_batch(model, step, seed=step) for step in range(2)]
+        got = {"logprobs": trainer.token_logprobs(batches[0]), "metrics": [trainer.train_step(b) for b in batches],
+               "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
+        with pytest.raises(InvalidStateError, match="policy_version is 0 but the trainer holds version 2"):
+            trainer.train_step(batches[0])
+    finally:
+        parallel.shutdown()
+    check(got, "world of one", reference[False])
+
+
+def test_pack_puts_samples_in_one_row_and_pads_to_the_multiple() -> None:
+    tokens = torch.arange(10, 17)
+    packed = pack(tokens, torch.tensor([0, 3, 4, 7]), multiple=4)
+    assert packed.pad == 1 and packed.n_tokens == 7
+    assert packed.input_ids.tolist() == [[10, 11, 12, 13, 14, 15, 16, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 0, 1, 2, 0]]
+    assert packed.params.qkv_format == "thd" and packed.params.max_seqlen_q == 3
+    assert packed.params.cu_seqlens_q.tolist() == [0, 3, 4, 7, 8]
+    assert pack(tokens, torch.tensor([0, 7])).pad == 0
+    with pytest.raises(InvalidArgumentError, match="rising strictly from 0 to T = 7"):
+        pack(tokens, torch.tensor([0, 3, 3, 7]))
+
+
+def test_parallel_config_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size must be an integer >= 1, got 0"):
+        MegatronParallelConfig(tensor_model_parallel_size=0)
+    with pytest.raises(ConfigError, match="context_parallel_size must be 1"):
+        MegatronParallelConfig(context_parallel_size=2)
+    with pytest.raises(ConfigError, match="sequence_parallel needs tensor_model_parallel_size > 1"):
+        MegatronParallelConfig(sequence_parallel=True)
+    with pytest.raises(ConfigError, match="timeout_s must be a finite number > 0"):
+        MegatronParallelConfig(timeout_s=0)
+    config = MegatronParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    assert config.data_parallel_size(8) == 2
+    with pytest.raises(ConfigError, match="the world has 6 ranks, not a multiple of"):
+        config.data_parallel_size(6)
+    model = make_model(0)
+    with pytest.raises(ConfigError, match="needs DistributedMegatronTrainer"):
+        MegatronTrainer(MegatronTrainerConfig(model=model.config, parallel=config))
+    with pytest.raises(ConfigError, match="vocab_size 20 must be a multiple of tensor_model_parallel_size 3"):
+        DistributedMegatronTrainer(MegatronTrainerConfig(
+            model=model.config, parallel=MegatronParallelConfig(tensor_model_parallel_size=3)))
+
+
+def test_checkpoints_refuse_the_distributed_optimizer(tmp_path: Path) -> None:
+    model = make_model(0)
+    config = MegatronTrainerConfig(model=model.config, trainer=trainer_config(),
+                                   parallel=MegatronParallelConfig(use_distributed_optimizer=True))
+    try:
+        trainer = DistributedMegatronTrainer(config, model.named_parameters())
+        for call in (lambda: trainer.save_checkpoint(tmp_path / "ckpt"), lambda: trainer.load_checkpoint(tmp_path)):
+            with pytest.raises(InvalidStateError, match="need use_distributed_optimizer=False"):
+                call()
+    finally:
+        parallel.shutdown()
+    assert os.listdir(tmp_path) == []
