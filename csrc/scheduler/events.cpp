@@ -161,13 +161,12 @@ void Scheduler::on_finish(const EventBatch& ev) {
     s_.stats.generated_tokens += added;
     if (smp.resumed) s_.stats.resumed_generated_tokens += added;
     pos += static_cast<size_t>(cnt);
-    finish(smp, ev.sample_ids[e] / n, static_cast<FinishReason>(ev.reasons[e]));
+    finish(smp, index_.group(ev.sample_ids[e]), ev.sample_ids[e] / n, static_cast<FinishReason>(ev.reasons[e]));
   }
 }
 
 // A sample's request ended: an abort below the length cap queues it for a resume, anything else is done.
-void Scheduler::finish(Sample& smp, int64_t gid, FinishReason reason) {
-  Group& g = s_.groups.at(gid);
+void Scheduler::finish(Sample& smp, Group& g, int64_t gid, FinishReason reason) {
   (smp.state == SampleState::Running ? s_.running_samples : s_.aborting_samples) -= 1;
   g.n_in_flight -= 1;
   const bool at_cap = static_cast<int64_t>(smp.tokens.size()) >= config_.max_response_len;

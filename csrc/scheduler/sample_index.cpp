@@ -8,15 +8,15 @@ void SampleIndex::add(int64_t group_id, Group& g) {
     base_ = first;
     head_ = 0;
   }
-  slots_.resize(static_cast<size_t>(first - base_), nullptr);  // ids of groups that are already gone
-  for (Sample& smp : g.samples) slots_.push_back(&smp);
+  slots_.resize(static_cast<size_t>(first - base_), Slot{nullptr, nullptr});  // ids of groups already gone
+  for (Sample& smp : g.samples) slots_.push_back(Slot{&smp, &g});
 }
 
 void SampleIndex::remove(int64_t group_id) {
   const uint64_t k = static_cast<uint64_t>(group_id * n_) - static_cast<uint64_t>(base_);
   if (k >= slots_.size()) return;
-  for (int64_t i = 0; i < n_; ++i) slots_[k + static_cast<uint64_t>(i)] = nullptr;
-  while (head_ < slots_.size() && slots_[head_] == nullptr) ++head_;
+  for (int64_t i = 0; i < n_; ++i) slots_[k + static_cast<uint64_t>(i)] = Slot{nullptr, nullptr};
+  while (head_ < slots_.size() && slots_[head_].sample == nullptr) ++head_;
   if (head_ == slots_.size()) {
     slots_.clear();
     head_ = 0;

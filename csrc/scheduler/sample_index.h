@@ -19,7 +19,11 @@ class SampleIndex {
   // The record of a live sample, or nullptr (never launched, or its group is gone; negative ids too).
   Sample* find(int64_t sample_id) const {
     const uint64_t k = static_cast<uint64_t>(sample_id) - static_cast<uint64_t>(base_);
-    return k < slots_.size() ? slots_[k] : nullptr;
+    return k < slots_.size() ? slots_[k].sample : nullptr;
+  }
+  // The group of a sample that find() resolves.
+  Group& group(int64_t sample_id) const {
+    return *slots_[static_cast<size_t>(static_cast<uint64_t>(sample_id) - static_cast<uint64_t>(base_))].group;
   }
   // Group ids must come in increasing order (the scheduler's launch order).
   void add(int64_t group_id, Group& g);
@@ -27,10 +31,15 @@ class SampleIndex {
   void rebuild(std::map<int64_t, Group>& groups);
 
  private:
+  struct Slot {
+    Sample* sample;
+    Group* group;
+  };
+
   int64_t n_;
   int64_t base_ = 0;   // sample id of slots_[0]
   size_t head_ = 0;    // slots before head_ are all empty
-  std::vector<Sample*> slots_;
+  std::vector<Slot> slots_;
 };
 
 }  // namespace april::sched

@@ -161,7 +161,7 @@ class Scheduler {
   // Returns the tokens appended (0 or count) for the caller to add to the step counters once per call.
   int64_t append_tokens(Sample& sample, const int32_t* tokens, const float* logprobs, int64_t count,
                         int64_t version);
-  void finish(Sample& sample, int64_t group_id, FinishReason reason);
+  void finish(Sample& sample, Group& group, int64_t group_id, FinishReason reason);
 
   Config config_;
   mutable std::mutex mu_;
