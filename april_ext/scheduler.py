@@ -30,6 +30,8 @@ _CHOICES: dict[str, tuple[str, ...]] = _C.scheduler_config_choices()
 _TOKEN_MAX = 2**31 - 1
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _STATE_FORMAT = "april_ext.scheduler"
+_NO_TOKENS = np.zeros(0, np.int32)
+_NO_LOGPROBS = np.zeros(0, np.float32)
 
 
 def _bad(field: str, value: Any, allowed: str) -> ConfigError:
@@ -154,14 +156,14 @@ class SampleView:
 
 def _array(values: Any, dtype: type, name: str) -> np.ndarray:
     if (isinstance(values, np.ndarray) and values.dtype == dtype and values.ndim == 1
-            and values.flags.c_contiguous):
+            and values.flags.c_contiguous and values.flags.aligned):
         return values  # the engine's arrays pass through untouched
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise InvalidArgumentError(f"{name} must be 1-D, got shape {arr.shape}")
     if arr.size and dtype is not np.float32 and not np.issubdtype(arr.dtype, np.integer):
         raise InvalidArgumentError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=dtype)
+    return np.require(arr, dtype=dtype, requirements=("C", "A"))
 
 
 def _token_array(values: Any, name: str) -> np.ndarray:
@@ -310,10 +312,14 @@ class Scheduler:
                              _array(logprobs, np.float32, "logprobs"), np.array([version], np.int64))
 
     def on_tokens_batch(self, sample_ids: Any, counts: Any, tokens: Any, logprobs: Any, versions: Any) -> None:
-        """Many chunks at once: chunk i is ``counts[i]`` consecutive entries of ``tokens`` / ``logprobs``."""
-        self._core.on_tokens(_array(sample_ids, np.int64, "sample_ids"), _array(counts, np.int64, "counts"),
-                             _token_array(tokens, "tokens"), _array(logprobs, np.float32, "logprobs"),
-                             _array(versions, np.int64, "versions"))
+        """Many chunks at once: chunk i is ``counts[i]`` consecutive entries of ``tokens`` / ``logprobs``.
+
+        Arrays that already are 1-D, contiguous int64 (ids, counts, versions), int32 (tokens) and float32
+        (logprobs) are read in place by the core; anything else is converted first."""
+        if not self._core.on_tokens(sample_ids, counts, tokens, logprobs, versions):
+            self._core.on_tokens(_array(sample_ids, np.int64, "sample_ids"), _array(counts, np.int64, "counts"),
+                                 _token_array(tokens, "tokens"), _array(logprobs, np.float32, "logprobs"),
+                                 _array(versions, np.int64, "versions"))
 
     def on_finish(self, sample_id: int, reason: str | FinishReason, token_ids: Sequence[int] = (),
                   logprobs: Sequence[float] = (), version: int | None = None) -> None:
@@ -331,15 +337,19 @@ class Scheduler:
 
     def on_finish_batch(self, sample_ids: Any, reasons: Any, counts: Any = None, tokens: Any = None,
                         logprobs: Any = None, versions: Any = None) -> None:
-        """Many finish / abort results at once; reasons are FinishReason codes (0 stop, 1 length, 2 abort)."""
+        """Many finish / abort results at once; reasons are FinishReason codes (0 stop, 1 length, 2 abort).
+        Arrays are read in place when their layout allows, as in on_tokens_batch."""
         ids = _array(sample_ids, np.int64, "sample_ids")
         n = ids.size
-        self._core.on_finish(
-            ids, _array(reasons, np.uint8, "reasons"),
-            _array(np.zeros(n, np.int64) if counts is None else counts, np.int64, "counts"),
-            _token_array(() if tokens is None else tokens, "tokens"),
-            _array(() if logprobs is None else logprobs, np.float32, "logprobs"),
-            _array(np.zeros(n, np.int64) if versions is None else versions, np.int64, "versions"))
+        zeros = np.zeros(n, np.int64) if counts is None or versions is None else None
+        counts = zeros if counts is None else counts
+        versions = zeros if versions is None else versions
+        tokens = _NO_TOKENS if tokens is None else tokens
+        logprobs = _NO_LOGPROBS if logprobs is None else logprobs
+        if not self._core.on_finish(ids, reasons, counts, tokens, logprobs, versions):
+            self._core.on_finish(ids, _array(reasons, np.uint8, "reasons"), _array(counts, np.int64, "counts"),
+                                 _token_array(tokens, "tokens"), _array(logprobs, np.float32, "logprobs"),
+                                 _array(versions, np.int64, "versions"))
 
     # ------------------------------------------------------------------ reward and filter
 

@@ -1,15 +1,23 @@
-"""Scheduler microbenchmarks, each against the pure-Python baseline (python_baseline_scheduler.py).
+"""Scheduler microbenchmarks, each measured interleaved with the minimal pure-Python bookkeeping
+(python_baseline_scheduler.py: a dict of lists, no validation) in the same process.
 
-Run: .venv/bin/python -m pytest bench/bench_scheduler.py --benchmark-columns=mean,stddev,rounds
-The per-token-event cost (from the median round) and the bytes per buffered token are in extra_info
-(--benchmark-json=out.json) and printed at the end of the run.
+Run: python -m pytest bench/bench_scheduler.py -s -q
+Each round times the two implementations call by call in alternation (april, python, april, ...), so
+both see the same machine load; a round's figure is the median call. Printed at the end (and in
+extra_info with --benchmark-json=out.json): the median over rounds of the absolute cost (ns per event,
+per call, ms per step boundary), of the per-round ratio python / april, and their spread (min-max over
+rounds). The pytest-benchmark table times whole rounds (both implementations).
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +30,47 @@ from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig  # noqa
 GROUPS, N = 64, 8  # 512 samples in flight (N' = 64 groups x 8)
 PREFILL = 2048  # tokens each sample already has: long responses
 PROMPT = list(range(100, 164))
-RESULTS: dict[str, float] = {}
+ROUNDS = 7
+IMPLS = ("april", "python")
+RESULTS: dict[str, str] = {}
+
+# A case of one implementation: setup() -> state (not timed), then op(state) (timed).
+Case = tuple[Callable[[], Any], Callable[[Any], None]]
+
+
+def _interleaved(benchmark, cases: dict[str, Case], per_round: int, rounds: int = ROUNDS) -> dict[str, list[float]]:
+    """Per implementation, the median op time (ns) of each round; ops of the implementations alternate."""
+    medians: dict[str, list[float]] = {name: [] for name in cases}
+
+    def one_round() -> None:
+        times: dict[str, list[int]] = {name: [] for name in cases}
+        for _ in range(per_round):
+            for name, (setup, op) in cases.items():
+                state = setup()
+                start = time.perf_counter_ns()
+                op(state)
+                times[name].append(time.perf_counter_ns() - start)
+        for name, values in times.items():
+            medians[name].append(statistics.median(values))
+
+    benchmark.pedantic(one_round, rounds=rounds, iterations=1)
+    return medians
+
+
+def _report(benchmark, key: str, medians: dict[str, list[float]], unit: str, scale: float) -> None:
+    """Absolute figures (median and min-max over rounds, in ``unit`` = ns / scale) and the python / april ratio."""
+    if benchmark.disabled:  # --benchmark-disable: one plain round, no timings to report
+        return
+    parts = []
+    for name, values in medians.items():
+        med = statistics.median(values) / scale
+        parts.append(f"{name} {med:.2f} {unit} ({min(values) / scale:.2f}-{max(values) / scale:.2f})")
+        benchmark.extra_info[f"{name}_{unit}"] = med
+    ratios = [p / a for a, p in zip(medians["april"], medians["python"])]
+    benchmark.extra_info["ratio_median"] = statistics.median(ratios)
+    benchmark.extra_info["ratio_min"], benchmark.extra_info["ratio_max"] = min(ratios), max(ratios)
+    parts.append(f"ratio {statistics.median(ratios):.1f}x ({min(ratios):.1f}-{max(ratios):.1f})")
+    RESULTS[key] = ", ".join(parts)
 
 
 def _scheduler(impl: str, max_len: int) -> Scheduler | PythonScheduler:
@@ -50,22 +98,41 @@ def _prefill(sched) -> None:
     sched.on_tokens_batch(*_events(PREFILL, seed=1))
 
 
-@pytest.mark.parametrize("impl", ["april", "python"])
 @pytest.mark.parametrize("chunk", [1, 16])
-def test_token_events(benchmark, impl, chunk):
+def test_token_events(benchmark, chunk):
     """on_tokens_batch with one chunk for each of 512 running samples (chunk=1: one decode step)."""
-    rounds = 256 // chunk * 4
-    max_len = PREFILL + (rounds + 1) * chunk + 1  # + the warm-up round
-    sched = _scheduler(impl, max_len)
-    _prefill(sched)
+    per_round = 64 if chunk == 1 else 16
+    max_len = PREFILL + (ROUNDS * per_round + 1) * chunk
     args = _events(chunk)
-    benchmark.group = f"token events, chunk={chunk}"
-    benchmark.pedantic(sched.on_tokens_batch, args=args, rounds=rounds, iterations=1, warmup_rounds=1)
-    if benchmark.disabled:  # --benchmark-disable: one plain call, no timings to report
-        return
-    ns = benchmark.stats.stats.median / (GROUPS * N * chunk) * 1e9
-    benchmark.extra_info["ns_per_token_event"] = ns
-    RESULTS[f"token event ns, chunk={chunk}, {impl}"] = ns
+    cases = {}
+    for impl in IMPLS:
+        sched = _scheduler(impl, max_len)
+        _prefill(sched)
+        cases[impl] = (lambda: None, lambda _, call=sched.on_tokens_batch: call(*args))
+    benchmark.group = f"token events, chunk={chunk}: rounds of {per_round} calls per implementation"
+    medians = _interleaved(benchmark, cases, per_round)
+    events = GROUPS * N
+    _report(benchmark, f"on_tokens_batch, 512 events x {chunk} token(s), per event", medians, "ns",
+            float(events * chunk if chunk > 1 else events))
+    _report(benchmark, f"on_tokens_batch, 512 events x {chunk} token(s), per call", medians, "us", 1e3)
+
+
+def _running(impl: str):
+    """512 samples dispatched, each with 64 tokens streamed."""
+    sched = _scheduler(impl, PREFILL)
+    sched.on_tokens_batch(*_events(64, seed=2))
+    return sched
+
+
+def test_finish_events(benchmark):
+    """on_finish_batch: 512 running samples finish with stop in one call (64 groups complete)."""
+    ids = np.arange(GROUPS * N, dtype=np.int64)
+    reasons = np.zeros(ids.size, np.uint8)
+    cases = {impl: (lambda impl=impl: _running(impl), lambda sched: sched.on_finish_batch(ids, reasons))
+             for impl in IMPLS}
+    benchmark.group = "finish events: 512 stop finishes in one call"
+    medians = _interleaved(benchmark, cases, per_round=3)
+    _report(benchmark, "on_finish_batch, 512 finishes, per event", medians, "ns", float(ids.size))
 
 
 def _step_ready(impl: str):
@@ -93,14 +160,12 @@ def _step_boundary(sched) -> None:
     sched.dispatch()
 
 
-@pytest.mark.parametrize("impl", ["april", "python"])
-def test_step_boundary(benchmark, impl):
+def test_step_boundary(benchmark):
     """Abort 256 running samples (kept as partials), take the 32 x 8 batch, begin the next step, dispatch resumes."""
+    cases = {impl: (lambda impl=impl: _step_ready(impl)[0][0], _step_boundary) for impl in IMPLS}
     benchmark.group = "step boundary: abort + take_batch + dispatch, N=32x8, N'=64"
-    benchmark.pedantic(_step_boundary, setup=lambda: _step_ready(impl), rounds=5, iterations=1)
-    if benchmark.disabled:
-        return
-    RESULTS[f"step boundary ms, {impl}"] = benchmark.stats.stats.median * 1e3
+    medians = _interleaved(benchmark, cases, per_round=1, rounds=5)
+    _report(benchmark, "step boundary (abort 256 + take_batch + begin_step + dispatch)", medians, "ms", 1e6)
 
 
 @pytest.mark.parametrize("impl", ["april", "python"])
@@ -121,22 +186,15 @@ def test_buffered_memory(benchmark, impl):
         per_token = usage["bytes_per_token"]
         assert per_token <= 12
     else:
-        benchmark(lambda: sum(len(s.tokens) for s in sched.samples.values()))
+        benchmark(lambda: sum(len(tokens) for tokens, _, _ in sched.samples.values()))
         per_token = traced / tokens  # Python objects: list slots, int and float objects
     benchmark.group = "buffered memory accounting"
     benchmark.extra_info["bytes_per_buffered_token"] = per_token
-    RESULTS[f"bytes per buffered token, {impl}"] = per_token
+    RESULTS[f"bytes per buffered token, {impl}"] = f"{per_token:.1f}"
 
 
 def teardown_module(module) -> None:
     if RESULTS:
-        print("\nscheduler benchmark figures:")
+        print(f"\nscheduler benchmark figures (median over rounds, min-max in parentheses):")
         for key, value in RESULTS.items():
-            print(f"  {key}: {value:.2f}")
-        for chunk in (1, 16):
-            a, p = RESULTS.get(f"token event ns, chunk={chunk}, april"), RESULTS.get(f"token event ns, chunk={chunk}, python")
-            if a and p:
-                print(f"  token events chunk={chunk}: april is {p / a:.1f}x the Python baseline")
-        a, p = RESULTS.get("step boundary ms, april"), RESULTS.get("step boundary ms, python")
-        if a and p:
-            print(f"  step boundary: april is {p / a:.1f}x the Python baseline")
+            print(f"  {key}: {value}")

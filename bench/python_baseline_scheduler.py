@@ -1,34 +1,14 @@
-"""The same rollout bookkeeping in plain Python (lists and dicts), as RL frameworks keep it today.
+"""The minimal rollout bookkeeping in plain Python: a dict of lists, as RL frameworks keep it today.
 
-Baseline for bench_scheduler.py: per-token lists of token ids, logprobs and versions per sample, dicts by
-id, numpy only when the batch is packed. Same call shapes as april_ext.Scheduler's batch calls.
+Baseline for bench_scheduler.py. Per sample id one entry of three lists (token ids, logprobs, one version
+per token) that events append to; a state per sample; no validation at all, so it is the least work any
+Python bookkeeping can do. numpy only when the batch is packed. Same call shapes as april_ext.Scheduler's
+batch calls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
-
-
-@dataclass
-class PySample:
-    sample_id: int
-    group_id: int
-    state: str = "queued"
-    finish: int = 0
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-
-@dataclass
-class PyGroup:
-    group_id: int
-    prompt: list[int]
-    samples: list[PySample]
-    rewards: list[float] | None = None
-    accepted: bool = False
 
 
 class PythonScheduler:
@@ -40,92 +20,88 @@ class PythonScheduler:
         self.max_len = max_response_len
         self.prompts = prompts
         self.position = 0
-        self.version = 0
-        self.groups: dict[int, PyGroup] = {}
-        self.samples: dict[int, PySample] = {}
+        self.samples: dict[int, tuple[list[int], list[float], list[int]]] = {}  # tokens, logprobs, versions
+        self.state: dict[int, int] = {}  # sample id -> QUEUED, RUNNING, ABORTING or DONE
+        self.done: dict[int, int] = {}  # live group id -> samples done
+        self.rewards: dict[int, list[float]] = {}
         self.completed: list[int] = []
         self.accepted: list[int] = []
+
+    QUEUED, RUNNING, ABORTING, DONE = range(4)
 
     def begin_step(self, version: int) -> None:
         self.version = version
 
     def dispatch(self) -> list[tuple[int, list[int], int, bool]]:
-        active = sum(1 for g in self.groups.values() if any(s.state != "done" for s in g.samples))
-        for _ in range(max(0, self.n_over - active - len(self.accepted))):
+        for _ in range(max(0, self.n_over - len(self.done) - len(self.accepted))):
             gid = self.position
-            group = PyGroup(gid, self.prompts[self.position], [PySample(gid * self.n + i, gid) for i in range(self.n)])
             self.position += 1
-            self.groups[gid] = group
-            for s in group.samples:
-                self.samples[s.sample_id] = s
-        queued = [s for s in self.samples.values() if s.state == "queued"]
-        queued.sort(key=lambda s: (len(s.tokens) == 0, s.group_id))
+            self.done[gid] = 0
+            for sid in range(gid * self.n, (gid + 1) * self.n):
+                self.samples[sid] = ([], [], [])
+                self.state[sid] = self.QUEUED
         out = []
-        for s in queued:
-            s.state = "running"
-            prompt = self.groups[s.group_id].prompt
-            out.append((s.sample_id, prompt + s.tokens, self.max_len - len(s.tokens), bool(s.tokens)))
+        for sid, state in self.state.items():
+            if state == self.QUEUED:
+                self.state[sid] = self.RUNNING
+                tokens = self.samples[sid][0]
+                out.append((sid, self.prompts[sid // self.n] + tokens, self.max_len - len(tokens), bool(tokens)))
         return out
 
     def on_tokens_batch(self, sample_ids, counts, tokens, logprobs, versions) -> None:
+        samples = self.samples
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
         pos = 0
-        tokens = tokens.tolist()
-        logprobs = logprobs.tolist()
         for sid, count, version in zip(sample_ids.tolist(), counts.tolist(), versions.tolist()):
-            s = self.samples[sid]
-            if s.state not in ("running", "aborting"):
-                raise RuntimeError(f"sample {sid} is not running")
-            if len(s.tokens) + count > self.max_len:
-                raise ValueError(f"sample {sid} over max_response_len")
-            s.tokens.extend(tokens[pos:pos + count])
-            s.logprobs.extend(logprobs[pos:pos + count])
-            s.versions.extend([version] * count)
-            pos += count
+            end = pos + count
+            toks, lps, vers = samples[sid]
+            toks += tokens[pos:end]
+            lps += logprobs[pos:end]
+            vers += [version] * count
+            pos = end
 
     def on_finish_batch(self, sample_ids, reasons) -> None:
+        state, done, n = self.state, self.done, self.n
         for sid, reason in zip(sample_ids.tolist(), reasons.tolist()):
-            s = self.samples[sid]
             if reason == 2:
-                s.state = "queued"
+                state[sid] = self.QUEUED
                 continue
-            s.state = "done"
-            s.finish = reason
-            group = self.groups[s.group_id]
-            if all(x.state == "done" for x in group.samples):
-                self.completed.append(group.group_id)
+            state[sid] = self.DONE
+            gid = sid // n
+            done[gid] += 1
+            if done[gid] == n:
+                del done[gid]
+                self.completed.append(gid)
 
     def pop_completed_groups(self) -> list[int]:
         out, self.completed = self.completed, []
         return out
 
     def report_rewards(self, group_id: int, rewards: list[float], accepted: bool) -> None:
-        group = self.groups[group_id]
-        group.rewards = list(rewards)
+        self.rewards[group_id] = list(rewards)
         if accepted:
-            group.accepted = True
             self.accepted.append(group_id)
-        else:
-            del self.groups[group_id]
 
     def samples_to_abort(self) -> list[int]:
-        out = [s.sample_id for s in self.samples.values() if s.state == "running"]
+        out = [sid for sid, state in self.state.items() if state == self.RUNNING]
         for sid in out:
-            self.samples[sid].state = "aborting"
+            self.state[sid] = self.ABORTING
         return out
 
     def take_batch(self) -> dict[str, np.ndarray]:
         tokens, mask, logprobs, versions, offsets, rewards = [], [], [], [], [0], []
         taken, self.accepted = self.accepted[:self.n_batch], self.accepted[self.n_batch:]
         for gid in taken:
-            group = self.groups.pop(gid)
-            for s, r in zip(group.samples, group.rewards):
-                tokens += group.prompt + s.tokens
-                mask += [0] * len(group.prompt) + [1] * len(s.tokens)
-                logprobs += [0.0] * len(group.prompt) + s.logprobs
-                versions += [-1] * len(group.prompt) + s.versions
+            prompt = self.prompts[gid]
+            for sid, reward in zip(range(gid * self.n, (gid + 1) * self.n), self.rewards.pop(gid)):
+                toks, lps, vers = self.samples.pop(sid)
+                del self.state[sid]
+                tokens += prompt + toks
+                mask += [0] * len(prompt) + [1] * len(toks)
+                logprobs += [0.0] * len(prompt) + lps
+                versions += [-1] * len(prompt) + vers
                 offsets.append(len(tokens))
-                rewards.append(r)
-                del self.samples[s.sample_id]
+                rewards.append(reward)
         return {"tokens": np.array(tokens, np.int32), "loss_mask": np.array(mask, np.uint8),
                 "behavior_logprobs": np.array(logprobs, np.float32), "versions": np.array(versions, np.int32),
                 "offsets": np.array(offsets, np.int64), "rewards": np.array(rewards, np.float32)}

@@ -59,6 +59,8 @@ def test_compare_runs_baseline_and_april_side_by_side(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "baseline" in out and "april" in out and "rollout tokens/s" in out
     assert "APRIL rollout throughput vs baseline:" in out
+    assert "tokens / engine step" in out and "engine bubble" in out
+    assert "APRIL tokens per engine step vs baseline:" in out
     for name in ("baseline", "april"):
         assert (tmp_path / "cmp" / name / "metrics.jsonl").is_file()
         assert (tmp_path / "cmp" / name / "checkpoints" / "step_000002").is_dir()

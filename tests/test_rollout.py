@@ -77,9 +77,12 @@ def test_april_over_the_embedded_engine_aborts_and_resumes(one_thread):
         m = r.metrics
         assert m.batch_groups == 2 and 0.0 <= m.occupancy <= 1.0
         assert m.generated_tokens == 0 or m.tokens_per_s > 0
+        # The engine's model steps of this rollout: each yields at most one token per slot (64).
+        assert m.generated_tokens <= 64 * m.engine_steps
         assert m.scheduler["batch_groups"] == 2
     # A random-init model stops at random lengths up to the cap: the long tail is aborted and resumed.
     assert sum(r.metrics.aborted_samples for r in results) > 0
+    assert sum(r.metrics.engine_steps for r in results) > 0
     assert sum(r.metrics.resumed_requests for r in results) > 0
     assert max(r.metrics.scheduler["carried_token_ratio"] for r in results) > 0
     assert max(r.batch.versions.max() - r.batch.versions[r.batch.versions >= 0].min() for r in results) >= 1

@@ -24,6 +24,7 @@ from april_ext.protocol.sampling_params import SamplingParams
 
 T = TypeVar("T")
 _Command = Callable[[], tuple[Any, list[GenerationChunk]]]
+_Done = tuple[asyncio.Future[Any], Any, Exception | None, list[GenerationChunk]]  # future, result, error, chunks
 
 
 class AsyncEngine(LoopTaskEngine):
@@ -152,20 +153,36 @@ class AsyncEngine(LoopTaskEngine):
             if queue is not None:
                 queue.put_nowait(chunk)
 
+    @staticmethod
+    def _run_commands(batch: list[tuple[_Command, asyncio.Future[Any]]]) -> list[_Done]:
+        """In the worker thread: the commands in order; a failure is its caller's and the rest still run."""
+        done: list[_Done] = []
+        for command, future in batch:
+            try:
+                result, chunks = command()
+            except Exception as exc:  # the caller receives it; the engine keeps serving
+                done.append((future, None, exc, []))
+            else:
+                done.append((future, result, None, chunks))
+        return done
+
     async def _loop(self) -> None:
         assert self._wake is not None
         while True:
-            while self._commands:
-                command, future = self._commands.popleft()
-                try:
-                    result, chunks = await asyncio.to_thread(command)
-                except Exception as exc:  # the caller receives it; the engine keeps serving
-                    if not future.done():
+            if self._commands:
+                # Every queued command in one trip to the worker thread: a step's worth of new requests would
+                # otherwise cost one thread hand-off each.
+                batch = list(self._commands)
+                self._commands.clear()
+                for future, result, exc, chunks in await asyncio.to_thread(self._run_commands, batch):
+                    self._dispatch(chunks)
+                    if future.done():
+                        continue
+                    if exc is not None:
                         future.set_exception(exc)
-                    continue
-                self._dispatch(chunks)
-                if not future.done():
-                    future.set_result(result)
+                    else:
+                        future.set_result(result)
+                continue  # commands that came meanwhile also run before the next step
             if self._closing:
                 return
             if self.core.has_unfinished() and not self.core.paused and not self._held:

@@ -62,6 +62,9 @@ class RolloutMetrics:
     batch_groups: int
     reward_mean: float
     response_lens: list[int]
+    engine_steps: int
+    """Model steps (iterations) the engine ran during the step, when its stats() count them (EngineStats.steps);
+    else 0. generated_tokens / engine_steps is the mean batch: a throughput figure that no machine load moves."""
     scheduler: dict[str, Any] = field(default_factory=dict)
     """Scheduler.stats() after the step (partial / off-policy ratios, buffered and surplus groups, ...)."""
 
@@ -158,6 +161,7 @@ class RolloutLoop:
         self._generated = 0
         self._area = 0.0
         sched.begin_step(policy_version)
+        engine_steps = self._engine_steps()
         start = self._last_change = self.clock()
         requests = resumed = 0
         while True:
@@ -190,7 +194,8 @@ class RolloutLoop:
             occupancy=self._area / wall / self.capacity if wall > 0 else 0.0,
             batch_groups=batch.n_groups,
             reward_mean=float(batch.rewards.mean()) if batch.n_samples else math.nan,
-            response_lens=batch.response_lens.tolist(), scheduler=sched.stats())
+            response_lens=batch.response_lens.tolist(), engine_steps=self._engine_steps() - engine_steps,
+            scheduler=sched.stats())
         return RolloutResult(batch, metrics)
 
     async def drain_rewards(self) -> None:
@@ -317,6 +322,10 @@ class RolloutLoop:
         self.scheduler.report_rewards(group.group_id, values, accepted)
 
     # ------------------------------------------------------------------ helpers
+
+    def _engine_steps(self) -> int:
+        steps = getattr(self.engine.stats(), "steps", 0)
+        return steps if isinstance(steps, int) else 0
 
     def _notify(self) -> None:
         if self._wake is not None:

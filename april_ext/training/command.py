@@ -150,22 +150,38 @@ def run(args: argparse.Namespace) -> int:
                              sglang_weight_sync_dir=None if config.sglang_weight_sync_dir is None
                              else os.path.join(config.sglang_weight_sync_dir, name))
         for name, partial in (("baseline", False), ("april", True))}))
-    _print_summary({name: r.summary for name, r in results.items()})
+    _print_summary({name: {**r.summary, **_engine_figures(r.history, config.max_num_seqs)}
+                    for name, r in results.items()})
     base, april = results["baseline"].summary, results["april"].summary
     if base.get("rollout_tokens_per_s"):
         gain = april["rollout_tokens_per_s"] / base["rollout_tokens_per_s"] - 1
         print(f"APRIL rollout throughput vs baseline: {gain:+.1%}")
+    figures = {name: _engine_figures(r.history, config.max_num_seqs) for name, r in results.items()}
+    if figures["baseline"] and figures["april"]:
+        gain = figures["april"]["tokens_per_engine_step"] / figures["baseline"]["tokens_per_engine_step"] - 1
+        print(f"APRIL tokens per engine step vs baseline: {gain:+.1%} (independent of machine load)")
     if config.plots:
         path = plot_compare({n: r.history for n, r in results.items()}, os.path.join(config.output_dir, "compare.png"))
         print(f"plot: {path}")
     return 0
 
 
+def _engine_figures(history: list[dict[str, Any]], slots: int) -> dict[str, float]:
+    """Machine-independent throughput: tokens per engine iteration (the mean batch) and the bubble, the
+    share of the engine's slots (max_num_seqs per iteration) that produced no token."""
+    steps = sum(row.get("rollout/engine_steps", 0) for row in history)
+    if not steps:
+        return {}
+    per_step = sum(row["rollout/generated_tokens"] for row in history) / steps
+    return {"tokens_per_engine_step": per_step, "bubble": 1 - per_step / slots}
+
+
 def _print_summary(summaries: dict[str, dict[str, float]]) -> None:
     rows = (("steps", "steps", "{:.0f}"), ("rollout tokens/s", "rollout_tokens_per_s", "{:.1f}"),
             ("rollout s/step", "rollout_s_per_step", "{:.2f}"), ("reward (first 1/4)", "reward_first", "{:.3f}"),
             ("reward (last 1/4)", "reward_last", "{:.3f}"), ("tokens from partials", "partial_token_ratio", "{:.1%}"),
-            ("off-policy tokens", "off_policy_token_ratio", "{:.1%}"), ("engine occupancy", "occupancy", "{:.1%}"))
+            ("off-policy tokens", "off_policy_token_ratio", "{:.1%}"), ("engine occupancy", "occupancy", "{:.1%}"),
+            ("tokens / engine step", "tokens_per_engine_step", "{:.1f}"), ("engine bubble", "bubble", "{:.1%}"))
     names = list(summaries)
     print(f"{'':22s}" + "".join(f"{n:>14s}" for n in names))
     for label, key, fmt in rows:

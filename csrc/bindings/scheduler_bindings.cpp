@@ -38,26 +38,32 @@ void require_1d(const Array<T>& a, const char* name) {
         std::string(name) + " must be a 1-D array, got " + std::to_string(a.ndim()) + " dimensions");
 }
 
-sched::EventBatch events(const Array<int64_t>& ids, const Array<int64_t>& counts, const Array<int32_t>& tokens,
-                         const Array<float>& logprobs, const Array<int64_t>& versions) {
-  require_1d(ids, "sample_ids");
-  require_1d(counts, "counts");
-  require_1d(tokens, "tokens");
-  require_1d(logprobs, "logprobs");
-  require_1d(versions, "versions");
-  check(counts.size() == ids.size() && versions.size() == ids.size(), ErrorKind::InvalidArgument,
-        "sample_ids, counts and versions must have the same length, got " + std::to_string(ids.size()) + ", " +
-            std::to_string(counts.size()) + ", " + std::to_string(versions.size()));
-  sched::EventBatch ev;
-  ev.sample_ids = ids.data();
-  ev.counts = counts.data();
-  ev.versions = versions.data();
-  ev.n_events = static_cast<size_t>(ids.size());
-  ev.tokens = tokens.data();
-  ev.logprobs = logprobs.data();
-  ev.n_tokens = static_cast<size_t>(tokens.size());
-  ev.n_logprobs = static_cast<size_t>(logprobs.size());
-  return ev;
+// The engine's arrays as they are: data and length of a 1-D C-contiguous, aligned numpy array of exactly T, or
+// nullptr for anything else (the Python face converts it and calls again). No copy, no new array.
+template <typename T>
+const T* exact(const py::handle& h, size_t& size) {
+  if (!py::array_t<T>::check_(h)) return nullptr;
+  const auto a = py::reinterpret_borrow<py::array>(h);
+  constexpr int kLayout = py::array::c_style | py::detail::npy_api::NPY_ARRAY_ALIGNED_;
+  if (a.ndim() != 1 || (a.flags() & kLayout) != kLayout) return nullptr;
+  size = static_cast<size_t>(a.shape(0));
+  return static_cast<const T*>(a.data());
+}
+
+// False when an array is not exact (see exact()); the lengths are checked here, the values by the core.
+bool events(sched::EventBatch& ev, const py::handle& ids, const py::handle& counts, const py::handle& tokens,
+            const py::handle& logprobs, const py::handle& versions) {
+  size_t n_counts = 0, n_versions = 0;
+  ev.sample_ids = exact<int64_t>(ids, ev.n_events);
+  ev.counts = exact<int64_t>(counts, n_counts);
+  ev.versions = exact<int64_t>(versions, n_versions);
+  ev.tokens = exact<int32_t>(tokens, ev.n_tokens);
+  ev.logprobs = exact<float>(logprobs, ev.n_logprobs);
+  if (!ev.sample_ids || !ev.counts || !ev.versions || !ev.tokens || !ev.logprobs) return false;
+  check(n_counts == ev.n_events && n_versions == ev.n_events, ErrorKind::InvalidArgument,
+        "sample_ids, counts and versions must have the same length, got " + std::to_string(ev.n_events) + ", " +
+            std::to_string(n_counts) + ", " + std::to_string(n_versions));
+  return true;
 }
 
 }  // namespace
@@ -133,24 +139,29 @@ void bind_scheduler(py::module_& m) {
              out["is_resume"] = to_numpy(std::move(d.is_resume));
              return out;
            })
+      // Event calls return False, having done nothing, unless every array is exact (see exact()).
       .def("on_tokens",
-           [](Scheduler& s, const Array<int64_t>& ids, const Array<int64_t>& counts, const Array<int32_t>& tokens,
-              const Array<float>& logprobs, const Array<int64_t>& versions) {
-             const sched::EventBatch ev = events(ids, counts, tokens, logprobs, versions);
+           [](Scheduler& s, const py::handle& ids, const py::handle& counts, const py::handle& tokens,
+              const py::handle& logprobs, const py::handle& versions) {
+             sched::EventBatch ev;
+             if (!events(ev, ids, counts, tokens, logprobs, versions)) return false;
              py::gil_scoped_release nogil;
              s.on_tokens(ev);
+             return true;
            })
       .def("on_finish",
-           [](Scheduler& s, const Array<int64_t>& ids, const Array<uint8_t>& reasons, const Array<int64_t>& counts,
-              const Array<int32_t>& tokens, const Array<float>& logprobs, const Array<int64_t>& versions) {
-             sched::EventBatch ev = events(ids, counts, tokens, logprobs, versions);
-             require_1d(reasons, "reasons");
-             check(reasons.size() == ids.size(), ErrorKind::InvalidArgument,
-                   "reasons has " + std::to_string(reasons.size()) + " entries, sample_ids has " +
-                       std::to_string(ids.size()) + ": one finish reason per sample");
-             ev.reasons = reasons.data();
+           [](Scheduler& s, const py::handle& ids, const py::handle& reasons, const py::handle& counts,
+              const py::handle& tokens, const py::handle& logprobs, const py::handle& versions) {
+             sched::EventBatch ev;
+             size_t n_reasons = 0;
+             ev.reasons = exact<uint8_t>(reasons, n_reasons);
+             if (!events(ev, ids, counts, tokens, logprobs, versions) || !ev.reasons) return false;
+             check(n_reasons == ev.n_events, ErrorKind::InvalidArgument,
+                   "reasons has " + std::to_string(n_reasons) + " entries, sample_ids has " +
+                       std::to_string(ev.n_events) + ": one finish reason per sample");
              py::gil_scoped_release nogil;
              s.on_finish(ev);
+             return true;
            })
       .def("pop_completed_groups",
            [](Scheduler& s) {

@@ -81,10 +81,12 @@ void Scheduler::add_groups(const PromptBatch& p) {
     }
   }
   for (size_t i = 0; i < p.n_groups; ++i) {
-    Group& g = s_.groups[s_.next_group_id++];
+    const int64_t gid = s_.next_group_id++;
+    Group& g = s_.groups[gid];
     g.prompt_index = p.first_index + static_cast<int64_t>(i);
     g.prompt.assign(p.tokens + p.offsets[i], p.tokens + p.offsets[i + 1]);
     g.samples.resize(config_.n_samples_per_prompt);
+    index_.add(gid, g);
   }
   s_.queued_samples += n_groups * config_.n_samples_per_prompt;
   s_.prompts_consumed += n_groups;

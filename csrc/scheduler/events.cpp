@@ -14,18 +14,18 @@ std::string str(int64_t v) { return std::to_string(v); }
 
 }  // namespace
 
-std::vector<Sample*>& Scheduler::validate_events(const EventBatch& ev, bool finishing) {
-  // Hot path: messages are built only on failure.
+// Hot path: one pass validates every event (writing only the samples' scratch fields), a second applies
+// them. Nothing is allocated once scratch_samples_ has grown to the call's size; messages are built only on
+// failure.
+Sample* const* Scheduler::validate_events(const EventBatch& ev, bool finishing) {
   if (ev.n_tokens != ev.n_logprobs) {
     throw Error(ErrorKind::InvalidArgument, "logprobs has " + std::to_string(ev.n_logprobs) +
                                                 " entries but tokens has " + std::to_string(ev.n_tokens) +
                                                 ": one behavior logprob per token");
   }
   epoch_ += 1;
-  scratch_samples_.clear();
-  scratch_samples_.reserve(ev.n_events);
-  int64_t cached_gid = -1;  // events of one group usually arrive together
-  Group* cached = nullptr;
+  if (scratch_samples_.size() < ev.n_events) scratch_samples_.resize(ev.n_events);
+  Sample** out = scratch_samples_.data();
   size_t sum = 0;
   for (size_t e = 0; e < ev.n_events; ++e) {
     const int64_t sid = ev.sample_ids[e];
@@ -33,43 +33,44 @@ std::vector<Sample*>& Scheduler::validate_events(const EventBatch& ev, bool fini
     if (cnt < 0) {
       throw Error(ErrorKind::InvalidArgument, "token count " + str(cnt) + " of sample " + str(sid) + " is negative");
     }
-    sum += static_cast<size_t>(cnt);
-    if (sum > ev.n_tokens) {
+    if (static_cast<size_t>(cnt) > ev.n_tokens - sum) {
       throw Error(ErrorKind::InvalidArgument,
                   "token counts add up to more than the " + std::to_string(ev.n_tokens) + " tokens given");
     }
-    if (cnt > 0) {
-      const int32_t* chunk = ev.tokens + (sum - static_cast<size_t>(cnt));
-      const int32_t lowest = *std::min_element(chunk, chunk + cnt);
-      if (lowest < 0) {
-        throw Error(ErrorKind::InvalidArgument, "token id " + str(lowest) + " of sample " + str(sid) +
-                                                    " is not allowed: token ids must be in [0, 2**31 - 1]");
-      }
+    const int32_t* chunk = ev.tokens + sum;
+    int32_t bits = 0;  // a negative id sets the sign bit: one test per chunk, no branch per token
+    for (int64_t k = 0; k < cnt; ++k) bits |= chunk[k];
+    if (bits < 0) {
+      throw Error(ErrorKind::InvalidArgument, "token id " + str(*std::min_element(chunk, chunk + cnt)) +
+                                                  " of sample " + str(sid) +
+                                                  " is not allowed: token ids must be in [0, 2**31 - 1]");
     }
-    scratch_samples_.push_back(&check_event(ev, e, finishing, cached_gid, cached));
+    sum += static_cast<size_t>(cnt);
+    Sample* smp = index_.find(sid);
+    if (smp == nullptr) {
+      throw Error(ErrorKind::UnknownId,
+                  "sample id " + str(sid) +
+                      " is not known: it was never dispatched, or its group was trained, filtered or dropped");
+    }
+    check_event(*smp, ev, e, finishing);
+    // The apply pass writes at the ends of the response arrays, one place per sample far from the others:
+    // start their loads now, so the misses overlap instead of queueing behind each other's stores.
+    __builtin_prefetch(smp->tokens.data() + smp->tokens.size(), 1);
+    __builtin_prefetch(smp->logprobs.data() + smp->logprobs.size(), 1);
+    out[e] = smp;
   }
   if (sum != ev.n_tokens) {
     throw Error(ErrorKind::InvalidArgument, "token counts add up to " + std::to_string(sum) + " but " +
                                                 std::to_string(ev.n_tokens) + " tokens were given");
   }
-  return scratch_samples_;
+  return out;
 }
 
 // Checks event e against its sample as the earlier events of this call left it (in the sample's scratch
 // fields): running, finished at most once, versions in order, the length cap.
-Sample& Scheduler::check_event(const EventBatch& ev, size_t e, bool finishing, int64_t& cached_gid,
-                               Group*& cached) {
-  const int64_t n = config_.n_samples_per_prompt;
+void Scheduler::check_event(Sample& smp, const EventBatch& ev, size_t e, bool finishing) {
   const int64_t sid = ev.sample_ids[e];
   const int64_t cnt = ev.counts[e];
-  int64_t idx = 0;
-  if (sid >= 0 && sid / n == cached_gid) {
-    idx = sid % n;
-  } else {
-    cached = &group_of(sid, &idx);
-    cached_gid = sid / n;
-  }
-  Sample& smp = cached->samples[idx];
   if (!smp.in_flight()) {
     throw Error(ErrorKind::InvalidState,
                 smp.state == SampleState::Done
@@ -109,47 +110,63 @@ Sample& Scheduler::check_event(const EventBatch& ev, size_t e, bool finishing, i
     smp.scratch_len += cnt;
     smp.scratch_version = ver;
   }
-  return smp;
 }
 
-void Scheduler::append_tokens(Sample& smp, const int32_t* tokens, const float* logprobs, int64_t count,
-                              int64_t version) {
-  if (count == 0) return;
-  const auto start = static_cast<int32_t>(smp.tokens.size());
-  if (smp.segments.empty() || smp.segments.back().version != version) {
-    smp.segments.push_back({static_cast<int32_t>(version), start});
+int64_t Scheduler::append_tokens(Sample& smp, const int32_t* tokens, const float* logprobs, int64_t count,
+                                 int64_t version) {
+  if (count == 0) return 0;
+  if (smp.tail_version != version) {
+    smp.segments.push_back({static_cast<int32_t>(version), static_cast<int32_t>(smp.tokens.size())});
+    smp.tail_version = static_cast<int32_t>(version);
   }
-  smp.tokens.insert(smp.tokens.end(), tokens, tokens + count);
-  smp.logprobs.insert(smp.logprobs.end(), logprobs, logprobs + count);
-  s_.stats.generated_tokens += count;
-  if (smp.resumed) s_.stats.resumed_generated_tokens += count;
+  if (count == 1) {  // one decode step: the common case
+    smp.tokens.push_back(*tokens);
+    smp.logprobs.push_back(*logprobs);
+  } else {
+    smp.tokens.insert(smp.tokens.end(), tokens, tokens + count);
+    smp.logprobs.insert(smp.logprobs.end(), logprobs, logprobs + count);
+  }
+  return count;
 }
 
 void Scheduler::on_tokens(const EventBatch& ev) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<Sample*>& samples = validate_events(ev, false);
-  size_t pos = 0;
+  Sample* const* samples = validate_events(ev, false);
+  const int32_t* tokens = ev.tokens;
+  const float* logprobs = ev.logprobs;
+  int64_t added = 0;
+  int64_t resumed = 0;
   for (size_t e = 0; e < ev.n_events; ++e) {
-    append_tokens(*samples[e], ev.tokens + pos, ev.logprobs + pos, ev.counts[e], ev.versions[e]);
-    pos += static_cast<size_t>(ev.counts[e]);
+    Sample& smp = *samples[e];
+    const int64_t cnt = ev.counts[e];
+    const int64_t n = append_tokens(smp, tokens, logprobs, cnt, ev.versions[e]);
+    added += n;
+    resumed += smp.resumed ? n : 0;
+    tokens += cnt;
+    logprobs += cnt;
   }
+  s_.stats.generated_tokens += added;
+  s_.stats.resumed_generated_tokens += resumed;
 }
 
 void Scheduler::on_finish(const EventBatch& ev) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<Sample*>& samples = validate_events(ev, true);
+  Sample* const* samples = validate_events(ev, true);
+  const int64_t n = config_.n_samples_per_prompt;
   size_t pos = 0;
   for (size_t e = 0; e < ev.n_events; ++e) {
+    Sample& smp = *samples[e];
     const int64_t cnt = ev.counts[e];
-    append_tokens(*samples[e], ev.tokens + pos, ev.logprobs + pos, cnt, cnt > 0 ? ev.versions[e] : 0);
+    const int64_t added = append_tokens(smp, ev.tokens + pos, ev.logprobs + pos, cnt, cnt > 0 ? ev.versions[e] : 0);
+    s_.stats.generated_tokens += added;
+    if (smp.resumed) s_.stats.resumed_generated_tokens += added;
     pos += static_cast<size_t>(cnt);
-    finish(*samples[e], ev.sample_ids[e] / config_.n_samples_per_prompt, static_cast<FinishReason>(ev.reasons[e]));
+    finish(smp, index_.group(ev.sample_ids[e]), ev.sample_ids[e] / n, static_cast<FinishReason>(ev.reasons[e]));
   }
 }
 
 // A sample's request ended: an abort below the length cap queues it for a resume, anything else is done.
-void Scheduler::finish(Sample& smp, int64_t gid, FinishReason reason) {
-  Group& g = s_.groups.at(gid);
+void Scheduler::finish(Sample& smp, Group& g, int64_t gid, FinishReason reason) {
   (smp.state == SampleState::Running ? s_.running_samples : s_.aborting_samples) -= 1;
   g.n_in_flight -= 1;
   const bool at_cap = static_cast<int64_t>(smp.tokens.size()) >= config_.max_response_len;

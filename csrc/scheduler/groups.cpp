@@ -37,6 +37,7 @@ void Scheduler::erase_group(int64_t group_id) {
     if (smp.state == SampleState::Queued) s_.queued_samples -= 1;
   }
   unlist(group_id);
+  index_.remove(group_id);
   s_.groups.erase(group_id);
 }
 

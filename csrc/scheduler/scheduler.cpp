@@ -11,7 +11,9 @@
 
 namespace april::sched {
 
-Scheduler::Scheduler(const Config& config) : config_(config) { config_.validate(); }
+Scheduler::Scheduler(const Config& config) : config_(config), index_(config.n_samples_per_prompt) {
+  config_.validate();
+}
 
 void Scheduler::set_data_size(int64_t size) {
   check(size >= -1, ErrorKind::InvalidArgument,
@@ -124,6 +126,7 @@ void Scheduler::deserialize(const std::string& bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   fresh.data_size = s_.data_size;  // the size belongs to the data source attached now
   s_ = std::move(fresh);
+  index_.rebuild(s_.groups);
   settle_after_load();
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "scheduler/config.h"
+#include "scheduler/sample_index.h"
 #include "scheduler/state.h"
 #include "scheduler/stats.h"
 
@@ -155,17 +156,19 @@ class Scheduler {
   // Staleness (staleness.cpp)
   void apply_staleness(int64_t group_id);
   // Token and finish events (events.cpp)
-  std::vector<Sample*>& validate_events(const EventBatch& events, bool finishing);
-  Sample& check_event(const EventBatch& events, size_t e, bool finishing, int64_t& cached_gid, Group*& cached);
-  void append_tokens(Sample& sample, const int32_t* tokens, const float* logprobs, int64_t count,
-                     int64_t version);
-  void finish(Sample& sample, int64_t group_id, FinishReason reason);
+  Sample* const* validate_events(const EventBatch& events, bool finishing);
+  void check_event(Sample& sample, const EventBatch& events, size_t e, bool finishing);
+  // Returns the tokens appended (0 or count) for the caller to add to the step counters once per call.
+  int64_t append_tokens(Sample& sample, const int32_t* tokens, const float* logprobs, int64_t count,
+                        int64_t version);
+  void finish(Sample& sample, Group& group, int64_t group_id, FinishReason reason);
 
   Config config_;
   mutable std::mutex mu_;
   State s_;
+  SampleIndex index_;  // kept in step with s_.groups
   uint64_t epoch_ = 0;
-  std::vector<Sample*> scratch_samples_;
+  std::vector<Sample*> scratch_samples_;  // the events' samples; grows to the largest call, never shrinks
 };
 
 }  // namespace april::sched

@@ -33,6 +33,7 @@ void Scheduler::apply_staleness(int64_t group_id) {
     smp.tokens = {};
     smp.logprobs = {};
     smp.segments = {};
+    smp.tail_version = -1;
     smp.tokens_at_step_start = 0;
   }
   if (g.state != GroupState::Active) {

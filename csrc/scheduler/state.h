@@ -31,6 +31,7 @@ struct Sample {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
   std::vector<Segment> segments;
+  int32_t tail_version = -1;          // segments.back().version (-1: none), so events need not read segments
   int64_t dispatch_version = -1;      // policy version at the last dispatch
   int64_t tokens_at_step_start = 0;   // response length when the current step began
   int64_t resumes = 0;
@@ -43,7 +44,7 @@ struct Sample {
 
   bool in_flight() const { return state == SampleState::Running || state == SampleState::Aborting; }
   int64_t oldest_version() const { return segments.empty() ? -1 : segments.front().version; }
-  int64_t last_version() const { return segments.empty() ? -1 : segments.back().version; }
+  int64_t last_version() const { return tail_version; }
   // One past the last token of segment k: the next segment's start, or the response's end.
   size_t segment_end(size_t k) const { return k + 1 < segments.size() ? segments[k + 1].start : tokens.size(); }
 };

@@ -203,6 +203,7 @@ void decode_sample(Reader& r, const Config& config, int64_t policy_version, Samp
   smp.tokens = r.get_vec<int32_t>(max_len);
   smp.logprobs = r.get_vec<float>(max_len);
   smp.segments = r.get_vec<Segment>(max_len);
+  smp.tail_version = smp.segments.empty() ? -1 : smp.segments.back().version;
   const auto ntok = smp.tokens.size();
   corrupt_unless(smp.dispatch_version >= -1 && smp.dispatch_version <= policy_version && smp.resumes >= 0,
                  "a sample's dispatch version or resume count is out of range");

@@ -1,0 +1,36 @@
+#include "scheduler/sample_index.h"
+
+namespace april::sched {
+
+void SampleIndex::add(int64_t group_id, Group& g) {
+  const int64_t first = group_id * n_;
+  if (slots_.empty()) {
+    base_ = first;
+    head_ = 0;
+  }
+  slots_.resize(static_cast<size_t>(first - base_), Slot{nullptr, nullptr});  // ids of groups already gone
+  for (Sample& smp : g.samples) slots_.push_back(Slot{&smp, &g});
+}
+
+void SampleIndex::remove(int64_t group_id) {
+  const uint64_t k = static_cast<uint64_t>(group_id * n_) - static_cast<uint64_t>(base_);
+  if (k >= slots_.size()) return;
+  for (int64_t i = 0; i < n_; ++i) slots_[k + static_cast<uint64_t>(i)] = Slot{nullptr, nullptr};
+  while (head_ < slots_.size() && slots_[head_].sample == nullptr) ++head_;
+  if (head_ == slots_.size()) {
+    slots_.clear();
+    head_ = 0;
+  } else if (head_ >= slots_.size() / 2) {  // amortized O(1): the dropped prefix is at least what stays
+    slots_.erase(slots_.begin(), slots_.begin() + static_cast<std::ptrdiff_t>(head_));
+    base_ += static_cast<int64_t>(head_);
+    head_ = 0;
+  }
+}
+
+void SampleIndex::rebuild(std::map<int64_t, Group>& groups) {
+  slots_.clear();
+  head_ = 0;
+  for (auto& [gid, g] : groups) add(gid, g);
+}
+
+}  // namespace april::sched
