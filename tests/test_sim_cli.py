@@ -18,7 +18,7 @@ def test_simulate_prints_the_table_and_writes_report_and_plots(tmp_path, capsys)
     out = capsys.readouterr().out
     for mode in ("baseline", "april-batch", "april-continuous", "april-adaptive"):
         assert mode in out
-    assert "full-occupancy bound" in out and "+0.0%" in out
+    assert "steady-state rate" in out and "ceil eff" in out and "+0.0%" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report) == {"baseline", "april-batch", "april-continuous", "april-adaptive"}
     assert len(report["april-batch"]["steps"]) == 3

@@ -9,6 +9,7 @@ real traces replay from CSV / JSONL.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import os
@@ -113,11 +114,17 @@ class LogNormalLengths:
         return SampleDraw(length=max(self.min_tokens, int(round(length))), correct=correct)
 
     def natural_lengths(self, version: int, n: int = 20000) -> np.ndarray:
-        per_prompt = 8
-        # Prompt keys far above any data-source index: a population of fresh prompts.
-        keys = range(1 << 40, (1 << 40) + max(1, n // per_prompt))
-        return np.array([self._draw(prompt, k, i, version).length
-                         for k in keys for prompt in (self._prompt(k),) for i in range(per_prompt)], np.int64)
+        return _natural_lengths(self, version, n).copy()
+
+
+@functools.lru_cache(maxsize=64)
+def _natural_lengths(model: LogNormalLengths, version: int, n: int) -> np.ndarray:
+    """LogNormalLengths.natural_lengths, drawn once per (model, version, n): every run of a comparison asks."""
+    per_prompt = 8
+    # Prompt keys far above any data-source index: a population of fresh prompts.
+    keys = range(1 << 40, (1 << 40) + max(1, n // per_prompt))
+    return np.array([model._draw(prompt, k, i, version).length
+                     for k in keys for prompt in (model._prompt(k),) for i in range(per_prompt)], np.int64)
 
 
 # Parameters are our reading of the length profiles the APRIL paper (arXiv 2509.18521) and the dataset
