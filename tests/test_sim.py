@@ -108,11 +108,19 @@ def test_incorrect_responses_are_longer_and_runaways_reach_the_cap():
     assert np.median([n for n in wrong if n < 2**31 - 1]) / correct == pytest.approx(3.0, rel=0.2)
 
 
-def test_dataset_presets_have_a_long_tail_under_a_16k_cap():
+def test_dataset_presets_match_the_papers_length_statistics():
+    # arXiv 2509.18521: batch-level std ~4,000-4,500 tokens, within-group std below 1,500 (GRPO, every group) and
+    # 2,400 (DAPO, the groups its filter keeps: mixed rewards), more than half within a few thousand tokens.
     for name in ("dapo-math-17k", "deepscaler", "deepmath-103k"):
-        lens = np.minimum(length_preset(name).natural_lengths(0, 8000), 16384)
-        assert np.median(lens) < 6000, name  # more than half end within a few thousand tokens
-        assert 0.03 < np.mean(lens >= 16384) < 0.3, name  # a tail reaches the cap
+        model = length_preset(name)
+        draws = [[model.draw(k, i, 0) for i in range(8)] for k in range(1500)]
+        lens = np.minimum([[d.length for d in g] for g in draws], 16384)
+        mixed = [row for row, g in zip(lens, draws) if 0 < sum(d.correct for d in g) < 8]
+        assert 4000 <= lens.std() <= 4600, name
+        assert lens.std(axis=1, ddof=1).mean() < 1500, name
+        assert np.std(mixed, axis=1, ddof=1).mean() < 2400, name
+        assert np.median(lens) < 3500 and np.mean(lens <= 4000) > 0.55, name
+        assert 0.02 < np.mean(lens >= 16384) < 0.1, name  # a tail reaches the cap
 
 
 def test_trace_replay_from_csv_and_jsonl(tmp_path):
