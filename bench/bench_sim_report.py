@@ -15,6 +15,7 @@ modelled (ABORT_LATENCY_S, WEIGHT_SYNC_S: assumptions, docs/sim.md).
    the same engines, without re-prefill) and the ceiling (with the unavoidable re-prefill); target for the
    `abort` step boundary (every APRIL mode here): >= 0.85 of the headline bound. The `carry` mode (keep the KV
    across the update) is not built yet, so its target (>= 0.95) is not reported.
+4. Sensitivity: one calibration cell with one engine cost changed at a time.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import replace
 import numpy as np
 
 from april_ext.persistence import atomic_write_json
+from april_ext.sim.cost import GPUS, MODELS, ClusterConfig, derive_cost_model
 from april_ext.sim.lengths import LENGTH_PRESETS
 from april_ext.sim.runner import SimConfig, simulate
 
@@ -100,13 +102,13 @@ def print_calibration(out: dict[tuple, dict], steps: int) -> list[dict[str, obje
 
 def convergence_configs(steps: int, seeds: int) -> dict[tuple, SimConfig]:
     return {("conv", mode, seed): paper_config("h100-qwen3-8b", "dapo-math-17k", "grpo", mode, steps, seed)
-            for mode in ("baseline", "april-batch", "april-adaptive") for seed in range(seeds)}
+            for mode in ("baseline", "april-batch") for seed in range(seeds)}
 
 
 def print_convergence(out: dict[tuple, dict], steps: int, seeds: int, warmup: int = 2) -> dict[str, object]:
     print(f"\n2. Convergence: h100-qwen3-8b, dapo-math-17k, GRPO, {seeds} seeds x {steps} steps; cumulative figures "
           f"over steps {warmup}..k (mean and spread max - min over seeds)")
-    checkpoints = [k for k in (4, 6, 8, 12, 16, 24, 32, 48) if warmup < k <= steps]
+    checkpoints = [k for k in (4, 6, 8, 10, 12, 16, 24, 32, 48) if warmup < k <= steps]
     print(f"{'figure':28} " + " ".join(f"{'k=' + str(k):>15}" for k in checkpoints))
     table = {}
 
@@ -120,8 +122,8 @@ def print_convergence(out: dict[tuple, dict], steps: int, seeds: int, warmup: in
                            "ceil": sum(s["ceiling_s"] for s in st) / seconds}[key])
         return values
 
-    for mode, key in (("baseline", "tok/s"), ("april-batch", "tok/s"), ("april-batch", "eff"),
-                      ("april-adaptive", "eff"), ("april-adaptive", "ceil")):
+    for mode, key in (("baseline", "tok/s"), ("april-batch", "tok/s"), ("baseline", "eff"), ("april-batch", "eff"),
+                      ("april-batch", "ceil")):
         cells = []
         for k in checkpoints:
             v = cumulative(mode, k, key)
@@ -135,43 +137,53 @@ def print_convergence(out: dict[tuple, dict], steps: int, seeds: int, warmup: in
         cells.append(f"{np.mean(g):+.1%}+-{(max(g) - min(g)) / 2:.1%}")
         table[f"gain k={k}"] = g
     print(f"{'april-batch gain':28} " + " ".join(f"{c:>15}" for c in cells))
-    for mode in ("april-batch", "april-adaptive"):
+    for mode in ("april-batch",):
         stale = [max(s["stale"] for s in out[("conv", mode, seed)]["steps"]) for seed in range(seeds)]
-        first = [next((i for i, s in enumerate(out[("conv", mode, seed)]["steps"]) if s["stale"] == max(stale)), -1)
-                 for seed in range(seeds)]
+        first = [next(i for i, s in enumerate(out[("conv", mode, seed)]["steps"]) if s["stale"] == most)
+                 for seed, most in enumerate(stale)]
         print(f"{mode}: largest staleness over {steps} steps per seed {stale} (first reached at step {first})")
         table[f"{mode} max staleness"] = stale
     return table
 
 
 def efficiency_configs(steps: int) -> dict[tuple, SimConfig]:
-    return {("eff", gpu, model, algo, lengths, mode): paper_config(f"{gpu}-{model}", lengths, algo, mode, steps)
-            for gpu, model, algo, lengths, mode in itertools.product(
-                ("h100", "h200"), ("qwen3-4b", "qwen3-8b"), ("grpo", "dapo"), LENGTH_PRESETS,
-                ("april-batch", "april-adaptive"))}
+    """H100 april-batch comes from the calibration runs; the rest of H100 / H200 x 4B / 8B x GRPO / DAPO here."""
+    configs = {}
+    for gpu, model, algo, lengths, mode in itertools.product(("h100", "h200"), ("qwen3-4b", "qwen3-8b"),
+                                                              ("grpo", "dapo"), LENGTH_PRESETS,
+                                                              ("april-batch", "april-adaptive")):
+        if gpu == "h200" or mode == "april-adaptive":
+            configs[("eff", gpu, model, algo, lengths, mode)] = paper_config(f"{gpu}-{model}", lengths, algo, mode,
+                                                                              steps)
+    return configs
 
 
 def print_efficiency(out: dict[tuple, dict], steps: int) -> list[dict[str, object]]:
     print(f"\n3. Efficiency of the abort step boundary, paper-faithful engines, {steps} steps (summary over steps 2..): "
           f"headline = best schedule of the same work without re-prefill, ceiling = with it")
     print(f"{'preset':16} {'algo':5} {'dataset':14} {'batch eff/ceil':>14} {'adaptive eff/ceil':>17} "
-          f"{'reprefill a':>11} {'target':>7}")
+          f"{'reprefill b/a':>13} {'target':>7}")
     rows = []
     for gpu, model, algo, lengths in itertools.product(("h100", "h200"), ("qwen3-4b", "qwen3-8b"), ("grpo", "dapo"),
                                                        LENGTH_PRESETS):
-        b = out[("eff", gpu, model, algo, lengths, "april-batch")]["summary"]
+        key = ("cal", model, algo, lengths, "april-batch") if gpu == "h100" else (
+            "eff", gpu, model, algo, lengths, "april-batch")
+        b = out[key]["summary"]
         a = out[("eff", gpu, model, algo, lengths, "april-adaptive")]["summary"]
         best = max(a["efficiency"], b["efficiency"])
         rows.append({"preset": f"{gpu}-{model}", "algorithm": algo, "dataset": lengths, "batch": b, "adaptive": a})
         print(f"{gpu + '-' + model:16} {algo:5} {lengths:14} {b['efficiency']:7.2f}/{b['ceiling_efficiency']:<6.2f} "
-              f"{a['efficiency']:9.2f}/{a['ceiling_efficiency']:<7.2f} {a['re_prefill_time_fraction']:11.3f} "
+              f"{a['efficiency']:9.2f}/{a['ceiling_efficiency']:<7.2f} "
+              f"{b['re_prefill_time_fraction']:6.3f}/{a['re_prefill_time_fraction']:<6.3f} "
               f"{'met' if best >= TARGET_ABORT else 'MISSED':>7}")
     for gpu in ("h100", "h200"):
-        eff = [r["adaptive"]["efficiency"] for r in rows if r["preset"].startswith(gpu)]
-        ceil = [r["adaptive"]["ceiling_efficiency"] for r in rows if r["preset"].startswith(gpu)]
-        rep = [r["adaptive"]["re_prefill_time_fraction"] for r in rows if r["preset"].startswith(gpu)]
-        print(f"{gpu}: adaptive efficiency {min(eff):.2f}-{max(eff):.2f}, ceiling {min(ceil):.2f}-{max(ceil):.2f}, "
-              f"re-prefill {min(rep):.3f}-{max(rep):.3f} of engine time")
+        mine = [r for r in rows if r["preset"].startswith(gpu)]
+        for mode in ("batch", "adaptive"):
+            eff = [r[mode]["efficiency"] for r in mine]
+            ceil = [r[mode]["ceiling_efficiency"] for r in mine]
+            rep = [r[mode]["re_prefill_time_fraction"] for r in mine]
+            print(f"{gpu} {mode}: efficiency {min(eff):.2f}-{max(eff):.2f} (mean {np.mean(eff):.2f}), ceiling "
+                  f"{min(ceil):.2f}-{max(ceil):.2f}, re-prefill {min(rep):.3f}-{max(rep):.3f} of engine time")
     missed = sum(max(r["adaptive"]["efficiency"], r["batch"]["efficiency"]) < TARGET_ABORT for r in rows)
     print(f"target abort >= {TARGET_ABORT} of the headline bound on every preset: "
           f"{'met' if missed == 0 else f'MISSED on {missed} of {len(rows)}'} (best APRIL mode per preset); "
@@ -179,24 +191,69 @@ def print_efficiency(out: dict[tuple, dict], steps: int) -> list[dict[str, objec
     return rows
 
 
+SENSITIVITY = {
+    "as calibrated": {},
+    "decode per-sequence cost x4 (decode MFU 7.5%)": {"decode_mfu": 0.075},
+    "step overhead 1 -> 8 ms (CPU scheduling per step)": {"step_overhead_s": 8e-3},
+    "achieved bandwidth 70% -> 35%": {"bandwidth_efficiency": 0.35},
+    "abort latency 0.5 -> 10 s": {"abort_latency_s": 10.0},
+}
+
+
+def sensitivity_configs(steps: int) -> dict[tuple, SimConfig]:
+    """One calibration cell (Qwen3-4B, GRPO, DAPO-Math-17k) with one engine cost changed at a time: which missing
+    cost could bring the gain down to the paper's?"""
+    configs = {}
+    for label, change in SENSITIVITY.items():
+        gpu_change = {k: v for k, v in change.items() if k != "abort_latency_s"}
+        gpu = replace(GPUS["h100"], **gpu_change)
+        cost = derive_cost_model(gpu, MODELS["qwen3-4b"], tensor_parallel=2, mem_fraction_static=0.6)
+        cluster = ClusterConfig(cost, num_engines=4, name="h100-qwen3-4b", gpus_per_engine=2,
+                                abort_latency_s=change.get("abort_latency_s", ABORT_LATENCY_S),
+                                weight_sync_s=WEIGHT_SYNC_S)
+        for mode in ("baseline", "april-batch"):
+            configs[("sens", label, mode)] = replace(
+                paper_config("h100-qwen3-4b", "dapo-math-17k", "grpo", mode, steps), cluster=cluster)
+    return configs
+
+
+def print_sensitivity(out: dict[tuple, dict], steps: int) -> list[dict[str, object]]:
+    print(f"\n4. Sensitivity: Qwen3-4B, GRPO, DAPO-Math-17k (paper-sourced gain +17%), {steps} steps, one cost changed")
+    print(f"{'change':50} {'base tok/s':>10} {'APRIL tok/s':>11} {'gain':>7} {'eff b/a':>9}")
+    rows = []
+    for label in SENSITIVITY:
+        b, a = out[("sens", label, "baseline")]["summary"], out[("sens", label, "april-batch")]["summary"]
+        g = a["tokens_per_s"] / b["tokens_per_s"] - 1
+        rows.append({"change": label, "gain": g, "base": b, "april": a})
+        print(f"{label:50} {b['tokens_per_s']:10,.0f} {a['tokens_per_s']:11,.0f} {g:+7.1%} "
+              f"{b['efficiency']:4.2f}/{a['efficiency']:4.2f}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12, help="steps per calibration / efficiency run")
-    parser.add_argument("--convergence-steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=8, help="steps per calibration / efficiency run")
+    parser.add_argument("--convergence-steps", type=int, default=16)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
-    parser.add_argument("--only", choices=("calibration", "convergence", "efficiency"), default=None)
+    parser.add_argument("--only", choices=("calibration", "convergence", "efficiency", "sensitivity"), default=None)
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
     args = parser.parse_args()
     started = time.perf_counter()
     out: dict[str, object] = {}
+    runs: dict[tuple, dict] = {}
+    if args.only in (None, "calibration", "efficiency"):
+        runs.update(run_all(calibration_configs(args.steps), args.jobs))
     if args.only in (None, "calibration"):
-        out["calibration"] = print_calibration(run_all(calibration_configs(args.steps), args.jobs), args.steps)
+        out["calibration"] = print_calibration(runs, args.steps)
     if args.only in (None, "convergence"):
-        runs = run_all(convergence_configs(args.convergence_steps, args.seeds), args.jobs)
-        out["convergence"] = print_convergence(runs, args.convergence_steps, args.seeds)
+        conv = run_all(convergence_configs(args.convergence_steps, args.seeds), args.jobs)
+        out["convergence"] = print_convergence(conv, args.convergence_steps, args.seeds)
     if args.only in (None, "efficiency"):
-        out["efficiency"] = print_efficiency(run_all(efficiency_configs(args.steps), args.jobs), args.steps)
+        runs.update(run_all(efficiency_configs(args.steps), args.jobs))
+        out["efficiency"] = print_efficiency(runs, args.steps)
+    if args.only in (None, "sensitivity"):
+        out["sensitivity"] = print_sensitivity(run_all(sensitivity_configs(args.steps), args.jobs), args.steps)
     print(f"\n({time.perf_counter() - started:.0f} s of wall time)")
     if args.json:
         atomic_write_json(args.json, out, indent=1)
