@@ -261,7 +261,7 @@ def main() -> None:
 
 def test_bench_paper_step(benchmark):
     """Wall seconds to simulate one APRIL step of the paper configuration (512 samples up to 16K tokens)."""
-    config = replace(paper_config("h100-qwen3-8b", "dapo-math-17k", "grpo", "april-batch", steps=1), warmup_steps=0)
+    config = paper_config("h100-qwen3-8b", "dapo-math-17k", "grpo", "april-batch", steps=1, warmup_steps=0)
     result = benchmark.pedantic(simulate, args=(config,), rounds=2, iterations=1)
     assert result.steps[0].generated_tokens > 1_000_000
 
