@@ -7,10 +7,18 @@ import asyncio
 import itertools
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from april_ext.protocol import SamplingParams
-from april_ext.sim import CLUSTER_PRESETS, LENGTH_PRESETS, ClusterConfig, CostModel, SampleDraw, SimulatedEngine
+from april_ext.sim import (
+    CLUSTER_PRESETS,
+    LENGTH_PRESETS,
+    ClusterConfig,
+    CostModel,
+    SampleDraw,
+    SimulatedEngine,
+)
 from april_ext.sim.metrics import full_occupancy_bound
 from april_ext.sim.runner import MODES, SimConfig, simulate
 
@@ -27,8 +35,7 @@ class FixedLengths:
     def draw(self, prompt_key: int, ordinal: int, version: int) -> SampleDraw:
         return SampleDraw(self.length, True)
 
-    def natural_lengths(self, version: int, n: int = 20000):
-        import numpy as np
+    def natural_lengths(self, version: int, n: int = 20000) -> np.ndarray:
         return np.full(8, self.length, np.int64)
 
 
@@ -44,8 +51,8 @@ def test_least_busy_time_by_hand():
 
 
 def test_one_engine_run_reaches_its_bound_only_when_saturated():
-    # Two samples of 4 tokens after a 2-token prompt on one engine: one batch of 2 (the engine could run 4).
-    # Decode step k reads 2 x (2 + k) KV tokens: kv_reads = 2 x (2 + 3 + 4 + 5) = 28; prompt prefill 2 x 0.2.
+    # Two samples of 4 tokens after a 4-token prompt on one engine: one batch of 2 (the engine could run 4).
+    # Decode step k (0..3) reads 2 x (4 + k) KV tokens; the prompts' prefill is 2 x 4 x 0.1 s.
     config = SimConfig(cluster=ClusterConfig(COST, num_engines=1), lengths=FixedLengths(4), mode="april-batch",
                        rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_batch_size=1,
                        max_response_len=16, steps=1, warmup_steps=0, prompt_len=4, dataset_size=10)
