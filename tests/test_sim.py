@@ -108,11 +108,19 @@ def test_incorrect_responses_are_longer_and_runaways_reach_the_cap():
     assert np.median([n for n in wrong if n < 2**31 - 1]) / correct == pytest.approx(3.0, rel=0.2)
 
 
-def test_dataset_presets_have_a_long_tail_under_a_16k_cap():
+def test_dataset_presets_match_the_papers_length_statistics():
+    # arXiv 2509.18521: batch-level std ~4,000-4,500 tokens, within-group std below 1,500 (GRPO, every group) and
+    # 2,400 (DAPO, the groups its filter keeps: mixed rewards), more than half within a few thousand tokens.
     for name in ("dapo-math-17k", "deepscaler", "deepmath-103k"):
-        lens = np.minimum(length_preset(name).natural_lengths(0, 8000), 16384)
-        assert np.median(lens) < 6000, name  # more than half end within a few thousand tokens
-        assert 0.03 < np.mean(lens >= 16384) < 0.3, name  # a tail reaches the cap
+        model = length_preset(name)
+        draws = [[model.draw(k, i, 0) for i in range(8)] for k in range(1500)]
+        lens = np.minimum([[d.length for d in g] for g in draws], 16384)
+        mixed = [row for row, g in zip(lens, draws) if 0 < sum(d.correct for d in g) < 8]
+        assert 4000 <= lens.std() <= 4600, name
+        assert lens.std(axis=1, ddof=1).mean() < 1500, name
+        assert np.std(mixed, axis=1, ddof=1).mean() < 2400, name
+        assert np.median(lens) < 3500 and np.mean(lens <= 4000) > 0.55, name
+        assert 0.02 < np.mean(lens >= 16384) < 0.1, name  # a tail reaches the cap
 
 
 def test_trace_replay_from_csv_and_jsonl(tmp_path):
@@ -295,8 +303,8 @@ def test_reward_reads_the_answer_token_and_prompts_carry_their_index():
 
 # ---------------------------------------------------------------------------------------------- with the loop
 
-def _tiny_run(mode: str = "april-batch", steps: int = 2, **overrides):
-    lengths = TraceLengths([[2, 4], [5, 5]], correct=[[True, False], [True, False]])
+def _tiny_run(mode: str = "april-batch", steps: int = 2, lengths=None, **overrides):
+    lengths = lengths or TraceLengths([[2, 4], [5, 5]], correct=[[True, False], [True, False]])
     config = SimConfig(cluster=_one(), lengths=lengths, mode=mode, rollout_batch_size=1,
                        n_samples_per_prompt=2, over_sampling_batch_size=2, max_response_len=16, steps=steps,
                        prompt_len=4, dataset_size=50, **overrides)
@@ -330,7 +338,8 @@ def test_scheduler_settings_per_mode():
     base = replace(config, mode="baseline").scheduler_config()
     assert (base.over_sampling_batch_size, base.refill, base.max_inflight_samples) == (32, "batch", None)
     dapo = replace(config, mode="baseline", algorithm="dapo").scheduler_config()
-    assert (dapo.over_sampling_batch_size, dapo.max_staleness, dapo.staleness_policy) == (96, 0, "drop")
+    assert (dapo.over_sampling_batch_size, dapo.refill, dapo.max_staleness, dapo.staleness_policy) == (
+        32, "continuous", 0, "drop")
     with pytest.raises(ConfigError, match="SimConfig.mode='fast'"):
         SimConfig(mode="fast")
     adaptive = replace(config, mode="april-adaptive").scheduler_config(engine_capacity=568)
@@ -366,15 +375,20 @@ def test_baseline_waits_for_the_whole_wave():
     assert s0.aborted_samples == s1.aborted_samples == 0 and s1.partial_token_ratio == 0.0
 
 
-def test_dapo_baseline_discards_unfinished_groups_and_april_keeps_them():
+def test_dapo_baseline_keeps_slimes_n_prime_relaunches_rejected_groups_and_april_keeps_partials():
     base = _tiny_run(mode="baseline", algorithm="dapo")
     april = _tiny_run(mode="april-batch", algorithm="dapo")
-    # Baseline: N' = 2 as well, but group 1's partials are dropped at step 1; groups 2 ([2, 4]) and 3 ([5, 5])
-    # start from scratch and the step repeats step 0.
-    assert [(s.rollout_s, s.generated_tokens, s.partial_token_ratio) for s in base.steps] == [
-        (4.0, 14, 0.0), (4.0, 14, 0.0)]
+    # slime's DAPO baseline keeps N' = N = 1: group 0 ([2, 4]) alone in 4 s, then group 1 ([5, 5]) in 5 s;
+    # nothing is aborted or thrown away.
+    assert [(s.rollout_s, s.generated_tokens, s.aborted_samples, s.discarded_tokens) for s in base.steps] == [
+        (4.0, 6, 0, 0), (5.0, 10, 0, 0)]
     assert [(s.rollout_s, s.generated_tokens) for s in april.steps] == [(4.0, 14), (1.0, 4)]
     assert april.steps[1].partial_token_ratio == pytest.approx(0.8)
+    # Group 1 all correct: the filter rejects it at t = 5 and the baseline launches group 2 ([3, 3]): done at 8.
+    lengths = TraceLengths([[2, 4], [5, 5], [3, 3]], correct=[[True, False], [True, True], [True, False]])
+    rejected = _tiny_run(mode="baseline", algorithm="dapo", lengths=lengths)
+    assert [(s.rollout_s, s.generated_tokens, s.filtered_groups) for s in rejected.steps] == [
+        (4.0, 6, 0), (8.0, 16, 1)]
 
 
 def test_runs_are_deterministic_at_a_realistic_scale():
@@ -532,18 +546,21 @@ def test_run_summary_is_a_ratio_of_sums_over_the_steady_steps():
 
     result = _tiny_run()
     bound, s0, s1 = result.bound, *result.steps  # bound 4 tok/s
-    # Two steady steps: 4 tokens in 1 s (efficiency 1.0, bubble 0) and 6 tokens in 3 s (efficiency 0.5,
-    # bubble 0.4). The run made 10 tokens in 4 s = 2.5 tok/s: efficiency 2.5 / 4 = 0.625, not the 0.75 mean
-    # of the step ratios; the bubble is (0 x 1 + 0.4 x 3) / 4 = 0.3 of the time. Token ratios weigh by the
-    # trained tokens: partial (0.8 x 10 + 0.2 x 30) / 40 = 0.35.
+    # Two steady steps: 4 tokens in 1 s (least time 1 s: efficiency 1.0, bubble 0) and 6 tokens in 3 s (least
+    # time 1.5 s: efficiency 0.5, bubble 0.4). The run made 10 tokens in 4 s = 2.5 tok/s against a bound of
+    # 10 / 2.5 s = 4 tok/s: efficiency 0.625, not the 0.75 mean of the step ratios; the bubble is
+    # (0 x 1 + 0.4 x 3) / 4 = 0.3 of the time. Token ratios weigh by the trained tokens: partial
+    # (0.8 x 10 + 0.2 x 30) / 40 = 0.35.
     a = replace(s1, rollout_s=1.0, generated_tokens=4, efficiency=1.0, bubble_fraction=0.0, trained_tokens=10,
-                partial_token_ratio=0.8, re_prefill_time_fraction=0.2)
+                partial_token_ratio=0.8, re_prefill_time_fraction=0.2, least_time_s=1.0, ceiling_time_s=1.0)
     b = replace(s1, rollout_s=3.0, generated_tokens=6, efficiency=0.5, bubble_fraction=0.4, trained_tokens=30,
-                partial_token_ratio=0.2, re_prefill_time_fraction=0.0)
+                partial_token_ratio=0.2, re_prefill_time_fraction=0.0, least_time_s=1.5, ceiling_time_s=2.0)
     summary = _summarize([s0, a, b], np.array([2, 4, 5, 5]), bound)
     assert summary["tokens_per_s"] == pytest.approx(2.5)
-    assert summary["efficiency"] == pytest.approx(0.625)
-    assert summary["efficiency"] * bound.tokens_per_s == pytest.approx(summary["tokens_per_s"])
+    assert summary["efficiency"] == pytest.approx(0.625) and summary["ceiling_efficiency"] == pytest.approx(0.75)
+    assert summary["efficiency"] * summary["bound_tokens_per_s"] == pytest.approx(summary["tokens_per_s"])
+    # With no warm-up step the first step counts too.
+    assert _summarize([a, b], np.array([2, 4, 5, 5]), bound, warmup_steps=0)["efficiency"] == pytest.approx(0.625)
     assert summary["bubble_fraction"] == pytest.approx(0.3)
     assert summary["re_prefill_time_fraction"] == pytest.approx(0.05)
     assert summary["partial_token_ratio"] == pytest.approx(0.35)

@@ -18,7 +18,7 @@ def test_simulate_prints_the_table_and_writes_report_and_plots(tmp_path, capsys)
     out = capsys.readouterr().out
     for mode in ("baseline", "april-batch", "april-continuous", "april-adaptive"):
         assert mode in out
-    assert "full-occupancy bound" in out and "+0.0%" in out
+    assert "steady-state rate" in out and "ceil eff" in out and "+0.0%" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report) == {"baseline", "april-batch", "april-continuous", "april-adaptive"}
     assert len(report["april-batch"]["steps"]) == 3
@@ -57,3 +57,15 @@ def test_simulate_with_mixed_chunked_prefill(capsys):
     assert "(separate prefill)" in capsys.readouterr().out
     assert main([*SMALL, "--mixed-chunk", "--chunked-prefill-size", "0"]) == 2
     assert "SimConfig.chunked_prefill_size=0" in capsys.readouterr().err
+
+
+def test_simulate_with_the_april_scripts_engines(capsys):
+    paper = ["--num-engines", "2", "--tensor-parallel", "2", "--mem-fraction-static", "0.6", "--abort-latency", "0.5",
+             "--weight-sync", "4", "--warmup-steps", "2", "--modes", "baseline,april-batch"]
+    assert main([*SMALL, *paper]) == 0
+    out = capsys.readouterr().out
+    assert "2 engines x 2 GPU" in out and "summary over steps 2.." in out
+    assert main([*SMALL, *paper, "--abort-latency", "-1"]) == 2
+    assert "abort_latency_s=-1.0" in capsys.readouterr().err
+    assert main([*SMALL, "--warmup-steps", "3"]) == 2
+    assert "SimConfig.warmup_steps=3" in capsys.readouterr().err

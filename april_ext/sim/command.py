@@ -55,11 +55,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "simulate", help="simulate rollout steps on a virtual cluster: APRIL vs the synchronous baseline",
         description="Drives the real scheduler and rollout loop over a simulated engine with a virtual clock. "
-                    "Prints a table (throughput, gain over the baseline, efficiency against the full-occupancy "
-                    "bound, bubbles, partial / off-policy ratios, staleness, re-prefill, length bias) and writes "
+                    "Prints a table (throughput, gain over the baseline, efficiency against the best schedule "
+                    "of the same work without and with re-prefill, bubbles, partial / off-policy ratios, staleness, re-prefill, length bias) and writes "
                     "PNG plots and a JSON report to --output-dir.")
     parser.add_argument("--cluster", default="h100-qwen3-8b", help=f"one of {', '.join(CLUSTER_PRESETS)}")
-    parser.add_argument("--num-engines", type=int, default=8, help="engine replicas (one per GPU)")
+    parser.add_argument("--num-engines", type=int, default=8, help="engine replicas")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="GPUs per engine (the APRIL scripts: 2)")
+    parser.add_argument("--mem-fraction-static", type=float, default=None,
+                        help="SGLang's share of GPU memory for weights + KV (the APRIL scripts: 0.6); "
+                             "default: 85%% of HBM minus a 4 GiB workspace")
+    parser.add_argument("--abort-latency", type=float, default=0.0, help="seconds an abort call takes")
+    parser.add_argument("--weight-sync", type=float, default=0.0,
+                        help="seconds a weight update takes (outside the rollout window)")
     parser.add_argument("--lengths", default="dapo-math-17k",
                         help=f"length preset ({', '.join(LENGTH_PRESETS)}) or a .csv / .jsonl trace path")
     parser.add_argument("--modes", type=_modes, default=MODES, help=f"comma-separated: {','.join(MODES)}")
@@ -71,6 +78,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--chunked-prefill-size", type=int, default=8192,
                         help="prefill tokens per mixed iteration at most (with --mixed-chunk)")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup-steps", type=int, default=1, help="steps left out of the summaries")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default=None, help="where report.json and the PNG plots go (none: no files)")
@@ -98,7 +106,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         scheduler["over_sampling_batch_size"] = scheduler["over_sampling_batch_size"][0]
     return SimConfig(
         cluster=args.cluster, lengths=args.lengths, algorithm=args.algorithm, num_engines=args.num_engines,
-        mixed_chunk=args.mixed_chunk, chunked_prefill_size=args.chunked_prefill_size, steps=args.steps,
+        tensor_parallel=args.tensor_parallel, mem_fraction_static=args.mem_fraction_static,
+        abort_latency_s=args.abort_latency, weight_sync_s=args.weight_sync, mixed_chunk=args.mixed_chunk,
+        chunked_prefill_size=args.chunked_prefill_size, steps=args.steps, warmup_steps=args.warmup_steps,
         prompt_len=args.prompt_len, seed=args.seed, **scheduler)
 
 

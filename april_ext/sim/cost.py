@@ -146,6 +146,24 @@ class CostModel:
         n = end - start
         return self.prefill_per_token_s * n + self.prefill_attn_per_token_pair_s * (end * end - start * start) / 2
 
+    def least_busy_time(self, tokens: int, kv_reads: int, prefill_s: float) -> float:
+        """The least engine time in which any schedule decodes ``tokens`` tokens whose steps read ``kv_reads`` KV
+        tokens in all, and prefills ``prefill_s`` seconds of prefill work.
+
+        A decode iteration runs at most max_num_seqs sequences over at most kv_capacity_tokens cached tokens, so
+        the work needs at least max(tokens / max_num_seqs, kv_reads / kv_capacity_tokens) iterations; each costs
+        its fixed term, and the per-sequence and per-KV-token terms sum to the same totals under any schedule.
+        Mixed chunk: an iteration costs max(memory, compute) + overhead, so the sum is at least the larger of the
+        summed memory and the summed compute (the prefill rides on the compute side).
+        """
+        iterations = max(tokens / self.max_num_seqs, kv_reads / self.kv_capacity_tokens)
+        if self.mixed_chunk:
+            memory = iterations * self.weights_read_s + self.decode_per_kv_token_s * kv_reads
+            compute = self.decode_per_seq_s * tokens + prefill_s
+            return max(memory, compute) + iterations * self.step_overhead_s
+        return (iterations * self.decode_fixed_s + self.decode_per_seq_s * tokens
+                + self.decode_per_kv_token_s * kv_reads + prefill_s)
+
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -161,6 +179,8 @@ class GpuSpec:
     step_overhead_s: float = 1.0e-3  # scheduling, sampling, launches per decode step (CUDA graphs on)
     memory_fraction: float = 0.85  # share of HBM the engine may use (weights + KV)
     activation_reserve_bytes: float = 4 * GIB  # workspace kept free of KV
+    link_bandwidth: float = 450e9  # bytes/s per direction between the GPUs of a tensor-parallel engine
+    allreduce_latency_s: float = 10e-6  # one small all-reduce inside a CUDA graph (decode)
 
 
 @dataclass(frozen=True)
@@ -173,6 +193,7 @@ class ModelSpec:
     q_heads: int
     kv_heads: int
     head_dim: int
+    hidden: int
     dtype_bytes: int = 2
 
     @property
@@ -186,25 +207,45 @@ class ModelSpec:
 
 def derive_cost_model(gpu: GpuSpec, model: ModelSpec, max_num_seqs: int = 256,
                       admission_headroom: float = 0.05, mixed_chunk: bool = False,
-                      chunked_prefill_size: int = 8192) -> CostModel:
-    """A CostModel from datasheet numbers (see docs/sim.md for the formulas and their assumptions)."""
-    bandwidth = gpu.hbm_bandwidth * gpu.bandwidth_efficiency
-    kv_budget = gpu.hbm_bytes * gpu.memory_fraction - model.weight_bytes - gpu.activation_reserve_bytes
+                      chunked_prefill_size: int = 8192, tensor_parallel: int = 1,
+                      mem_fraction_static: float | None = None) -> CostModel:
+    """A CostModel of one engine of ``tensor_parallel`` GPUs from datasheet numbers (docs/sim.md has the formulas
+    and their assumptions). ``mem_fraction_static``: SGLang's setting, the share of each GPU's memory for weights
+    and KV pool together (None: the GPU's memory_fraction minus its activation reserve)."""
+    if not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool) or tensor_parallel < 1:
+        raise ConfigError(f"tensor_parallel={tensor_parallel!r} is not allowed: an int >= 1")
+    if mem_fraction_static is not None and not (isinstance(mem_fraction_static, (int, float))
+                                                and 0 < mem_fraction_static <= 1):
+        raise ConfigError(f"mem_fraction_static={mem_fraction_static!r} is not allowed: a number in (0, 1]")
+    tp = tensor_parallel
+    bandwidth = gpu.hbm_bandwidth * gpu.bandwidth_efficiency * tp
+    if mem_fraction_static is None:
+        pool = (gpu.hbm_bytes * gpu.memory_fraction - gpu.activation_reserve_bytes) * tp
+    else:
+        pool = gpu.hbm_bytes * mem_fraction_static * tp
+    kv_budget = pool - model.weight_bytes
     if kv_budget <= 0:
-        raise ConfigError(f"{model.name} does not fit on {gpu.name}: no memory left for the KV cache")
+        raise ConfigError(f"{model.name} does not fit on {gpu.name} x{tp}: no memory left for the KV cache")
+    # Tensor parallelism: two all-reduces per layer per forward pass; decode pays their latency, prefill moves
+    # hidden x dtype bytes per token and all-reduce over the link (a two-GPU ring sends each byte once).
+    allreduce_s = 2 * model.layers * gpu.allreduce_latency_s if tp > 1 else 0.0
+    prefill_comm_s = (2 * model.layers * model.hidden * model.dtype_bytes * (tp - 1) / tp / gpu.link_bandwidth
+                      if tp > 1 else 0.0)
+    overhead = gpu.step_overhead_s + allreduce_s
+    flops = gpu.bf16_flops * tp
     return CostModel(
-        decode_fixed_s=model.weight_bytes / bandwidth + gpu.step_overhead_s,
-        decode_per_seq_s=2 * model.params / (gpu.bf16_flops * gpu.decode_mfu),
+        decode_fixed_s=model.weight_bytes / bandwidth + overhead,
+        decode_per_seq_s=2 * model.params / (flops * gpu.decode_mfu),
         decode_per_kv_token_s=model.kv_bytes_per_token / bandwidth,
-        prefill_per_token_s=2 * model.params / (gpu.bf16_flops * gpu.prefill_mfu),
+        prefill_per_token_s=2 * model.params / (flops * gpu.prefill_mfu) + prefill_comm_s,
         # QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add, per query head and head dim.
         prefill_attn_per_token_pair_s=4 * model.layers * model.q_heads * model.head_dim / (
-            gpu.bf16_flops * gpu.prefill_mfu),
-        prefill_fixed_s=gpu.step_overhead_s,
+            flops * gpu.prefill_mfu),
+        prefill_fixed_s=overhead,
         kv_capacity_tokens=int(kv_budget // model.kv_bytes_per_token),
         max_num_seqs=max_num_seqs,
         admission_headroom=admission_headroom,
-        step_overhead_s=gpu.step_overhead_s,
+        step_overhead_s=overhead,
         mixed_chunk=mixed_chunk,
         chunked_prefill_size=chunked_prefill_size,
     )
@@ -212,15 +253,17 @@ def derive_cost_model(gpu: GpuSpec, model: ModelSpec, max_num_seqs: int = 256,
 
 GPUS: dict[str, GpuSpec] = {
     "h100": GpuSpec("H100 SXM 80GB", hbm_bytes=80 * GIB, hbm_bandwidth=3.35e12, bf16_flops=989e12),
+    # H200 SXM: 141 GB HBM3e as sold (143,771 MiB as nvidia-smi reports it), the H100's compute and NVLink.
+    "h200": GpuSpec("H200 SXM 141GB", hbm_bytes=143771 * 1024**2, hbm_bandwidth=4.8e12, bf16_flops=989e12),
     "mi300x": GpuSpec("MI300X 192GB", hbm_bytes=192 * GIB, hbm_bandwidth=5.3e12, bf16_flops=1307e12,
-                      bandwidth_efficiency=0.6, prefill_mfu=0.4, decode_mfu=0.25),
+                      bandwidth_efficiency=0.6, prefill_mfu=0.4, decode_mfu=0.25, link_bandwidth=64e9 * 0.7 * 7),
 }
 
 MODELS: dict[str, ModelSpec] = {
     # Qwen3-4B: tied embeddings (151936 x 2560 counted once), GQA 32 query / 8 KV heads of 128.
-    "qwen3-4b": ModelSpec("Qwen3-4B", params=4.02e9, layers=36, q_heads=32, kv_heads=8, head_dim=128),
+    "qwen3-4b": ModelSpec("Qwen3-4B", params=4.02e9, layers=36, q_heads=32, kv_heads=8, head_dim=128, hidden=2560),
     # Qwen3-8B: untied embeddings and LM head, GQA 32 / 8 heads of 128.
-    "qwen3-8b": ModelSpec("Qwen3-8B", params=8.19e9, layers=36, q_heads=32, kv_heads=8, head_dim=128),
+    "qwen3-8b": ModelSpec("Qwen3-8B", params=8.19e9, layers=36, q_heads=32, kv_heads=8, head_dim=128, hidden=4096),
 }
 
 
@@ -233,26 +276,43 @@ class ClusterConfig:
     router: str = "least_loaded"
     """"least_loaded": the replica with the fewest running + waiting requests; "round_robin"."""
     name: str = "custom"
+    abort_latency_s: float = 0.0
+    """Virtual seconds an abort call takes before the engines are free (the request round trip and the engines'
+    next scheduling pass); the clock moves on by this much at every abort call that ends requests."""
+    weight_sync_s: float = 0.0
+    """Virtual seconds a weight update takes (trainer to engines); outside the rollout window."""
+    gpus_per_engine: int = 1
+    """GPUs behind one engine (tensor parallelism), for reports."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cost, CostModel):
             raise ConfigError(f"ClusterConfig.cost is a {type(self.cost).__name__}; a CostModel is required")
-        if not isinstance(self.num_engines, int) or isinstance(self.num_engines, bool) or self.num_engines < 1:
-            raise ConfigError(f"ClusterConfig.num_engines={self.num_engines!r} is not allowed: an int >= 1")
+        for name in ("num_engines", "gpus_per_engine"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"ClusterConfig.{name}={value!r} is not allowed: an int >= 1")
         if self.router not in ("least_loaded", "round_robin"):
             raise ConfigError(f"ClusterConfig.router={self.router!r} is not allowed: 'least_loaded' or 'round_robin'")
+        _positive("ClusterConfig", "abort_latency_s", self.abort_latency_s, allow_zero=True)
+        _positive("ClusterConfig", "weight_sync_s", self.weight_sync_s, allow_zero=True)
 
 
 def cluster_preset(name: str, num_engines: int = 8, mixed_chunk: bool = False,
-                   chunked_prefill_size: int = 8192) -> ClusterConfig:
-    """``<gpu>-<model>``: h100-qwen3-4b, h100-qwen3-8b, mi300x-qwen3-4b, mi300x-qwen3-8b (one engine per GPU);
-    ``mixed_chunk``: engines run mixed chunked prefill with ``chunked_prefill_size`` tokens per iteration."""
+                   chunked_prefill_size: int = 8192, tensor_parallel: int = 1,
+                   mem_fraction_static: float | None = None, abort_latency_s: float = 0.0,
+                   weight_sync_s: float = 0.0) -> ClusterConfig:
+    """``<gpu>-<model>``: h100-qwen3-4b, h100-qwen3-8b, h200-qwen3-4b, h200-qwen3-8b, mi300x-qwen3-4b,
+    mi300x-qwen3-8b; ``num_engines`` engines of ``tensor_parallel`` GPUs each. ``mixed_chunk``: engines run mixed
+    chunked prefill with ``chunked_prefill_size`` tokens per iteration; ``mem_fraction_static``: SGLang's share of
+    GPU memory for weights + KV (None: the GPU's default); abort latency and weight-sync time in seconds."""
     gpu_name, _, model_name = name.partition("-")
     if gpu_name not in GPUS or model_name not in MODELS:
         raise ConfigError(f"cluster preset {name!r} is not known: one of {sorted(CLUSTER_PRESETS)}")
     gpu, model = GPUS[gpu_name], MODELS[model_name]
-    cost = derive_cost_model(gpu, model, mixed_chunk=mixed_chunk, chunked_prefill_size=chunked_prefill_size)
-    return ClusterConfig(cost=cost, num_engines=num_engines, name=name)
+    cost = derive_cost_model(gpu, model, mixed_chunk=mixed_chunk, chunked_prefill_size=chunked_prefill_size,
+                             tensor_parallel=tensor_parallel, mem_fraction_static=mem_fraction_static)
+    return ClusterConfig(cost=cost, num_engines=num_engines, name=name, abort_latency_s=abort_latency_s,
+                         weight_sync_s=weight_sync_s, gpus_per_engine=tensor_parallel)
 
 
 CLUSTER_PRESETS = tuple(f"{g}-{m}" for g in GPUS for m in MODELS)

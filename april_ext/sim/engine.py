@@ -61,6 +61,9 @@ class ClusterCounters:
     preemptions: int
     finished: int
     aborted: int
+    kv_reads: int
+    new_prefill_work_s: float
+    resume_prefill_work_s: float
     delivered_tokens: int
 
     def minus(self, earlier: ClusterCounters) -> ClusterCounters:
@@ -165,19 +168,25 @@ class SimulatedEngine(LoopTaskEngine):
     async def abort(self, request_ids: str | Iterable[str] | None = None) -> list[GenerationOutput]:
         """Ends the requests (all when None) at the current virtual time and returns their partial outputs;
         their streams end with an ABORT chunk carrying the tokens not yet delivered. Unknown ids raise
-        UnknownIdError and nothing is aborted."""
+        UnknownIdError and nothing is aborted. The clock moves on by the cluster's abort latency when requests
+        end (replicas with requests left keep decoding through it)."""
         ids = abort_ids(request_ids, self._requests)
         self._notify()
-        return self._abort_now(ids)
+        outputs = self._abort_now(ids)
+        if ids:
+            self._stall(self.cluster.abort_latency_s)
+        return outputs
 
     async def update_weights(self, weights: Any, version: int) -> list[str]:
         """Sets the weight version (the weights themselves are not simulated). Running requests deliver their
-        tokens so far under the old version and are recomputed, as the embedded engine flushes its cache."""
+        tokens so far under the old version and are recomputed, as the embedded engine flushes its cache. The
+        clock moves on by the cluster's weight-sync time."""
         check_weight_version(version)
         if "weights" in self.paused_tags:
             raise InvalidStateError("update_weights: the 'weights' tag is released; resume_memory first")
         self._flush_all()
         self.weight_version = version
+        self._stall(self.cluster.weight_sync_s)
         self._notify()
         return list(weights) if isinstance(weights, dict) else []
 
@@ -331,6 +340,13 @@ class SimulatedEngine(LoopTaskEngine):
                 logprobs=response_logprobs(s.uid, request.base, request.base + request.generated).tolist(),
                 versions=versions, finish_reason=FinishReason.ABORT))
         return outputs
+
+    def _stall(self, seconds: float) -> None:
+        """Moves the clock on by ``seconds`` during which idle replicas stay idle (no admission)."""
+        if seconds > 0:
+            self.now += seconds
+            for replica in self.replicas:
+                replica.idle_until(self.now)
 
     def _flush_all(self) -> None:
         for replica in self.replicas:

@@ -9,6 +9,7 @@ real traces replay from CSV / JSONL.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import os
@@ -113,29 +114,37 @@ class LogNormalLengths:
         return SampleDraw(length=max(self.min_tokens, int(round(length))), correct=correct)
 
     def natural_lengths(self, version: int, n: int = 20000) -> np.ndarray:
-        per_prompt = 8
-        # Prompt keys far above any data-source index: a population of fresh prompts.
-        keys = range(1 << 40, (1 << 40) + max(1, n // per_prompt))
-        return np.array([self._draw(prompt, k, i, version).length
-                         for k in keys for prompt in (self._prompt(k),) for i in range(per_prompt)], np.int64)
+        return _natural_lengths(self, version, n).copy()
 
 
-# Parameters are our reading of the length profiles the APRIL paper (arXiv 2509.18521) and the dataset
-# papers describe for Qwen3-4B/8B reasoning RL with a 16K cap: most responses end within a few thousand
-# tokens, incorrect ones run ~3x longer, and a tail reaches the cap. docs/sim.md lists what each assumes.
+@functools.lru_cache(maxsize=64)
+def _natural_lengths(model: LogNormalLengths, version: int, n: int) -> np.ndarray:
+    """LogNormalLengths.natural_lengths, drawn once per (model, version, n): every run of a comparison asks."""
+    per_prompt = 8
+    # Prompt keys far above any data-source index: a population of fresh prompts.
+    keys = range(1 << 40, (1 << 40) + max(1, n // per_prompt))
+    return np.array([model._draw(prompt, k, i, version).length
+                     for k in keys for prompt in (model._prompt(k),) for i in range(per_prompt)], np.int64)
+
+
+# Calibrated to the length statistics the APRIL paper (arXiv 2509.18521) reports for Qwen3-4B/8B reasoning RL
+# with a 16K cap: a batch-level standard deviation of ~4,000-4,500 tokens, a within-group standard deviation
+# below 1,500 (GRPO) and 2,400 (DAPO) tokens, more than half of the responses within a few thousand tokens and a
+# tail at the cap. Most of the spread is between prompts (prompt_sigma ~1); incorrect responses run 1.4-1.6x
+# longer; 1-2% of incorrect ones run away to the cap. docs/sim.md lists the resulting statistics.
 LENGTH_PRESETS: dict[str, LogNormalLengths] = {
     "dapo-math-17k": LogNormalLengths(
-        median_tokens=2600, prompt_sigma=0.55, within_sigma=0.35, accuracy_mean=0.45, accuracy_concentration=1.5,
-        incorrect_length_factor=3.0, runaway_prob=0.06, drift_per_version=0.004, name="dapo-math-17k",
+        median_tokens=2600, prompt_sigma=1.0, within_sigma=0.25, accuracy_mean=0.45, accuracy_concentration=1.5,
+        incorrect_length_factor=1.4, runaway_prob=0.01, drift_per_version=0.004, name="dapo-math-17k",
         description="AIME-style competition problems with integer answers; ~45% accuracy, many hard prompts"),
     "deepscaler": LogNormalLengths(
-        median_tokens=2000, prompt_sigma=0.5, within_sigma=0.35, accuracy_mean=0.6, accuracy_concentration=2.0,
-        incorrect_length_factor=3.0, runaway_prob=0.04, drift_per_version=0.004, name="deepscaler",
+        median_tokens=2200, prompt_sigma=1.05, within_sigma=0.25, accuracy_mean=0.6, accuracy_concentration=2.0,
+        incorrect_length_factor=1.4, runaway_prob=0.01, drift_per_version=0.004, name="deepscaler",
         description="AIME/AMC/Omni-MATH/STILL mix; easier (~60% accuracy), shorter responses"),
     "deepmath-103k": LogNormalLengths(
-        median_tokens=2400, prompt_sigma=0.6, within_sigma=0.35, accuracy_mean=0.45, accuracy_concentration=1.5,
-        incorrect_length_factor=3.0, runaway_prob=0.08, drift_per_version=0.004, name="deepmath-103k",
-        description="difficulty 5-9 problems with verifiable answers; hardest, longest tail (~45% accuracy)"),
+        median_tokens=2400, prompt_sigma=1.05, within_sigma=0.25, accuracy_mean=0.45, accuracy_concentration=1.5,
+        incorrect_length_factor=1.5, runaway_prob=0.015, drift_per_version=0.004, name="deepmath-103k",
+        description="difficulty 5-9 problems with verifiable answers; hardest, widest spread (~45% accuracy)"),
 }
 
 

@@ -1,13 +1,20 @@
-"""Simulation metrics: the full-occupancy bound, per-step figures and the length bias.
+"""Simulation metrics: the bounds, per-step figures and the length bias.
 
 Definitions (docs/sim.md has the reasoning):
 - throughput: response tokens generated in the step / rollout time (virtual seconds, begin_step to batch).
   Useful throughput leaves out tokens a discarding baseline throws away (DAPO over-sampling without recycling).
-- full-occupancy bound: tokens/s of the same cluster fed an endless queue of fresh samples from the same
-  length model (never idle, no step boundaries, no aborts, no resumes); efficiency = throughput / bound.
-- bubble fraction: idle slot-time. A replica has B_sat slots, the mean batch that the never-idle replica
-  sustains (KV- or max_num_seqs-bound); busy slot-time is the decode batch integrated over time plus B_sat
-  for every prefill second. bubble = 1 - busy / (B_sat x replicas x rollout time), clipped to [0, 1].
+- headline bound (per step and per run): the best any schedule could do on the same engines and work. The work
+  is what the engines decoded (tokens and the KV tokens their steps read) plus the prompt prefill of the new
+  samples; CostModel.least_busy_time is the least engine time for it, spread evenly over the engines (never
+  idle, every iteration at the engine's real maximum batch under max_num_seqs and the KV capacity, no abort, no
+  re-prefill). efficiency = throughput / bound = least time / rollout time <= 1.
+- ceiling: the same plus the re-prefill of resumed requests (prompt + partial once each), which abort-and-resume
+  cannot avoid; efficiency against it separates scheduling losses from the recompute cost.
+- steady-state rate (OccupancyBound): tokens/s of the same cluster fed an endless queue of fresh samples; it
+  gives B_sat, the mean decode batch of a never-idle engine (bubble fraction, adaptive target), and a reference.
+- bubble fraction: idle slot-time. A replica has B_sat slots; busy slot-time is the decode batch integrated
+  over time plus B_sat for every prefill second. bubble = 1 - busy / (B_sat x replicas x rollout time), clipped
+  to [0, 1].
 - length bias: the trained response lengths against the natural ones (the model's lengths cut at the cap):
   mean ratio and the Wasserstein-1 distance relative to the natural mean.
 """
@@ -22,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from april_ext.batch import FinishReason
-from april_ext.sim.cost import ClusterConfig
+from april_ext.sim.cost import ClusterConfig, CostModel
 from april_ext.sim.engine import ClusterCounters
 from april_ext.sim.lengths import LengthModel
 from april_ext.sim.replica import Replica, SimRequest, SimSample
@@ -30,7 +37,7 @@ from april_ext.sim.replica import Replica, SimRequest, SimSample
 
 @dataclass(frozen=True)
 class OccupancyBound:
-    """What a never-idle cluster produces under a length model."""
+    """What a never-idle cluster produces in steady state under a length model (the steady-state rate)."""
 
     tokens_per_s: float
     mean_batch: float  # B_sat: mean decode batch per replica
@@ -95,6 +102,16 @@ def full_occupancy_bound(cluster: ClusterConfig, lengths: LengthModel, max_respo
                 measured_s=elapsed, finished=finished - finished_at_start)
 
 
+def least_times(cost: CostModel, counters: ClusterCounters) -> tuple[float, float]:
+    """(headline, ceiling): the least rollout time of the counted work on the cluster, without and with the
+    resumed requests' re-prefill (see the module docstring)."""
+    engines = counters.num_engines
+    headline = cost.least_busy_time(counters.decode_tokens, counters.kv_reads, counters.new_prefill_work_s)
+    ceiling = cost.least_busy_time(counters.decode_tokens, counters.kv_reads,
+                                   counters.new_prefill_work_s + counters.resume_prefill_work_s)
+    return headline / engines, ceiling / engines
+
+
 def length_bias(trained: np.ndarray, natural: np.ndarray) -> dict[str, float]:
     """Mean ratio and relative Wasserstein-1 distance of trained vs natural response lengths."""
     if trained.size == 0 or natural.size == 0:
@@ -116,7 +133,12 @@ class StepReport:
     trained_tokens: int
     discarded_tokens: int  # thrown away by a discarding baseline (stale groups dropped at this step's start)
     tokens_per_s: float
-    efficiency: float
+    efficiency: float  # against the headline bound: least_time_s / rollout_s
+    ceiling_efficiency: float  # against the ceiling: ceiling_time_s / rollout_s
+    bound_tokens_per_s: float  # headline bound of this step's work
+    ceiling_tokens_per_s: float
+    least_time_s: float  # least rollout time of the step's work, without re-prefill
+    ceiling_time_s: float  # the same with the resumed requests' re-prefill
     bubble_fraction: float
     partial_token_ratio: float  # batch tokens carried over from earlier steps (resumed partials)
     offpolicy_token_ratio: float
@@ -137,10 +159,12 @@ class StepReport:
 
 
 def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: OccupancyBound,
-                natural: np.ndarray) -> StepReport:
-    """Combine the loop's RolloutMetrics, the engine's counters over the step and the bound."""
+                natural: np.ndarray, cost: CostModel) -> StepReport:
+    """Combine the loop's RolloutMetrics, the engine's counters over the step, the bounds of its work (engines of
+    ``cost``) and the steady-state rate (B_sat for the bubble)."""
     sched = metrics.scheduler
     wall = metrics.wall_s
+    least, ceiling = least_times(cost, counters)
     lens = np.asarray(metrics.response_lens, np.int64)
     slots = bound.mean_batch * counters.num_engines * wall
     busy = counters.slot_time + bound.mean_batch * counters.prefill_time
@@ -150,7 +174,10 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
         step=step, rollout_s=wall, time_to_done_s=metrics.time_to_done_s, generated_tokens=metrics.generated_tokens,
         trained_tokens=int(sched["batch_response_tokens"]), discarded_tokens=int(sched["stale_tokens_discarded"]),
         tokens_per_s=metrics.tokens_per_s,
-        efficiency=metrics.tokens_per_s / bound.tokens_per_s if bound.tokens_per_s > 0 else 0.0,
+        efficiency=least / wall if wall > 0 else 0.0, ceiling_efficiency=ceiling / wall if wall > 0 else 0.0,
+        bound_tokens_per_s=metrics.generated_tokens / least if least > 0 else 0.0,
+        ceiling_tokens_per_s=metrics.generated_tokens / ceiling if ceiling > 0 else 0.0,
+        least_time_s=least, ceiling_time_s=ceiling,
         bubble_fraction=min(1.0, max(0.0, 1.0 - busy / slots)) if slots > 0 else 0.0,
         partial_token_ratio=float(sched["carried_token_ratio"]),
         offpolicy_token_ratio=float(sched["off_policy_token_ratio"]),
@@ -164,4 +191,4 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
         length_w1_rel=bias["w1_rel"], response_lens=lens.tolist())
 
 
-__all__ = ["OccupancyBound", "StepReport", "full_occupancy_bound", "length_bias", "step_report"]
+__all__ = ["OccupancyBound", "StepReport", "full_occupancy_bound", "least_times", "length_bias", "step_report"]

@@ -81,6 +81,9 @@ class ReplicaCounters:
     preemptions: int = 0
     finished: int = 0
     aborted: int = 0
+    kv_reads: int = 0  # KV tokens read by decode: a step of B sequences over S cached tokens reads S
+    new_prefill_work_s: float = 0.0  # prefill compute done for new requests' prompts (no batch overhead)
+    resume_prefill_work_s: float = 0.0  # prefill compute done for resumed requests' prompt + partial (first time)
 
 
 class Replica:
@@ -116,6 +119,7 @@ class Replica:
             return
         dt = self.cost.decode_time(b, self.kv, m)
         c = self.counters
+        c.kv_reads += m * self.kv + b * m * (m - 1) // 2
         c.decode_steps += m
         c.decode_tokens += b * m
         c.decode_time += dt
@@ -150,6 +154,7 @@ class Replica:
         b = len(self.running)
         c = self.counters
         if b:
+            c.kv_reads += self.kv
             c.decode_steps += 1
             c.decode_tokens += b
             c.decode_time += alone
@@ -162,6 +167,7 @@ class Replica:
         c.prefill_time += added
         for r, n, t in pieces:
             self._charge_prefill(r, added * t / compute if compute > 0 else added / len(pieces), n)
+            self._charge_work(r, t)
             r.prefilled += n
         while self.prefilling and self.prefilling[0].prefilled >= self.prefilling[0].context:
             r = self.prefilling.popleft()
@@ -280,6 +286,7 @@ class Replica:
             t = cost.prefill_time(0, r.context)
             total += t
             self._charge_prefill(r, t, r.context)
+            self._charge_work(r, t)
         self.counters.prefill_time += total
         self.seg_t0 += total
         self._next = None
@@ -294,6 +301,13 @@ class Replica:
         elif request.prefill_kind == "resume":
             c.resume_prefill_time += seconds
             c.resume_prefill_tokens += tokens
+
+    def _charge_work(self, request: SimRequest, seconds: float) -> None:
+        """Count prefill compute done for a new or resumed request (the work the bounds charge)."""
+        if request.prefill_kind == "new":
+            self.counters.new_prefill_work_s += seconds
+        elif request.prefill_kind == "resume":
+            self.counters.resume_prefill_work_s += seconds
 
     def remove(self, request: SimRequest) -> None:
         """Take a request out (abort); the caller has synced the replica to now."""
@@ -310,6 +324,12 @@ class Replica:
         self.counters.aborted += 1
         self._next = None
         self.dirty = True
+
+    def idle_until(self, t: float) -> None:
+        """An idle replica (nothing admitted) starts its next work no earlier than ``t``."""
+        if not self.running and not self.prefilling:
+            self.seg_t0 = max(self.seg_t0, t)
+            self._next = None
 
     def flush(self) -> None:
         """Drop the KV cache (weight update, KV release): running requests wait to be recomputed, in order."""

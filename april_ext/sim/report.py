@@ -13,8 +13,8 @@ from april_ext.plots import save_figure
 from april_ext.sim.runner import SimResult, gain
 
 _COLUMNS = (
-    ("mode", "{}"), ("tok/s", "{:,.0f}"), ("gain", "{}"), ("useful tok/s", "{:,.0f}"), ("eff", "{:.2f}"),
-    ("bubble", "{:.2f}"),
+    ("mode", "{}"), ("tok/s", "{:,.0f}"), ("gain", "{}"), ("useful tok/s", "{:,.0f}"), ("bound", "{:,.0f}"),
+    ("eff", "{:.2f}"), ("ceil eff", "{:.2f}"), ("bubble", "{:.2f}"),
     ("partial", "{:.2f}"), ("offpol", "{:.2f}"), ("stale<=", "{:.0f}"), ("reprefill", "{:.3f}"),
     ("step s", "{:.1f}"), ("len ratio", "{:.2f}"), ("W1 first->last", "{}"),
 )
@@ -29,7 +29,8 @@ def summary_rows(results: dict[str, SimResult]) -> list[dict[str, Any]]:
             "mode": mode, "tok/s": s["tokens_per_s"],
             "gain": f"{gain(results, mode):+.1%}" if "baseline" in results else "-",
             "useful tok/s": s["useful_tokens_per_s"],
-            "eff": s["efficiency"], "bubble": s["bubble_fraction"], "partial": s["partial_token_ratio"],
+            "bound": s["bound_tokens_per_s"], "eff": s["efficiency"], "ceil eff": s["ceiling_efficiency"],
+            "bubble": s["bubble_fraction"], "partial": s["partial_token_ratio"],
             "offpol": s["offpolicy_token_ratio"], "stale<=": s["max_staleness"],
             "reprefill": s["re_prefill_time_fraction"], "step s": s["rollout_s"],
             "len ratio": s["length_mean_ratio"],
@@ -58,11 +59,12 @@ def describe(results: dict[str, SimResult]) -> str:
     name = getattr(lengths, "name", type(lengths).__name__)
     engine = (f"mixed chunk {cluster.cost.chunked_prefill_size}" if cluster.cost.mixed_chunk
               else "separate prefill")
-    head = (f"cluster {cluster.name} x{cluster.num_engines} ({engine}) | lengths {name}"
-            f" | {c.algorithm} | N={c.rollout_batch_size} x n={c.n_samples_per_prompt}, "
-            f"N'={c.over_sampling_batch_size}, cap {c.max_response_len} | {c.steps} steps (summary over steps 1..)\n"
-            f"full-occupancy bound {first.bound.tokens_per_s:,.0f} tok/s "
-            f"(B_sat {first.bound.mean_batch:.1f} per engine)"
+    head = (f"cluster {cluster.name} {cluster.num_engines} engines x {cluster.gpus_per_engine} GPU ({engine}) | "
+            f"lengths {name} | {c.algorithm} | N={c.rollout_batch_size} x n={c.n_samples_per_prompt}, "
+            f"N'={c.over_sampling_batch_size}, cap {c.max_response_len} | {c.steps} steps (summary over steps "
+            f"{c.warmup_steps}..)\n"
+            f"bound: the best schedule of each mode's own work (eff: without re-prefill, ceil eff: with it); "
+            f"steady-state rate {first.bound.tokens_per_s:,.0f} tok/s (B_sat {first.bound.mean_batch:.1f} per engine)"
             f", natural mean length {first.natural_mean:,.0f}")
     return head + "\n" + format_table(summary_rows(results))
 
@@ -100,8 +102,8 @@ def write_plots(results: dict[str, SimResult], out_dir: str, natural: np.ndarray
         axes[1].plot(steps, [s.efficiency for s in r.steps], marker="o", label=mode)
         axes[2].plot(steps, [s.bubble_fraction for s in r.steps], marker="o", label=mode)
     bound = next(iter(results.values())).bound.tokens_per_s
-    axes[0].axhline(bound, color="gray", ls="--", label="full-occupancy bound")
-    for ax, title in zip(axes, ("rollout throughput (tokens/s)", "efficiency vs bound", "bubble fraction")):
+    axes[0].axhline(bound, color="gray", ls="--", label="steady-state rate")
+    for ax, title in zip(axes, ("rollout throughput (tokens/s)", "efficiency vs the bound of the step's work", "bubble fraction")):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.legend(fontsize=8)

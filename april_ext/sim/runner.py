@@ -47,7 +47,7 @@ MODE_SETTINGS = ("refill", "over_sampling")
     "max_inflight_samples": "APRIL modes: cap on samples dispatched to the engines at once; None: no cap. With a "
                             "large N' it holds the engines at a target load.",
     "target_inflight_samples": "april-adaptive: samples the scheduler keeps live; None: the engines' capacity "
-                               "(replicas x B_sat of the full-occupancy bound)."})
+                               "(replicas x B_sat of the steady-state rate)."})
 class SimConfig:
     """One simulated run. ``cluster`` is a preset name (see CLUSTER_PRESETS) or a ClusterConfig; ``lengths``
     a length preset name (see LENGTH_PRESETS), a .csv / .jsonl trace path, or a LengthModel. The scheduler's
@@ -65,7 +65,17 @@ class SimConfig:
     to a preset and, when True, to a given ClusterConfig's cost model too."""
     chunked_prefill_size: int = 8192
     """Prefill tokens per mixed iteration at most (with mixed_chunk)."""
+    tensor_parallel: int = 1
+    """GPUs per engine (a preset's engines are tensor-parallel over this many GPUs)."""
+    mem_fraction_static: float | None = None
+    """SGLang's share of each GPU's memory for weights + KV pool (a preset); None: the GPU's default."""
+    abort_latency_s: float = 0.0
+    """Virtual seconds an abort call takes (a preset; a given ClusterConfig carries its own)."""
+    weight_sync_s: float = 0.0
+    """Virtual seconds a weight update takes, outside the rollout window (a preset; a ClusterConfig has its own)."""
     steps: int = 6
+    warmup_steps: int = 1
+    """Steps left out of the run summaries (the buffer and the running mix start empty)."""
     prompt_len: int = 256
     dataset_size: int = 100_000
     seed: int = 0
@@ -78,10 +88,17 @@ class SimConfig:
             raise ConfigError(f"SimConfig.algorithm={self.algorithm!r} is not allowed: one of {ALGORITHMS}")
         if not isinstance(self.mixed_chunk, bool):
             raise ConfigError(f"SimConfig.mixed_chunk={self.mixed_chunk!r} is not allowed: True or False")
-        for name in ("steps", "num_engines", "prompt_len", "dataset_size", "chunked_prefill_size"):
+        for name in ("steps", "num_engines", "prompt_len", "dataset_size", "chunked_prefill_size", "tensor_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"SimConfig.{name}={value!r} is not allowed: an int >= 1")
+        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps < self.steps:
+            raise ConfigError(f"SimConfig.warmup_steps={self.warmup_steps!r} is not allowed: an int in "
+                              f"[0, steps = {self.steps})")
+        for name in ("abort_latency_s", "weight_sync_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
+                raise ConfigError(f"SimConfig.{name}={value!r} is not allowed: a finite number >= 0")
         shared = self._shared_scheduler_config()
         if self.target_inflight_samples is not None:  # checked as april-adaptive uses it (other modes do not)
             replace(shared, over_sampling="adaptive", target_inflight_samples=self.target_inflight_samples)
@@ -98,8 +115,10 @@ class SimConfig:
 
     def scheduler_config(self, engine_capacity: int | None = None) -> SchedulerConfig:
         """APRIL as configured; the baseline is what slime does without partial rollout: GRPO launches N
-        groups and waits for all of them; DAPO's dynamic sampling launches N' groups, stops once N pass the
-        filter and throws the unfinished and surplus groups away (max_staleness 0 with the drop policy).
+        groups and waits for all of them; DAPO's dynamic sampling keeps slime's default N' = N, launches more
+        groups whenever fewer than N are in flight or accepted (continuous refill with nothing to over-sample:
+        the groups still needed), stops once N pass the filter and throws the unfinished and surplus groups
+        away (max_staleness 0 with the drop policy).
         april-adaptive is continuous refill with adaptive over-sampling, its target target_inflight_samples
         or else ``engine_capacity`` (samples the engines run at once)."""
         adaptive = self.mode == "april-adaptive"
@@ -114,7 +133,8 @@ class SimConfig:
             over_sampling="adaptive" if adaptive else "fixed",
             target_inflight_samples=target if adaptive else None)
         if self.mode == "baseline" and self.algorithm == "dapo":
-            return replace(base, max_staleness=0, staleness_policy="drop")
+            return replace(base, over_sampling_batch_size=self.rollout_batch_size, refill="continuous",
+                           max_staleness=0, staleness_policy="drop")
         return scheduler_config_for(base, partial_rollout=self.mode != "baseline")
 
     def cluster_config(self) -> ClusterConfig:
@@ -124,7 +144,9 @@ class SimConfig:
             cost = replace(self.cluster.cost, mixed_chunk=True, chunked_prefill_size=self.chunked_prefill_size)
             return replace(self.cluster, cost=cost)
         return cluster_preset(self.cluster, num_engines=self.num_engines, mixed_chunk=self.mixed_chunk,
-                              chunked_prefill_size=self.chunked_prefill_size)
+                              chunked_prefill_size=self.chunked_prefill_size, tensor_parallel=self.tensor_parallel,
+                              mem_fraction_static=self.mem_fraction_static, abort_latency_s=self.abort_latency_s,
+                              weight_sync_s=self.weight_sync_s)
 
     @property
     def bound_version(self) -> int:
@@ -132,7 +154,7 @@ class SimConfig:
         return (self.steps - 1) // 2
 
     def occupancy_bound(self) -> OccupancyBound:
-        """The full-occupancy bound of this cluster and length model (see full_occupancy_bound)."""
+        """The steady-state rate of this cluster and length model (see full_occupancy_bound): B_sat and a reference."""
         return full_occupancy_bound(self.cluster_config(), self.length_model(), self.max_response_len,
                                     self.prompt_len, self.bound_version)
 
@@ -165,18 +187,21 @@ def _weighted(values: list[float], weights: list[float]) -> float:
     return float(np.dot(values, weights) / total) if total > 0 else 0.0
 
 
-def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBound) -> dict[str, float]:
-    """Run-level figures over the steady steps (all but the first, whose buffer starts empty).
+def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBound,
+               warmup_steps: int = 1) -> dict[str, float]:
+    """Run-level figures over the steps after the warm-up (the first steps, whose buffer starts empty).
 
-    Every figure is a ratio of sums over those steps, as the throughput is: efficiency is the run's
-    throughput over the bound, time fractions are weighted by step duration, token ratios by trained
-    tokens. (A plain mean of per-step ratios would let a short step count as much as a long one, and
-    efficiency x bound would not be the reported throughput.)
+    Every figure is a ratio of sums over those steps, as the throughput is: efficiency is the least time of
+    their work over their rollout time (so the run's throughput over the run's bound), time fractions are
+    weighted by step duration, token ratios by trained tokens. (A plain mean of per-step ratios would let a
+    short step count as much as a long one.) The largest staleness is over all steps.
     """
-    steady = steps[1:] if len(steps) > 1 else steps
+    steady = steps[warmup_steps:] if len(steps) > warmup_steps else steps
     seconds = sum(s.rollout_s for s in steady)
     tokens = sum(s.generated_tokens for s in steady)
     discarded = sum(s.discarded_tokens for s in steady)
+    least = sum(s.least_time_s for s in steady)
+    ceiling = sum(s.ceiling_time_s for s in steady)
     trained = np.concatenate([np.asarray(s.response_lens, np.int64) for s in steps])
     bias = length_bias(trained, natural)
     durations = [s.rollout_s for s in steady]
@@ -185,7 +210,11 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
     return {
         "tokens_per_s": tokens_per_s,
         "useful_tokens_per_s": (tokens - discarded) / seconds if seconds > 0 else 0.0,
-        "efficiency": tokens_per_s / bound.tokens_per_s if bound.tokens_per_s > 0 else 0.0,
+        "efficiency": least / seconds if seconds > 0 else 0.0,
+        "ceiling_efficiency": ceiling / seconds if seconds > 0 else 0.0,
+        "bound_tokens_per_s": tokens / least if least > 0 else 0.0,
+        "ceiling_tokens_per_s": tokens / ceiling if ceiling > 0 else 0.0,
+        "steady_state_efficiency": tokens_per_s / bound.tokens_per_s if bound.tokens_per_s > 0 else 0.0,
         "bubble_fraction": _weighted([s.bubble_fraction for s in steady], durations),
         "partial_token_ratio": _weighted([s.partial_token_ratio for s in steady], batch_tokens),
         "offpolicy_token_ratio": _weighted([s.offpolicy_token_ratio for s in steady], batch_tokens),
@@ -220,11 +249,11 @@ async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None)
             before = engine.counters()
             result = await loop.run_step(step)
             after = engine.counters()
-            reports.append(step_report(step, result.metrics, after.minus(before), bound, natural))
+            reports.append(step_report(step, result.metrics, after.minus(before), bound, natural, cluster.cost))
             await engine.update_weights({}, step + 1)
         await loop.drain_rewards()
     out = SimResult(config, bound, reports, float(natural.mean()))
-    out.summary = _summarize(reports, natural, bound)
+    out.summary = _summarize(reports, natural, bound, config.warmup_steps)
     out.wall_seconds = time.perf_counter() - started
     return out
 
