@@ -66,6 +66,10 @@ def test_slime_names_that_are_our_names_mean_slimes_setting():
     assert algorithm_config(_config("--eps-clip", "0.1")).eps_high == 0.1
     assert algorithm_config(_config("--algorithm", "dapo")).eps_high == 0.28
     assert trainer_config(_config("--rollout-top-k", "5")).top_k == 5
+    # slime's --micro-batch-size counts samples per forward/backward; our token budget applies as well.
+    micro = trainer_config(_config("--micro-batch-size", "2"))
+    assert (micro.micro_batch_size, micro.micro_batch_tokens) == (2, 8192)
+    assert trainer_config(_config()).micro_batch_size is None
 
 
 def test_tokenizer_defaults_to_the_checkpoint_as_in_slime():

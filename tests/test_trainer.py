@@ -30,6 +30,16 @@ def test_split_by_token_budget():
     assert split_by_token_budget([3, 4, 2, 9, 1], 7) == [(0, 2), (2, 3), (3, 4), (4, 5)]
     assert split_by_token_budget([2, 2, 2], 100) == [(0, 3)]
     assert split_by_token_budget([], 5) == []
+    # A sample cap cuts runs the budget alone would keep together; the budget still applies.
+    assert split_by_token_budget([2, 2, 2, 2, 2], 100, max_samples=2) == [(0, 2), (2, 4), (4, 5)]
+    assert split_by_token_budget([3, 4, 2, 9, 1], 7, max_samples=1) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
+    assert split_by_token_budget([1, 1, 9, 1], 7, max_samples=3) == [(0, 2), (2, 3), (3, 4)]
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_micro_batch_size_is_validated(value):
+    with pytest.raises(ConfigError, match="micro_batch_size must be None or an integer >= 1"):
+        config(micro_batch_size=value)
 
 
 def test_train_step_updates_weights_and_version():
@@ -52,10 +62,11 @@ def test_batch_for_another_version_is_rejected():
         trainer.train_step(make_batch(trainer.model, 3))
 
 
-def test_micro_batching_matches_one_pass():
+@pytest.mark.parametrize("limits", [{"micro_batch_tokens": 16}, {"micro_batch_size": 1}, {"micro_batch_size": 3}])
+def test_micro_batching_matches_one_pass(limits):
     batch = make_batch(make_model(), 0)
     whole = TorchTrainer(make_model(), config(micro_batch_tokens=10_000))
-    pieces = TorchTrainer(make_model(), config(micro_batch_tokens=16))
+    pieces = TorchTrainer(make_model(), config(**limits))
     m_whole, m_pieces = whole.train_step(batch), pieces.train_step(batch)
     assert m_whole["loss"] == pytest.approx(m_pieces["loss"], abs=1e-6)
     assert m_whole["grad_norm"] == pytest.approx(m_pieces["grad_norm"], rel=1e-5)

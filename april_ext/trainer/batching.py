@@ -1,6 +1,6 @@
 """A TrainingBatch on the trainer's side: validated, moved to the device with its advantages and loss
 mask, and cut into minibatches (whole groups, one optimizer step each) and micro-batches (whole
-samples within a token budget, one forward / backward each)."""
+samples within a token budget and an optional sample count, one forward / backward each)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ from april_ext.batch import TrainingBatch
 from april_ext.errors import InvalidArgumentError
 
 
-def split_by_token_budget(lengths: list[int], budget: int) -> list[tuple[int, int]]:
-    """Consecutive [start, end) runs of samples whose total length fits the budget; a sample longer than
-    the budget forms a run of its own."""
+def split_by_token_budget(lengths: list[int], budget: int,
+                          max_samples: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive [start, end) runs of samples whose total length fits the budget and, when max_samples
+    is given, of at most that many samples; a sample longer than the budget forms a run of its own."""
     runs: list[tuple[int, int]] = []
     start, used = 0, 0
     for i, n in enumerate(lengths):
-        if i > start and used + n > budget:
+        if i > start and (used + n > budget or (max_samples is not None and i - start >= max_samples)):
             runs.append((start, i))
             start, used = i, 0
         used += n

@@ -19,6 +19,8 @@ class TrainerConfig:
     """Optimisation settings of the torch trainer.
 
     micro_batch_tokens: token budget of one forward/backward (whole samples; a longer sample runs alone).
+    micro_batch_size: None, or at most this many samples in one forward/backward besides the token budget
+        (slime's --micro-batch-size). Micro-batching changes memory and speed, not the update.
     minibatches: optimizer steps per batch; the batch's groups are split into this many consecutive
         parts, and the PPO clip compares against the logprobs of the weights before the first step.
     mixed_precision: "auto" (bf16 autocast on CUDA / ROCm, fp32 on CPU), "bf16" or "fp32".
@@ -43,6 +45,7 @@ class TrainerConfig:
     adam_eps: float = 1e-8
     grad_clip: float | None = 1.0
     micro_batch_tokens: int = 8192
+    micro_batch_size: int | None = None
     minibatches: int = 1
     mixed_precision: str = "auto"
     device: str | None = None
@@ -76,6 +79,11 @@ class TrainerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"TrainerConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int)
+                                                  or isinstance(self.micro_batch_size, bool)
+                                                  or self.micro_batch_size < 1):
+            raise ConfigError(f"TrainerConfig.micro_batch_size must be None or an integer >= 1, "
+                              f"got {self.micro_batch_size!r}")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ConfigError(f"TrainerConfig.mixed_precision must be one of {MIXED_PRECISION}, "
                               f"got {self.mixed_precision!r}")

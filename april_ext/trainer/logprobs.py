@@ -35,6 +35,7 @@ class PolicyLogprobs:
         self.autocast = use_bf16_autocast(config.mixed_precision, device)
         self.temperature = config.temperature
         self.micro_batch_tokens = config.micro_batch_tokens
+        self.micro_batch_size = config.micro_batch_size
         # The rollouts' top-k / top-p, as the engine's sampler takes them; None when neither filters.
         self.filters = (SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k)
                         if config.temperature > 0 and (config.top_k > 0 or config.top_p < 1) else None)
@@ -64,7 +65,7 @@ class PolicyLogprobs:
     def no_grad(self, model: LlamaForCausalLM, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """pi_train of every token of a packed batch, micro-batch by micro-batch, without gradient."""
         pieces = []
-        for a, b in split_by_token_budget(offsets.diff().tolist(), self.micro_batch_tokens):
+        for a, b in split_by_token_budget(offsets.diff().tolist(), self.micro_batch_tokens, self.micro_batch_size):
             u0, u1 = int(offsets[a]), int(offsets[b])
             pieces.append(self(model, tokens[u0:u1], offsets[a:b + 1] - offsets[a])[0])
         return torch.cat(pieces)

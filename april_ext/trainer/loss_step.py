@@ -24,6 +24,7 @@ class LossStep:
     logprobs: PolicyLogprobs
     algorithm: AlgorithmConfig
     micro_batch_tokens: int
+    micro_batch_size: int | None = None
 
     def accumulate_gradients(self, inputs: StepInputs, s0: int, s1: int, old_logprobs: torch.Tensor | None,
                              sums: dict[str, float]) -> None:
@@ -33,7 +34,8 @@ class LossStep:
         t0, t1 = int(offsets[s0]), int(offsets[s1])
         weights = aggregation_weights(inputs.mask[t0:t1], seq_index[t0:t1] - s0, s1 - s0,
                                       self.algorithm.aggregation)
-        for a, b in split_by_token_budget(offsets[s0:s1 + 1].diff().tolist(), self.micro_batch_tokens):
+        for a, b in split_by_token_budget(offsets[s0:s1 + 1].diff().tolist(), self.micro_batch_tokens,
+                                          self.micro_batch_size):
             a, b = a + s0, b + s0
             self._micro_batch(inputs, a, b, weights[int(offsets[a]) - t0:int(offsets[b]) - t0], old_logprobs, sums)
 

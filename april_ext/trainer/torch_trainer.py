@@ -57,7 +57,7 @@ class TorchTrainer:
         if self.config.algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self._loss = LossStep(self.model, self.ref_model, self.logprobs, self.config.algorithm,
-                              self.config.micro_batch_tokens)
+                              self.config.micro_batch_tokens, self.config.micro_batch_size)
         self._version = int(initial_version)
         self.step = 0
         self.offloaded = False

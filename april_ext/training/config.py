@@ -141,6 +141,9 @@ class TrainConfig:
     rollout_batch_size * n_samples_per_prompt); None: the whole batch, one optimizer step per rollout."""
     micro_batch_tokens: int = 8192
     """Trainer: token budget of one forward/backward."""
+    micro_batch_size: int | None = None
+    """Trainer: at most this many samples in one forward/backward besides the token budget (slime's
+    --micro-batch-size); None: the token budget alone."""
     num_steps: int = 20
     """Training steps of the run (a resumed run counts its earlier steps)."""
     seed: int = 0
@@ -229,6 +232,8 @@ class TrainConfig:
         for name in ("seed", "save_interval", "eval_interval"):
             if getattr(self, name) < 0:
                 _bad(name, getattr(self, name), "an int >= 0")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            _bad("micro_batch_size", self.micro_batch_size, "None or an int >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             _bad("num_threads", self.num_threads, "None or an int >= 1")
         for name, allowed in (("algorithm", ALGORITHMS), ("engine", ENGINES), ("trainer", TRAINERS),

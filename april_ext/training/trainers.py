@@ -42,6 +42,7 @@ def trainer_config(config: TrainConfig, memory_tag_prefix: str = "") -> TrainerC
     """The optimisation settings every kind of trainer shares; pi_train follows the rollouts' sampling."""
     return TrainerConfig(
         algorithm=algorithm_config(config), lr=config.lr, micro_batch_tokens=config.micro_batch_tokens,
+        micro_batch_size=config.micro_batch_size,
         minibatches=config.minibatches, device=config.device, temperature=config.temperature, top_k=config.top_k,
         top_p=config.top_p, colocated=config.colocate,
         memory_tag=memory_tag_prefix + "trainer")

@@ -251,7 +251,8 @@ class DistributedMegatronTrainer:
         offsets = inputs.offsets
         multiple = self.config.parallel.tensor_model_parallel_size if self.config.parallel.sequence_parallel else 1
         out = []
-        for u, v in split_by_token_budget(offsets[a:b + 1].diff().tolist(), self.settings.micro_batch_tokens):
+        for u, v in split_by_token_budget(offsets[a:b + 1].diff().tolist(), self.settings.micro_batch_tokens,
+                                          self.settings.micro_batch_size):
             u, v = u + a, v + a
             t0, t1 = int(offsets[u]), int(offsets[v])
             out.append(_MicroBatch(index=len(out), a=u, b=v, t0=t0, t1=t1,
