@@ -65,12 +65,14 @@ class TorchTrainer:
                 raise ConfigError("TrainerConfig.colocated is not supported with data parallel (a world of "
                                   f"{self.dp_size} ranks): DistributedDataParallel's gradient buckets live "
                                   "outside the trainer's memory tag")
+            device_ids = None
+            if self.device.type == "cuda":
+                # "cuda" without an index is the rank's GPU (distributed.initialize sets it from LOCAL_RANK).
+                device_ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()]
             # Broadcasts rank 0's weights. Buffers (rotary tables) are computed alike on every rank, and
             # broadcasting them in each forward would pair collectives of ranks with different numbers of
             # micro-batches.
-            self._ddp = DistributedDataParallel(
-                self.model, device_ids=[self.device.index or 0] if self.device.type == "cuda" else None,
-                broadcast_buffers=False)
+            self._ddp = DistributedDataParallel(self.model, device_ids=device_ids, broadcast_buffers=False)
         self.logprobs = PolicyLogprobs(self.config, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
