@@ -1,8 +1,15 @@
 """The loss of one minibatch, micro-batch by micro-batch: forward, policy loss, backward (gradients
-accumulate), and the metrics a train_step reports."""
+accumulate), and the metrics a train_step reports.
+
+Data parallel (dp_size > 1, ``model`` wrapped in DistributedDataParallel): data-parallel rank r trains the
+r-th of dp_size consecutive slices of each minibatch. Its loss is its slice's share of the minibatch loss
+(aggregation weights over the whole minibatch) times dp_size, and DDP averages the gradients over the
+ranks, so the update equals one process training the whole minibatch (DistributedMegatronTrainer's
+convention). Gradients are reduced once per minibatch, after its last micro-batch."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -11,33 +18,44 @@ from april_ext.algorithms import AlgorithmConfig, PolicyLossInputs, aggregation_
 from april_ext.batch import TrainingBatch
 from april_ext.model import LlamaForCausalLM
 from april_ext.trainer.batching import StepInputs, split_by_token_budget
+from april_ext.trainer.distributed import rank_slice
 from april_ext.trainer.logprobs import PolicyLogprobs
 
 
 @dataclass(frozen=True)
 class LossStep:
-    """What a minibatch's backward needs: the policy, the frozen KL reference (None without KL), how
-    pi_train is computed, the objective and the micro-batch token budget."""
+    """What a minibatch's backward needs: the policy (its DistributedDataParallel wrapper when
+    dp_size > 1), the frozen KL reference (None without KL), how pi_train is computed, the objective, the
+    micro-batch token budget and this process's data-parallel rank and size."""
 
-    model: LlamaForCausalLM
+    model: torch.nn.Module
     ref_model: LlamaForCausalLM | None
     logprobs: PolicyLogprobs
     algorithm: AlgorithmConfig
     micro_batch_tokens: int
     micro_batch_size: int | None = None
+    dp_rank: int = 0
+    dp_size: int = 1
 
     def accumulate_gradients(self, inputs: StepInputs, s0: int, s1: int, old_logprobs: torch.Tensor | None,
                              sums: dict[str, float]) -> None:
-        """Forward and backward of samples [s0, s1) in micro-batches; adds their metrics to ``sums``.
-        The aggregation weights cover the whole minibatch, so the micro-batches' losses add up to its loss."""
+        """Forward and backward of this rank's slice of samples [s0, s1) in micro-batches; adds their
+        metrics to ``sums``. The aggregation weights cover the whole minibatch, so the micro-batches' losses
+        (of all ranks) add up to its loss."""
         offsets, seq_index = inputs.offsets, inputs.seq_index
         t0, t1 = int(offsets[s0]), int(offsets[s1])
         weights = aggregation_weights(inputs.mask[t0:t1], seq_index[t0:t1] - s0, s1 - s0,
                                       self.algorithm.aggregation)
-        for a, b in split_by_token_budget(offsets[s0:s1 + 1].diff().tolist(), self.micro_batch_tokens,
-                                          self.micro_batch_size):
-            a, b = a + s0, b + s0
-            self._micro_batch(inputs, a, b, weights[int(offsets[a]) - t0:int(offsets[b]) - t0], old_logprobs, sums)
+        m0, m1 = rank_slice(s0, s1, self.dp_rank, self.dp_size)
+        runs = split_by_token_budget(offsets[m0:m1 + 1].diff().tolist(), self.micro_batch_tokens,
+                                     self.micro_batch_size)
+        for i, (a, b) in enumerate(runs):
+            a, b = a + m0, b + m0
+            # Ranks may run different numbers of micro-batches: only the last backward reduces gradients.
+            defer = self.dp_size > 1 and i < len(runs) - 1
+            with self.model.no_sync() if defer else contextlib.nullcontext():  # type: ignore[operator]
+                self._micro_batch(inputs, a, b, weights[int(offsets[a]) - t0:int(offsets[b]) - t0], old_logprobs,
+                                  sums)
 
     def _micro_batch(self, inputs: StepInputs, a: int, b: int, weights: torch.Tensor,
                      old_logprobs: torch.Tensor | None, sums: dict[str, float]) -> None:
@@ -54,7 +72,7 @@ class LossStep:
             behavior_logprobs=inputs.behavior[u0:u1], advantages=inputs.token_advantages[u0:u1],
             mask=inputs.mask[u0:u1], weights=weights, seq_index=inputs.seq_index[u0:u1] - a, n_seqs=b - a,
             ref_logprobs=ref))
-        out.loss.backward()
+        (out.loss * self.dp_size).backward()
         _accumulate(sums, "loss", float(out.loss.detach()))
         _accumulate(sums, "entropy", float((weights * entropy).sum()))
         for name, value in out.metrics.items():

@@ -1,5 +1,6 @@
 """TorchTrainer: the embedded trainer. Same model code as the embedded engine, AdamW, micro-batching by
-token budget, gradient clipping, bf16 autocast on GPUs, atomic checkpoints.
+token budget, gradient clipping, bf16 autocast on GPUs, atomic checkpoints, data parallel across the ranks
+of a torchrun launch (trainer.distributed.initialize, then DistributedDataParallel).
 
 The pieces live beside it: the config (trainer.config), the batch on the device and its splits
 (trainer.batching), pi_train (trainer.logprobs), the minibatch loss and metrics (trainer.loss_step),
@@ -16,13 +17,15 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from april_ext.batch import TrainingBatch
-from april_ext.errors import InvalidStateError
+from april_ext.errors import ConfigError, InvalidStateError
 from april_ext.model import LlamaForCausalLM, iter_safetensors, save_pretrained
 from april_ext.model.checkpoint import iter_safetensors_file, save_safetensors
 from april_ext.protocol.trainer import ExportedWeights
-from april_ext.trainer import checkpoint, colocation
+from april_ext.trainer import checkpoint, colocation, distributed
 from april_ext.trainer.batching import minibatch_bounds, prepare_inputs, validate_batch
 from april_ext.trainer.config import TrainerConfig
 from april_ext.trainer.logprobs import PolicyLogprobs
@@ -36,6 +39,12 @@ class TorchTrainer:
 
     The reference policy for the KL term (kl_coef > 0) is a frozen copy of the model at construction.
     ``version`` starts at ``initial_version`` and grows by one per ``train_step``.
+
+    In a process group of more than one rank (trainer.distributed.initialize under torchrun) the trainer
+    is data parallel: every rank constructs it (rank 0's weights are broadcast to the others), gets the
+    same TrainingBatches and calls each method in the same order; each rank trains its slice of every
+    minibatch (trainer.loss_step) and the update equals one process training the whole batch. Metrics and
+    exported weights are the same on every rank; rank 0 alone writes checkpoints, every rank loads them.
     """
 
     # Saved in the trainer state; a checkpoint loads only into a trainer of the same format (the
@@ -49,6 +58,21 @@ class TorchTrainer:
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.model.train()
+        self.dp_rank, self.dp_size = distributed.world()
+        self._ddp: DistributedDataParallel | None = None
+        if self.dp_size > 1:
+            if self.config.colocated:
+                raise ConfigError("TrainerConfig.colocated is not supported with data parallel (a world of "
+                                  f"{self.dp_size} ranks): DistributedDataParallel's gradient buckets live "
+                                  "outside the trainer's memory tag")
+            device_ids = None
+            if self.device.type == "cuda":
+                # "cuda" without an index is the rank's GPU (distributed.initialize sets it from LOCAL_RANK).
+                device_ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+            # Broadcasts rank 0's weights. Buffers (rotary tables) are computed alike on every rank, and
+            # broadcasting them in each forward would pair collectives of ranks with different numbers of
+            # micro-batches.
+            self._ddp = DistributedDataParallel(self.model, device_ids=device_ids, broadcast_buffers=False)
         self.logprobs = PolicyLogprobs(self.config, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
@@ -56,8 +80,9 @@ class TorchTrainer:
         self.ref_model: LlamaForCausalLM | None = None
         if self.config.algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self._loss = LossStep(self.model, self.ref_model, self.logprobs, self.config.algorithm,
-                              self.config.micro_batch_tokens, self.config.micro_batch_size)
+        self._loss = LossStep(self._ddp or self.model, self.ref_model, self.logprobs, self.config.algorithm,
+                              self.config.micro_batch_tokens, self.config.micro_batch_size, self.dp_rank,
+                              self.dp_size)
         self._version = int(initial_version)
         self.step = 0
         self.offloaded = False
@@ -94,6 +119,8 @@ class TorchTrainer:
             self.optimizer.zero_grad(set_to_none=False)
             if self.config.colocated and not self._optimizer_in_region:
                 self._move_optimizer_state()
+        if self.dp_size > 1:
+            sums = distributed.sum_across_ranks(sums)
         self._version += 1
         self.step += 1
         return step_metrics(batch, inputs, sums, grad_norms, self.config.lr, self._version,
@@ -123,6 +150,13 @@ class TorchTrainer:
         strings, bytes, lists, tuples and dicts."""
         self._require_onloaded("save_checkpoint")
         checkpoint.check_extra(extra or {}, "extra")
+        # Weights and optimizer state are the same on every rank.
+        if self.dp_rank == 0:
+            self._write_checkpoint(path, extra)
+        if self.dp_size > 1:
+            dist.barrier()
+
+    def _write_checkpoint(self, path: str | os.PathLike[str], extra: dict[str, Any] | None) -> None:
         checkpoint.write_checkpoint(path, self._save_weights, {
             "format": self.checkpoint_format,
             "version": self._version,

@@ -1,32 +1,25 @@
 """Process groups for megatron-core: ``torch.distributed`` plus
 ``parallel_state.initialize_model_parallel``, from one ``MegatronParallelConfig``.
 
-Under ``torchrun`` (WORLD_SIZE, RANK, MASTER_ADDR / MASTER_PORT in the environment) every rank calls
-``initialize``; the data-parallel size is what the world leaves after tensor x pipeline x context
-parallel. A process started on its own gets a world of one through a FileStore in a temporary directory,
-so no port is taken. Backend: nccl with a GPU, gloo on a CPU. Every collective has the config's timeout,
-so a rank that dies makes the others fail instead of waiting forever.
+Under ``torchrun`` every rank calls ``initialize``; the data-parallel size is what the world leaves after
+tensor x pipeline x context parallel. The process group is trainer.distributed's (torchrun's environment
+or a world of one; nccl with a GPU, gloo on a CPU; every collective has the config's timeout, so a rank
+that dies makes the others fail instead of waiting forever).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import tempfile
 import threading
 from dataclasses import dataclass
-from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from april_ext.errors import ConfigError, InvalidStateError
+from april_ext.trainer import distributed
 from april_ext.trainer.megatron import compat
 
 _lock = threading.Lock()
-_owned_dir: str | None = None
-_owns_process_group = False
 _owns_model_parallel = False
 
 
@@ -89,35 +82,19 @@ class MegatronParallelConfig:
         return dp
 
 
-def launched_by_torchrun() -> bool:
-    """Whether this process is one rank of a multi-process launch (torchrun's environment)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def initialize(config: MegatronParallelConfig | None = None, seed: int = 0) -> None:
     """Makes megatron-core usable in this process with ``config`` (default: everything 1). Reuses a
     process group and model-parallel state that someone else set up (their sizes must equal
     ``config``'s); otherwise creates them and remembers to tear them down in ``shutdown``."""
-    global _owned_dir, _owns_process_group, _owns_model_parallel
+    global _owns_model_parallel
     config = config or MegatronParallelConfig()
     if not isinstance(config, MegatronParallelConfig):
         raise ConfigError(f"config must be a MegatronParallelConfig, got {type(config).__name__}")
     compat.apply_cpu_patches()
     from megatron.core import parallel_state, tensor_parallel
 
-    timeout = timedelta(seconds=config.timeout_s)
     with _lock:
-        if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if launched_by_torchrun():
-                if backend == "nccl":
-                    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-                dist.init_process_group(backend, init_method="env://", timeout=timeout)
-            else:
-                _owned_dir = tempfile.mkdtemp(prefix="april_ext_megatron_pg-")
-                store = dist.FileStore(os.path.join(_owned_dir, "store"), 1)
-                dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-            _owns_process_group = True
+        distributed.initialize(config.timeout_s)
         config.data_parallel_size(dist.get_world_size())
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
@@ -145,16 +122,11 @@ def initialize(config: MegatronParallelConfig | None = None, seed: int = 0) -> N
 
 def shutdown() -> None:
     """Destroys the model-parallel state and the process group, each only if ``initialize`` created it."""
-    global _owned_dir, _owns_process_group, _owns_model_parallel
+    global _owns_model_parallel
     with _lock:
         if _owns_model_parallel:
             from megatron.core import parallel_state
 
             parallel_state.destroy_model_parallel()
             _owns_model_parallel = False
-        if _owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
-        if _owned_dir is not None:
-            shutil.rmtree(_owned_dir, ignore_errors=True)
-        _owned_dir = None
-        _owns_process_group = False
+        distributed.shutdown()
