@@ -88,13 +88,31 @@ def _remove(path: str) -> None:
             os.remove(path)
 
 
+@contextlib.contextmanager
+def _removed_on_error(temp: str, what: str, wrapped: type[Exception]) -> Iterator[None]:
+    """Removes the temporary ``temp`` when the block raises; an exception of class ``wrapped`` (but an
+    AprilError) becomes PersistenceError "<what> failed: <cause>", chained."""
+    try:
+        yield
+    except AprilError:
+        _remove(temp)
+        raise
+    except wrapped as err:
+        _remove(temp)
+        cause = _os_cause(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+        raise PersistenceError(f"{what} failed: {cause}") from err
+    except BaseException:
+        _remove(temp)
+        raise
+
+
 def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
     """Replaces ``path`` by what ``write(temp_path)`` writes into a fresh temporary file beside it (for
     serializers that take a path: safetensors, torch.save). An exception of the callback other than an
     AprilError becomes PersistenceError (serializers report a full disk as RuntimeError), chained."""
     final = os.path.abspath(os.fspath(path))
     temp = _temp_name(final)
-    try:
+    with _removed_on_error(temp, f"writing {final!r}", Exception):
         # O_EXCL with mode 0o666: the kernel applies the umask, and no other writer shares this file.
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
@@ -106,16 +124,6 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
         os.chmod(temp, mode)
         _fsync_file(temp)
         os.replace(temp, final)
-    except AprilError:
-        _remove(temp)
-        raise
-    except Exception as err:
-        _remove(temp)
-        cause = _os_cause(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
-        raise PersistenceError(f"writing {final!r} failed: {cause}") from err
-    except BaseException:
-        _remove(temp)
-        raise
     fsync_dir(os.path.dirname(final))
 
 
@@ -164,7 +172,7 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[str]:
         os.mkdir(temp, 0o777)
     except OSError as err:
         raise PersistenceError(f"cannot create a temporary directory for {final!r}: {err}") from None
-    try:
+    with _removed_on_error(temp, f"writing directory {final!r}", OSError):
         yield temp
         _fsync_tree(temp)
         if os.path.lexists(final):
@@ -178,15 +186,6 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[str]:
             _remove(old)
         else:
             os.rename(temp, final)
-    except AprilError:
-        _remove(temp)
-        raise
-    except OSError as err:
-        _remove(temp)
-        raise PersistenceError(f"writing directory {final!r} failed: {_os_cause(err)}") from err
-    except BaseException:
-        _remove(temp)
-        raise
     fsync_dir(os.path.dirname(final))
 
 

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-
 from _engine_utils import engine, tiny_model
-from april_ext.model import LlamaForCausalLM
-from april_ext.server import ServerConfig, ServerThread
 
+from april_ext.model import LlamaForCausalLM, save_pretrained
+from april_ext.server import ServerConfig, ServerThread
+from april_ext.tasks import CountingTask, CountingTaskConfig
 
 _servers = itertools.count()
 
@@ -86,3 +86,12 @@ async def wait_for(predicate: Any, timeout: float = 30.0) -> None:
         if loop.time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.01)
+
+
+def counting_checkpoint(path) -> str:
+    """A tiny counting-task model saved as an HF checkpoint: what an external server serves."""
+    task = CountingTask(CountingTaskConfig(n_symbols=2, max_count=12, median_count=3.0, sigma=0.8, seed=0))
+    model = LlamaForCausalLM(task.model_config(hidden_size=16, intermediate_size=48, num_hidden_layers=1))
+    model.init_weights(5)
+    save_pretrained(model, path)
+    return str(path)

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
 
 import torch.distributed as dist  # noqa: E402
-from _torch_threads import one_torch_thread  # noqa: E402
+from _megatron_runtime import megatron_runtime  # noqa: E402, F401 - the module's runtime (autouse)
 from _trainer_utils import make_batch, make_model  # noqa: E402
 
 from april_ext.algorithms import AlgorithmConfig  # noqa: E402
@@ -56,16 +56,6 @@ MODELS = {
     "tied_mqa": ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_runtime():
-    with one_torch_thread():
-        assert not dist.is_initialized()
-        parallel.initialize(seed=0)
-        yield
-        parallel.shutdown()
-    assert not dist.is_initialized()
 
 
 def random_model(config: ModelConfig, seed: int) -> LlamaForCausalLM:

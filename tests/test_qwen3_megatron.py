@@ -13,14 +13,13 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
 transformers = pytest.importorskip("transformers")
 
-import torch.distributed as dist  # noqa: E402
-from _torch_threads import one_torch_thread  # noqa: E402
+from _megatron_runtime import megatron_runtime  # noqa: E402, F401 - the module's runtime (autouse)
 from _trainer_utils import TASK, make_batch  # noqa: E402
 
 from april_ext.algorithms import AlgorithmConfig  # noqa: E402
 from april_ext.model import LlamaForCausalLM, ModelConfig, iter_safetensors  # noqa: E402
 from april_ext.trainer import TorchTrainer, TrainerConfig  # noqa: E402
-from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, parallel  # noqa: E402
+from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig  # noqa: E402
 from april_ext.trainer.megatron.model import MegatronCausalLM, transformer_config  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -36,16 +35,6 @@ MODELS = {
     # Raw top-k probabilities, and layer 1 dense by mlp_only_layers.
     "qwen3_moe_raw_topk_mixed": ModelConfig(**BASE, **MOE, norm_topk_prob=False, mlp_only_layers=(1,)),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_runtime():
-    with one_torch_thread():
-        assert not dist.is_initialized()
-        parallel.initialize(seed=0)
-        yield
-        parallel.shutdown()
-    assert not dist.is_initialized()
 
 
 def transformers_checkpoint(config: ModelConfig, directory: str) -> torch.nn.Module:

@@ -19,14 +19,13 @@ from collections.abc import Iterator
 
 import pytest
 from _engine_utils import greedy_reference, tiny_model
-from _sglang_utils import live_server
+from _sglang_utils import counting_checkpoint, live_server
 from _torch_threads import one_torch_thread
 
 from april_ext.batch import FinishReason
-from april_ext.model import LlamaForCausalLM, load_pretrained, save_pretrained
+from april_ext.model import load_pretrained, save_pretrained
 from april_ext.protocol import SamplingParams
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig, free_port
-from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.training import TrainConfig, train
 
 pytestmark = [
@@ -150,16 +149,8 @@ async def _in_flight(engine: SGLangEngine, url: str) -> int:
     return int(info["internal_states"][0]["requests_in_flight"])
 
 
-def _counting_checkpoint(path) -> str:
-    task = CountingTask(CountingTaskConfig(n_symbols=2, max_count=12, median_count=3.0, sigma=0.8, seed=0))
-    model = LlamaForCausalLM(task.model_config(hidden_size=16, intermediate_size=48, num_hidden_layers=1))
-    model.init_weights(5)
-    save_pretrained(model, path)
-    return str(path)
-
-
 def test_an_april_training_run_through_the_router(tmp_path) -> None:
-    ckpt = _counting_checkpoint(tmp_path / "ckpt")
+    ckpt = counting_checkpoint(tmp_path / "ckpt")
     settings = {"counting_median": 3.0, "counting_sigma": 0.8, "counting_max_count": 12, "counting_symbols": 2,
                 "hidden_size": 16, "num_layers": 1, "rollout_batch_size": 2, "n_samples_per_prompt": 4,
                 "over_sampling_batch_size": 4, "max_num_seqs": 64, "num_blocks": 256, "lr": 0.003,

@@ -13,17 +13,16 @@ import urllib.request
 
 import pytest
 import torch
+from _sglang_utils import counting_checkpoint, live_server
+from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext import ConfigError, cli, memory
-from april_ext.model import LlamaForCausalLM, iter_safetensors, load_pretrained, save_pretrained
+from april_ext.model import LlamaForCausalLM, iter_safetensors, load_pretrained
 from april_ext.sglang import SGLangLaunchError
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.training import TrainConfig, TrainingRun, train
 from april_ext.training.command import config_from_args
 from april_ext.training.config import SCHEDULER_SETTINGS
-
-from _sglang_utils import live_server
-from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,17 +115,8 @@ def test_cli_train_launches_sglang_servers_and_syncs_weights_every_step(tmp_path
     assert all(torch.equal(relaunched[name], param.detach()) for name, param in final.named_parameters())
 
 
-def _counting_checkpoint(path) -> str:
-    """A tiny counting-task model saved as an HF checkpoint: what an external server serves."""
-    task = CountingTask(CountingTaskConfig(n_symbols=2, max_count=12, median_count=3.0, sigma=0.8, seed=0))
-    model = LlamaForCausalLM(task.model_config(hidden_size=16, intermediate_size=48, num_hidden_layers=1))
-    model.init_weights(5)
-    save_pretrained(model, path)
-    return str(path)
-
-
 def test_running_servers_get_the_initial_weights_and_each_new_version(tmp_path):
-    ckpt = _counting_checkpoint(tmp_path / "ckpt")
+    ckpt = counting_checkpoint(tmp_path / "ckpt")
     # A label left by an earlier run: the run must relabel the servers with its own version.
     with live_server(load_pretrained(ckpt), weight_version="17", block_size=16,
                      max_num_seqs=64) as server:
@@ -154,7 +144,7 @@ def test_megatron_trainer_with_the_embedded_engine(tmp_path):
 
 def test_megatron_trainer_colocated_with_an_sglang_server_releases_memory_in_turn(tmp_path):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
-    ckpt = _counting_checkpoint(tmp_path / "ckpt")
+    ckpt = counting_checkpoint(tmp_path / "ckpt")
     with live_server(load_pretrained(ckpt), memory_saver=True, block_size=16, max_num_seqs=64,
                      memory_tag_prefix="wiring-colocated-") as server:
         result = train(TrainConfig(**{**TINY, "num_steps": 2, "output_dir": str(tmp_path / "run"),

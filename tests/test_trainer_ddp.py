@@ -5,15 +5,13 @@ raises stops the launch; the one-process pieces (slices, init, refusals)."""
 from __future__ import annotations
 
 import copy
-import os
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from _torchrun import check_a_failing_rank_stops_every_rank
+from _torchrun import torchrun as launch
 from _trainer_utils import make_model
 from trainer_ddp_worker import batches, trainer_config
 
@@ -21,21 +19,13 @@ from april_ext.errors import ConfigError, InvalidArgumentError
 from april_ext.trainer import TorchTrainer, distributed
 
 WORKER = Path(__file__).with_name("trainer_ddp_worker.py")
-ROOT = WORKER.parent.parent
 LAUNCH_TIMEOUT_S = 120
 # Wall-clock and throughput differ between runs.
 UNTIMED = ("step_time_s", "tokens_per_s")
 
 
 def torchrun(nproc: int, out: Path, mode: str) -> subprocess.CompletedProcess[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-               f"--master-port={port}", str(WORKER), str(out), mode]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=ROOT,
-                          check=False)
+    return launch(WORKER, nproc, LAUNCH_TIMEOUT_S, str(out), mode)
 
 
 @pytest.mark.slow
@@ -67,11 +57,7 @@ def test_two_ranks_equal_one_process(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_failing_rank_stops_every_rank(tmp_path: Path) -> None:
-    start = time.monotonic()
-    proc = torchrun(2, tmp_path, "raise")
-    assert proc.returncode != 0
-    assert "rank 1 failed on purpose" in proc.stderr
-    assert time.monotonic() - start < LAUNCH_TIMEOUT_S / 2
+    check_a_failing_rank_stops_every_rank(WORKER, tmp_path, LAUNCH_TIMEOUT_S)
 
 
 def test_rank_slices_cover_the_minibatch_and_refuse_too_few_samples() -> None:

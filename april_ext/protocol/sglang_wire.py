@@ -18,7 +18,7 @@ from safetensors.torch import save as _save_safetensors
 
 from april_ext.batch import FinishReason
 from april_ext.errors import InvalidArgumentError
-from april_ext.protocol.memory_tags import MEMORY_TAGS
+from april_ext.protocol.memory_tags import MEMORY_TAGS, memory_tags
 from april_ext.protocol.sampling_params import MAX_SEED, SamplingParams
 
 # SGLang sampling fields the embedded engine maps onto SamplingParams (SGLang name -> our name).
@@ -461,10 +461,11 @@ def parse_memory_tags(body: Any, what: str) -> list[str] | None:
         return None
     if isinstance(tags, str) or not isinstance(tags, list):
         raise InvalidArgumentError(f"{what}: tags must be null or a list of {list(MEMORY_TAGS)}, got {tags!r}")
-    bad = [t for t in tags if t not in MEMORY_TAGS]
-    if bad:
-        raise InvalidArgumentError(f"{what}: unknown memory tags {bad} (allowed: {list(MEMORY_TAGS)})")
-    return [t for t in dict.fromkeys(tags) if t != "cuda_graph"]
+    try:
+        names = memory_tags(tags)
+    except InvalidArgumentError as err:
+        raise InvalidArgumentError(f"{what}: {err}") from None
+    return [t for t in names if t != "cuda_graph"]
 
 
 @dataclass(frozen=True)

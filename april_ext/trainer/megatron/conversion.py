@@ -120,6 +120,18 @@ def _mlp_to_hf(out: dict[str, torch.Tensor], take: _Source, mg: str, hf: str, *,
         out[hf + f"down_proj.{s}"] = take(mg + f"linear_fc2.{s}")
 
 
+def _renamed(config: ModelConfig, moe: bool) -> list[tuple[str, str]]:
+    """The tensors of one layer that only change name between the layouts, as (HF, Megatron) names under
+    the layer prefixes, in the order both directions write them."""
+    pairs = [(f"self_attn.o_proj.{s}", f"self_attention.linear_proj.{s}") for s in _suffixes(config.o_bias)]
+    if config.qk_norm:
+        pairs += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+                  ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight")]
+    if moe:
+        pairs.append(("mlp.gate.weight", "mlp.router.weight"))
+    return pairs
+
+
 def hf_to_megatron(weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                    config: ModelConfig, *, layout: str = "local") -> dict[str, torch.Tensor]:
     """HF-named tensors -> a GPTModel state dict (no ``_extra_state`` entries). Every parameter the config
@@ -144,13 +156,9 @@ def hf_to_megatron(weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, to
             out[m + f"self_attention.linear_qkv.{s}"] = fuse_qkv(
                 take(h + f"self_attn.q_proj.{s}"), take(h + f"self_attn.k_proj.{s}"),
                 take(h + f"self_attn.v_proj.{s}"), config)
-        for s in _suffixes(config.o_bias):
-            out[m + f"self_attention.linear_proj.{s}"] = take(h + f"self_attn.o_proj.{s}")
-        if config.qk_norm:
-            out[m + "self_attention.q_layernorm.weight"] = take(h + "self_attn.q_norm.weight")
-            out[m + "self_attention.k_layernorm.weight"] = take(h + "self_attn.k_norm.weight")
+        for hf_name, mg_name in _renamed(config, moe):
+            out[m + mg_name] = take(h + hf_name)
         if moe:
-            out[m + "mlp.router.weight"] = take(h + "mlp.gate.weight")
             for e in range(config.num_experts):
                 _mlp_to_megatron(out, take, h + f"mlp.experts.{e}.", m + f"mlp.experts.local_experts.{e}.",
                                  bias=False)
@@ -177,13 +185,9 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, *,
             q, k, v = split_qkv(take(m + f"self_attention.linear_qkv.{s}"), config)
             out[h + f"self_attn.q_proj.{s}"], out[h + f"self_attn.k_proj.{s}"] = q, k
             out[h + f"self_attn.v_proj.{s}"] = v
-        for s in _suffixes(config.o_bias):
-            out[h + f"self_attn.o_proj.{s}"] = take(m + f"self_attention.linear_proj.{s}")
-        if config.qk_norm:
-            out[h + "self_attn.q_norm.weight"] = take(m + "self_attention.q_layernorm.weight")
-            out[h + "self_attn.k_norm.weight"] = take(m + "self_attention.k_layernorm.weight")
+        for hf_name, mg_name in _renamed(config, moe):
+            out[h + hf_name] = take(m + mg_name)
         if moe:
-            out[h + "mlp.gate.weight"] = take(m + "mlp.router.weight")
             for e in range(config.num_experts):
                 _mlp_to_hf(out, take, m + f"mlp.experts.local_experts.{e}.", h + f"mlp.experts.{e}.",
                            bias=False, width=config.moe_intermediate_size, width_name="moe_intermediate_size")
