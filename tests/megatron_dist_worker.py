@@ -50,7 +50,7 @@ def tiny_model(seed: int, tied: bool = False) -> LlamaForCausalLM:
 def trainer_config() -> TrainerConfig:
     """Shared with the test's single-process reference."""
     return TrainerConfig(lr=1e-2, micro_batch_tokens=40, grad_clip=0.5, mixed_precision="fp32",
-                         algorithm=AlgorithmConfig(kl_coef=0.05, max_staleness=None), minibatches=2)
+                         algorithm=AlgorithmConfig(kl_loss_coef=0.05, max_staleness=None), minibatches=2)
 
 
 def run_layout(out: str, name: str) -> None:

@@ -85,6 +85,47 @@ def test_truncated_importance_sampling_weights_each_token():
         == pytest.approx([3.0, 0.25])
 
 
+def test_decoupled_loss_clips_against_the_proximal_policy_and_weights_by_behavior():
+    """AReaL's decoupled PPO on three tokens of different rollout versions (a resumed partial's tokens carry
+    their own behavior log-probs):
+      t0: pi_prox 0.5, pi_behavior 0.25 -> w 2;   ratio pi / pi_prox 1.1, A=+1 inside the clip -> -1.1 * 2
+      t1: pi_prox 0.3, pi_behavior 0.6  -> w 0.5; ratio 1.5, A=+1 clipped at 1.2                -> -1.2 * 0.5
+      t2: pi_prox 0.9, pi_behavior 0.1  -> w 9 > cap 5: weight 0, still counted in the mean   -> 0
+    """
+    prox = [LN(0.5), LN(0.3), LN(0.9)]
+    behavior = [LN(0.25), LN(0.6), LN(0.1)]
+    logprobs = [LN(0.55), LN(0.45), LN(0.9)]
+    adv = [1.0, 1.0, -1.0]
+    config = AlgorithmConfig(use_decoupled_loss=True, behav_imp_weight_cap=5.0)
+    inputs = _inputs(logprobs, adv, old=prox, behavior=behavior)
+    out = policy_loss(config, inputs)
+    assert out.loss.item() == pytest.approx((-1.1 * 2 - 1.2 * 0.5 + 0.0) / 3, abs=1e-6)
+    out.loss.backward()
+    # d(-r A w)/d logprob = -r A w where unclipped; 0 where clipped or masked by the cap.
+    assert inputs.logprobs.grad.tolist() == pytest.approx([-1.1 * 2 / 3, 0.0, 0.0], abs=1e-6)
+    assert out.metrics["behav_imp_weight"].item() == pytest.approx((2 + 0.5 + 0) / 3, abs=1e-6)
+    assert out.metrics["behav_masked_frac"].item() == pytest.approx(1 / 3, abs=1e-6)
+    # Without the cap t2 counts with weight 9: ratio 1, A=-1 -> 1 * 9.
+    uncapped = policy_loss(AlgorithmConfig(use_decoupled_loss=True),
+                           _inputs(logprobs, adv, old=prox, behavior=behavior))
+    assert uncapped.loss.item() == pytest.approx((-1.1 * 2 - 1.2 * 0.5 + 9.0) / 3, abs=1e-5)
+    # Off: the same tokens without the behavior weights.
+    plain = policy_loss(AlgorithmConfig(), _inputs(logprobs, adv, old=prox, behavior=behavior))
+    assert plain.loss.item() == pytest.approx((-1.1 - 1.2 + 1.0) / 3, abs=1e-6)
+    # Tokens off the loss mask get weight 0 even where the weight overflows (no 0 * inf = nan).
+    masked = policy_loss(config.replace(behav_imp_weight_cap=None),
+                         _inputs([0.0, 0.0], [1.0, 1.0], old=[0.0, 0.0], behavior=[0.0, -200.0], mask=[1.0, 0.0]))
+    assert masked.loss.item() == pytest.approx(-1.0)
+
+
+def test_decoupled_loss_weights_gspo_per_token():
+    # One sequence, ratios 2 and 0.5 against pi_prox (s = 1, A=+1 -> -1 per token), weights 2 and 0.5.
+    prox = [0.0, 0.0]
+    out = policy_loss(AlgorithmConfig(loss="gspo", use_decoupled_loss=True),
+                      _inputs([LN(2.0), LN(0.5)], [1.0, 1.0], old=prox, behavior=[LN(0.5), LN(2.0)], seq_index=[0, 0]))
+    assert out.loss.item() == pytest.approx((-1.0 * 2 - 1.0 * 0.5) / 2, abs=1e-6)
+
+
 def test_gspo_sequence_ratio():
     # Sequence 0: token ratios 2 and 0.5 -> geometric mean 1, A=+1 -> loss -1.
     # Sequence 1: token ratios 1.1 x3 -> s = 1.1, A=-1 -> -min(-1.1, -clip(1.1)) = 1.1 with eps 0.2.
@@ -112,7 +153,7 @@ def test_gspo_gradient_flows_through_the_sequence_ratio():
 
 def test_kl_penalty_k3():
     # d = ln(0.25) - ln(0.5) = -ln 2; k3 = exp(d) - d - 1 = 0.5 + ln 2 - 1.
-    out = policy_loss(AlgorithmConfig(kl_coef=0.1),
+    out = policy_loss(AlgorithmConfig(kl_loss_coef=0.1, kl_loss_type="k3"),
                       _inputs([LN(0.5)], [0.0], old=[LN(0.5)], ref=[LN(0.25)]))
     assert out.loss.item() == pytest.approx(0.1 * (0.5 + LN(2.0) - 1.0), abs=1e-6)
     assert out.metrics["kl"].item() == pytest.approx(0.5 + LN(2.0) - 1.0, abs=1e-6)
@@ -120,7 +161,7 @@ def test_kl_penalty_k3():
 
 def test_kl_requires_reference_logprobs():
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(AlgorithmConfig(kl_coef=0.1), _inputs([0.0], [1.0]))
+        policy_loss(AlgorithmConfig(kl_loss_coef=0.1), _inputs([0.0], [1.0]))
 
 
 def test_micro_batches_add_up_to_the_batch_loss():
@@ -196,6 +237,13 @@ def test_dynamic_sampling_filter():
     ({"eps_low": 1.5}, "eps_low", "[0, 1)"),
     ({"eps_high": -0.1}, "eps_high", ">= 0"),
     ({"kl_coef": float("nan")}, "kl_coef", ">= 0"),
+    ({"kl_loss_coef": -1.0}, "kl_loss_coef", ">= 0"),
+    ({"kl_loss_type": "k4"}, "kl_loss_type", "low_var_kl"),
+    ({"gamma": 1.5}, "gamma", "[0, 1]"),
+    ({"advantage": "rloo"}, "advantage", "reinforce_plus_plus_baseline"),
+    ({"behav_imp_weight_cap": 2.0}, "behav_imp_weight_cap", "use_decoupled_loss"),
+    ({"use_decoupled_loss": True, "behav_imp_weight_cap": 1.0}, "behav_imp_weight_cap", "> 1"),
+    ({"use_decoupled_loss": True, "tis_cap": 2.0}, "tis_cap", "use_decoupled_loss"),
     ({"tis_cap": 0.0}, "tis_cap", "> 0"),
     ({"offpolicy_mask": "stale"}, "max_staleness", "integer"),
     ({"max_staleness": -1}, "max_staleness", "integer >= 0"),

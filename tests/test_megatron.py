@@ -111,7 +111,7 @@ def test_conversion_names_are_the_gpt_models_own() -> None:
 
 def trainer_config(**changes: object) -> TrainerConfig:
     base = {"lr": 1e-2, "micro_batch_tokens": 40, "grad_clip": 0.5, "mixed_precision": "fp32",
-            "algorithm": AlgorithmConfig(kl_coef=0.05, max_staleness=None)}
+            "algorithm": AlgorithmConfig(kl_loss_coef=0.05, max_staleness=None)}
     return TrainerConfig(**{**base, **changes})
 
 

@@ -7,6 +7,7 @@ import pytest
 from april_ext import cli
 from april_ext.errors import ConfigError
 from april_ext.training.command import SLIME_ALIASES, config_from_args
+from april_ext.training.config import TrainConfig
 from april_ext.training.trainers import algorithm_config, trainer_config
 
 DATA = ["--tokenizer", "tok", "--model", "ckpt"]
@@ -31,7 +32,8 @@ def _config(*argv: str):
     (["--use-tis"], ["--tis-cap", "2.0"]),
     (["--use-tis", "--tis-clip", "1.5"], ["--tis-cap", "1.5"]),
     (["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "0.5"], ["--tis-cap", "1.5", "--tis-floor", "0.5"]),
-    (["--use-kl-loss", "--kl-loss-coef", "0.01"], ["--kl-coef", "0.01"]),
+    (["--advantage-estimator", "reinforce_plus_plus"], ["--algorithm", "reinforce_plus_plus"]),
+    (["--advantage-estimator", "reinforce_plus_plus_baseline"], ["--algorithm", "reinforce_plus_plus_baseline"]),
     (["--apply-chat-template"], []),
 ])
 def test_slime_flag_parses_to_the_same_config_as_ours(slime, ours):
@@ -46,7 +48,9 @@ def test_every_alias_is_tested_and_shown_in_the_help(capsys):
     for flags in SLIME_ALIASES.values():
         for flag in flags:
             assert flag in text
-    for flag in ("--use-tis", "--tis-clip", "--tis-clip-low", "--kl-loss-coef", "--apply-chat-template",
+    for flag in ("--use-tis", "--tis-clip", "--tis-clip-low", "--kl-loss-coef", "--use-kl-loss", "--kl-coef",
+                 "--kl-loss-type", "--gamma", "--normalize-advantages", "--use-decoupled-loss",
+                 "--behav-imp-weight-cap", "--apply-chat-template",
                  "--eps-clip", "--eps-clip-high", "--global-batch-size", "--save", "--load", "--save-interval",
                  "--label-key", "--custom-rm-path", "--dynamic-sampling-filter-path", "--use-tensorboard",
                  "--use-wandb"):
@@ -72,6 +76,45 @@ def test_slime_names_that_are_our_names_mean_slimes_setting():
     assert trainer_config(_config()).micro_batch_size is None
 
 
+def test_slime_kl_flags_mean_slimes_settings(tmp_path):
+    """--use-kl-loss --kl-loss-coef is the KL loss weight (slime's k1 unless --kl-loss-type), --kl-coef the
+    KL reward shaping of the reinforce_plus_plus estimators (0 by default, as in slime)."""
+    loss = algorithm_config(_config("--use-kl-loss", "--kl-loss-coef", "0.01"))
+    assert (loss.kl_loss_coef, loss.kl_coef, loss.kl_loss_type, loss.needs_reference) == (0.01, 0.0, "k1", True)
+    typed = algorithm_config(_config("--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl"))
+    assert typed.kl_loss_type == "low_var_kl"
+    shaped = algorithm_config(_config("--advantage-estimator", "reinforce_plus_plus", "--kl-coef", "0.05",
+                                      "--gamma", "0.9", "--normalize-advantages"))
+    assert (shaped.advantage, shaped.kl_coef, shaped.kl_loss_coef, shaped.gamma, shaped.normalize_advantages) == (
+        "reinforce_plus_plus", 0.05, 0.0, 0.9, True)
+    assert shaped.kl_shaping and shaped.needs_reference
+    # grpo ignores --kl-coef, as slime does: accepted, with a note and without a reference model.
+    ignored = algorithm_config(_config("--kl-coef", "0.05"))
+    assert not ignored.kl_shaping and not ignored.needs_reference and "no effect" in ignored.unused_kl_coef_note()
+    assert (_config().kl_coef, _config().kl_loss_coef, _config().gamma, _config().normalize_advantages) == (
+        0.0, 0.0, 1.0, False)
+    toml = tmp_path / "c.toml"
+    toml.write_text("kl_loss_coef = 0.01\n")
+    assert TrainConfig.from_toml(toml) == _config("--use-kl-loss", "--kl-loss-coef", "0.01")
+
+
+def test_a_toml_file_from_before_the_kl_rename_is_refused(tmp_path):
+    """A file whose kl_coef was the KL loss weight would silently lose its KL loss under grpo: refused with
+    the rename; with a reinforce_plus_plus estimator (new in the same change) kl_coef can only mean the shaping."""
+    old = tmp_path / "old.toml"
+    old.write_text('algorithm = "grpo"\nkl_coef = 0.1\n')
+    with pytest.raises(ConfigError, match="kl_loss_coef.*rename the key"):
+        TrainConfig.from_toml(old)
+    shaped = tmp_path / "shaped.toml"
+    shaped.write_text('algorithm = "reinforce_plus_plus"\nkl_coef = 0.1\n')
+    assert TrainConfig.from_toml(shaped).kl_coef == 0.1
+    zero = tmp_path / "zero.toml"
+    zero.write_text("kl_coef = 0.0\n")
+    assert TrainConfig.from_toml(zero).kl_coef == 0.0
+    # The command line's --kl-coef is slime's: accepted with grpo (it has no effect there, as in slime).
+    assert _config("--kl-coef", "0.1").kl_coef == 0.1
+
+
 def test_tokenizer_defaults_to_the_checkpoint_as_in_slime():
     config = _config("--prompt-data", "p.jsonl", "--hf-checkpoint", "ckpt")
     assert config.tokenizer is None and config.tokenizer_dir == "ckpt" and config.task is None
@@ -84,7 +127,11 @@ def test_tokenizer_defaults_to_the_checkpoint_as_in_slime():
     (["--kl-loss-coef", "0.1"], "without --use-kl-loss"),
     (["--use-kl-loss"], "needs --kl-loss-coef"),
     (["--use-tis", "--tis-cap", "3"], "give one of them"),
-    (["--advantage-estimator", "reinforce_plus_plus"], "algorithm"),
+    (["--advantage-estimator", "ppo"], "algorithm"),
+    (["--use-decoupled-loss", "--use-tis"], "tis_cap"),
+    (["--behav-imp-weight-cap", "5"], "behav_imp_weight_cap"),
+    (["--gamma", "1.5"], "gamma"),
+    (["--kl-loss-type", "k4"], "kl_loss_type"),
     (["--global-batch-size", "12", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8"], "multiple of"),
     (["--global-batch-size", "24", "--rollout-batch-size", "4", "--n-samples-per-prompt", "8"], "divides"),
     (["--eps-clip", "1.5"], "eps_clip"),
@@ -161,7 +208,8 @@ def test_a_slime_command_line_trains(tmp_path, monkeypatch, capsys):
 
     assert my_rm.seen and all(isinstance(t, str) and set(t.split()) <= set(words) for t in my_rm.seen)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert (config["tis_cap"], config["kl_coef"], config["mask_offpolicy"], config["seed"]) == (2.0, 0.001, True, 42)
+    assert (config["tis_cap"], config["kl_loss_coef"], config["kl_coef"], config["mask_offpolicy"], config["seed"]) == (
+        2.0, 0.001, 0.0, True, 42)
 
 
 def test_tis_clip_low_floors_the_importance_weights():

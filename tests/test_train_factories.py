@@ -84,7 +84,7 @@ def test_a_bad_kind_is_refused_naming_the_allowed_kinds(tmp_path, factory, field
 
 def test_torch_trainer_from_a_train_config(tmp_path):
     config = tiny(tmp_path, algorithm="dapo", lr=0.02, micro_batch_tokens=64, temperature=0.7, top_p=0.9,
-                  colocate=True, kl_coef=0.1)
+                  colocate=True, kl_loss_coef=0.1)
     model = counting_model(config)
     with build_trainer(config, model, "factory-torch-") as trainer:
         assert isinstance(trainer, TorchTrainer) and isinstance(trainer, Trainer)
@@ -92,7 +92,7 @@ def test_torch_trainer_from_a_train_config(tmp_path):
         settings = trainer.config
         assert settings.lr == 0.02 and settings.micro_batch_tokens == 64
         assert settings.temperature == 0.7 and settings.top_p == 0.9
-        assert settings.algorithm.dynamic_sampling and settings.algorithm.kl_coef == 0.1
+        assert settings.algorithm.dynamic_sampling and settings.algorithm.kl_loss_coef == 0.1
         assert settings.colocated and settings.memory_tag == "factory-torch-trainer"
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from april_ext.algorithms.config import AlgorithmConfig
+from april_ext.algorithms.kl import approx_kl
 from april_ext.algorithms.offpolicy import truncated_is_weights
 from april_ext.errors import InvalidArgumentError
 
@@ -39,10 +40,10 @@ class PolicyLossInputs:
     """Flat per-token tensors of whole sequences (a batch or a micro-batch), all of length T.
 
     logprobs: log pi_theta(token) with gradient. old_logprobs: the same under the weights before this
-    step's update (pi_train of the importance weights, the anchor of the clip). behavior_logprobs: from the
-    rollout engine. advantages: each token carries its sample's advantage. mask: the effective loss mask.
-    weights: from ``aggregation_weights`` over the whole batch. seq_index: 0..n_seqs-1, the sequence of
-    each token. ref_logprobs: the reference policy, needed when kl_coef > 0.
+    step's update (pi_train of the importance weights, the anchor of the clip: AReaL's proximal policy).
+    behavior_logprobs: from the rollout engine. advantages: per token (algorithms.advantages). mask: the
+    effective loss mask. weights: from ``aggregation_weights`` over the whole batch. seq_index: 0..n_seqs-1,
+    the sequence of each token. ref_logprobs: the reference policy, needed when kl_loss_coef > 0.
     """
 
     logprobs: torch.Tensor
@@ -66,11 +67,15 @@ class PolicyLossOutput:
 
 
 def policy_loss(config: AlgorithmConfig, inputs: PolicyLossInputs) -> PolicyLossOutput:
-    """The clipped policy-gradient loss of ``config.loss`` plus the optional KL term, aggregated."""
+    """The clipped policy-gradient loss of ``config.loss`` plus the optional KL loss term, aggregated.
+
+    With ``use_decoupled_loss`` (AReaL's decoupled PPO) each token's clipped term is weighted by
+    w_t = pi_old / pi_behavior, and by 0 where w_t > behav_imp_weight_cap; the token still counts in the
+    aggregation weights."""
     _check_shapes(inputs)
     ref_logprobs = inputs.ref_logprobs
-    if config.kl_coef > 0 and ref_logprobs is None:
-        raise InvalidArgumentError("ref_logprobs must be given when AlgorithmConfig.kl_coef > 0")
+    if config.kl_loss_coef > 0 and ref_logprobs is None:
+        raise InvalidArgumentError("ref_logprobs must be given when AlgorithmConfig.kl_loss_coef > 0")
     mask = inputs.mask.to(torch.float32)
     log_ratio = (inputs.logprobs - inputs.old_logprobs.detach()) * mask
     if config.loss == "ppo":
@@ -78,6 +83,7 @@ def policy_loss(config: AlgorithmConfig, inputs: PolicyLossInputs) -> PolicyLoss
         advantages = inputs.advantages
         is_weight = (truncated_is_weights(inputs.old_logprobs, inputs.behavior_logprobs, config.tis_cap,
                                           config.tis_floor) if config.tis_cap is not None else None)
+        behav_weight = _behavior_weights(config, inputs)
     else:
         counts = _segment_sum(mask, inputs.seq_index, inputs.n_seqs).clamp(min=1.0)
         seq_log_ratio = _segment_sum(log_ratio, inputs.seq_index, inputs.n_seqs) / counts
@@ -89,16 +95,20 @@ def policy_loss(config: AlgorithmConfig, inputs: PolicyLossInputs) -> PolicyLoss
             seq_log_w = _segment_sum((inputs.old_logprobs - inputs.behavior_logprobs).detach() * mask,
                                      inputs.seq_index, inputs.n_seqs) / counts
             is_weight = torch.exp(seq_log_w).clamp(min=config.tis_floor, max=config.tis_cap)[inputs.seq_index]
+        # AReaL weights per token under its sequence-level (GSPO) ratio too.
+        behav_weight = _behavior_weights(config, inputs)
     token_loss, clipped_low, clipped_high = _clipped_surrogate(ratio, advantages, config.eps_low,
                                                                config.eps_high)
     if is_weight is not None:
         token_loss = token_loss * is_weight
+    if behav_weight is not None:
+        token_loss = token_loss * behav_weight
     metrics: dict[str, torch.Tensor] = {}
     w = inputs.weights.to(torch.float32)
     metrics["pg_loss"] = (w * token_loss).sum().detach()
-    if config.kl_coef > 0 and ref_logprobs is not None:
-        kl = _k3_kl(inputs.logprobs, ref_logprobs.detach()) * mask
-        token_loss = token_loss + config.kl_coef * kl
+    if config.kl_loss_coef > 0 and ref_logprobs is not None:
+        kl = approx_kl(inputs.logprobs, ref_logprobs, config.kl_loss_type) * mask
+        token_loss = token_loss + config.kl_loss_coef * kl
         metrics["kl"] = (w * kl).sum().detach()
     loss = (w * token_loss).sum()
     metrics["clip_frac_low"] = (w * clipped_low).sum()
@@ -107,7 +117,23 @@ def policy_loss(config: AlgorithmConfig, inputs: PolicyLossInputs) -> PolicyLoss
     if is_weight is not None:
         metrics["tis_weight"] = (w * is_weight).sum()
         metrics["tis_truncated_frac"] = (w * (is_weight >= config.tis_cap).to(torch.float32)).sum()
+    if behav_weight is not None:
+        metrics["behav_imp_weight"] = (w * behav_weight).sum()
+        metrics["behav_masked_frac"] = (w * (behav_weight == 0).to(torch.float32)).sum()
     return PolicyLossOutput(loss=loss, metrics=metrics)
+
+
+def _behavior_weights(config: AlgorithmConfig, inputs: PolicyLossInputs) -> torch.Tensor | None:
+    """The decoupled loss's per-token pi_old / pi_behavior (0 above behav_imp_weight_cap and off the loss
+    mask), without gradient; None without use_decoupled_loss."""
+    if not config.use_decoupled_loss:
+        return None
+    weight = torch.exp((inputs.old_logprobs.detach() - inputs.behavior_logprobs.detach()).to(torch.float32))
+    # Off the loss mask the weight is 0 as in AReaL (an overflowed weight there would turn 0 * inf into nan).
+    keep = inputs.mask > 0
+    if config.behav_imp_weight_cap is not None:
+        keep = keep & (weight <= config.behav_imp_weight_cap)
+    return torch.where(keep, weight, torch.zeros_like(weight))
 
 
 def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
@@ -120,12 +146,6 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: f
     low = ((advantages < 0) & (r < 1.0 - eps_low)).to(torch.float32)
     high = ((advantages > 0) & (r > 1.0 + eps_high)).to(torch.float32)
     return loss, low, high
-
-
-def _k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(d) - d - 1 with d = log pi_ref - log pi_theta."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1.0
 
 
 def _segment_sum(values: torch.Tensor, seq_index: torch.Tensor, n_seqs: int) -> torch.Tensor:

@@ -9,7 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from april_ext.algorithms import AlgorithmConfig, group_advantages, offpolicy_loss_mask
+from april_ext.algorithms import (
+    AlgorithmConfig,
+    approx_kl,
+    offpolicy_loss_mask,
+    sample_advantages,
+    token_advantages,
+)
 from april_ext.batch import TrainingBatch
 from april_ext.errors import InvalidArgumentError
 
@@ -63,7 +69,8 @@ def validate_batch(batch: TrainingBatch) -> None:
 class StepInputs:
     """One batch on the trainer's device. Per token [T]: tokens, seq_index, token_advantages, versions,
     trainable (loss mask without sample starts), mask (trainable after off-policy masking), behavior.
-    Per sample: offsets [S + 1] (CPU), group_index [S] (CPU), advantages [S]."""
+    Per sample: offsets [S + 1] (CPU), group_index [S] (CPU), advantages [S] (the per-sample part,
+    algorithms.sample_advantages)."""
 
     tokens: torch.Tensor
     offsets: torch.Tensor
@@ -78,12 +85,13 @@ class StepInputs:
 
 
 def prepare_inputs(batch: TrainingBatch, algo: AlgorithmConfig, device: torch.device) -> StepInputs:
-    """Device tensors of the batch plus advantages and the effective loss mask."""
+    """Device tensors of the batch plus advantages and the effective loss mask. With ``algo.kl_shaping``
+    the token advantages are computed with a KL of 0: the trainer recomputes them with ``apply_kl_shaping``
+    once it has the log-probs."""
     data = batch.to_torch()
     offsets = data["offsets"].to(torch.int64)
     seq_index = torch.repeat_interleave(torch.arange(batch.n_samples), offsets.diff()).to(device)
-    advantages = group_advantages(data["rewards"], data["group_index"],
-                                  normalize_std=algo.advantage == "grpo", eps=algo.adv_eps).to(device)
+    advantages = sample_advantages(algo, data["rewards"], data["group_index"]).to(device)
     versions = data["versions"].to(device)
     # The first token of a sample has no prediction to train.
     trainable = data["loss_mask"].to(device, torch.float32).index_fill(0, offsets[:-1].to(device), 0.0)
@@ -91,8 +99,22 @@ def prepare_inputs(batch: TrainingBatch, algo: AlgorithmConfig, device: torch.de
                                max_staleness=algo.max_staleness)
     return StepInputs(tokens=data["tokens"].to(device, torch.int64), offsets=offsets, seq_index=seq_index,
                       group_index=data["group_index"], advantages=advantages,
-                      token_advantages=advantages[seq_index], versions=versions, trainable=trainable,
-                      mask=mask, behavior=data["behavior_logprobs"].to(device, torch.float32))
+                      token_advantages=token_advantages(algo, advantages, offsets, trainable, mask,
+                                                        torch.zeros_like(trainable) if algo.kl_shaping else None),
+                      versions=versions, trainable=trainable, mask=mask,
+                      behavior=data["behavior_logprobs"].to(device, torch.float32))
 
 
-__all__ = ["StepInputs", "minibatch_bounds", "prepare_inputs", "split_by_token_budget", "validate_batch"]
+def apply_kl_shaping(inputs: StepInputs, algo: AlgorithmConfig, logprobs: torch.Tensor,
+                     ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Recomputes ``inputs.token_advantages`` with the KL reward shaping of ``algo`` (kl_shaping), from the
+    per-token log-probs of the whole batch under the weights before the update and under the reference;
+    returns the per-token KL (0 off the trainable tokens)."""
+    kl = approx_kl(logprobs, ref_logprobs, algo.kl_loss_type) * inputs.trainable
+    inputs.token_advantages = token_advantages(algo, inputs.advantages, inputs.offsets, inputs.trainable,
+                                               inputs.mask, kl)
+    return kl
+
+
+__all__ = ["StepInputs", "apply_kl_shaping", "minibatch_bounds", "prepare_inputs", "split_by_token_budget",
+           "validate_batch"]

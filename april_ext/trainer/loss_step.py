@@ -80,9 +80,10 @@ class LossStep:
 
 
 def step_metrics(batch: TrainingBatch, inputs: StepInputs, sums: dict[str, float], grad_norms: list[float],
-                 lr: float, version: int, elapsed: float) -> dict[str, float]:
+                 lr: float, version: int, elapsed: float, shaping_kl: torch.Tensor | None = None) -> dict[str, float]:
     """The metrics of one train_step: the loss metrics averaged over its optimizer steps, then the
-    batch's rewards, lengths, off-policy fractions and throughput."""
+    batch's rewards, advantages, lengths, off-policy fractions and throughput; with ``shaping_kl`` (the
+    per-token KL of the KL reward shaping) its mean over the loss tokens as ``kl_shaping``."""
     parts = len(grad_norms)
     metrics = {name: value / parts for name, value in sums.items()}
     staleness = (batch.policy_version - inputs.versions.to(torch.int64))[inputs.trainable.bool()]
@@ -93,6 +94,7 @@ def step_metrics(batch: TrainingBatch, inputs: StepInputs, sums: dict[str, float
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(unbiased=False)),
         "advantage_abs_mean": float(inputs.advantages.abs().mean()),
+        "token_advantage_abs_mean": _masked_mean(inputs.token_advantages.abs(), inputs.mask),
         "response_len_mean": float(batch.response_lens.mean()),
         "n_tokens": float(batch.n_tokens),
         "n_loss_tokens": float(inputs.mask.sum()),
@@ -104,7 +106,13 @@ def step_metrics(batch: TrainingBatch, inputs: StepInputs, sums: dict[str, float
         "tokens_per_s": batch.n_tokens / elapsed if elapsed > 0 else 0.0,
         "version": float(version),
     })
+    if shaping_kl is not None:
+        metrics["kl_shaping"] = _masked_mean(shaping_kl, inputs.mask)
     return metrics
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((values * mask).sum() / mask.sum().clamp(min=1.0))
 
 
 def _accumulate(sums: dict[str, float], name: str, value: float) -> None:

@@ -9,6 +9,7 @@ checkpoint files (trainer.checkpoint) and colocated memory (trainer.colocation).
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import time
@@ -20,24 +21,28 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from april_ext.algorithms import AlgorithmConfig
 from april_ext.batch import TrainingBatch
 from april_ext.errors import ConfigError, InvalidStateError
 from april_ext.model import LlamaForCausalLM, iter_safetensors, save_pretrained
 from april_ext.model.checkpoint import iter_safetensors_file, save_safetensors
 from april_ext.protocol.trainer import ExportedWeights
 from april_ext.trainer import checkpoint, colocation, distributed
-from april_ext.trainer.batching import minibatch_bounds, prepare_inputs, validate_batch
+from april_ext.trainer.batching import apply_kl_shaping, minibatch_bounds, prepare_inputs, validate_batch
 from april_ext.trainer.config import TrainerConfig
 from april_ext.trainer.logprobs import PolicyLogprobs
 from april_ext.trainer.loss_step import LossStep, step_metrics
 
 _FORMAT = "april_ext.torch_trainer/1"
 
+logger = logging.getLogger(__name__)
+
 
 class TorchTrainer:
     """Trains a LlamaForCausalLM on TrainingBatches with the configured RL objective.
 
-    The reference policy for the KL term (kl_coef > 0) is a frozen copy of the model at construction.
+    The reference policy (for the KL loss, kl_loss_coef > 0, or the KL reward shaping,
+    AlgorithmConfig.kl_shaping) is a frozen copy of the model at construction.
     ``version`` starts at ``initial_version`` and grows by one per ``train_step``.
 
     In a process group of more than one rank (trainer.distributed.initialize under torchrun) the trainer
@@ -78,8 +83,10 @@ class TorchTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
                                            eps=self.config.adam_eps, weight_decay=self.config.weight_decay)
         self.ref_model: LlamaForCausalLM | None = None
-        if self.config.algorithm.kl_coef > 0:
+        if self.config.algorithm.needs_reference:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if (note := self.config.algorithm.unused_kl_coef_note()) is not None:
+            logger.warning(note)
         self._loss = LossStep(self._ddp or self.model, self.ref_model, self.logprobs, self.config.algorithm,
                               self.config.micro_batch_tokens, self.config.micro_batch_size, self.dp_rank,
                               self.dp_size)
@@ -104,11 +111,18 @@ class TorchTrainer:
             raise InvalidStateError(f"batch.policy_version is {batch.policy_version} but the trainer holds "
                                     f"version {self._version}; the batch must be built for the current version")
         start = time.perf_counter()
-        inputs = prepare_inputs(batch, self.config.algorithm, self.device)
+        algo = self.config.algorithm
+        inputs = prepare_inputs(batch, algo, self.device)
         parts = minibatch_bounds(inputs.group_index, self.config.minibatches)
-        # With several optimizer steps the clip compares against the weights before the first one.
-        old_logprobs = (self.logprobs.no_grad(self.model, inputs.tokens, inputs.offsets) if len(parts) > 1
-                        else None)
+        # With several optimizer steps the clip compares against the weights before the first one; the KL
+        # reward shaping takes the log-probs before the update too (slime's).
+        old_logprobs = (self.logprobs.no_grad(self.model, inputs.tokens, inputs.offsets)
+                        if len(parts) > 1 or algo.kl_shaping else None)
+        kl = None
+        if algo.kl_shaping:
+            assert self.ref_model is not None and old_logprobs is not None  # needs_reference holds
+            kl = apply_kl_shaping(inputs, algo, old_logprobs,
+                                  self.logprobs.no_grad(self.ref_model, inputs.tokens, inputs.offsets))
         sums: dict[str, float] = {}
         grad_norms = []
         clip = self.config.grad_clip if self.config.grad_clip is not None else math.inf
@@ -124,7 +138,7 @@ class TorchTrainer:
         self._version += 1
         self.step += 1
         return step_metrics(batch, inputs, sums, grad_norms, self.config.lr, self._version,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, kl)
 
     def token_logprobs(self, batch: TrainingBatch) -> np.ndarray:
         """pi_train of every token of ``batch`` under the current weights, as ``train_step`` computes it
@@ -177,11 +191,14 @@ class TorchTrainer:
         self._require_onloaded("load_checkpoint")
         path = os.fspath(path)
         state = checkpoint.read_state(path, self.checkpoint_format)
+        _check_kl_settings(path, state, self.config.algorithm)
         reference = os.path.join(path, checkpoint.REFERENCE_FILE)
         if (self.ref_model is None) != (not os.path.isfile(reference)):
-            raise InvalidStateError(f"{path!r} was saved with kl_coef "
-                                    f"{'0' if self.ref_model is not None else '> 0'}, this trainer has "
-                                    f"kl_coef={self.config.algorithm.kl_coef}")
+            algo = self.config.algorithm
+            raise InvalidStateError(f"{path!r} was saved {'without' if self.ref_model is not None else 'with'} a "
+                                    f"KL reference policy, this trainer {'needs' if self.ref_model else 'has'} none "
+                                    f"(kl_loss_coef={algo.kl_loss_coef}, kl_coef={algo.kl_coef} with "
+                                    f"advantage={algo.advantage!r})")
         self.model.load_weights(iter_safetensors(path))
         if self.ref_model is not None:
             self.ref_model.load_weights(iter_safetensors_file(reference))
@@ -221,6 +238,24 @@ class TorchTrainer:
     def _move_optimizer_state(self) -> None:
         colocation.move_optimizer_to_region(self.optimizer, self.config.memory_tag)
         self._optimizer_in_region = True
+
+
+def _check_kl_settings(path: str, state: dict[str, Any], algorithm: AlgorithmConfig) -> None:
+    """Refuses a checkpoint saved before AlgorithmConfig.kl_coef was renamed kl_loss_coef (its algorithm has
+    kl_coef but no kl_loss_coef: kl_coef was the weight of a k3 KL loss) unless this trainer has that loss
+    (kl_loss_coef, kl_loss_type k3) and no KL reward shaping (kl_coef 0), so a resumed run keeps its objective."""
+    saved = state.get("trainer_config", {}).get("algorithm", {})
+    if not isinstance(saved, dict) or "kl_coef" not in saved or "kl_loss_coef" in saved:
+        return
+    weight = float(saved["kl_coef"])
+    same = algorithm.kl_loss_coef == weight and algorithm.kl_coef == 0
+    if not same or (weight > 0 and algorithm.kl_loss_type != "k3"):
+        wanted = f"kl_loss_coef={weight}" + (", kl_loss_type='k3'" if weight > 0 else "")
+        raise InvalidStateError(
+            f"{path!r} was saved when kl_coef named the weight of a k3 KL loss (kl_coef={weight}); that setting is "
+            f"kl_loss_coef now and kl_coef is slime's KL reward shaping. To continue that run set {wanted} and "
+            f"kl_coef=0 (this trainer has kl_loss_coef={algorithm.kl_loss_coef}, kl_loss_type="
+            f"{algorithm.kl_loss_type!r}, kl_coef={algorithm.kl_coef})")
 
 
 __all__ = ["TorchTrainer"]

@@ -77,9 +77,7 @@ def _add_slime_flags(group: Any) -> None:
     group.add_argument("--tis-clip-low", type=float, default=argparse.SUPPRESS, metavar="FLOAT",
                        help="with --use-tis: the floor of the importance ratio: sets tis_floor (default: 0, none)")
     group.add_argument("--use-kl-loss", action="store_true", default=argparse.SUPPRESS,
-                       help="a k3 KL loss term weighted by --kl-loss-coef: sets kl_coef")
-    group.add_argument("--kl-loss-coef", type=float, default=argparse.SUPPRESS, metavar="FLOAT",
-                       help="with --use-kl-loss: the weight of the KL loss term")
+                       help="a KL loss term (--kl-loss-type) weighted by --kl-loss-coef, which it must come with")
     group.add_argument("--apply-chat-template", action="store_true", default=argparse.SUPPRESS,
                        help="accepted for slime's command lines: a prompt that is a chat (list of messages) always "
                             "goes through the tokenizer's chat template, a text prompt never")
@@ -89,7 +87,8 @@ _TIS_CLIP = 2.0
 
 
 def _slime_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings slime's paired flags stand for (--use-tis with --tis-clip, --use-kl-loss with --kl-loss-coef)."""
+    """The settings slime's paired flags stand for (--use-tis with --tis-clip); --kl-loss-coef (kl_loss_coef)
+    only with --use-kl-loss, as in slime."""
     given = vars(args)
     out: dict[str, Any] = {}
     if given.get("use_tis"):
@@ -99,14 +98,12 @@ def _slime_overrides(args: argparse.Namespace) -> dict[str, Any]:
     for flag, dest in (("--tis-clip", "tis_clip"), ("--tis-clip-low", "tis_clip_low")):
         if dest in given and not given.get("use_tis"):
             raise ConfigError(f"{flag} is given without --use-tis; it only has a meaning with --use-tis")
-    if "kl_loss_coef" in given:
-        if not given.get("use_kl_loss"):
-            raise ConfigError("--kl-loss-coef is given without --use-kl-loss; it only has a meaning with "
-                              "--use-kl-loss")
-        out["kl_coef"] = given["kl_loss_coef"]
-    elif given.get("use_kl_loss"):
+    if "kl_loss_coef" in given and not given.get("use_kl_loss"):
+        raise ConfigError("--kl-loss-coef is given without --use-kl-loss; it only has a meaning with "
+                          "--use-kl-loss")
+    if given.get("use_kl_loss") and "kl_loss_coef" not in given:
         raise ConfigError("--use-kl-loss needs --kl-loss-coef (slime's default 0 would turn the loss off)")
-    for ours, theirs in (("tis_cap", "--use-tis"), ("tis_floor", "--tis-clip-low"), ("kl_coef", "--use-kl-loss")):
+    for ours, theirs in (("tis_cap", "--use-tis"), ("tis_floor", "--tis-clip-low")):
         if ours in out and ours in given:
             raise ConfigError(f"--{ours.replace('_', '-')} and {theirs} both set {ours}; give one of them")
     return out

@@ -28,11 +28,14 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 TASKS = ("counting",)
-ALGORITHMS = ("grpo", "drgrpo", "dapo", "gspo")
+ALGORITHMS = ("grpo", "drgrpo", "dapo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+KL_SHAPED_ALGORITHMS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""The algorithms whose advantages take kl_coef's KL reward shaping (slime's); the others ignore it."""
 ENGINES = ("embedded", "sglang")
 TRAINERS = ("torch", "megatron")
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)")
 RewardKind = Literal["auto", "sample", "batch", "group"]
+KlType = Literal["k1", "k2", "k3", "low_var_kl"]
 
 
 SCHEDULER_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(SchedulerConfig))
@@ -121,12 +124,30 @@ class TrainConfig:
     trainer: str = "torch"
     """Trainer: "torch" (april_ext.model) or "megatron" (a megatron-core GPTModel; needs april_ext[megatron])."""
     algorithm: str = "grpo"
-    """grpo, drgrpo, dapo (clip-higher + dynamic-sampling filter) or gspo."""
+    """grpo, drgrpo, dapo (clip-higher + dynamic-sampling filter), gspo, reinforce_plus_plus (per-token
+    discounted returns) or reinforce_plus_plus_baseline (group-mean baseline); slime's --advantage-estimator."""
     lr: float = 2e-3
     """AdamW learning rate."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL loss term to the initial policy (0: none); slime's --kl-loss-coef, on the command line
+    with --use-kl-loss as in slime. Before the rename this was kl_coef."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL loss term to the initial policy (0: none); slime's --kl-loss-coef, not its
-    reward-shaping --kl-coef."""
+    """slime's --kl-coef: KL reward shaping before the advantages (the per-token KL of the policy before the
+    update to the initial policy, weighted by this, enters reinforce_plus_plus's token rewards and is subtracted
+    from reinforce_plus_plus_baseline's advantages); grpo, drgrpo, dapo and gspo ignore it, as slime does."""
+    kl_loss_type: KlType = "k1"
+    """KL estimator of the KL loss and the KL reward shaping: k1, k2, k3 or low_var_kl (k3 clipped to [-10, 10]);
+    slime's --kl-loss-type and default."""
+    gamma: float = 1.0
+    """Discount of reinforce_plus_plus's returns (slime's --gamma)."""
+    normalize_advantages: bool = False
+    """Whiten the per-token advantages over the batch's loss tokens (slime's --normalize-advantages)."""
+    use_decoupled_loss: bool = False
+    """AReaL's decoupled PPO: clip against the proximal policy (the weights before the update) and weight each
+    token by pi_prox / pi_behavior (the rollout's log-prob); excludes tis_cap."""
+    behav_imp_weight_cap: float | None = None
+    """use_decoupled_loss: tokens whose pi_prox / pi_behavior exceeds this (> 1) are dropped from the loss (AReaL's
+    filter); None: no cap."""
     eps_clip: float | None = None
     """PPO clip range below 1 (ratio >= 1 - eps_clip); None: the algorithm's (0.2; GSPO 3e-4)."""
     eps_clip_high: float | None = None
@@ -237,7 +258,8 @@ class TrainConfig:
         if self.num_threads is not None and self.num_threads < 1:
             _bad("num_threads", self.num_threads, "None or an int >= 1")
         for name, allowed in (("algorithm", ALGORITHMS), ("engine", ENGINES), ("trainer", TRAINERS),
-                              ("custom_rm_kind", typing.get_args(RewardKind))):
+                              ("custom_rm_kind", typing.get_args(RewardKind)),
+                              ("kl_loss_type", typing.get_args(KlType))):
             if getattr(self, name) not in allowed:
                 _bad(name, getattr(self, name), f"one of {allowed}")
         for name in ("counting_median", "lr", "custom_rm_timeout_s"):
@@ -245,7 +267,7 @@ class TrainConfig:
                 _bad(name, getattr(self, name), "a finite number > 0")
         if self.counting_median < 1:
             _bad("counting_median", self.counting_median, "a finite number >= 1")
-        for name in ("counting_sigma", "kl_coef", "temperature"):
+        for name in ("counting_sigma", "kl_loss_coef", "kl_coef", "temperature"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 _bad(name, getattr(self, name), "a finite number >= 0")
         if self.tis_cap is not None and (not math.isfinite(self.tis_cap) or self.tis_cap <= 0):
@@ -254,6 +276,15 @@ class TrainConfig:
             _bad("tis_floor", self.tis_floor, f"0, or a number in [0, tis_cap) with tis_cap set (tis_cap={self.tis_cap})")
         if not 0 < self.top_p <= 1:
             _bad("top_p", self.top_p, "a number in (0, 1]")
+        if not 0 <= self.gamma <= 1:
+            _bad("gamma", self.gamma, "a number in [0, 1]")
+        if self.behav_imp_weight_cap is not None and (not self.use_decoupled_loss or not math.isfinite(
+                self.behav_imp_weight_cap) or self.behav_imp_weight_cap <= 1):
+            _bad("behav_imp_weight_cap", self.behav_imp_weight_cap, "None, or a finite number > 1 with "
+                 f"use_decoupled_loss (use_decoupled_loss={self.use_decoupled_loss})")
+        if self.use_decoupled_loss and self.tis_cap is not None:
+            _bad("tis_cap", self.tis_cap, "None with use_decoupled_loss (the decoupled loss weights each token by "
+                 "pi_prox / pi_behavior itself; behav_imp_weight_cap caps it)")
         for name in ("eps_clip", "eps_clip_high"):
             value = getattr(self, name)
             if value is not None and (not math.isfinite(value) or value < 0 or (name == "eps_clip" and value >= 1)):
@@ -365,8 +396,16 @@ class TrainConfig:
             values = values["train"]
         # TOML has no null: the string "none" stands for None in optional settings.
         values = {k: (None if isinstance(v, str) and v.lower() == "none" else v) for k, v in values.items()}
+        from_file = "kl_coef" in values and "kl_coef" not in overrides
         values.update(overrides)
-        return cls.from_dict(values, where=path)
+        config = cls.from_dict(values, where=path)
+        if from_file and config.kl_coef > 0 and config.algorithm not in KL_SHAPED_ALGORITHMS:
+            # A file from before the rename would silently lose its KL loss: kl_coef named its weight.
+            raise ConfigError(f"{path}: kl_coef = {config.kl_coef} with algorithm {config.algorithm!r} has no effect: "
+                              f"kl_coef is slime's KL reward shaping now (used by {KL_SHAPED_ALGORITHMS}); the KL "
+                              f"loss weight it named before is kl_loss_coef (slime's k1 by default, kl_loss_type = "
+                              f"'k3' for the former loss): rename the key")
+        return config
 
 
 def _bad(name: str, value: Any, allowed: str) -> None:
@@ -395,4 +434,4 @@ def _check_type(name: str, value: Any) -> None:
         _bad(name, value, kind + (" or None" if optional else ""))
 
 
-__all__ = ["ALGORITHMS", "ENGINES", "SCHEDULER_SETTINGS", "TASKS", "TRAINERS", "TrainConfig"]
+__all__ = ["ALGORITHMS", "ENGINES", "KL_SHAPED_ALGORITHMS", "SCHEDULER_SETTINGS", "TASKS", "TRAINERS", "TrainConfig"]

@@ -24,18 +24,22 @@ TrainerFactory = Callable[[TrainConfig, LlamaForCausalLM, str], AbstractContextM
 
 _ALGORITHMS: dict[str, Callable[..., AlgorithmConfig]] = {
     "grpo": AlgorithmConfig.grpo, "drgrpo": AlgorithmConfig.drgrpo, "dapo": AlgorithmConfig.dapo,
-    "gspo": AlgorithmConfig.gspo}
+    "gspo": AlgorithmConfig.gspo, "reinforce_plus_plus": AlgorithmConfig.reinforce_plus_plus,
+    "reinforce_plus_plus_baseline": AlgorithmConfig.reinforce_plus_plus_baseline}
 
 
 def algorithm_config(config: TrainConfig) -> AlgorithmConfig:
-    """The objective: the preset TrainConfig.algorithm names, with the run's kl_coef, TIS clip and clip range."""
+    """The objective: the preset TrainConfig.algorithm names, with the run's KL settings, discount, advantage
+    whitening, TIS clip, decoupled loss and clip range."""
     clip: dict[str, float] = {}
     if config.eps_clip is not None:
         clip = {"eps_low": config.eps_clip, "eps_high": config.eps_clip}
     if config.eps_clip_high is not None:
         clip["eps_high"] = config.eps_clip_high
-    return _ALGORITHMS[config.algorithm](kl_coef=config.kl_coef, tis_cap=config.tis_cap, tis_floor=config.tis_floor,
-                                         **clip)
+    return _ALGORITHMS[config.algorithm](
+        kl_loss_coef=config.kl_loss_coef, kl_coef=config.kl_coef, kl_loss_type=config.kl_loss_type, gamma=config.gamma,
+        normalize_advantages=config.normalize_advantages, tis_cap=config.tis_cap, tis_floor=config.tis_floor,
+        use_decoupled_loss=config.use_decoupled_loss, behav_imp_weight_cap=config.behav_imp_weight_cap, **clip)
 
 
 def trainer_config(config: TrainConfig, memory_tag_prefix: str = "") -> TrainerConfig:

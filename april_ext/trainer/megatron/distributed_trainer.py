@@ -23,6 +23,7 @@ time).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -47,6 +48,7 @@ from april_ext.protocol.trainer import ExportedWeights
 from april_ext.trainer import checkpoint
 from april_ext.trainer.batching import (
     StepInputs,
+    apply_kl_shaping,
     minibatch_bounds,
     prepare_inputs,
     split_by_token_budget,
@@ -58,6 +60,8 @@ from april_ext.trainer.megatron import compat, parallel, sharded
 from april_ext.trainer.megatron.trainer import MegatronTrainerConfig
 
 CHECKPOINT_FORMAT = "april_ext.megatron_distributed/1"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -109,9 +113,11 @@ class DistributedMegatronTrainer:
         weights = list(weights) if weights is not None else None
         self.model = self._build(weights, train=True)
         self.ref_model = None
-        if settings.algorithm.kl_coef > 0:
+        if settings.algorithm.needs_reference:
             self.ref_model = self._build(weights if weights is not None else list(self.iter_hf_weights()),
                                          train=False)
+        if (note := settings.algorithm.unused_kl_coef_note()) is not None and dist.get_rank() == 0:
+            logger.warning(note)
         self.optimizer = self._build_optimizer()
         self._version = int(initial_version)
         self.step = 0
@@ -194,9 +200,18 @@ class DistributedMegatronTrainer:
         inputs = prepare_inputs(batch, algo, self.device)
         bounds = minibatch_bounds(inputs.group_index, self.settings.minibatches)
         mine = [self._micro_batches(inputs, *self._my_slice(s0, s1)) for s0, s1 in bounds]
-        # With several optimizer steps the clip compares against the weights before the first one.
-        old = [self._forward_logprobs(self.model, mbs) for mbs in mine] if len(bounds) > 1 else None
+        # With several optimizer steps the clip compares against the weights before the first one; the KL
+        # reward shaping takes the log-probs before the update too (slime's).
+        old = ([self._forward_logprobs(self.model, mbs) for mbs in mine] if len(bounds) > 1 or algo.kl_shaping
+               else None)
         ref = [self._forward_logprobs(self.ref_model, mbs) for mbs in mine] if self.ref_model is not None else None
+        kl = None
+        if algo.kl_shaping:
+            assert old is not None and ref is not None  # needs_reference holds
+            # The advantages of a sample need its KL only, but the whitening spans the batch: every rank
+            # assembles the whole batch's log-probs and computes the torch trainer's advantages.
+            kl = apply_kl_shaping(inputs, algo, self._whole_batch(mine, old, batch.n_tokens),
+                                  self._whole_batch(mine, ref, batch.n_tokens))
         self._sums = {}
         grad_norms = []
         for k, (s0, s1) in enumerate(bounds):
@@ -218,7 +233,7 @@ class DistributedMegatronTrainer:
         self._version += 1
         self.step += 1
         return step_metrics(batch, inputs, self._reduce_sums(), grad_norms, self.settings.lr, self._version,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, kl)
 
     def token_logprobs(self, batch: TrainingBatch) -> np.ndarray:
         """pi_train of every token of ``batch`` under the current weights (float32 [T], 0 at each sample's
@@ -237,6 +252,21 @@ class DistributedMegatronTrainer:
             if item is not None:
                 out[item[0]:item[0] + len(item[1])] = item[1]
         return out
+
+    def _whole_batch(self, mine: list[list[_MicroBatch]], pieces: list[list[torch.Tensor]],
+                     n_tokens: int) -> torch.Tensor:
+        """Per-token values of the whole batch [n_tokens] on every rank, from each last-stage rank's
+        ``pieces`` (one per micro-batch of ``mine``)."""
+        report = self.last_stage and self._ps.get_tensor_model_parallel_rank() == 0
+        local = ([(mb.t0, piece.cpu()) for mbs, part in zip(mine, pieces) for mb, piece in zip(mbs, part)]
+                 if report else None)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        out = torch.zeros(n_tokens, dtype=torch.float32)
+        for items in gathered:
+            for t0, piece in items or ():
+                out[t0:t0 + piece.numel()] = piece
+        return out.to(self.device)
 
     def _my_slice(self, s0: int, s1: int) -> tuple[int, int]:
         n = s1 - s0
