@@ -4,10 +4,10 @@ DistributedMegatronTrainer from the counting-task model, computes the batch's pe
 train steps and exports the weights; rank 0 writes what it saw to OUT/<layout>.pt.
 
 Usage: torchrun --nproc-per-node N tests/megatron_dist_worker.py OUT LAYOUT [LAYOUT ...]
-A layout is tp<T>pp<P>[sp][do][tie] (sp: sequence parallel, do: distributed optimizer, tie: tied
-embeddings); "single" records whether the one-process MegatronTrainer refuses the two-rank world; "resume" saves a
-checkpoint at TP=2 and resumes it at TP=1 (two ranks); "raise": rank 1 raises while rank 0 waits in a
-collective.
+A layout is tp<T>pp<P>[sp][do][tie][kl] (sp: sequence parallel, do: distributed optimizer, tie: tied
+embeddings, kl: the shaped objective of trainer_config(shaped=True)); "single" records whether the
+one-process MegatronTrainer refuses the two-rank world; "resume" saves a checkpoint at TP=2 and resumes it
+at TP=1 (two ranks); "raise": rank 1 raises while rank 0 waits in a collective.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 from april_ext.trainer.megatron.trainer import MegatronTrainer, MegatronTrainerConfig
 
 TIMEOUT_S = 60.0
-LAYOUT = re.compile(r"^tp(\d)pp(\d)(sp)?(do)?(tie)?$")
+LAYOUT = re.compile(r"^tp(\d)pp(\d)(sp)?(do)?(tie)?(kl)?$")
 
 
 def tiny_model(seed: int, tied: bool = False) -> LlamaForCausalLM:
@@ -47,10 +47,16 @@ def tiny_model(seed: int, tied: bool = False) -> LlamaForCausalLM:
     return model
 
 
-def trainer_config() -> TrainerConfig:
-    """Shared with the test's single-process reference."""
-    return TrainerConfig(lr=1e-2, micro_batch_tokens=40, grad_clip=0.5, mixed_precision="fp32",
-                         algorithm=AlgorithmConfig(kl_loss_coef=0.05, max_staleness=None), minibatches=2)
+def trainer_config(shaped: bool = False) -> TrainerConfig:
+    """Shared with the test's single-process reference. shaped: REINFORCE++ with the KL reward shaping
+    (per-token advantages from the whole batch's log-probs), whitening and AReaL's decoupled loss."""
+    algorithm = AlgorithmConfig(kl_loss_coef=0.05, max_staleness=None)
+    if shaped:
+        algorithm = AlgorithmConfig.reinforce_plus_plus(
+            kl_coef=0.2, kl_loss_coef=0.05, kl_loss_type="k3", gamma=0.9, normalize_advantages=True,
+            use_decoupled_loss=True, behav_imp_weight_cap=3.0, max_staleness=None)
+    return TrainerConfig(lr=1e-2, micro_batch_tokens=40, grad_clip=0.5, mixed_precision="fp32", algorithm=algorithm,
+                         minibatches=2)
 
 
 def run_layout(out: str, name: str) -> None:
@@ -61,8 +67,9 @@ def run_layout(out: str, name: str) -> None:
                                  sequence_parallel=bool(match[3]), use_distributed_optimizer=bool(match[4]),
                                  timeout_s=TIMEOUT_S)
     model = tiny_model(3, tied=bool(match[5]))
-    trainer = DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config(),
-                                                               parallel=par), model.named_parameters())
+    settings = trainer_config(shaped=bool(match[6]))
+    trainer = DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=settings, parallel=par),
+                                         model.named_parameters())
     batches = [make_batch(model, step, seed=step) for step in range(2)]
     loaded = dict(model.named_parameters())
     exported = list(trainer.iter_hf_weights())

@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from _torchrun import check_a_failing_rank_stops_every_rank
 from _torchrun import torchrun as launch
 from _trainer_utils import make_batch, make_model
-from megatron_dist_worker import tiny_model, trainer_config
+from megatron_dist_worker import LAYOUT, tiny_model, trainer_config
 
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.trainer import TorchTrainer
@@ -36,26 +36,32 @@ def torchrun(nproc: int, out: Path, *layouts: str) -> subprocess.CompletedProces
     return launch(WORKER, nproc, LAUNCH_TIMEOUT_S, str(out), *layouts)
 
 
-def one_process(tied: bool) -> dict[str, object]:
+def one_process(tied: bool, shaped: bool) -> dict[str, object]:
     """The embedded trainer on the same weights, batches and settings as the worker."""
     model = tiny_model(3, tied)
-    trainer = TorchTrainer(copy.deepcopy(model), trainer_config())
+    trainer = TorchTrainer(copy.deepcopy(model), trainer_config(shaped))
     batches = [make_batch(model, step, seed=step) for step in range(2)]
     return {"logprobs": trainer.token_logprobs(batches[0]),
             "metrics": [trainer.train_step(b) for b in batches],
             "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
 
 
+Reference = dict[tuple[bool, bool], dict[str, object]]
+
+
 @pytest.fixture(scope="module")
-def reference() -> dict[bool, dict[str, object]]:
-    """By whether the embeddings are tied."""
-    return {tied: one_process(tied) for tied in (False, True)}
+def reference() -> Reference:
+    """By whether the embeddings are tied and whether the objective is the shaped one."""
+    return {(tied, shaped): one_process(tied, shaped) for tied, shaped in ((False, False), (True, False),
+                                                                          (False, True))}
 
 
-def check_layout(out: Path, name: str, expected: dict[bool, dict[str, object]]) -> None:
+def check_layout(out: Path, name: str, expected: Reference) -> None:
     got = torch.load(out / f"{name}.pt", weights_only=False)
     assert got["round_trip"] is True, f"{name}: the weights gathered right after loading differ from the HF ones"
-    check(got, name, expected[name.endswith("tie")])
+    match = LAYOUT.match(name)
+    assert match is not None, name
+    check(got, name, expected[(bool(match[5]), bool(match[6]))])
 
 
 def check(got: dict[str, object], name: str, expected: dict[str, object]) -> None:
@@ -71,7 +77,7 @@ def check(got: dict[str, object], name: str, expected: dict[str, object]) -> Non
                                    msg=lambda m, key=key: f"{name}: {key}: {m}")
 
 
-def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: dict[bool, dict[str, object]],
+def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: Reference,
                   *extra: str) -> None:
     proc = torchrun(nproc, tmp_path, *layouts, *extra)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -81,11 +87,12 @@ def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: dic
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_and_resume_across_layouts(tmp_path: Path,
-                                                               reference: dict[bool, dict[str, object]]) -> None:
+                                                               reference: Reference) -> None:
     # TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), DP=2 (tp1pp1 on two ranks), PP=2 with tied
-    # embeddings (the last stage's copy); then a checkpoint saved at TP=2 resumed at TP=1 x DP=2; and the
-    # one-process MegatronTrainer refuses a world of two (it has no gradient all-reduce).
-    layouts = ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1", "tp1pp2tie"]
+    # embeddings (the last stage's copy); the shaped objective at DP=2 and PP=2 (the advantages need the
+    # log-probs every data-parallel rank's last stage holds); then a checkpoint saved at TP=2 resumed at
+    # TP=1 x DP=2; and the one-process MegatronTrainer refuses a world of two (it has no gradient all-reduce).
+    layouts = ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1", "tp1pp2tie", "tp1pp1kl", "tp1pp2kl"]
     run_and_check(2, layouts, tmp_path, reference, "resume", "single")
     assert "runs in a world of one process, this one has 2" in torch.load(tmp_path / "single.pt")
     result = torch.load(tmp_path / "resume.pt", weights_only=False)
@@ -100,7 +107,7 @@ def test_two_ranks_equal_one_process_and_resume_across_layouts(tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_four_ranks_equal_one_process(tmp_path: Path, reference: dict[bool, dict[str, object]]) -> None:
+def test_four_ranks_equal_one_process(tmp_path: Path, reference: Reference) -> None:
     # TP=2 x DP=2 with and without the distributed optimizer, TP=2 x PP=2.
     run_and_check(4, ["tp2pp1", "tp2pp1do", "tp2pp2"], tmp_path, reference)
 
@@ -110,12 +117,14 @@ def test_a_failing_rank_stops_every_rank(tmp_path: Path) -> None:
     check_a_failing_rank_stops_every_rank(WORKER, tmp_path, LAUNCH_TIMEOUT_S)
 
 
-def test_one_process_equals_the_embedded_trainer(reference: dict[bool, dict[str, object]]) -> None:
-    # The whole distributed path (DDP, Megatron's optimizer, the schedule, packing) in a world of one.
+@pytest.mark.parametrize("shaped", [False, True])
+def test_one_process_equals_the_embedded_trainer(reference: Reference, shaped: bool) -> None:
+    # The whole distributed path (DDP, Megatron's optimizer, the schedule, packing) in a world of one; shaped:
+    # per-token REINFORCE++ advantages with the KL reward shaping, whitening and AReaL's decoupled loss.
     model = make_model(3)
     try:
-        trainer = DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config()),
-                                             model.named_parameters())
+        trainer = DistributedMegatronTrainer(
+            MegatronTrainerConfig(model=model.config, trainer=trainer_config(shaped)), model.named_parameters())
         batches = [make_batch(model, step, seed=step) for step in range(2)]
         got = {"logprobs": trainer.token_logprobs(batches[0]), "metrics": [trainer.train_step(b) for b in batches],
                "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
@@ -123,7 +132,7 @@ def test_one_process_equals_the_embedded_trainer(reference: dict[bool, dict[str,
             trainer.train_step(batches[0])
     finally:
         parallel.shutdown()
-    check(got, "world of one", reference[False])
+    check(got, "world of one", reference[(False, shaped)])
 
 
 def test_pack_puts_samples_in_one_row_and_pads_to_the_multiple() -> None:

@@ -225,3 +225,23 @@ def test_resumed_baseline_run_equals_an_uninterrupted_one(tmp_path):
     keys = ("rollout/reward_mean", "rollout/generated_tokens", "rollout/response_lens", "train/loss",
             "train/grad_norm")
     assert [[r[k] for k in keys] for r in resumed.history] == [[r[k] for k in keys] for r in straight.history]
+
+
+def test_reinforce_plus_plus_with_kl_shaping_and_the_decoupled_loss_runs_under_april(tmp_path):
+    """slime's REINFORCE++ with the KL reward shaping and AReaL's decoupled loss through the whole run:
+    resumed partials carry tokens of older versions, whose behavior weights pi_prox / pi_behavior differ from 1."""
+    config = tiny(tmp_path, algorithm="reinforce_plus_plus", kl_coef=0.05, kl_loss_coef=0.01, kl_loss_type="k3",
+                  gamma=0.99, normalize_advantages=True, use_decoupled_loss=True, behav_imp_weight_cap=5.0,
+                  num_steps=4, lr=0.02)
+    train(config)
+    rows = _rows(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r["train/kl_shaping"] >= 0 and 0 < r["train/behav_imp_weight"] < 5
+        assert all(torch.isfinite(torch.tensor(r[k])) for k in ("train/loss", "train/grad_norm", "train/kl"))
+    # The first step trains the initial policy on its own samples: no KL to the reference yet, weights 1.
+    assert rows[0]["train/kl_shaping"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[0]["train/behav_imp_weight"] == pytest.approx(1.0, abs=1e-4)
+    carried = [r for r in rows if r["rollout/carried_token_ratio"] > 0]
+    assert carried and any(abs(r["train/behav_imp_weight"] - 1) > 1e-3 for r in carried), rows
+    assert rows[-1]["train/kl_shaping"] > 0

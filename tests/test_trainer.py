@@ -170,6 +170,31 @@ def test_checkpoint_errors(tmp_path):
         with_kl.load_checkpoint(tmp_path / "d")
 
 
+def test_a_checkpoint_from_before_the_kl_rename_keeps_its_objective(tmp_path):
+    """A checkpoint whose trainer config has kl_coef but no kl_loss_coef was saved when kl_coef named the
+    weight of a k3 KL loss: it loads only into a trainer with that loss and no KL reward shaping."""
+    saver = TorchTrainer(make_model(), config(algorithm=AlgorithmConfig(kl_loss_coef=0.1, kl_loss_type="k3")))
+    saver.save_checkpoint(tmp_path / "old")
+    state_file = tmp_path / "old" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    algorithm = state["trainer_config"]["algorithm"]
+    algorithm["kl_coef"] = algorithm.pop("kl_loss_coef")
+    for key in ("kl_loss_type", "gamma", "normalize_advantages", "use_decoupled_loss", "behav_imp_weight_cap"):
+        del algorithm[key]
+    torch.save(state, state_file)
+    same = TorchTrainer(make_model(), config(algorithm=AlgorithmConfig(kl_loss_coef=0.1, kl_loss_type="k3")))
+    same.load_checkpoint(tmp_path / "old")
+    for algo, message in ((AlgorithmConfig(kl_loss_coef=0.1), "kl_loss_type='k3'"),
+                          (AlgorithmConfig.reinforce_plus_plus(kl_coef=0.1), "set kl_loss_coef=0.1"),
+                          (AlgorithmConfig.reinforce_plus_plus(kl_coef=0.1, kl_loss_coef=0.1, kl_loss_type="k3"),
+                           "kl_coef=0 ")):
+        with pytest.raises(InvalidStateError, match=message):
+            TorchTrainer(make_model(), config(algorithm=algo)).load_checkpoint(tmp_path / "old")
+    # A checkpoint saved now carries kl_loss_coef and loads by the reference check alone.
+    saver.save_checkpoint(tmp_path / "new")
+    TorchTrainer(make_model(), config(algorithm=AlgorithmConfig(kl_loss_coef=0.3))).load_checkpoint(tmp_path / "new")
+
+
 @pytest.mark.parametrize("changes, field", [
     ({"lr": 0.0}, "lr"), ({"grad_clip": -1.0}, "grad_clip"), ({"micro_batch_tokens": 0}, "micro_batch_tokens"),
     ({"minibatches": 0}, "minibatches"), ({"mixed_precision": "fp16"}, "mixed_precision"),
