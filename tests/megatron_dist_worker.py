@@ -50,7 +50,7 @@ def tiny_model(seed: int, tied: bool = False) -> LlamaForCausalLM:
 def trainer_config(shaped: bool = False) -> TrainerConfig:
     """Shared with the test's single-process reference. shaped: REINFORCE++ with the KL reward shaping
     (per-token advantages from the whole batch's log-probs), whitening and AReaL's decoupled loss."""
-    algorithm = AlgorithmConfig(kl_loss_coef=0.05, max_staleness=None)
+    algorithm = AlgorithmConfig(kl_loss_coef=0.05, kl_loss_type="k3", max_staleness=None)
     if shaped:
         algorithm = AlgorithmConfig.reinforce_plus_plus(
             kl_coef=0.2, kl_loss_coef=0.05, kl_loss_type="k3", gamma=0.9, normalize_advantages=True,

@@ -111,14 +111,20 @@ def test_conversion_names_are_the_gpt_models_own() -> None:
 
 def trainer_config(**changes: object) -> TrainerConfig:
     base = {"lr": 1e-2, "micro_batch_tokens": 40, "grad_clip": 0.5, "mixed_precision": "fp32",
-            "algorithm": AlgorithmConfig(kl_loss_coef=0.05, max_staleness=None)}
+            "algorithm": AlgorithmConfig(kl_loss_coef=0.05, kl_loss_type="k3", max_staleness=None)}
     return TrainerConfig(**{**base, **changes})
 
 
-@pytest.mark.parametrize("minibatches", [1, 2])
-def test_train_step_matches_the_torch_trainer(minibatches: int) -> None:
+# REINFORCE++ with the KL reward shaping, whitened per-token advantages and AReaL's decoupled loss.
+SHAPED = AlgorithmConfig.reinforce_plus_plus(kl_coef=0.2, kl_loss_coef=0.05, kl_loss_type="k3", gamma=0.9,
+                                             normalize_advantages=True, use_decoupled_loss=True,
+                                             behav_imp_weight_cap=3.0, max_staleness=None)
+
+
+@pytest.mark.parametrize("minibatches, algorithm", [(1, None), (2, None), (1, SHAPED), (2, SHAPED)])
+def test_train_step_matches_the_torch_trainer(minibatches: int, algorithm: AlgorithmConfig | None) -> None:
     model = make_model(3)
-    config = trainer_config(minibatches=minibatches)
+    config = trainer_config(minibatches=minibatches, **({"algorithm": algorithm} if algorithm else {}))
     torch_trainer = TorchTrainer(copy.deepcopy(model), config)
     megatron = MegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=config), model.named_parameters())
     for step in range(2):

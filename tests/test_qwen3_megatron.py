@@ -100,7 +100,7 @@ def test_moe_train_steps_match_the_torch_trainer() -> None:
     model = LlamaForCausalLM(config)
     model.init_weights(3)
     settings = TrainerConfig(lr=1e-2, micro_batch_tokens=40, grad_clip=0.5, mixed_precision="fp32",
-                             algorithm=AlgorithmConfig(kl_loss_coef=0.05, max_staleness=None))
+                             algorithm=AlgorithmConfig(kl_loss_coef=0.05, kl_loss_type="k3", max_staleness=None))
     reference = TorchTrainer(copy.deepcopy(model), settings)
     megatron = MegatronTrainer(MegatronTrainerConfig(model=config, trainer=settings), model.named_parameters())
     for step in range(2):

@@ -92,7 +92,7 @@ def test_all_tokens_off_policy_and_masked_leaves_weights_unchanged():
 
 
 def test_kl_and_minibatches():
-    cfg = config(algorithm=AlgorithmConfig(kl_loss_coef=0.5, tis_cap=2.0), minibatches=2)
+    cfg = config(algorithm=AlgorithmConfig(kl_loss_coef=0.5, kl_loss_type="k3", tis_cap=2.0), minibatches=2)
     trainer = TorchTrainer(make_model(), cfg)
     assert trainer.ref_model is not None
     trainer.train_step(make_batch(trainer.model, 0, seed=0))
@@ -105,7 +105,8 @@ def test_kl_and_minibatches():
 def test_top_k_top_p_renormalise_pi_train_and_train_finitely():
     """Rollouts drawn from the full distribution, trained with top-k / top-p: kept tokens gain mass, dropped
     ones get the finite stand-in, and KL + PPO over two minibatches stay finite with a nonzero gradient."""
-    cfg = config(algorithm=AlgorithmConfig(kl_loss_coef=0.5, tis_cap=2.0), minibatches=2, top_k=3, top_p=0.9)
+    cfg = config(algorithm=AlgorithmConfig(kl_loss_coef=0.5, kl_loss_type="k3", tis_cap=2.0), minibatches=2, top_k=3,
+                 top_p=0.9)
     trainer = TorchTrainer(make_model(), cfg)
     batch = make_batch(trainer.model, 0)
     response = batch.loss_mask == 1

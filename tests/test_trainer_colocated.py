@@ -52,11 +52,12 @@ def test_offload_releases_memory_and_training_is_unchanged():
 
 def test_colocated_checkpoint_round_trip(tmp_path):
     tag = f"trainer-{uuid.uuid4().hex[:8]}"
-    trainer = TorchTrainer(make_model(), colocated_config(tag, algorithm=AlgorithmConfig(kl_loss_coef=0.1)))
+    with_kl = AlgorithmConfig(kl_loss_coef=0.1, kl_loss_type="k3")
+    trainer = TorchTrainer(make_model(), colocated_config(tag, algorithm=with_kl))
     trainer.train_step(make_batch(trainer.model, 0))
     trainer.save_checkpoint(tmp_path / "c")
     other_tag = f"trainer-{uuid.uuid4().hex[:8]}"
-    fresh = TorchTrainer(make_model(seed=4), colocated_config(other_tag, algorithm=AlgorithmConfig(kl_loss_coef=0.1)))
+    fresh = TorchTrainer(make_model(seed=4), colocated_config(other_tag, algorithm=with_kl))
     fresh.load_checkpoint(tmp_path / "c")
     fresh.offload()
     fresh.onload()

@@ -31,7 +31,8 @@ def trainer_config() -> TrainerConfig:
     """Shared with the test's one-process reference: two minibatches, several micro-batches per rank,
     an active gradient clip and the KL term."""
     return TrainerConfig(lr=1e-2, micro_batch_tokens=40, grad_clip=0.5, mixed_precision="fp32", device="cpu",
-                         algorithm=AlgorithmConfig(kl_loss_coef=0.05, max_staleness=None), minibatches=2)
+                         algorithm=AlgorithmConfig(kl_loss_coef=0.05, kl_loss_type="k3", max_staleness=None),
+                         minibatches=2)
 
 
 def batches() -> list:

@@ -195,10 +195,10 @@ class TorchTrainer:
         reference = os.path.join(path, checkpoint.REFERENCE_FILE)
         if (self.ref_model is None) != (not os.path.isfile(reference)):
             algo = self.config.algorithm
-            raise InvalidStateError(f"{path!r} was saved {'without' if self.ref_model is not None else 'with'} a "
-                                    f"KL reference policy, this trainer {'needs' if self.ref_model else 'has'} none "
-                                    f"(kl_loss_coef={algo.kl_loss_coef}, kl_coef={algo.kl_coef} with "
-                                    f"advantage={algo.advantage!r})")
+            saved = ("without a KL reference policy, which this trainer needs" if self.ref_model is not None
+                     else "with a KL reference policy, this trainer has none")
+            raise InvalidStateError(f"{path!r} was saved {saved} (kl_loss_coef={algo.kl_loss_coef}, kl_coef="
+                                    f"{algo.kl_coef} with advantage={algo.advantage!r})")
         self.model.load_weights(iter_safetensors(path))
         if self.ref_model is not None:
             self.ref_model.load_weights(iter_safetensors_file(reference))

@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from april_ext.algorithms import KL_SHAPED_ADVANTAGES
 from april_ext.errors import ConfigError
 from april_ext.scheduler import SchedulerConfig
 from april_ext.settings import adopt, settings
@@ -28,9 +29,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 TASKS = ("counting",)
-ALGORITHMS = ("grpo", "drgrpo", "dapo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-KL_SHAPED_ALGORITHMS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
-"""The algorithms whose advantages take kl_coef's KL reward shaping (slime's); the others ignore it."""
+ALGORITHMS = ("grpo", "drgrpo", "dapo", "gspo", *KL_SHAPED_ADVANTAGES)
 ENGINES = ("embedded", "sglang")
 TRAINERS = ("torch", "megatron")
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)")
@@ -399,10 +398,10 @@ class TrainConfig:
         from_file = "kl_coef" in values and "kl_coef" not in overrides
         values.update(overrides)
         config = cls.from_dict(values, where=path)
-        if from_file and config.kl_coef > 0 and config.algorithm not in KL_SHAPED_ALGORITHMS:
+        if from_file and config.kl_coef > 0 and config.algorithm not in KL_SHAPED_ADVANTAGES:
             # A file from before the rename would silently lose its KL loss: kl_coef named its weight.
             raise ConfigError(f"{path}: kl_coef = {config.kl_coef} with algorithm {config.algorithm!r} has no effect: "
-                              f"kl_coef is slime's KL reward shaping now (used by {KL_SHAPED_ALGORITHMS}); the KL "
+                              f"kl_coef is slime's KL reward shaping now (used by {KL_SHAPED_ADVANTAGES}); the KL "
                               f"loss weight it named before is kl_loss_coef (slime's k1 by default, kl_loss_type = "
                               f"'k3' for the former loss): rename the key")
         return config
@@ -434,4 +433,4 @@ def _check_type(name: str, value: Any) -> None:
         _bad(name, value, kind + (" or None" if optional else ""))
 
 
-__all__ = ["ALGORITHMS", "ENGINES", "KL_SHAPED_ALGORITHMS", "SCHEDULER_SETTINGS", "TASKS", "TRAINERS", "TrainConfig"]
+__all__ = ["ALGORITHMS", "ENGINES", "SCHEDULER_SETTINGS", "TASKS", "TRAINERS", "TrainConfig"]
