@@ -36,6 +36,8 @@ from april_ext.persistence import atomic_write_json, atomic_write_text
 from april_ext.protocol import RolloutEngine, SamplingParams, Trainer
 from april_ext.rollout import GroupFilter, RewardFn, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler
+from april_ext.trainer.distributed import launched_by_torchrun
+from april_ext.training import ranks
 from april_ext.training.checkpoint import CheckpointManager
 from april_ext.training.config import TrainConfig
 from april_ext.training.engines import EngineFactory, build_engine, engine_metrics
@@ -162,13 +164,19 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Runs (or resumes) a training run to ``num_steps`` steps or until the data runs out."""
+def train(config: TrainConfig) -> TrainResult | None:
+    """Runs (or resumes) a training run to ``num_steps`` steps or until the data runs out. Under torchrun
+    every rank calls it: rank 0 runs the training and returns its result, the others follow its trainer
+    (training.ranks) and return None."""
+    if launched_by_torchrun():
+        return ranks.run_on_ranks(config, lambda factory: asyncio.run(train_async(config, factory)),
+                                  lambda: _build_task(config).make_model())
+    ranks.check_world(config, 1)
     return asyncio.run(train_async(config))
 
 
-async def train_async(config: TrainConfig) -> TrainResult:
-    async with TrainingRun(config) as run:
+async def train_async(config: TrainConfig, trainer_factory: TrainerFactory = build_trainer) -> TrainResult:
+    async with TrainingRun(config, trainer_factory=trainer_factory) as run:
         while not run.done:
             await run.step()
         return await run.finish()
