@@ -197,9 +197,10 @@ def _launch(config: TrainConfig, nproc: int, argv: list[str]) -> int:
     try:
         torchrun(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "april_ext.cli", *argv]))
     except ChildFailedError as err:
-        failed = ", ".join(f"rank {rank} (exit code {failure.exitcode})"
-                           for rank, failure in sorted(err.failures.items()))
-        raise InvalidStateError(f"the run failed on {failed}; each rank's error is printed above") from None
+        # The first to fail is the cause; torchrun then stopped the others.
+        rank, failure = err.get_first_failure()
+        raise InvalidStateError(f"the run failed on rank {rank} (exit code {failure.exitcode}; its error is printed "
+                                f"above) and torchrun stopped the other ranks") from None
     return 0
 
 

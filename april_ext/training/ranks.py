@@ -155,6 +155,8 @@ class LeaderTrainer:
                 self._channel.send(_Command("stop"))
             else:
                 self._channel.send(_Command("abort", (f"{type(error).__name__}: {error}",)))
+                # Each follower has the reason before this rank exits (and torchrun stops the rest).
+                dist.barrier(group=self._channel.group)
 
 
 def follow(channel: _Channel, trainer: Trainer) -> None:
@@ -164,6 +166,7 @@ def follow(channel: _Channel, trainer: Trainer) -> None:
         if command.kind == "stop":
             return
         if command.kind == "abort":
+            dist.barrier(group=channel.group)
             raise InvalidStateError(f"rank 0 stopped the run: {command.args[0]}")
         if command.kind in _CALLS:
             getattr(trainer, command.kind)(*command.args, **command.kwargs)

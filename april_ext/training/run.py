@@ -227,8 +227,9 @@ class TrainingRun:
     async def __aenter__(self) -> TrainingRun:
         try:
             return await self._open()
-        except BaseException:
-            await self._stack.aclose()
+        except BaseException as err:
+            # The error goes to every exit: a trainer across ranks tells the other ranks why the run stopped.
+            await self._stack.__aexit__(type(err), err, err.__traceback__)
             raise
 
     async def _open(self) -> TrainingRun:
@@ -313,8 +314,8 @@ class TrainingRun:
         for sink in self.sinks:
             sink.log(row["step"], row)
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self._stack.aclose()
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self._stack.__aexit__(*exc_info)
 
     async def step(self) -> dict[str, Any] | None:
         """One training step (rollout, update, weight sync, metrics row, periodic checkpoint); None when
