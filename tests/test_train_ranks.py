@@ -170,6 +170,22 @@ def test_rank_0_failing_stops_the_followers_with_its_error(tmp_path: Path) -> No
     assert time.monotonic() - start < LAUNCH_TIMEOUT_S / 4
 
 
+@pytest.mark.slow
+def test_the_followers_wait_longer_than_the_timeout_while_rank_0_generates(tmp_path: Path) -> None:
+    # A rollout's rewards take seconds, the timeout is 1.8 s: rank 0's keep-alive keeps the followers waiting.
+    (tmp_path / "slow_reward.py").write_text("import time\n"
+                                             "def reward(prompt, response_ids):\n"
+                                             "    time.sleep(0.5)\n"
+                                             "    return 0.0\n")
+    proc = _launch(2, {**TINY, "num_steps": 2, "output_dir": tmp_path / "run", "custom_rm_path": "slow_reward:reward",
+                       "distributed_timeout_minutes": 0.03}, pythonpath=(tmp_path,))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    # The first rollout waits for its rewards (the second takes surplus groups rewarded meanwhile).
+    assert rows[0]["rollout/wall_s"] > 1.8
+
+
 def test_parallel_settings_are_flags_validated_by_megatron_parallel_config() -> None:
     args = cli.build_parser().parse_args([
         "train", "--trainer", "megatron", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",

@@ -73,13 +73,18 @@ class _Channel:
     def __init__(self, timeout_s: float) -> None:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.lock = threading.Lock()
+        self.timeout_s = timeout_s
 
     def send(self, command: _Command) -> None:
         dist.broadcast_object_list([command], src=0, group=self.group)
 
     def receive(self) -> _Command:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except RuntimeError as err:  # gloo's timeout or a closed connection
+            raise InvalidStateError(f"no command from rank 0 within {self.timeout_s:g} s "
+                                    f"(distributed_timeout_minutes), or rank 0 is gone: {err}") from None
         return box[0]
 
 
