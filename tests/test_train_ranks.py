@@ -206,6 +206,9 @@ def test_parallel_settings_are_flags_validated_by_megatron_parallel_config() -> 
     with pytest.raises(ConfigError, match="use_distributed_optimizer=True is not allowed"):
         TrainConfig(trainer="megatron", use_distributed_optimizer=True)
     assert check_world(TrainConfig(), 3) == 3  # the torch trainer: data parallel over any world
+    small = TrainConfig(rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=2)
+    with pytest.raises(ConfigError, match="optimizer step of 2 samples .* cannot be split across 3"):
+        check_world(small, 3)
 
 
 def test_a_split_model_in_one_process_says_how_to_launch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

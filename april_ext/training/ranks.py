@@ -52,18 +52,24 @@ class _Command:
 
 def check_world(config: TrainConfig, world_size: int) -> int:
     """The data-parallel size of ``config``'s run in a world of ``world_size`` ranks; ConfigError when the
-    layout does not fit it (tensor x pipeline x context parallel must divide it; the torch trainer takes
-    any world)."""
-    if config.trainer == "torch":
-        return world_size
-    split = config.parallel_config()
-    if world_size % split.model_parallel_size:
-        launch = ("launch it with --nproc-per-node or torchrun" if world_size == 1
-                  else "change --nproc-per-node / torchrun's world")
-        raise ConfigError(f"the run has {world_size} rank(s), not a multiple of tensor x pipeline x context parallel "
-                          f"= {split.tensor_model_parallel_size} x {split.pipeline_model_parallel_size} x "
-                          f"{split.context_parallel_size}: {launch}")
-    return split.data_parallel_size(world_size)
+    layout does not fit it (tensor x pipeline x context parallel must divide it; the torch trainer is data
+    parallel over any world) or an optimizer step has fewer samples than data-parallel ranks."""
+    dp = world_size
+    if config.trainer != "torch":
+        split = config.parallel_config()
+        if world_size % split.model_parallel_size:
+            launch = ("launch it with --nproc-per-node or torchrun" if world_size == 1
+                      else "change --nproc-per-node / torchrun's world")
+            raise ConfigError(f"the run has {world_size} rank(s), not a multiple of tensor x pipeline x context "
+                              f"parallel = {split.tensor_model_parallel_size} x {split.pipeline_model_parallel_size}"
+                              f" x {split.context_parallel_size}: {launch}")
+        dp = split.data_parallel_size(world_size)
+    # Each optimizer step's samples are split across the data-parallel ranks: at least one each.
+    per_step = config.global_batch_size or config.rollout_batch_size * config.n_samples_per_prompt
+    if per_step < dp:
+        raise ConfigError(f"an optimizer step of {per_step} samples (global_batch_size, or the whole rollout batch) "
+                          f"cannot be split across {dp} data-parallel ranks: give at least {dp}")
+    return dp
 
 
 class _Channel:
