@@ -108,7 +108,11 @@ def test_torch_ddp_on_two_ranks_equals_one_process_across_a_resume(tmp_path: Pat
 @pytest.mark.slow
 def test_megatron_tp2_on_two_ranks_equals_one_process_across_a_resume(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
-    from april_ext.trainer.megatron import DistributedMegatronTrainer, MegatronTrainerConfig, parallel
+    from april_ext.trainer.megatron import (
+        DistributedMegatronTrainer,
+        MegatronTrainerConfig,
+        parallel,
+    )
     from april_ext.training.trainers import trainer_config
 
     settings = {**TINY, "trainer": "megatron", "tensor_model_parallel_size": 2}

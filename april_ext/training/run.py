@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -314,8 +315,9 @@ class TrainingRun:
         for sink in self.sinks:
             sink.log(row["step"], row)
 
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self._stack.__aexit__(*exc_info)
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        traceback: TracebackType | None) -> None:
+        await self._stack.__aexit__(exc_type, exc, traceback)
 
     async def step(self) -> dict[str, Any] | None:
         """One training step (rollout, update, weight sync, metrics row, periodic checkpoint); None when
