@@ -7,7 +7,8 @@ checkpoints), so each must run on every rank in the same order. Rank 0 alone own
 engine, the rewards, the metrics and the outputs; its TrainingRun gets a ``LeaderTrainer``, which
 broadcasts each call (name and arguments: the TrainingBatch, a checkpoint path) to the other ranks over a
 gloo group of its own before making it locally, and the other ranks ``follow``: they receive each call
-and make it on their trainer, until rank 0 says stop.
+and make it on their trainer (an export only takes part in the gather and keeps nothing), until rank 0
+says stop.
 
 Nothing hangs: a rank that raises exits, and torchrun stops the others (with the failing rank's error in
 the output). While rank 0 generates, a keep-alive goes out every quarter of the timeout, so a follower
@@ -17,6 +18,7 @@ torchrun's watch); rank 0 failing outside a trainer call tells the followers, wh
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -179,7 +181,13 @@ def follow(channel: _Channel, trainer: Trainer) -> None:
         if command.kind == "abort":
             dist.barrier(group=channel.group)
             raise InvalidStateError(f"rank 0 stopped the run: {command.args[0]}")
-        if command.kind in _CALLS:
+        if command.kind == "export_weights":
+            # Only rank 0 uses the weights: a follower takes part in the gather (Megatron's, one tensor at a
+            # time) without keeping the whole model; a trainer without one (DDP) exports locally, so nothing.
+            gather = getattr(trainer, "iter_hf_weights", None)
+            if gather is not None:
+                collections.deque(gather(), maxlen=0)
+        elif command.kind in _CALLS:
             getattr(trainer, command.kind)(*command.args, **command.kwargs)
         elif command.kind != "ping":
             raise InvalidStateError(f"rank 0 sent an unknown command {command.kind!r}")
