@@ -139,7 +139,10 @@ def run(args: argparse.Namespace) -> int:
     from april_ext.training.run import train, train_side_by_side
 
     config = config_from_args(args)
-    if args.nproc_per_node is not None or launched_by_torchrun():
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node} is not allowed: an int >= 1")
+    # --nproc-per-node 1 is this process (a world of one), not a launch.
+    if (args.nproc_per_node or 1) > 1 or launched_by_torchrun():
         if args.compare:
             raise ConfigError("--compare runs in one process; leave out --nproc-per-node and torchrun")
         if not launched_by_torchrun():
@@ -187,8 +190,6 @@ def run(args: argparse.Namespace) -> int:
 def _launch(config: TrainConfig, nproc: int, argv: list[str]) -> int:
     """The same command line in ``nproc`` ranks started by torchrun (its standalone rendezvous on this
     machine); each rank's errors are printed by that rank."""
-    if nproc < 1:
-        raise ConfigError(f"--nproc-per-node {nproc} is not allowed: an int >= 1")
     check_world(config, nproc)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
