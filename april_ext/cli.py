@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -28,11 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    # The command line as given, for a subcommand that starts itself again (train --nproc-per-node).
+    args.argv = argv
     try:
         return int(args.func(args))
     except AprilError as err:
-        print(f"april-ext {args.command}: error: {err}", file=sys.stderr)
+        where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"april-ext {args.command}{where}: error: {err}", file=sys.stderr)
         return 2
 
 

@@ -8,9 +8,11 @@ import os
 from dataclasses import fields
 from typing import Any
 
-from april_ext.errors import ConfigError
+from april_ext.errors import ConfigError, InvalidStateError
 from april_ext.settings import add_flag, settings
-from april_ext.training.config import SCHEDULER_SETTINGS, TrainConfig
+from april_ext.trainer.distributed import launched_by_torchrun
+from april_ext.training.config import PARALLEL_SETTINGS, SCHEDULER_SETTINGS, TrainConfig
+from april_ext.training.ranks import check_world
 
 _GROUPS = {
     "data and task": ("task", "data", "tokenizer", "prompt_key", "label_key", "num_epochs", "counting_median",
@@ -23,6 +25,7 @@ _GROUPS = {
     "rewards and filters": ("custom_rm_path", "custom_rm_kind", "custom_rm_text", "custom_rm_timeout_s",
                             "dynamic_sampling_filter_path"),
     "evaluation": ("eval_interval", "eval_prompt_data", "n_samples_per_eval_prompt", "eval_counting_prompts"),
+    "parallel (across ranks)": (*PARALLEL_SETTINGS, "distributed_timeout_minutes"),
     "metrics": ("use_tensorboard", "use_wandb", "wandb_project", "wandb_dir", "plots", "progress"),
 }
 
@@ -62,6 +65,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                 help=f"{known[name].doc} slime's 'NAME PATH' works too. (default: None)")
             continue
         add_flag(groups[owner.get(name, "training and outputs")], known[name], SLIME_ALIASES.get(name, ()))
+    groups["parallel (across ranks)"].add_argument(
+        "--nproc-per-node", type=int, default=None, metavar="N",
+        help="start N ranks on this machine through torchrun (torch.distributed.run) and run across them: rank 0 "
+             "trains with the engine, the others follow its trainer; under torchrun leave it out or give torchrun's")
     _add_slime_flags(parser.add_argument_group(
         "slime flags", "slime's flags whose meaning takes two of its flags; see docs/loop.md"))
     parser.set_defaults(func=run)
@@ -129,8 +136,22 @@ def run(args: argparse.Namespace) -> int:
     from april_ext.training.run import train, train_side_by_side
 
     config = config_from_args(args)
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node} is not allowed: an int >= 1")
+    # --nproc-per-node 1 is this process (a world of one), not a launch.
+    if (args.nproc_per_node or 1) > 1 or launched_by_torchrun():
+        if args.compare:
+            raise ConfigError("--compare runs in one process; leave out --nproc-per-node and torchrun")
+        if not launched_by_torchrun():
+            return _launch(config, args.nproc_per_node, args.argv)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if args.nproc_per_node not in (None, local):
+            raise ConfigError(f"--nproc-per-node {args.nproc_per_node} under torchrun, which started {local} "
+                              f"ranks on this machine; leave the flag out under torchrun")
     if not args.compare:
         result = train(config)
+        if result is None:  # a rank that followed rank 0's trainer: rank 0 reports
+            return 0
         _print_summary({"run": result.summary})
         print(f"metrics: {os.path.join(result.output_dir, 'metrics.jsonl')}  checkpoint: {result.checkpoint}")
         return 0
@@ -160,6 +181,24 @@ def run(args: argparse.Namespace) -> int:
     if config.plots:
         path = plot_compare({n: r.history for n, r in results.items()}, os.path.join(config.output_dir, "compare.png"))
         print(f"plot: {path}")
+    return 0
+
+
+def _launch(config: TrainConfig, nproc: int, argv: list[str]) -> int:
+    """The same command line in ``nproc`` ranks started by torchrun (its standalone rendezvous on this
+    machine); each rank's errors are printed by that rank."""
+    check_world(config, nproc)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    try:
+        torchrun(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "april_ext.cli", *argv]))
+    except ChildFailedError as err:
+        # The first to fail is the cause; torchrun then stopped the others.
+        rank, failure = err.get_first_failure()
+        raise InvalidStateError(f"the run failed on rank {rank} (exit code {failure.exitcode}; its error is printed "
+                                f"above) and torchrun stopped the other ranks") from None
     return 0
 
 

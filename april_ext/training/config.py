@@ -22,6 +22,7 @@ from april_ext.algorithms import KL_SHAPED_ADVANTAGES
 from april_ext.errors import ConfigError
 from april_ext.scheduler import SchedulerConfig
 from april_ext.settings import adopt, settings
+from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,14 +40,19 @@ KlType = Literal["k1", "k2", "k3", "low_var_kl"]
 
 SCHEDULER_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(SchedulerConfig))
 """The TrainConfig fields that are SchedulerConfig's."""
+PARALLEL_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(MegatronParallelConfig) if f.name != "timeout_s")
+"""The TrainConfig fields that are MegatronParallelConfig's (its timeout_s is distributed_timeout_minutes)."""
 
 
 # A run's batch is the counting task's on a CPU: 8 groups, not SchedulerConfig's 32.
 @dataclass(frozen=True)
 @adopt(SchedulerConfig, defaults={"rollout_batch_size": 8})
+@adopt(MegatronParallelConfig, exclude=("timeout_s",))
 class TrainConfig:
     """One training run. See docs/loop.md for the table of fields. The scheduler's settings (rollout_batch_size,
-    refill, max_staleness, ...) are every SchedulerConfig field, adopted after the fields written here."""
+    refill, max_staleness, ...) are every SchedulerConfig field, and the parallel layout
+    (tensor_model_parallel_size, ...) every MegatronParallelConfig field but its timeout, adopted after the
+    fields written here."""
 
     # --- data and task
     task: str | None = "counting"
@@ -196,6 +202,8 @@ class TrainConfig:
     """Pause the trainer's memory while the engine generates and the engine's while the trainer trains."""
     num_threads: int | None = None
     """torch intra-op threads; None leaves torch's default."""
+    distributed_timeout_minutes: float = 10.0
+    """Across ranks (torchrun): the limit of every collective and of a rank's wait for rank 0's next command."""
     # --- outputs
     output_dir: str = "april_runs/run"
     """metrics.jsonl, plots and (unless save is set) checkpoints go here."""
@@ -227,9 +235,10 @@ class TrainConfig:
         if isinstance(self.sglang_urls, list):  # TOML arrays arrive as lists
             object.__setattr__(self, "sglang_urls", tuple(self.sglang_urls))
         for f in fields(self):
-            if f.name not in SCHEDULER_SETTINGS:
+            if f.name not in SCHEDULER_SETTINGS and f.name not in PARALLEL_SETTINGS:
                 _check_type(f.name, getattr(self, f.name))
         self.scheduler_config()
+        self._check_parallel()
         if self.task is not None and self.task not in TASKS:
             _bad("task", self.task, f"one of {TASKS}, or None with data")
         if (self.task is None) == (self.data is None):
@@ -300,6 +309,28 @@ class TrainConfig:
             if path is not None and not _IMPORT_PATH.fullmatch(path):
                 _bad(name, path, "an import path 'pkg.module:function' or 'pkg.module.function'")
         self._check_sglang()
+
+    def _check_parallel(self) -> None:
+        if not math.isfinite(self.distributed_timeout_minutes) or self.distributed_timeout_minutes <= 0:
+            _bad("distributed_timeout_minutes", self.distributed_timeout_minutes, "a finite number > 0")
+        split = self.parallel_config()
+        if self.trainer == "torch":
+            # TorchTrainer is data parallel only (DDP): every rank holds the whole model.
+            for name in PARALLEL_SETTINGS:
+                if getattr(split, name) != getattr(MegatronParallelConfig, name):
+                    _bad(name, getattr(self, name), f"{getattr(MegatronParallelConfig, name)!r} with trainer='torch' "
+                         "(the torch trainer is data parallel only; trainer='megatron' splits the model)")
+        if self.use_distributed_optimizer:
+            # DistributedMegatronTrainer refuses such checkpoints, and a run saves one at least at its end.
+            _bad("use_distributed_optimizer", True, "False: with torch's Adam (no Transformer Engine / Apex), "
+                 "megatron-core 0.16 fails to save or reload the distributed optimizer's state, and a run "
+                 "saves checkpoints")
+
+    def parallel_config(self) -> MegatronParallelConfig:
+        """The parallel layout as a MegatronParallelConfig, which validates it (ConfigErrors name
+        MegatronParallelConfig); its timeout is distributed_timeout_minutes."""
+        return MegatronParallelConfig(**{name: getattr(self, name) for name in PARALLEL_SETTINGS},
+                                      timeout_s=60.0 * self.distributed_timeout_minutes)
 
     def _check_sglang(self) -> None:
         for url in (*self.sglang_urls, *([self.sglang_router_url] if self.sglang_router_url else [])):
@@ -433,4 +464,4 @@ def _check_type(name: str, value: Any) -> None:
         _bad(name, value, kind + (" or None" if optional else ""))
 
 
-__all__ = ["ALGORITHMS", "ENGINES", "SCHEDULER_SETTINGS", "TASKS", "TRAINERS", "TrainConfig"]
+__all__ = ["ALGORITHMS", "ENGINES", "PARALLEL_SETTINGS", "SCHEDULER_SETTINGS", "TASKS", "TRAINERS", "TrainConfig"]

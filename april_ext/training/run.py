@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -36,6 +37,8 @@ from april_ext.persistence import atomic_write_json, atomic_write_text
 from april_ext.protocol import RolloutEngine, SamplingParams, Trainer
 from april_ext.rollout import GroupFilter, RewardFn, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler
+from april_ext.trainer.distributed import launched_by_torchrun
+from april_ext.training import ranks
 from april_ext.training.checkpoint import CheckpointManager
 from april_ext.training.config import TrainConfig
 from april_ext.training.engines import EngineFactory, build_engine, engine_metrics
@@ -162,13 +165,19 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Runs (or resumes) a training run to ``num_steps`` steps or until the data runs out."""
+def train(config: TrainConfig) -> TrainResult | None:
+    """Runs (or resumes) a training run to ``num_steps`` steps or until the data runs out. Under torchrun
+    every rank calls it: rank 0 runs the training and returns its result, the others follow its trainer
+    (training.ranks) and return None."""
+    if launched_by_torchrun():
+        return ranks.run_on_ranks(config, lambda factory: asyncio.run(train_async(config, factory)),
+                                  lambda: _build_task(config).make_model())
+    ranks.check_world(config, 1)
     return asyncio.run(train_async(config))
 
 
-async def train_async(config: TrainConfig) -> TrainResult:
-    async with TrainingRun(config) as run:
+async def train_async(config: TrainConfig, trainer_factory: TrainerFactory = build_trainer) -> TrainResult:
+    async with TrainingRun(config, trainer_factory=trainer_factory) as run:
         while not run.done:
             await run.step()
         return await run.finish()
@@ -219,8 +228,9 @@ class TrainingRun:
     async def __aenter__(self) -> TrainingRun:
         try:
             return await self._open()
-        except BaseException:
-            await self._stack.aclose()
+        except BaseException as err:
+            # The error goes to every exit: a trainer across ranks tells the other ranks why the run stopped.
+            await self._stack.__aexit__(type(err), err, err.__traceback__)
             raise
 
     async def _open(self) -> TrainingRun:
@@ -305,8 +315,9 @@ class TrainingRun:
         for sink in self.sinks:
             sink.log(row["step"], row)
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self._stack.aclose()
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        traceback: TracebackType | None) -> None:
+        await self._stack.__aexit__(exc_type, exc, traceback)
 
     async def step(self) -> dict[str, Any] | None:
         """One training step (rollout, update, weight sync, metrics row, periodic checkpoint); None when

@@ -3,7 +3,8 @@
 ``build_trainer(config, model, memory_tag_prefix)`` is a context manager yielding a
 :class:`april_ext.protocol.Trainer` that starts from ``model``'s weights at version 0:
 "torch" trains ``model`` itself (TorchTrainer); "megatron" loads its weights into a megatron-core
-GPTModel (MegatronTrainer) and tears its process group down on exit.
+GPTModel (MegatronTrainer in a world of one; DistributedMegatronTrainer, split as the run's parallel
+settings say, across the ranks of a launch) and tears its process group down on exit.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from april_ext.algorithms import AlgorithmConfig
 from april_ext.errors import ConfigError
 from april_ext.model import LlamaForCausalLM
 from april_ext.protocol.trainer import Trainer
-from april_ext.trainer import TorchTrainer, TrainerConfig
+from april_ext.trainer import TorchTrainer, TrainerConfig, distributed
 from april_ext.training.config import TrainConfig
 
 TrainerFactory = Callable[[TrainConfig, LlamaForCausalLM, str], AbstractContextManager[Trainer]]
@@ -59,15 +60,26 @@ def _torch_trainer(config: TrainConfig, model: LlamaForCausalLM, settings: Train
 
 @contextlib.contextmanager
 def _megatron_trainer(config: TrainConfig, model: LlamaForCausalLM, settings: TrainerConfig) -> Iterator[Trainer]:
-    from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, parallel
+    from april_ext.trainer.megatron import (
+        DistributedMegatronTrainer,
+        MegatronTrainer,
+        MegatronTrainerConfig,
+        parallel,
+    )
 
     try:
         import megatron.core  # noqa: F401 - only to say what is missing before anything is built
     except ImportError as err:
         raise ConfigError(f"TrainConfig.trainer='megatron' needs megatron-core ({err}): "
                           "pip install 'april_ext[megatron]'") from None
-    trainer = MegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=settings, seed=config.seed),
-                              model.named_parameters())
+    if distributed.world()[1] > 1:
+        # Across the ranks of a launch (training.ranks): split as the run's parallel settings say.
+        trainer: Trainer = DistributedMegatronTrainer(MegatronTrainerConfig(
+            model=model.config, trainer=settings, seed=config.seed, parallel=config.parallel_config()),
+            model.named_parameters())
+    else:
+        trainer = MegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=settings, seed=config.seed),
+                                  model.named_parameters())
     try:
         yield trainer
     finally:

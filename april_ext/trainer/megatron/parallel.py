@@ -25,25 +25,25 @@ _owns_model_parallel = False
 
 @dataclass(frozen=True)
 class MegatronParallelConfig:
-    """How a model is split across the ranks (Megatron's flag names, with dashes for underscores).
-
-    tensor_model_parallel_size: ranks sharing each layer (attention heads, MLP columns, the vocabulary).
-    pipeline_model_parallel_size: consecutive stages of layers (the 1F1B schedule).
-    context_parallel_size: only 1: megatron-core splits a packed sequence across context-parallel ranks
-        only in Transformer Engine's attention, which this path does not use.
-    expert_model_parallel_size: ranks sharing the experts of a mixture-of-experts model.
-    sequence_parallel: layer norms and dropout work on a 1/tp slice of the tokens (needs tp > 1).
-    use_distributed_optimizer: Adam state and fp32 main parameters sharded across data-parallel ranks.
-    timeout_s: the limit of every collective (and of the rendezvous).
-    """
+    """How a model is split across the ranks (Megatron's flag names, with dashes for underscores). The
+    fields are TrainConfig settings too (adopted, with these docs), but for timeout_s, which TrainConfig
+    sets from distributed_timeout_minutes."""
 
     tensor_model_parallel_size: int = 1
+    """Ranks sharing each layer (attention heads, MLP columns, the vocabulary); Megatron trainer only."""
     pipeline_model_parallel_size: int = 1
+    """Consecutive stages of layers (the 1F1B schedule); Megatron trainer only."""
     context_parallel_size: int = 1
+    """Only 1: megatron-core splits a packed sequence across context-parallel ranks only in Transformer
+    Engine's attention, which this path does not use."""
     expert_model_parallel_size: int = 1
+    """Ranks sharing the experts of a mixture-of-experts model; Megatron trainer only."""
     sequence_parallel: bool = False
+    """Layer norms and dropout work on a 1/tp slice of the tokens (needs tensor_model_parallel_size > 1)."""
     use_distributed_optimizer: bool = False
+    """Adam state and fp32 main parameters sharded across data-parallel ranks; Megatron trainer only."""
     timeout_s: float = 600.0
+    """The limit of every collective (and of the rendezvous)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",

@@ -87,17 +87,37 @@ def load_hf_weights(gpt: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
 
 
 def _gather_tp(param: torch.Tensor, name: str) -> torch.Tensor:
+    """The whole parameter from its tensor-parallel shards, built in place: each rank broadcasts its shard
+    into its slice of the one full-size tensor (through a shard-sized buffer where the slice is not
+    contiguous), so at most one shard is held beside it (an all-gather holds all of them, gloo's into-tensor
+    variant a second full-size buffer)."""
     from megatron.core import parallel_state
 
     size = parallel_state.get_tensor_model_parallel_world_size()
     if not getattr(param, "tensor_model_parallel", False) or size == 1:
         return param.detach()
-    shards = [torch.empty_like(param) for _ in range(size)]
-    dist.all_gather(shards, param.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=param.partition_dim)
+    group = parallel_state.get_tensor_model_parallel_group()
+    me, dim = parallel_state.get_tensor_model_parallel_rank(), param.partition_dim
+    local = param.detach()
+    shape = list(local.shape)
+    shape[dim] *= size
+    full = torch.empty(shape, dtype=local.dtype, device=local.device)
+    # A rank's fused SwiGLU shard [gate_r; up_r] goes to two places of [gate; up]; any other shard to one.
+    pieces = local.chunk(2, dim=0) if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")) else (local,)
+    for r in range(size):
+        for k, piece in enumerate(pieces):
+            n = piece.shape[dim]
+            target = full.narrow(dim, (k * size + r) * n, n)
+            if target.is_contiguous():
+                if r == me:
+                    target.copy_(piece)
+                dist.broadcast(target, group_src=r, group=group)
+            else:
+                buffer = piece.contiguous() if r == me else torch.empty(target.shape, dtype=local.dtype,
+                                                                        device=local.device)
+                dist.broadcast(buffer, group_src=r, group=group)
+                target.copy_(buffer)
+    return full
 
 
 def _to_hf(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]]:
@@ -150,6 +170,7 @@ def iter_hf_weights(gpt: nn.Module, config: ModelConfig) -> Iterator[tuple[str, 
                 full = full.contiguous()
                 dist.broadcast(full, src=ranks[stage], group=pp_group)
             yield from _to_hf(name, full, config)
+            del full  # not held while the next parameter is gathered
 
 
 def _device() -> torch.device:
