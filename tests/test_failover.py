@@ -35,6 +35,7 @@ from april_ext.sglang import (
     free_port,
     launch_sglang_server,
 )
+from april_ext.training.engines import engine_metrics
 
 PROMPT = [5, 17, 33, 2, 60]
 TIMEOUT_S = 2.0  # worker_timeout_s of these tests
@@ -157,6 +158,7 @@ def test_a_worker_lost_mid_step_fails_over_and_rejoins_with_the_current_weights(
             detected_s = await _until(lambda: victim.url in engine.pool_health()["removed"], 30,
                                       f"{victim.url} removed")
             removed = engine.pool_health()
+            metrics_removed = await engine_metrics(engine)
             result = await asyncio.wait_for(step, 120)
             _check_against_scheduler(scheduler, result.batch, prompts, trained)
 
@@ -167,6 +169,7 @@ def test_a_worker_lost_mid_step_fails_over_and_rejoins_with_the_current_weights(
                 os.killpg(victim.process.pid, signal.SIGCONT)
             await _until(lambda: engine.pool_health()["rejoins"] == 1, 60, f"{victim.url} rejoins")
             versions = await engine.weight_versions()
+            metrics_rejoined = await engine_metrics(engine)
             async with SGLangEngine(SGLangEngineConfig(worker_urls=(victim.url,))) as alone:
                 greedy = [t async for c in alone.generate(PROMPT, SamplingParams(max_new_tokens=12, temperature=0.0,
                                                                                    ignore_eos=True))
@@ -176,7 +179,8 @@ def test_a_worker_lost_mid_step_fails_over_and_rejoins_with_the_current_weights(
             after = (await _server_state(session, victim.url))["generated_tokens"]
             return {"detected_s": detected_s, "removed": removed, "metrics": result.metrics, "versions": versions,
                     "greedy": greedy, "dispatched_again": after - before, "second": second,
-                    "health": engine.pool_health()}
+                    "health": engine.pool_health(), "metrics_removed": metrics_removed,
+                    "metrics_rejoined": metrics_rejoined}
 
     with one_torch_thread(), _servers(tmp_path, ckpt) as servers:
         if mode == "router":
@@ -205,6 +209,10 @@ def test_a_worker_lost_mid_step_fails_over_and_rejoins_with_the_current_weights(
     assert sorted(health["live"]) == sorted([victim_url, other_url]) and health["removed"] == {}
     assert (health["removals"], health["rejoins"]) == (1, 1)
     assert out["second"].batch.n_groups == 3
+    # What a training run's metrics row gets (progress line: workers=live/all).
+    pool_keys = ("engine/workers_live", "engine/workers_removed", "engine/worker_removals", "engine/worker_rejoins")
+    assert [out["metrics_removed"][k] for k in pool_keys] == [1, 1, 1, 0]
+    assert [out["metrics_rejoined"][k] for k in pool_keys] == [2, 0, 1, 1]
 
 
 @pytest.mark.slow

@@ -144,12 +144,13 @@ class Failover:
         self._removed_at[url] = _now()
         self._last_seen.pop(url, None)
         logger.warning("SGLang failover: worker %s removed: %s", url, self._workers.removed[url].reason)
-        if self._router:
-            self._spawn(self._workers.detach(url))
-        else:
-            states = [s for s in self._inflight.values() if s.url == url and not s.done.is_set()]
-            if states:
-                self._spawn(self._cut(states))
+        self._spawn(self._workers.detach(url) if self._router else self._cut_requests_on(url))
+
+    async def _cut_requests_on(self, url: str) -> None:
+        # Chosen when it runs: a request that was refused there is already sent to another worker.
+        states = [s for s in self._inflight.values() if s.url == url and not s.done.is_set()]
+        if states:
+            await self._cut(states)
 
     async def _rejoin(self, url: str) -> None:
         try:

@@ -233,7 +233,7 @@ class WorkerPool:
         removed = {url: r.reason for url, r in self.removed.items()}
         try:
             urls = await self.worker_urls()
-        except SGLangHTTPError as exc:
+        except (SGLangHTTPError, SGLangNoWorkerError) as exc:
             return {"status": "error", "workers": {}, "removed": removed, "error": str(exc)}
         results = await asyncio.gather(*(self._http.call("GET", f"{u}/health", idempotent=False) for u in urls),
                                        return_exceptions=True)

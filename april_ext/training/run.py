@@ -43,7 +43,12 @@ from april_ext.training.evaluation import evaluate
 from april_ext.training.handoff import StepMemory, sync_weights
 from april_ext.training.hooks import ImportedFilter, ImportedReward
 from april_ext.training.metrics import read_metrics, step_row, summarize
-from april_ext.training.sinks import TENSORBOARD_DIR, MetricsSink, TensorBoardSink, WandbSink
+from april_ext.training.sinks import (
+    TENSORBOARD_DIR,
+    MetricsSink,
+    TensorBoardSink,
+    WandbSink,
+)
 from april_ext.training.trainers import TrainerFactory, algorithm_config, build_trainer
 
 METRICS_FILE = "metrics.jsonl"
@@ -340,8 +345,10 @@ class TrainingRun:
         self.history.append(row)
         self._log(row)
         self.bar.update(1)
+        workers = {"workers": f"{row['engine/workers_live']}/{row['engine/workers_live'] + row['engine/workers_removed']}"
+                   } if "engine/workers_live" in row else {}
         self.bar.set_postfix(reward=f"{rm.reward_mean:.3f}", tok_s=f"{rm.tokens_per_s:.0f}",
-                             partial=f"{rm.scheduler['carried_token_ratio']:.2f}")
+                             partial=f"{rm.scheduler['carried_token_ratio']:.2f}", **workers)
         if config.save_interval and self.steps_done % config.save_interval == 0 and not self.done:
             await self.save()
         return row
