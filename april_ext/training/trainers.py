@@ -55,11 +55,7 @@ def _torch_trainer(config: TrainConfig, model: LlamaForCausalLM, settings: Train
 
 @contextlib.contextmanager
 def _megatron_trainer(config: TrainConfig, model: LlamaForCausalLM, settings: TrainerConfig) -> Iterator[Trainer]:
-    from april_ext.trainer.megatron import (
-        MegatronTrainer,
-        MegatronTrainerConfig,
-        parallel,
-    )
+    from april_ext.trainer.megatron import MegatronTrainer, MegatronTrainerConfig, parallel
 
     try:
         import megatron.core  # noqa: F401 - only to say what is missing before anything is built
