@@ -13,12 +13,7 @@ from april_ext.sglang.errors import (
     SGLangLaunchError,
     SGLangNoWorkerError,
 )
-from april_ext.sglang.launcher import (
-    SGLangServerArgs,
-    SGLangServerProcess,
-    free_port,
-    launch_sglang_server,
-)
+from april_ext.sglang.launcher import SGLangServerArgs, SGLangServerProcess, free_port, launch_sglang_server
 from april_ext.sglang.requests import wire_rid
 
 __all__ = [

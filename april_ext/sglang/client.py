@@ -12,11 +12,7 @@ from typing import Any
 import aiohttp
 
 from april_ext.errors import InvalidStateError
-from april_ext.sglang.errors import (
-    SGLangBadRequestError,
-    SGLangConnectionError,
-    SGLangHTTPError,
-)
+from april_ext.sglang.errors import SGLangBadRequestError, SGLangConnectionError, SGLangHTTPError
 
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, ConnectionError)
 # A response cut mid-body (the server died: its chunked stream ends early) is a payload error to aiohttp,

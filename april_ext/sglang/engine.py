@@ -3,8 +3,9 @@
 generate() streams /generate and yields per-event deltas (requests.py); abort() returns partial outputs
 (aborts.py); weight updates (weights.py), memory release / resume and health go to every worker, which
 the worker pool routes to (workers.py). With config.worker_timeout_s, failover.py takes dead or stalled
-workers out of the pool (their requests end as resumable ABORT partials) and brings them back. The argument checks, request ids, memory tags and the stream
-that aborts when its consumer leaves are those of every engine (april_ext.protocol).
+workers out of the pool (their requests end as resumable ABORT partials) and brings them back. The
+argument checks, request ids, memory tags and the stream that aborts when its consumer leaves are those
+of every engine (april_ext.protocol).
 """
 
 from __future__ import annotations
@@ -19,12 +20,7 @@ from typing import Any
 
 from april_ext.batch import FinishReason
 from april_ext.errors import ConfigError, InvalidArgumentError
-from april_ext.protocol.engine_base import (
-    RequestStream,
-    check_weight_version,
-    generate_args,
-    stream_until_finish,
-)
+from april_ext.protocol.engine_base import RequestStream, check_weight_version, generate_args, stream_until_finish
 from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import GenerationChunk, GenerationOutput
 from april_ext.protocol.request_ids import RequestIds, abort_ids

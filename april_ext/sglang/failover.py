@@ -87,7 +87,7 @@ class Failover:
         while True:
             try:
                 await self._tick()
-            except SGLangHTTPError as exc:  # the router did not answer: a tick later, again
+            except AprilError as exc:  # e.g. the router did not answer: a tick later, again
                 logger.warning("SGLang failover: %s", exc)
             await asyncio.sleep(self.interval_s)
 

@@ -23,11 +23,7 @@ from typing import Any
 
 from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.config import SGLangEngineConfig
-from april_ext.sglang.errors import (
-    SGLangConnectionError,
-    SGLangHTTPError,
-    SGLangNoWorkerError,
-)
+from april_ext.sglang.errors import SGLangConnectionError, SGLangHTTPError, SGLangNoWorkerError
 from april_ext.sglang.profiles import ServerProfile, probe
 
 
@@ -143,10 +139,11 @@ class WorkerPool:
             await self._http.call("POST", f"{router}/workers", {"url": url}, idempotent=False)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + float(self.config.worker_timeout_s or self.config.timeout_s)
-            while url not in [u for u, _ in await self._router_workers()]:
+            while url not in (listed := [u for u, _ in await self._router_workers()]):
                 if loop.time() > deadline:
                     raise SGLangHTTPError(f"{router}/workers", 202, f"the router did not list {url} in time")
                 await asyncio.sleep(0.1)
+            self._listed = listed
         del self.removed[url]
         self._gone[url] = asyncio.Event()
         self.rejoins += 1

@@ -43,12 +43,7 @@ from april_ext.training.evaluation import evaluate
 from april_ext.training.handoff import StepMemory, sync_weights
 from april_ext.training.hooks import ImportedFilter, ImportedReward
 from april_ext.training.metrics import read_metrics, step_row, summarize
-from april_ext.training.sinks import (
-    TENSORBOARD_DIR,
-    MetricsSink,
-    TensorBoardSink,
-    WandbSink,
-)
+from april_ext.training.sinks import TENSORBOARD_DIR, MetricsSink, TensorBoardSink, WandbSink
 from april_ext.training.trainers import TrainerFactory, algorithm_config, build_trainer
 
 METRICS_FILE = "metrics.jsonl"
@@ -345,8 +340,8 @@ class TrainingRun:
         self.history.append(row)
         self._log(row)
         self.bar.update(1)
-        workers = {"workers": f"{row['engine/workers_live']}/{row['engine/workers_live'] + row['engine/workers_removed']}"
-                   } if "engine/workers_live" in row else {}
+        live, removed = row.get("engine/workers_live"), row.get("engine/workers_removed")
+        workers = {} if live is None else {"workers": f"{live}/{live + removed}"}
         self.bar.set_postfix(reward=f"{rm.reward_mean:.3f}", tok_s=f"{rm.tokens_per_s:.0f}",
                              partial=f"{rm.scheduler['carried_token_ratio']:.2f}", **workers)
         if config.save_interval and self.steps_done % config.save_interval == 0 and not self.done:
