@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.engine import SGLangEngine, SGLangEngineStats
-from april_ext.sglang.errors import SGLangBadRequestError, SGLangConnectionError, SGLangHTTPError, SGLangLaunchError
+from april_ext.sglang.errors import (
+    SGLangBadRequestError,
+    SGLangConnectionError,
+    SGLangHTTPError,
+    SGLangLaunchError,
+    SGLangNoWorkerError,
+)
 from april_ext.sglang.launcher import SGLangServerArgs, SGLangServerProcess, free_port, launch_sglang_server
 from april_ext.sglang.requests import wire_rid
 
@@ -18,6 +24,7 @@ __all__ = [
     "SGLangEngineStats",
     "SGLangHTTPError",
     "SGLangLaunchError",
+    "SGLangNoWorkerError",
     "SGLangServerArgs",
     "SGLangServerProcess",
     "free_port",

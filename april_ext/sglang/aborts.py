@@ -15,7 +15,6 @@ from typing import Any
 from april_ext.batch import FinishReason
 from april_ext.errors import AprilError
 from april_ext.protocol.outputs import GenerationChunk
-from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.requests import RequestState, wire_rid
 from april_ext.sglang.workers import WorkerPool
@@ -27,18 +26,16 @@ class Aborter:
     """Sends /abort_request for given requests (to their server, or to every worker behind a router) or
     abort_all to every worker, and waits for the aborted streams."""
 
-    def __init__(self, config: SGLangEngineConfig, http: HTTPClient, workers: WorkerPool) -> None:
+    def __init__(self, config: SGLangEngineConfig, workers: WorkerPool) -> None:
         self.config = config
-        self._http = http
         self._workers = workers
         self._background: set[asyncio.Task[Any]] = set()
 
     async def abort_all(self, states: list[RequestState], version: int) -> None:
         """abort_all on every worker; returns once the given streams ended."""
         async def send() -> None:
-            urls = await self._workers.worker_urls()
-            await asyncio.gather(*(self._http.call("POST", f"{u}/abort_request", {"rid": "", "abort_all": True},
-                                                   idempotent=True) for u in urls))
+            await self._workers.call_each(await self._workers.worker_urls(), "/abort_request",
+                                          {"rid": "", "abort_all": True})
         await self._until_done(states, send, version)
 
     async def abort_states(self, states: list[RequestState], version: int) -> None:
@@ -46,9 +43,9 @@ class Aborter:
         async def send() -> None:
             pending = [s for s in states if not s.done.is_set()]
             workers = await self._workers.worker_urls() if self.config.router_url is not None else None
-            calls = [self._http.call("POST", f"{url}/abort_request", {"rid": wire_rid(s.request_id)}, idempotent=True)
-                     for s in pending for url in (workers if workers is not None else [s.url])]
-            await asyncio.gather(*calls)
+            await asyncio.gather(*(self._workers.call_each(workers if workers is not None else [s.url],
+                                                           "/abort_request", {"rid": wire_rid(s.request_id)})
+                                   for s in pending))
         await self._until_done(states, send, version)
 
     async def _until_done(self, states: list[RequestState], send: Callable[[], Awaitable[None]],

@@ -55,9 +55,12 @@ class HTTPClient:
             raise InvalidStateError("the SGLang client is not started: use `async with SGLangEngine(...)` or start()")
         return self._session
 
-    async def call(self, method: str, url: str, payload: Any = None, *, idempotent: bool) -> Any:
-        """Sends JSON, returns the decoded JSON answer (None for an empty body; text if it is not JSON)."""
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=self.connect_timeout_s)
+    async def call(self, method: str, url: str, payload: Any = None, *, idempotent: bool,
+                   timeout_s: float | None = None) -> Any:
+        """Sends JSON, returns the decoded JSON answer (None for an empty body; text if it is not JSON).
+        timeout_s replaces the client's bound for this call (a health probe's is shorter)."""
+        total = self.timeout_s if timeout_s is None else timeout_s
+        timeout = aiohttp.ClientTimeout(total=total, connect=min(self.connect_timeout_s, total))
         attempts = self.retries + 1 if idempotent else 1
         for attempt in range(attempts):
             try:
@@ -89,6 +92,12 @@ class HTTPClient:
         except _STREAM_ERRORS as exc:
             what = "broke its stream mid-response (the server died or dropped the connection)" if started else None
             raise SGLangConnectionError(url, None, f"{type(exc).__name__}: {exc}", what) from exc
+
+
+def refused(exc: BaseException) -> bool:
+    """The server could not be connected to at all (nothing listens on its port: it is gone), as opposed
+    to a timeout or a connection lost mid-answer."""
+    return isinstance(exc, SGLangConnectionError) and isinstance(exc.__cause__, aiohttp.ClientConnectorError)
 
 
 def _decode(body: str) -> Any:

@@ -29,6 +29,11 @@ class SGLangEngineConfig:
     which parses each response once instead of once per event (cumulative events cost O(L^2) for a
     response of L tokens). SGLang holds weight updates until the requests in flight end (unless they
     are aborted), so one response never spans two weight versions. timeout_s then bounds the whole response.
+    worker_timeout_s: failover (failover.py). None: off, a dead server's stream raises and a stalled one
+    stalls its callers until timeout_s. A number: a worker that refuses connections, or from which nothing
+    came (no stream event, no /health answer) for this many seconds, is removed from the pool; the
+    requests it was running end as ABORT with every token received (resumable elsewhere), and it rejoins
+    once it answers again and holds the current weights. /health is probed every worker_timeout_s / 4.
     weight_sync_dir: a directory every server can read at the same path (shared file system). When set,
     update_weights with named tensors writes them there as model.safetensors and loads them with
     /update_weights_from_disk, which real SGLang servers accept; unset, they travel in the request.
@@ -47,6 +52,7 @@ class SGLangEngineConfig:
     max_connections: int = 0
     weight_sync_dir: str | None = None
     stream: bool = True
+    worker_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.worker_urls, str):
@@ -75,6 +81,11 @@ class SGLangEngineConfig:
                 raise ConfigError(f"SGLangEngineConfig.weight_sync_dir must be None or a directory path, "
                                   f"got {self.weight_sync_dir!r}")
             object.__setattr__(self, "weight_sync_dir", os.path.abspath(os.fspath(self.weight_sync_dir)))
+        if self.worker_timeout_s is not None and (isinstance(self.worker_timeout_s, bool)
+                                                  or not isinstance(self.worker_timeout_s, (int, float))
+                                                  or not 0 < self.worker_timeout_s < float("inf")):
+            raise ConfigError(f"SGLangEngineConfig.worker_timeout_s must be None (no failover) or a finite "
+                              f"number of seconds > 0, got {self.worker_timeout_s!r}")
         if not isinstance(self.backoff_s, (int, float)) or self.backoff_s < 0:
             raise ConfigError(f"SGLangEngineConfig.backoff_s must be a number >= 0, got {self.backoff_s!r}")
 

@@ -2,15 +2,18 @@
 
 generate() streams /generate and yields per-event deltas (requests.py); abort() returns partial outputs
 (aborts.py); weight updates (weights.py), memory release / resume and health go to every worker, which
-the worker pool routes to (workers.py). The argument checks, request ids, memory tags and the stream
-that aborts when its consumer leaves are those of every engine (april_ext.protocol).
+the worker pool routes to (workers.py). With config.worker_timeout_s, failover.py takes dead or stalled
+workers out of the pool (their requests end as resumable ABORT partials) and brings them back. The
+argument checks, request ids, memory tags and the stream that aborts when its consumer leaves are those
+of every engine (april_ext.protocol).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
+import os
+from collections.abc import AsyncIterator, Iterable, Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +27,12 @@ from april_ext.protocol.request_ids import RequestIds, abort_ids
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.protocol.sglang_wire import PAUSE_MODES
 from april_ext.sglang.aborts import Aborter
-from april_ext.sglang.client import HTTPClient
+from april_ext.sglang.client import HTTPClient, refused
 from april_ext.sglang.config import SGLangEngineConfig
-from april_ext.sglang.errors import SGLangHTTPError
+from april_ext.sglang.errors import SGLangConnectionError, SGLangHTTPError
+from april_ext.sglang.failover import Failover
 from april_ext.sglang.profiles import ServerProfile
-from april_ext.sglang.requests import RequestState, generate_payload
+from april_ext.sglang.requests import RequestState, generate_payload, weight_version_of
 from april_ext.sglang.weights import WeightsSource, push_weights
 from april_ext.sglang.workers import WorkerPool
 
@@ -61,13 +65,19 @@ class SGLangEngine:
                                 max_connections=config.max_connections)
         self._workers = WorkerPool(config, self._http)
         self._inflight: dict[str, RequestState] = {}
-        self._aborter = Aborter(config, self._http, self._workers)
+        self._aborter = Aborter(config, self._workers)
         self._ids = RequestIds("sglang")
         self._weight_version = config.initial_weight_version
         self._requests = 0
         self._generated = 0
         self._aborted = 0
         self._health: dict[str, Any] = {"status": "error", "workers": {}, "error": "not started"}
+        # The last weights pushed, for a worker that rejoins; the lock keeps a rejoin and an update apart.
+        self._weights: WeightsSource | None = None
+        self._weights_lock = asyncio.Lock()
+        self._failover = None if config.worker_timeout_s is None else Failover(
+            config, self._http, self._workers, self._inflight,
+            lambda states: self._aborter.cut(states, self._weight_version), self._resync)
 
     async def __aenter__(self) -> SGLangEngine:
         await self.start()
@@ -81,6 +91,8 @@ class SGLangEngine:
         not raise, so a server still starting can be waited for with check_health())."""
         await self._http.start()
         await self.check_health()
+        if self._failover is not None:
+            self._failover.start()
 
     async def close(self) -> None:
         """Aborts this client's requests in flight (on their servers) and closes the connections. A
@@ -97,6 +109,8 @@ class SGLangEngine:
                     await self._aborter.cut(states, self._weight_version)
             await self._aborter.drain()
         finally:
+            if self._failover is not None:
+                await self._failover.close()
             await self._http.close()
 
     # Generation ---------------------------------------------------------------------------------------
@@ -106,7 +120,9 @@ class SGLangEngine:
         """Streams the request's chunks until one carries a finish reason. Each chunk holds the tokens
         and logprobs that are new in one SGLang event, tagged with the event's weight version. Leaving
         the iteration early aborts the request. Refused input raises SGLangBadRequestError; a server
-        that fails or dies mid-stream raises SGLangHTTPError / SGLangConnectionError naming its url."""
+        that fails or dies mid-stream raises SGLangHTTPError / SGLangConnectionError naming its url; with
+        failover, a lost connection or a stalled worker ends the stream as ABORT instead (the chunks so
+        far hold every token), and SGLangNoWorkerError says that no worker is left."""
         return stream_until_finish(lambda: self._open(input_ids, params, request_id))
 
     async def _open(self, input_ids: SequenceOf[int], params: SamplingParams | None,
@@ -115,6 +131,7 @@ class SGLangEngine:
         ids = checked if isinstance(checked, list) else checked.tolist()
         rid = self._ids.claim(request_id, self._inflight)
         state = RequestState(rid, ids, self._workers.pick())
+        state.opened = state.last_event = asyncio.get_running_loop().time()
         self._inflight[rid] = state
         self._requests += 1
         state.task = asyncio.create_task(self._read(state, generate_payload(rid, ids, params)))
@@ -132,25 +149,56 @@ class SGLangEngine:
         return RequestStream(receive, abort)
 
     async def _read(self, state: RequestState, payload: dict[str, Any]) -> None:
-        url = f"{state.url}/generate"
         try:
-            if self.config.stream:
-                async with self._http.events(url, payload) as events:
-                    async for event in events:
-                        self._deliver(state, state.apply(event, url, self.config.initial_weight_version,
-                                                                   self._weight_version))
-            else:
-                answer = await self._http.call("POST", url, {**payload, "stream": False}, idempotent=False)
-                self._deliver(state, state.apply(answer, url, self.config.initial_weight_version,
-                                                           self._weight_version))
-            if state.finish_reason is None:
-                raise SGLangHTTPError(url, 200, "the response ended without a finish reason")
+            while True:
+                try:
+                    await self._receive(state, payload)
+                    break
+                except SGLangConnectionError as exc:
+                    if self._failover is None:
+                        raise
+                    if not self._fail_over(self._failover, state, exc):
+                        return
         except Exception as exc:  # delivered to the consumer of generate(), which raises it
             state.queue.put_nowait(exc)
         finally:
             self._settle(state)
 
+    async def _receive(self, state: RequestState, payload: dict[str, Any]) -> None:
+        url = f"{state.url}/generate"
+        if self.config.stream:
+            async with self._http.events(url, payload) as events:
+                async for event in events:
+                    self._deliver(state, state.apply(event, url, self.config.initial_weight_version,
+                                                     self._weight_version))
+        else:
+            answer = await self._http.call("POST", url, {**payload, "stream": False}, idempotent=False)
+            self._deliver(state, state.apply(answer, url, self.config.initial_weight_version, self._weight_version))
+        if state.finish_reason is None:
+            raise SGLangHTTPError(url, 200, "the response ended without a finish reason")
+
+    def _fail_over(self, failover: Failover, state: RequestState, exc: SGLangConnectionError) -> bool:
+        """A request's connection failed: True to send it again (its worker refused the connection, so
+        nothing of it ran: it goes to another worker), False when it ended as ABORT with its tokens so far.
+        Raises SGLangNoWorkerError when no worker is left."""
+        direct = self.config.router_url is None
+        if direct and refused(exc) and not state.token_ids:
+            self._workers.remove(state.url, f"refused connections ({exc})")
+            url = self._workers.pick()  # raises when none is left: then the request settles on its old url
+            self._workers.release(state.url)
+            state.url = url
+            return True
+        failover.suspect(state.url if direct else None)
+        logger.warning("SGLang failover: %s ends as ABORT with its %d tokens so far: %s", state.request_id,
+                       len(state.token_ids), exc)
+        state.finish_reason = FinishReason.ABORT
+        state.queue.put_nowait(GenerationChunk(state.request_id, [], [], self._weight_version, FinishReason.ABORT))
+        return False
+
     def _deliver(self, state: RequestState, chunk: GenerationChunk | None) -> None:
+        state.last_event = asyncio.get_running_loop().time()
+        if self._failover is not None and self.config.router_url is None:
+            self._failover.seen(state.url)
         if chunk is not None:
             self._generated += len(chunk.token_ids)
             state.queue.put_nowait(chunk)
@@ -188,9 +236,31 @@ class SGLangEngine:
         """Loads weights on every worker with weight_version str(version); returns the names loaded.
         A checkpoint directory or named tensors; see april_ext.sglang.weights for the transports."""
         check_weight_version(version)
-        names = await push_weights(self._workers, weights, version, self.config.weight_sync_dir)
-        self._weight_version = version
+        if not isinstance(weights, (str, os.PathLike, Mapping)):
+            weights = dict(weights)
+        async with self._weights_lock:
+            names = await push_weights(self._workers, weights, version, self.config.weight_sync_dir)
+            self._weight_version = version
+            if self._failover is not None:
+                self._weights = _kept(weights, self.config.weight_sync_dir)
         return names
+
+    async def _resync(self, url: str) -> None:
+        """Brings a returning worker up to date before it rejoins: what it still runs is aborted (those
+        requests ended here when it was removed), the last weights are pushed, and the version it then
+        reports must be the current one. Raises (an AprilError) when it cannot."""
+        async with self._weights_lock:
+            one = self._workers.only(url)
+            await one.broadcast("/abort_request", {"rid": "", "abort_all": True})
+            if self._weights is not None:
+                await push_weights(one, self._weights, self._weight_version, self.config.weight_sync_dir)
+            profile = await one.profile(url)
+            if profile.weight_version_path is not None:
+                answer = await self._http.call("GET", f"{url}{profile.weight_version_path}", idempotent=True)
+                label = answer.get("weight_version") if isinstance(answer, dict) else answer
+                if weight_version_of(label, self.config.initial_weight_version) != self._weight_version:
+                    raise SGLangHTTPError(f"{url}{profile.weight_version_path}", 200,
+                                          f"reports weight version {label!r}, not the current {self._weight_version}")
 
     async def release_memory(self, tags: str | Iterable[str] | None = None) -> None:
         """Releases memory on every worker (tags of protocol.memory_tags: "weights", "kv_cache",
@@ -231,7 +301,7 @@ class SGLangEngine:
 
     def health(self) -> dict[str, Any]:
         """The result of the last check_health() (made by start()): {"status": "ok" | "error",
-        "workers": {url: "ok" | reason}, "weight_version", "error"}."""
+        "workers": {url: "ok" | reason}, "removed": {url: reason}, "weight_version", "error"}."""
         return dict(self._health, weight_version=self._weight_version)
 
     async def check_health(self) -> dict[str, Any]:
@@ -260,6 +330,13 @@ class SGLangEngine:
         """What the adapter probed of each worker: its SGLang version and the dialect spoken to it."""
         return {p.url: p for p in await self._workers.profiles()}
 
+    def pool_health(self) -> dict[str, Any]:
+        """Failover's view now: "live" worker urls, "removed" {url: reason}, and since start "removals"
+        and "rejoins" (counts)."""
+        pool = self._workers
+        return {"live": pool.live(), "removed": {url: r.reason for url, r in pool.removed.items()},
+                "removals": pool.removals, "rejoins": pool.rejoins}
+
     def stats(self) -> SGLangEngineStats:
         return SGLangEngineStats(dict(self._workers.load), self._requests, self._generated, self._aborted,
                                  self._weight_version)
@@ -267,6 +344,17 @@ class SGLangEngine:
     async def worker_urls(self) -> list[str]:
         """The worker urls: the configured ones, or the router's list."""
         return await self._workers.worker_urls()
+
+
+def _kept(weights: WeightsSource, weight_sync_dir: str | None) -> WeightsSource:
+    """What a rejoining worker will load: the directory the weights are in (the weight-sync directory
+    holds the last tensors pushed), else a CPU copy of the tensors (a trainer exports its live parameters,
+    which its next update changes in place)."""
+    if isinstance(weights, (str, os.PathLike)):
+        return weights
+    if weight_sync_dir is not None:
+        return weight_sync_dir
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}  # type: ignore[union-attr]
 
 
 def _with_modes(profile: ServerProfile, body: dict[str, Any]) -> dict[str, Any] | None:

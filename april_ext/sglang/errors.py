@@ -30,3 +30,12 @@ class SGLangConnectionError(SGLangHTTPError, ConnectionError):
 
 class SGLangLaunchError(AprilError, RuntimeError):
     """A launched server exited or did not become healthy in time; the message ends with its log tail."""
+
+
+class SGLangNoWorkerError(AprilError, RuntimeError):
+    """Failover removed every worker: the message names each one and why it was removed."""
+
+    def __init__(self, removed: dict[str, str]) -> None:
+        self.removed = dict(removed)
+        reasons = "; ".join(f"{url}: {why}" for url, why in removed.items())
+        super().__init__(f"no SGLang worker left to run requests, every one was removed ({reasons})")

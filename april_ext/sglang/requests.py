@@ -47,7 +47,8 @@ def weight_version_of(label: Any, initial: int) -> int:
 @dataclass
 class RequestState:
     """What the adapter knows of one request: the tokens so far, the chunks not yet consumed, whether
-    it is over (``done``: finish reason known, or its stream failed) and the task reading its stream."""
+    it is over (``done``: finish reason known, or its stream failed) and the task reading its stream.
+    ``opened`` and ``last_event`` (event-loop times) say since when it waits for its next event."""
 
     request_id: str
     prompt_ids: list[int]
@@ -60,6 +61,8 @@ class RequestState:
     matched_stop: int | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    opened: float = 0.0
+    last_event: float = 0.0
 
     def output(self) -> GenerationOutput:
         return GenerationOutput(self.request_id, list(self.prompt_ids), list(self.token_ids), list(self.logprobs),

@@ -1,27 +1,43 @@
-"""WorkerPool: the SGLang servers behind the adapter, how requests are routed to them and how a call
-reaches every one of them (aborts, weights, memory, health).
+"""WorkerPool: the SGLang servers behind the adapter, how requests are routed to them, how a call
+reaches every one of them (aborts, weights, memory, health), and which of them are in the pool.
 
-Requests go to the least-loaded worker url (fewest requests in flight from this client) or round-robin,
-or to the router; calls that must reach each worker go to the configured urls, or to those the router
-lists (GET /workers, or /list_workers on older routers). Each worker is probed once (profiles.py), so
-every call reaches it in the dialect of its SGLang release.
+Requests go to the least-loaded live worker url (fewest requests in flight from this client) or
+round-robin, or to the router; calls that must reach each worker go to the configured urls, or to those
+the router lists (GET /workers, or /list_workers on older routers). Each worker is probed once
+(profiles.py), so every call reaches it in the dialect of its SGLang release.
+
+With failover (config.worker_timeout_s, see failover.py) a worker can be removed: it gets no requests and
+no calls any more (behind a router it is deleted from the router, DELETE /workers/{id}), a call still
+waiting on it ends, and a connection failure of a call removes the worker instead of failing the call.
+It is added back (router: POST /workers) by ``rejoin`` once it holds the current weights.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
 from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.config import SGLangEngineConfig
-from april_ext.sglang.errors import SGLangHTTPError
+from april_ext.sglang.errors import SGLangConnectionError, SGLangHTTPError, SGLangNoWorkerError
 from april_ext.sglang.profiles import ServerProfile, probe
 
 
+@dataclasses.dataclass(frozen=True)
+class Removal:
+    """Why and when (time.time()) a worker left the pool."""
+
+    reason: str
+    at: float
+
+
 class WorkerPool:
-    """Routes requests (``pick`` / ``release``) and broadcasts calls to every worker."""
+    """Routes requests (``pick`` / ``release``), broadcasts calls to every live worker, and keeps which
+    workers are removed (``remove`` / ``rejoin``)."""
 
     def __init__(self, config: SGLangEngineConfig, http: HTTPClient) -> None:
         self.config = config
@@ -29,23 +45,54 @@ class WorkerPool:
         self.load = {url: 0 for url in (config.worker_urls or (config.router_url,))}
         self._round_robin = itertools.cycle(list(self.load))
         self._profiles: dict[str, ServerProfile] = {}
+        self.removed: dict[str, Removal] = {}
+        self.removals = 0
+        self.rejoins = 0
+        self._listed: list[str] = list(config.worker_urls)
+        self._gone: dict[str, asyncio.Event] = {}
+        self._listeners: list[Callable[[str], None]] = []
+
+    @property
+    def failover(self) -> bool:
+        return self.config.worker_timeout_s is not None
 
     def pick(self) -> str:
-        """The url a new request goes to; it counts as in flight there until ``release``."""
-        if self.config.router_url is not None or self.config.balance == "round_robin":
-            url = next(self._round_robin)
+        """The url a new request goes to; it counts as in flight there until ``release``. Raises
+        SGLangNoWorkerError when failover removed every worker."""
+        if self.removed and not self.live():
+            raise SGLangNoWorkerError({url: r.reason for url, r in self.removed.items()})
+        if self.config.router_url is not None:
+            url = self.config.router_url
+        elif self.config.balance == "round_robin":
+            url = next(u for u in self._round_robin if u not in self.removed)
         else:
-            url = min(self.load, key=self.load.__getitem__)
+            url = min(self.live(), key=self.load.__getitem__)
         self.load[url] += 1
         return url
 
     def release(self, url: str) -> None:
         self.load[url] -= 1
 
+    def live(self) -> list[str]:
+        """The workers in the pool as last seen (the router's list as of its last reading)."""
+        return [u for u in self._listed if u not in self.removed]
+
     async def worker_urls(self) -> list[str]:
-        """The worker urls: the configured ones, or the router's list (GET /workers, else /list_workers)."""
-        if self.config.router_url is None:
-            return list(self.config.worker_urls)
+        """The live worker urls: the configured ones, or the router's list (GET /workers, else
+        /list_workers), less the removed ones."""
+        if self.config.router_url is not None:
+            listed = [url for url, _ in await self._router_workers()]
+            self._listed = listed
+            live = [u for u in listed if u not in self.removed]
+            if not live and self.removed:
+                raise SGLangNoWorkerError({url: r.reason for url, r in self.removed.items()})
+            if not live:
+                raise SGLangHTTPError(self.config.router_url, 200, "the router lists no worker urls")
+            return live
+        return self.live()
+
+    async def _router_workers(self) -> list[tuple[str, str | None]]:
+        """(url, id) of every worker the router lists (ids only from the current REST API)."""
         router = self.config.router_url
         try:
             answer = await self._http.call("GET", f"{router}/workers", idempotent=True)
@@ -53,7 +100,63 @@ class WorkerPool:
             if exc.status != 404:
                 raise
             answer = await self._http.call("GET", f"{router}/list_workers", idempotent=True)
-        return _parse_workers(answer, router)
+        return _parse_workers(answer)
+
+    # Membership (failover) ----------------------------------------------------------------------------
+
+    def listen(self, on_removed: Callable[[str], None]) -> None:
+        """on_removed(url) runs whenever a worker is removed."""
+        self._listeners.append(on_removed)
+
+    def remove(self, url: str, reason: str) -> bool:
+        """Takes the worker out of the pool (no requests, no calls; the calls waiting on it end); False
+        when it already was. Behind a router, ``detach`` deletes it there."""
+        if url in self.removed:
+            return False
+        self.removed[url] = Removal(reason, time.time())
+        self.removals += 1
+        self._gone.setdefault(url, asyncio.Event()).set()
+        self._profiles.pop(url, None)  # whatever comes back on this url is probed anew
+        for listener in self._listeners:
+            listener(url)
+        return True
+
+    async def detach(self, url: str) -> None:
+        """Deletes a removed worker from the router (DELETE /workers/{id}), so that it routes nothing to it."""
+        router = self.config.router_url
+        ids = [wid for u, wid in await self._router_workers() if u == url]
+        for wid in ids:
+            if wid is None:
+                raise SGLangHTTPError(f"{router}/workers", 404, "the router has no REST worker API (GET /workers "
+                                      f"with ids, DELETE /workers/{{id}}): {url} cannot be removed from it")
+            await self._http.call("DELETE", f"{router}/workers/{wid}", idempotent=True)
+
+    async def rejoin(self, url: str) -> None:
+        """Puts a removed worker back (it must hold the current weights). Behind a router, it is added
+        there (POST /workers) and back in the pool once the router lists it."""
+        router = self.config.router_url
+        if router is not None:
+            await self._http.call("POST", f"{router}/workers", {"url": url}, idempotent=False)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + float(self.config.worker_timeout_s or self.config.timeout_s)
+            while url not in (listed := [u for u, _ in await self._router_workers()]):
+                if loop.time() > deadline:
+                    raise SGLangHTTPError(f"{router}/workers", 202, f"the router did not list {url} in time")
+                await asyncio.sleep(0.1)
+            self._listed = listed
+        del self.removed[url]
+        self._gone[url] = asyncio.Event()
+        self.rejoins += 1
+
+    def only(self, url: str) -> WorkerPool:
+        """A pool of this one worker, without failover (a call to it fails if it fails): for bringing a
+        removed worker up to date before it rejoins."""
+        pool = WorkerPool(dataclasses.replace(self.config, worker_urls=(url,), router_url=None, worker_timeout_s=None),
+                          self._http)
+        pool._profiles = self._profiles
+        return pool
+
+    # Calls to every worker ----------------------------------------------------------------------------
 
     async def profile(self, url: str) -> ServerProfile:
         """The worker's profile, probed on first use."""
@@ -62,53 +165,94 @@ class WorkerPool:
         return self._profiles[url]
 
     async def profiles(self) -> list[ServerProfile]:
-        """Every worker's profile (each probed once, at once)."""
-        return list(await asyncio.gather(*(self.profile(u) for u in await self.worker_urls())))
+        """Every live worker's profile (each probed once, at once)."""
+        urls = await self.worker_urls()
+        found = await self._each_url(urls, self.profile)
+        return [p for _, p in found]
 
     async def broadcast(self, endpoint: str, payload: Any, method: str = "POST") -> list[tuple[str, Any]]:
-        """Sends the call to every worker at once; returns (url, answer) pairs. Any failure raises.
+        """Sends the call to every live worker at once; returns (url, answer) pairs. Any failure raises,
+        except (with failover) a worker's lost connection, which removes that worker.
         payload: the body, or a function of a worker's profile returning its body (releases differ)."""
         if callable(payload):
-            bodies = [(p.url, payload(p)) for p in await self.profiles()]
+            bodies = {p.url: payload(p) for p in await self.profiles()}
         else:
-            bodies = [(u, payload) for u in await self.worker_urls()]
-        answers = await asyncio.gather(*(self._http.call(method, f"{u}{endpoint}", body, idempotent=True)
-                                         for u, body in bodies))
-        return [(u, a) for (u, _), a in zip(bodies, answers)]
+            bodies = {u: payload for u in await self.worker_urls()}
+        return await self._each_url(list(bodies), lambda u: self._http.call(method, f"{u}{endpoint}", bodies[u],
+                                                                           idempotent=True))
 
     async def each(self, call: Callable[[ServerProfile], Any]) -> list[tuple[str, Any]]:
-        """Runs call(profile) (a coroutine) for every worker at once; returns (url, result) pairs."""
-        profiles = await self.profiles()
-        results = await asyncio.gather(*(call(p) for p in profiles))
-        return [(p.url, r) for p, r in zip(profiles, results)]
+        """Runs call(profile) (a coroutine) for every live worker at once; returns (url, result) pairs (as
+        broadcast does: with failover, a worker whose connection fails is removed and left out)."""
+        profiles = {p.url: p for p in await self.profiles()}
+        return await self._each_url(list(profiles), lambda u: call(profiles[u]))
+
+    async def call_each(self, urls: list[str], endpoint: str, payload: Any) -> None:
+        """POSTs payload to each of urls, as broadcast does (a removed one is skipped)."""
+        live = [u for u in urls if u not in self.removed]
+        await self._each_url(live, lambda u: self._http.call("POST", f"{u}{endpoint}", payload, idempotent=True))
+
+    async def _each_url(self, urls: list[str], call: Callable[[str], Any]) -> list[tuple[str, Any]]:
+        if not self.failover:
+            results = await asyncio.gather(*(call(u) for u in urls))
+            return list(zip(urls, results))
+        results = await asyncio.gather(*(self._unless_removed(u, call(u)) for u in urls), return_exceptions=True)
+        answered = []
+        for url, result in zip(urls, results):
+            if isinstance(result, SGLangConnectionError):
+                self.remove(url, str(result))
+            elif isinstance(result, BaseException):
+                raise result
+            elif url not in self.removed:
+                answered.append((url, result))
+        if urls and not answered and not self.live():
+            raise SGLangNoWorkerError({url: r.reason for url, r in self.removed.items()})
+        return answered
+
+    async def _unless_removed(self, url: str, coro: Any) -> Any:
+        """The call's answer, or None once the worker is removed meanwhile (the call is cancelled)."""
+        gone = self._gone.setdefault(url, asyncio.Event())
+        call = asyncio.ensure_future(coro)
+        waiter = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({call, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not call.done():
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            return None
+        return call.result()
 
     async def check_health(self) -> dict[str, Any]:
-        """GET /health on every worker: {"status": "ok" | "error", "workers": {url: "ok" | reason}, "error"}."""
+        """GET /health on every live worker: {"status": "ok" | "error", "workers": {url: "ok" | reason},
+        "removed": {url: reason} (failover), "error"}."""
+        removed = {url: r.reason for url, r in self.removed.items()}
         try:
             urls = await self.worker_urls()
-        except SGLangHTTPError as exc:
-            return {"status": "error", "workers": {}, "error": str(exc)}
+        except (SGLangHTTPError, SGLangNoWorkerError) as exc:
+            return {"status": "error", "workers": {}, "removed": removed, "error": str(exc)}
         results = await asyncio.gather(*(self._http.call("GET", f"{u}/health", idempotent=False) for u in urls),
                                        return_exceptions=True)
         workers = {u: "ok" if not isinstance(r, BaseException) else str(r) for u, r in zip(urls, results)}
         bad = [reason for reason in workers.values() if reason != "ok"]
-        return {"status": "error" if bad else "ok", "workers": workers, "error": bad[0] if bad else None}
+        return {"status": "error" if bad else "ok", "workers": workers, "removed": removed,
+                "error": bad[0] if bad else None}
 
 
-def _parse_workers(answer: Any, router: str) -> list[str]:
+def _parse_workers(answer: Any) -> list[tuple[str, str | None]]:
     items: Any = None
     if isinstance(answer, dict):
         items = answer.get("workers", answer.get("urls"))
     elif isinstance(answer, list):
         items = answer
-    urls = []
+    workers = []
     for item in items if isinstance(items, list) else []:
         url = item.get("url") if isinstance(item, dict) else item
+        wid = item.get("id") if isinstance(item, dict) else None
         if isinstance(url, str) and url.startswith(("http://", "https://")):
-            urls.append(url.rstrip("/"))
-    if not urls:
-        raise SGLangHTTPError(router, 200, f"the router lists no worker urls: {answer!r}")
-    return urls
+            workers.append((url.rstrip("/"), str(wid) if wid is not None else None))
+    return workers
 
 
-__all__ = ["WorkerPool"]
+__all__ = ["Removal", "WorkerPool"]

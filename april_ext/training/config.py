@@ -125,6 +125,10 @@ class TrainConfig:
     <output_dir>/sglang/weight_sync."""
     sglang_stream: bool = True
     """engine=sglang: stream responses (tokens as they come) or one non-streaming request per sample."""
+    sglang_worker_timeout_s: float | None = 60.0
+    """engine=sglang: failover. A server that refuses connections, or sends nothing (no token, no /health
+    answer) for this many seconds, is removed; its requests are resumed on the others, and it rejoins with
+    the current weights when it answers again (docs/sglang.md). None: no failover."""
     # --- training
     trainer: str = "torch"
     """Trainer: "torch" (april_ext.model) or "megatron" (a megatron-core GPTModel; needs april_ext[megatron])."""
@@ -352,6 +356,10 @@ class TrainConfig:
             _bad("sglang_num_servers", self.sglang_num_servers, "an int >= 1")
         if not math.isfinite(self.sglang_launch_timeout_s) or self.sglang_launch_timeout_s <= 0:
             _bad("sglang_launch_timeout_s", self.sglang_launch_timeout_s, "a finite number > 0")
+        timeout = self.sglang_worker_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not math.isfinite(timeout) or timeout <= 0):
+            _bad("sglang_worker_timeout_s", timeout, "None (no failover) or a finite number of seconds > 0")
         if not self.sglang_module:
             _bad("sglang_module", self.sglang_module, "a module name such as 'sglang.launch_server'")
         try:

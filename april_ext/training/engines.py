@@ -48,12 +48,25 @@ class ServerWeightVersions(Protocol):
     async def weight_versions(self) -> dict[str, str]: ...
 
 
+@runtime_checkable
+class ServerPool(Protocol):
+    """An engine whose servers fail over (SGLangEngine): which are live, removed, rejoined."""
+
+    def pool_health(self) -> dict[str, Any]: ...
+
+
 async def engine_metrics(engine: RolloutEngine) -> dict[str, Any]:
     """What the engine reports about itself after a step's weight sync, for the metrics row: servers'
-    own weight labels (the trainer's version when the sync worked), when it has servers."""
+    own weight labels (the trainer's version when the sync worked), and the servers live, removed now,
+    and removed / rejoined since the start (failover), when it has servers."""
+    row: dict[str, Any] = {}
+    if isinstance(engine, ServerPool):
+        pool = engine.pool_health()
+        row.update({"engine/workers_live": len(pool["live"]), "engine/workers_removed": len(pool["removed"]),
+                    "engine/worker_removals": pool["removals"], "engine/worker_rejoins": pool["rejoins"]})
     if isinstance(engine, ServerWeightVersions):
-        return {"engine/server_weight_versions": sorted(set((await engine.weight_versions()).values()))}
-    return {}
+        row["engine/server_weight_versions"] = sorted(set((await engine.weight_versions()).values()))
+    return row
 
 
 def _engine_model(trainer: Trainer, model_config: ModelConfig) -> LlamaForCausalLM:
@@ -121,7 +134,7 @@ async def _sglang_engine(config: TrainConfig, trainer: Trainer, model_config: Mo
         engine = await stack.enter_async_context(SGLangEngine(SGLangEngineConfig(
             worker_urls=urls, router_url=config.sglang_router_url, initial_weight_version=trainer.version,
             weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
-            stream=config.sglang_stream)))
+            stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s)))
         if not config.sglang_launch:
             await sync_weights(trainer, engine)
         yield engine

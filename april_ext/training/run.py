@@ -351,8 +351,10 @@ class TrainingRun:
         self.history.append(row)
         self._log(row)
         self.bar.update(1)
+        live, removed = row.get("engine/workers_live"), row.get("engine/workers_removed")
+        workers = {} if live is None else {"workers": f"{live}/{live + removed}"}
         self.bar.set_postfix(reward=f"{rm.reward_mean:.3f}", tok_s=f"{rm.tokens_per_s:.0f}",
-                             partial=f"{rm.scheduler['carried_token_ratio']:.2f}")
+                             partial=f"{rm.scheduler['carried_token_ratio']:.2f}", **workers)
         if config.save_interval and self.steps_done % config.save_interval == 0 and not self.done:
             await self.save()
         return row
