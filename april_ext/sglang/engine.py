@@ -24,6 +24,7 @@ from april_ext.protocol.request_ids import RequestIds, abort_ids
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.protocol.sglang_wire import PAUSE_MODES
 from april_ext.sglang.aborts import Aborter
+from april_ext.sglang.broadcast import WeightBroadcaster
 from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangHTTPError
@@ -62,6 +63,10 @@ class SGLangEngine:
         self._workers = WorkerPool(config, self._http)
         self._inflight: dict[str, RequestState] = {}
         self._aborter = Aborter(config, self._http, self._workers)
+        self._broadcaster = WeightBroadcaster(self._workers, self._http,
+                                              bucket_bytes=int(config.weight_bucket_mb * 2**20),
+                                              timeout_s=config.weight_sync_timeout_s,
+                                              master_address=config.weight_sync_master_address)
         self._ids = RequestIds("sglang")
         self._weight_version = config.initial_weight_version
         self._requests = 0
@@ -96,6 +101,7 @@ class SGLangEngine:
                                    "servers (%s); their streams are cut", exc)
                     await self._aborter.cut(states, self._weight_version)
             await self._aborter.drain()
+            await self._broadcaster.close()
         finally:
             await self._http.close()
 
@@ -186,11 +192,19 @@ class SGLangEngine:
 
     async def update_weights(self, weights: WeightsSource, version: int) -> list[str]:
         """Loads weights on every worker with weight_version str(version); returns the names loaded.
-        A checkpoint directory or named tensors; see april_ext.sglang.weights for the transports."""
+        A checkpoint directory or named tensors; see april_ext.sglang.weights for the transports
+        (SGLangEngineConfig.weight_sync)."""
         check_weight_version(version)
-        names = await push_weights(self._workers, weights, version, self.config.weight_sync_dir)
+        names = await push_weights(self._workers, self._http, weights, version, self.config.weight_sync,
+                                   self.config.weight_sync_dir, self._broadcaster)
         self._weight_version = version
         return names
+
+    def reset_weight_group(self) -> None:
+        """weight_sync="broadcast": a worker restarted (and so left the weight group) without a failed update
+        noticing it; the next update builds the group again with every worker. A failed update, or a changed
+        worker list, does this by itself."""
+        self._broadcaster.reset()
 
     async def release_memory(self, tags: str | Iterable[str] | None = None) -> None:
         """Releases memory on every worker (tags of protocol.memory_tags: "weights", "kv_cache",
