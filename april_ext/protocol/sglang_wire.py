@@ -544,6 +544,17 @@ def parse_weight_version(body: Any) -> tuple[str, bool]:
 # The collective weight update (SGLang's update from a trainer's broadcast) ------------------------------
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+# The fields of the current release's request classes (BASE_REQ_FIELDS aside), by endpoint.
+WEIGHT_GROUP_FIELDS: dict[str, tuple[str, ...]] = {
+    "/init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                   "backend"),
+    "/update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name", "flush_cache",
+                                         "abort_all_requests", "weight_version", "load_format", "selector",
+                                         "torch_empty_cache"),
+    "/destroy_weights_update_group": ("group_name",),
+    "/begin_weight_update": ("selector",),
+    "/end_weight_update": (),
+}
 
 
 @dataclass(frozen=True)
@@ -562,8 +573,7 @@ class InitWeightsGroup:
 def parse_init_weights_group(body: Any) -> InitWeightsGroup:
     what = "/init_weights_update_group"
     body = _object(body, what)
-    _check_keys(body, ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend",
-                       *BASE_REQ_FIELDS), what)
+    _check_keys(body, WEIGHT_GROUP_FIELDS[what] + BASE_REQ_FIELDS, what)
     _base_fields(body, what)
     address = body.get("master_address")
     if not isinstance(address, str) or not address:
@@ -602,8 +612,7 @@ def parse_weights_from_distributed(body: Any) -> WeightsFromDistributed:
     load_format only as null (one broadcast per tensor); selector as the tensor update's."""
     what = "/update_weights_from_distributed"
     body = _object(body, what)
-    _check_keys(body, ("names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
-                       "weight_version", "load_format", "selector", "torch_empty_cache", *BASE_REQ_FIELDS), what)
+    _check_keys(body, WEIGHT_GROUP_FIELDS[what] + BASE_REQ_FIELDS, what)
     _base_fields(body, what)
     names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
     if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
@@ -633,7 +642,7 @@ def parse_destroy_weights_group(body: Any) -> str:
     """/destroy_weights_update_group: the group name."""
     what = "/destroy_weights_update_group"
     body = _object(body, what)
-    _check_keys(body, ("group_name", *BASE_REQ_FIELDS), what)
+    _check_keys(body, WEIGHT_GROUP_FIELDS[what] + BASE_REQ_FIELDS, what)
     _base_fields(body, what)
     return _group_name(body, what)
 
@@ -642,7 +651,7 @@ def parse_weight_update_session(body: Any, what: str) -> None:
     """/begin_weight_update (selector) and /end_weight_update (no field): the session that brackets the
     tensor and distributed updates of the current release."""
     body = _object(body, what)
-    _check_keys(body, (("selector",) if what == "/begin_weight_update" else ()) + BASE_REQ_FIELDS, what)
+    _check_keys(body, WEIGHT_GROUP_FIELDS[what] + BASE_REQ_FIELDS, what)
     _base_fields(body, what)
     if body.get("selector") not in (None, "all", "target"):
         raise InvalidArgumentError(f"{what}: selector must be null, 'all' or 'target' (no draft model here), "
