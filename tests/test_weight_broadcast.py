@@ -53,6 +53,7 @@ async def greedy(engine: SGLangEngine) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_every_worker_takes_each_step_s_weights_and_generates_as_a_reference(tmp_path) -> None:
     """Two workers, three updates (the first builds the group, the others reuse it), small buckets so that
     an update spans several calls: after each, every worker reports the version and answers greedy prompts
@@ -83,6 +84,7 @@ def test_every_worker_takes_each_step_s_weights_and_generates_as_a_reference(tmp
     assert len({tuple(o[0]) for _, o in seen}) > 1
 
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_the_broadcast_with_a_clear_error_within_the_timeout_and_the_next_update_rebuilds(
         tmp_path) -> None:
     model = tiny_model(seed=21)
@@ -109,6 +111,7 @@ def test_a_killed_worker_fails_the_broadcast_with_a_clear_error_within_the_timeo
     assert labels == {servers[0].url: "3"}
 
 
+@pytest.mark.slow
 def test_a_worker_killed_before_the_group_is_rebuilt_fails_the_join_with_a_clear_error(tmp_path) -> None:
     """A worker said to have restarted (reset_weight_group) is dead when the group is built again."""
     model = tiny_model(seed=3)
@@ -129,6 +132,7 @@ def test_a_worker_killed_before_the_group_is_rebuilt_fails_the_join_with_a_clear
         assert asyncio.run(session(servers)) < TIMEOUT_S + 5
 
 
+@pytest.mark.slow
 def test_a_stopped_worker_is_detected_within_the_timeout(tmp_path) -> None:
     """SIGSTOP mid-update: nothing answers, nothing closes a connection; the group's timeout ends the wait."""
     model = tiny_model(seed=4)
