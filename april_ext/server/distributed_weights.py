@@ -86,7 +86,8 @@ class DistributedWeights:
             except RuntimeError as exc:  # a peer died or stalled: the group cannot carry another broadcast
                 self._drop(req.group_name)
                 return _answer(False, f"Failed to receive weights: {exc} (group {req.group_name!r} destroyed)")
-        return _answer(*await self._update(dict(zip(req.names, tensors)), req.weight_version, req.abort_all_requests, "the broadcast"))
+        named = dict(zip(req.names, tensors))
+        return _answer(*await self._update(named, req.weight_version, req.abort_all_requests, "the broadcast"))
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         name = sglang_wire.parse_destroy_weights_group(await self._read_body(request))

@@ -172,7 +172,7 @@ class WeightBroadcaster:
         it did not answer within timeout_s: a stopped server keeps its connection open)."""
         tasks = {asyncio.ensure_future(self._http.call("POST", f"{u}{endpoint}", body, idempotent=False)): u
                  for u in urls}
-        done, pending = await asyncio.wait(tasks, timeout=self.timeout_s) if tasks else (set(), set())
+        _, pending = await asyncio.wait(tasks, timeout=self.timeout_s) if tasks else (set(), set())
         for task in pending:
             task.cancel()
         late = TimeoutError(f"no answer within {self.timeout_s} s")
