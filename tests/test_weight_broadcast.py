@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from _engine_utils import greedy_reference, tiny_model
+from _sglang_utils import live_server
 from _torch_threads import one_torch_thread
 
 from april_ext.errors import ConfigError, InvalidArgumentError
@@ -151,6 +152,16 @@ def test_a_stopped_worker_is_detected_within_the_timeout(tmp_path) -> None:
 
     with one_torch_thread(), workers(tmp_path, 2) as servers:
         assert asyncio.run(session(servers)) < 2 * TIMEOUT_S + 5
+
+
+def test_workers_of_an_older_release_are_refused_naming_them() -> None:
+    async def session(url: str) -> None:
+        async with SGLangEngine(broadcast_config([url])) as engine:
+            await engine.update_weights(list(tiny_model(seed=2).state_dict().items()), 1)
+
+    with one_torch_thread(), live_server(tiny_model(), sglang_compat="0.5.3") as server:
+        with pytest.raises(InvalidArgumentError, match=f"{server.url} \\(SGLang 0.5.3\\) predate it"):
+            asyncio.run(session(server.url))
 
 
 # Units ---------------------------------------------------------------------------------------------
