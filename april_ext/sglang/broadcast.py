@@ -140,7 +140,7 @@ class WeightBroadcaster:
         """Waits for this process's side and every worker's answer; the first failure raises at once
         (the local side, blocked in a collective, ends when the group's timeout expires)."""
         tasks = {asyncio.ensure_future(c): u for u, c in calls.items()}
-        # The local side's failure is reported through the tasks' error below; keep it from being logged twice.
+        # Retrieved even when a worker's failure is raised first: asyncio would log it as never retrieved.
         local.add_done_callback(lambda f: f.cancelled() or f.exception())
         done, pending = await asyncio.wait([local, *tasks], timeout=2 * self.timeout_s,
                                            return_when=asyncio.FIRST_EXCEPTION)
