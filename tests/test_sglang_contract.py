@@ -30,7 +30,7 @@ from _torch_threads import one_torch_thread
 from april_ext.errors import InvalidArgumentError
 from april_ext.model import save_pretrained
 from april_ext.protocol import SamplingParams, sglang_wire
-from april_ext.sglang import SGLangEngine, SGLangEngineConfig
+from april_ext.sglang import SGLangEngine, SGLangEngineConfig, SGLangServerArgs, launch_sglang_server
 from april_ext.sglang.client import HTTPClient
 
 
@@ -55,10 +55,13 @@ CLASSES = {
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
     "/pause_generation": "PauseGenerationReqInput", "/continue_generation": "ContinueGenerationReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
 }
-# Weight updates over NCCL: not served by the embedded server (docs/sglang.md), 404.
-NOT_SERVED = {"/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
-              "/init_weights_update_group": "InitWeightsUpdateGroupReqInput"}
+# The collective update needs the group's other end in another process: recorded in a test of its own.
+BROADCAST = ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group")
 REQUIRED = object()
 
 
@@ -243,7 +246,32 @@ def test_every_payload_the_adapter_sends_fits_sglangs_classes(io_struct, samplin
             assert payload is None  # SGLang's /flush_cache takes no body
             continue
         _check_payload(endpoint, payload, io_struct, sampling_fields)
-    assert endpoints == set(CLASSES) - {"/update_weight_version"} | {"/flush_cache"}
+    assert endpoints == set(CLASSES) - {"/update_weight_version", *BROADCAST} | {"/flush_cache"}
+
+
+def test_the_broadcast_payloads_fit_sglangs_classes(io_struct, sampling_fields, tmp_path, monkeypatch) -> None:
+    """weight_sync='broadcast' against a server process: the group is joined, two buckets are sent inside a
+    session, and close() leaves the group."""
+    sent = _record(monkeypatch)
+    save_pretrained(tiny_model(), tmp_path / "ckpt")
+    args = SGLangServerArgs(model_path=str(tmp_path / "ckpt"), extra_args=("--num-blocks", "16", "--block-size", "4",
+                                                                          "--weight-group-timeout", "20"))
+
+    async def session(url: str) -> None:
+        config = SGLangEngineConfig(worker_urls=(url,), weight_sync="broadcast", weight_bucket_mb=0.004,
+                                    weight_sync_timeout_s=20.0)
+        async with SGLangEngine(config) as engine:
+            await engine.update_weights(dict(tiny_model(seed=3).state_dict()), version=1)
+
+    with one_torch_thread(), launch_sglang_server(args, module="april_ext.server", env={"OMP_NUM_THREADS": "1"},
+                                                  timeout_s=120, log_path=str(tmp_path / "server.log")) as server:
+        asyncio.run(session(server.url))
+    endpoints = ["/" + url.rsplit("/", 1)[1] for url, _ in sent]
+    assert endpoints[:2] == ["/init_weights_update_group", "/begin_weight_update"]
+    assert endpoints[-2:] == ["/end_weight_update", "/destroy_weights_update_group"]
+    assert endpoints.count("/update_weights_from_distributed") >= 2
+    for endpoint, (_, payload) in zip(endpoints, sent):
+        _check_payload(endpoint, payload, io_struct, sampling_fields)
 
 
 # What the server accepts ----------------------------------------------------------------------------
@@ -320,8 +348,15 @@ def test_the_server_reads_every_field_of_the_control_requests(endpoint, io_struc
         "/resume_memory_occupation": lambda b: sglang_wire.parse_memory_tags(b, endpoint),
         "/pause_generation": sglang_wire.parse_pause, "/continue_generation": sglang_wire.parse_continue,
         "/update_weight_version": sglang_wire.parse_weight_version,
+        "/begin_weight_update": lambda b: sglang_wire.parse_weight_update_session(b, endpoint),
+        "/end_weight_update": lambda b: sglang_wire.parse_weight_update_session(b, endpoint),
+        "/init_weights_update_group": sglang_wire.parse_init_weights_group,
+        "/update_weights_from_distributed": sglang_wire.parse_weights_from_distributed,
+        "/destroy_weights_update_group": sglang_wire.parse_destroy_weights_group,
     }[endpoint]
-    required = {"model_path": "/ckpt", "serialized_named_tensors": ["eA=="], "new_version": "v1"}
+    required = {"model_path": "/ckpt", "serialized_named_tensors": ["eA=="], "new_version": "v1",
+                "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2,
+                "names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]]}
     parse(_neutral_body(fields, required))  # every field at once, at SGLang's defaults
     for name, f in fields.items():
         if f.default is not REQUIRED:
@@ -337,15 +372,24 @@ def test_the_current_dialect_is_the_pinned_release(io_struct) -> None:
     mode = _fields(io_struct, "PauseGenerationReqInput")["mode"].annotation
     assert isinstance(mode, ast.Subscript) and [e.value for e in mode.slice.elts] == list(current.pause_modes)
     assert current.version == INSTALLED
+    for endpoint, names in sglang_wire.WEIGHT_GROUP_FIELDS.items():
+        assert set(names) == set(_fields(io_struct, CLASSES[endpoint])) - base, endpoint
 
 
-def test_nccl_weight_updates_are_not_served(io_struct) -> None:
-    for cls in NOT_SERVED.values():  # they exist in SGLang; the embedded server has no NCCL group to join
-        assert _fields(io_struct, cls)
-
+def test_the_collective_update_is_served_in_the_current_dialect_only(io_struct) -> None:
+    """Older dialects answer 404 (the adapter refuses to broadcast to them); the current one answers SGLang's
+    {success, message} (here: an update before init_weights_update_group)."""
     async def send(url: str):
         async with aiohttp.ClientSession() as session:
-            return [(await post(session, f"{url}{e}", {}))[0] for e in NOT_SERVED]
+            return [await post(session, f"{url}{e}", b) for e, b in (
+                ("/begin_weight_update", {}),
+                ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]]}),
+                ("/end_weight_update", {}))]
 
+    for compat in ("0.4", "0.5.3"):
+        with one_torch_thread(), live_server(tiny_model(), sglang_compat=compat) as server:
+            assert [status for status, _ in asyncio.run(send(server.url))] == [404] * 3
     with one_torch_thread(), live_server(tiny_model()) as server:
-        assert asyncio.run(send(server.url)) == [404] * len(NOT_SERVED)
+        (begin, _), (status, answer), (end, _) = asyncio.run(send(server.url))
+    assert (begin, end) == (200, 200)
+    assert status == 400 and answer["success"] is False and "init_weights_update_group" in answer["message"]

@@ -541,6 +541,132 @@ def parse_weight_version(body: Any) -> tuple[str, bool]:
     return version, _bool(body, "abort_all_requests", True, what)
 
 
+# The collective weight update (SGLang's update from a trainer's broadcast) ------------------------------
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+# The fields of the current release's request classes (BASE_REQ_FIELDS aside), by endpoint.
+WEIGHT_GROUP_FIELDS: dict[str, tuple[str, ...]] = {
+    "/init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                   "backend"),
+    "/update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name", "flush_cache",
+                                         "abort_all_requests", "weight_version", "load_format", "selector",
+                                         "torch_empty_cache"),
+    "/destroy_weights_update_group": ("group_name",),
+    "/begin_weight_update": ("selector",),
+    "/end_weight_update": (),
+}
+
+
+@dataclass(frozen=True)
+class InitWeightsGroup:
+    """/init_weights_update_group: join the group hosted by the trainer at master_address:master_port as rank
+    rank_offset of world_size (one TP rank per server here)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+
+
+def parse_init_weights_group(body: Any) -> InitWeightsGroup:
+    what = "/init_weights_update_group"
+    body = _object(body, what)
+    _check_keys(body, WEIGHT_GROUP_FIELDS[what] + BASE_REQ_FIELDS, what)
+    _base_fields(body, what)
+    address = body.get("master_address")
+    if not isinstance(address, str) or not address:
+        raise InvalidArgumentError(f"{what}: master_address must be a host name or address, got {_show(address)}")
+    port, offset, size = (_int(body, key, what) for key in ("master_port", "rank_offset", "world_size"))
+    if port is None or not 1 <= port <= 65535:
+        raise InvalidArgumentError(f"{what}: master_port must be an integer in [1, 65535], got {_show(port)}")
+    if size is None or size < 2:
+        raise InvalidArgumentError(f"{what}: world_size must be an integer >= 2 (the trainer and at least this "
+                                   f"server), got {_show(size)}")
+    if offset is None or not 1 <= offset < size:
+        raise InvalidArgumentError(f"{what}: rank_offset must be an integer in [1, world_size) (rank 0 is the "
+                                   f"trainer), got {_show(offset)}")
+    name = _group_name(body, what)
+    backend = body.get("backend")
+    backend = "nccl" if backend is None else backend
+    if backend not in ("gloo", "nccl"):
+        raise InvalidArgumentError(f"{what}: backend must be 'gloo' (CPU) or 'nccl' (GPU), got {_show(backend)}")
+    return InitWeightsGroup(address, port, offset, size, name, backend)
+
+
+@dataclass(frozen=True)
+class WeightsFromDistributed:
+    """/update_weights_from_distributed: receive these tensors, in order, by broadcast from rank 0."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str
+    weight_version: str | None
+    abort_all_requests: bool
+
+
+def parse_weights_from_distributed(body: Any) -> WeightsFromDistributed:
+    """flush_cache and torch_empty_cache are accepted (the engine drops its KV cache on every update);
+    load_format only as null (one broadcast per tensor); selector as the tensor update's."""
+    what = "/update_weights_from_distributed"
+    body = _object(body, what)
+    _check_keys(body, WEIGHT_GROUP_FIELDS[what] + BASE_REQ_FIELDS, what)
+    _base_fields(body, what)
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        raise InvalidArgumentError(f"{what}: names must be a non-empty list of parameter names")
+    if not isinstance(dtypes, list) or len(dtypes) != len(names) or not all(isinstance(d, str) for d in dtypes):
+        raise InvalidArgumentError(f"{what}: dtypes must be a list of {len(names)} dtype names (one per name)")
+    if not isinstance(shapes, list) or len(shapes) != len(names) or not all(
+            isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s)
+            for s in shapes):
+        raise InvalidArgumentError(f"{what}: shapes must be a list of {len(names)} shapes (lists of integers >= 0)")
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(f"{what}: names must not repeat")
+    if body.get("load_format") is not None:
+        raise InvalidArgumentError(f"{what}: load_format must be null here (one broadcast per tensor), got "
+                                   f"{_show(body['load_format'])}")
+    if body.get("selector") not in (None, "all", "target"):
+        raise InvalidArgumentError(f"{what}: selector must be null, 'all' or 'target' (no draft model here), "
+                                   f"got {_show(body['selector'])}")
+    _bool(body, "flush_cache", True, what)
+    _bool(body, "torch_empty_cache", False, what)
+    return WeightsFromDistributed(names, dtypes, shapes, _group_name(body, what),
+                                  _opt_str(body, "weight_version", what),
+                                  _bool(body, "abort_all_requests", False, what))
+
+
+def parse_destroy_weights_group(body: Any) -> str:
+    """/destroy_weights_update_group: the group name."""
+    what = "/destroy_weights_update_group"
+    body = _object(body, what)
+    _check_keys(body, WEIGHT_GROUP_FIELDS[what] + BASE_REQ_FIELDS, what)
+    _base_fields(body, what)
+    return _group_name(body, what)
+
+
+def parse_weight_update_session(body: Any, what: str) -> None:
+    """/begin_weight_update (selector) and /end_weight_update (no field): the session that brackets the
+    tensor and distributed updates of the current release."""
+    body = _object(body, what)
+    _check_keys(body, WEIGHT_GROUP_FIELDS[what] + BASE_REQ_FIELDS, what)
+    _base_fields(body, what)
+    if body.get("selector") not in (None, "all", "target"):
+        raise InvalidArgumentError(f"{what}: selector must be null, 'all' or 'target' (no draft model here), "
+                                   f"got {_show(body['selector'])}")
+
+
+def _group_name(body: Mapping[str, Any], what: str) -> str:
+    name = body.get("group_name")
+    if name is None:
+        return DEFAULT_GROUP_NAME
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"{what}: group_name must be a non-empty string, got {_show(name)}")
+    return name
+
+
 # Responses --------------------------------------------------------------------------------------------
 
 def finish_reason_json(reason: FinishReason | None, matched: int | None, max_new_tokens: int,

@@ -30,6 +30,7 @@ from april_ext.errors import (
 )
 from april_ext.data.tokenizer import encode_prompt, load_tokenizer
 from april_ext.protocol import GenerationChunk, SamplingParams, ServableEngine, sglang_wire
+from april_ext.server.distributed_weights import DistributedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ class ServerConfig:
     detokenized output too (None: token ids only, as SGLang with --skip-tokenizer-init).
     sglang_compat: the SGLang release line whose endpoints and fields the server mimics (a key of
     april_ext.protocol.sglang_wire.DIALECTS: "0.4", "0.5.3" or "current"), so clients can be tested
-    against each line over real HTTP."""
+    against each line over real HTTP.
+    weight_group_timeout_s: how long joining the trainer's weight group and each broadcast may wait for the
+    other ranks (the current dialect's /init_weights_update_group and /update_weights_from_distributed)."""
 
     host: str = "127.0.0.1"
     port: int = 30000
@@ -61,6 +64,7 @@ class ServerConfig:
     max_request_bytes: int = 64 << 20
     tokenizer_path: str | None = None
     sglang_compat: str = "current"
+    weight_group_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.sglang_compat not in sglang_wire.DIALECTS:
@@ -76,6 +80,9 @@ class ServerConfig:
         if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) \
                 or self.stream_interval < 1:
             raise ConfigError(f"ServerConfig.stream_interval must be an integer >= 1, got {self.stream_interval!r}")
+        if not isinstance(self.weight_group_timeout_s, (int, float)) or not self.weight_group_timeout_s > 0:
+            raise ConfigError(f"ServerConfig.weight_group_timeout_s must be a number > 0, "
+                              f"got {self.weight_group_timeout_s!r}")
         if not self.health_timeout_s > 0:
             raise ConfigError(f"ServerConfig.health_timeout_s must be > 0, got {self.health_timeout_s!r}")
         if not isinstance(self.max_request_bytes, int) or isinstance(self.max_request_bytes, bool) \
@@ -198,6 +205,7 @@ class EngineServer:
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._versions = _Versions(self.config.weight_version, engine.stats().weight_version)
+        self._distributed = DistributedWeights(self._body, self._update_weights, self.config.weight_group_timeout_s)
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
         self.port: int | None = None
@@ -226,6 +234,8 @@ class EngineServer:
             routes.append(("GET", "/get_weight_version", self.weight_version))
         if self.dialect.weight_versions:
             routes.append(("POST", "/update_weight_version", self.update_weight_version))
+        if self.dialect is sglang_wire.CURRENT:
+            routes += self._distributed.routes()
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
         return app
@@ -254,6 +264,7 @@ class EngineServer:
             await self.engine.abort()
             await self._runner.cleanup()
             self._runner = None
+        self._distributed.close()
         await self.engine.close()
 
     async def __aenter__(self) -> EngineServer:

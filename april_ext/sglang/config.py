@@ -9,6 +9,7 @@ from typing import Any
 from april_ext.errors import ConfigError
 
 BALANCE = ("least_loaded", "round_robin")
+WEIGHT_SYNC = ("disk", "tensor", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,15 @@ class SGLangEngineConfig:
     came (no stream event, no /health answer) for this many seconds, is removed from the pool; the
     requests it was running end as ABORT with every token received (resumable elsewhere), and it rejoins
     once it answers again and holds the current weights. /health is probed every worker_timeout_s / 4.
-    weight_sync_dir: a directory every server can read at the same path (shared file system). When set,
-    update_weights with named tensors writes them there as model.safetensors and loads them with
-    /update_weights_from_disk, which real SGLang servers accept; unset, they travel in the request.
+    weight_sync: how update_weights moves named tensors (april_ext.sglang.weights): "disk" writes them to
+    weight_sync_dir (which it needs) and has every server load them with /update_weights_from_disk;
+    "tensor" sends them in /update_weights_from_tensor requests; "broadcast" broadcasts them from this
+    process to every server through a process group (/init_weights_update_group, then
+    /update_weights_from_distributed per bucket of weight_bucket_mb MiB), every wait bounded by
+    weight_sync_timeout_s; the servers reach this process at weight_sync_master_address (None: the
+    address this machine reaches the first worker from). None: "disk" when weight_sync_dir is set, else
+    "tensor".
+    weight_sync_dir: a directory every server can read at the same path (shared file system).
     """
 
     worker_urls: tuple[str, ...] = ()
@@ -50,7 +57,11 @@ class SGLangEngineConfig:
     abort_timeout_s: float = 60.0
     abort_resend_s: float = 0.5
     max_connections: int = 0
+    weight_sync: str | None = None
     weight_sync_dir: str | None = None
+    weight_bucket_mb: float = 64.0
+    weight_sync_timeout_s: float = 60.0
+    weight_sync_master_address: str | None = None
     stream: bool = True
     worker_timeout_s: float | None = None
 
@@ -66,7 +77,8 @@ class SGLangEngineConfig:
                               f"got worker_urls={list(urls)} router_url={self.router_url!r}")
         if self.balance not in BALANCE:
             raise ConfigError(f"SGLangEngineConfig.balance must be one of {BALANCE}, got {self.balance!r}")
-        for name in ("timeout_s", "connect_timeout_s", "abort_timeout_s", "abort_resend_s"):
+        for name in ("timeout_s", "connect_timeout_s", "abort_timeout_s", "abort_resend_s", "weight_bucket_mb",
+                     "weight_sync_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"SGLangEngineConfig.{name} must be a number > 0, got {value!r}")
@@ -86,6 +98,18 @@ class SGLangEngineConfig:
                                                   or not 0 < self.worker_timeout_s < float("inf")):
             raise ConfigError(f"SGLangEngineConfig.worker_timeout_s must be None (no failover) or a finite "
                               f"number of seconds > 0, got {self.worker_timeout_s!r}")
+        if self.weight_sync is None:
+            object.__setattr__(self, "weight_sync", "tensor" if self.weight_sync_dir is None else "disk")
+        if self.weight_sync not in WEIGHT_SYNC:
+            raise ConfigError(f"SGLangEngineConfig.weight_sync must be one of {WEIGHT_SYNC} or None, "
+                              f"got {self.weight_sync!r}")
+        if self.weight_sync == "disk" and self.weight_sync_dir is None:
+            raise ConfigError("SGLangEngineConfig.weight_sync='disk' needs weight_sync_dir (a directory every "
+                              "server reads at the same path)")
+        address = self.weight_sync_master_address
+        if address is not None and (not isinstance(address, str) or not address):
+            raise ConfigError(f"SGLangEngineConfig.weight_sync_master_address must be None or a host address, "
+                              f"got {address!r}")
         if not isinstance(self.backoff_s, (int, float)) or self.backoff_s < 0:
             raise ConfigError(f"SGLangEngineConfig.backoff_s must be a number >= 0, got {self.backoff_s!r}")
 
@@ -96,4 +120,4 @@ def _base_url(url: Any, name: str) -> str:
     return url.rstrip("/")
 
 
-__all__ = ["BALANCE", "SGLangEngineConfig"]
+__all__ = ["BALANCE", "WEIGHT_SYNC", "SGLangEngineConfig"]

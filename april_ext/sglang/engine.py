@@ -27,6 +27,7 @@ from april_ext.protocol.request_ids import RequestIds, abort_ids
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.protocol.sglang_wire import PAUSE_MODES
 from april_ext.sglang.aborts import Aborter
+from april_ext.sglang.broadcast import WeightBroadcaster
 from april_ext.sglang.client import HTTPClient, refused
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangConnectionError, SGLangHTTPError
@@ -66,6 +67,7 @@ class SGLangEngine:
         self._workers = WorkerPool(config, self._http)
         self._inflight: dict[str, RequestState] = {}
         self._aborter = Aborter(config, self._workers)
+        self._broadcaster = self._new_broadcaster(self._workers)
         self._ids = RequestIds("sglang")
         self._weight_version = config.initial_weight_version
         self._requests = 0
@@ -108,6 +110,7 @@ class SGLangEngine:
                                    "servers (%s); their streams are cut", exc)
                     await self._aborter.cut(states, self._weight_version)
             await self._aborter.drain()
+            await self._broadcaster.close()
         finally:
             if self._failover is not None:
                 await self._failover.close()
@@ -234,16 +237,44 @@ class SGLangEngine:
 
     async def update_weights(self, weights: WeightsSource, version: int) -> list[str]:
         """Loads weights on every worker with weight_version str(version); returns the names loaded.
-        A checkpoint directory or named tensors; see april_ext.sglang.weights for the transports."""
+        A checkpoint directory or named tensors; see april_ext.sglang.weights for the transports
+        (SGLangEngineConfig.weight_sync)."""
         check_weight_version(version)
         if not isinstance(weights, (str, os.PathLike, Mapping)):
             weights = dict(weights)
         async with self._weights_lock:
-            names = await push_weights(self._workers, weights, version, self.config.weight_sync_dir)
+            names = await push_weights(self._workers, self._http, weights, version, self.config.weight_sync,
+                                       self.config.weight_sync_dir, self._broadcaster)
             self._weight_version = version
             if self._failover is not None:
-                self._weights = _kept(weights, self.config.weight_sync_dir)
+                self._weights = _kept(weights, self.config.weight_sync, self.config.weight_sync_dir)
         return names
+
+    def reset_weight_group(self) -> None:
+        """weight_sync="broadcast": a worker restarted (and so left the weight group) without a failed update
+        noticing it; the next update builds the group again with every worker. A failed update, a changed
+        worker list, or a worker rejoining after failover does this by itself."""
+        self._broadcaster.reset()
+
+    async def _push_one(self, one: WorkerPool, weights: WeightsSource) -> None:
+        """The last weights onto one rejoining worker. With weight_sync "broadcast" it left the weight group
+        when it went away: it gets them through a group of its own, and the next update builds the shared
+        group again with every worker."""
+        if self.config.weight_sync != "broadcast":
+            await push_weights(one, self._http, weights, self._weight_version, self.config.weight_sync,
+                               self.config.weight_sync_dir, self._broadcaster)
+            return
+        single = self._new_broadcaster(one)
+        try:
+            await push_weights(one, self._http, weights, self._weight_version, "broadcast", None, single)
+        finally:
+            await single.close()
+        self._broadcaster.reset()
+
+    def _new_broadcaster(self, workers: WorkerPool) -> WeightBroadcaster:
+        return WeightBroadcaster(workers, self._http, bucket_bytes=int(self.config.weight_bucket_mb * 2**20),
+                                 timeout_s=self.config.weight_sync_timeout_s,
+                                 master_address=self.config.weight_sync_master_address)
 
     async def _resync(self, url: str) -> None:
         """Brings a returning worker up to date before it rejoins: what it still runs is aborted (those
@@ -253,7 +284,7 @@ class SGLangEngine:
             one = self._workers.only(url)
             await one.broadcast("/abort_request", {"rid": "", "abort_all": True})
             if self._weights is not None:
-                await push_weights(one, self._weights, self._weight_version, self.config.weight_sync_dir)
+                await self._push_one(one, self._weights)
             profile = await one.profile(url)
             if profile.weight_version_path is not None:
                 answer = await self._http.call("GET", f"{url}{profile.weight_version_path}", idempotent=True)
@@ -346,13 +377,14 @@ class SGLangEngine:
         return await self._workers.worker_urls()
 
 
-def _kept(weights: WeightsSource, weight_sync_dir: str | None) -> WeightsSource:
-    """What a rejoining worker will load: the directory the weights are in (the weight-sync directory
-    holds the last tensors pushed), else a CPU copy of the tensors (a trainer exports its live parameters,
-    which its next update changes in place)."""
+def _kept(weights: WeightsSource, weight_sync: str, weight_sync_dir: str | None) -> WeightsSource:
+    """What a rejoining worker will load: the directory the weights are in (with weight_sync "disk" the
+    weight-sync directory holds the last tensors pushed), else a CPU copy of the tensors (a trainer exports
+    its live parameters, which its next update changes in place)."""
     if isinstance(weights, (str, os.PathLike)):
         return weights
-    if weight_sync_dir is not None:
+    if weight_sync == "disk":
+        assert weight_sync_dir is not None  # SGLangEngineConfig requires it for "disk"
         return weight_sync_dir
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights.items()}  # type: ignore[union-attr]
 

@@ -1,48 +1,88 @@
 """Weight sync: how new weights reach every SGLang worker, tagged with the version later tokens carry.
 
 A checkpoint directory (which the servers must see at the same path) is loaded with
-/update_weights_from_disk, which real SGLang servers accept. Named tensors are written to
-``weight_sync_dir`` and loaded the same way when it is set; otherwise they travel to
-/update_weights_from_tensor as a base64 safetensors blob, which only the embedded server reads (SGLang's
-own serializer passes CUDA IPC handles between processes of one machine).
+/update_weights_from_disk, unless the sync is "broadcast", which reads it here and broadcasts it. Named
+tensors go the way SGLangEngineConfig.weight_sync says:
+- "disk": written to ``weight_sync_dir`` and loaded with /update_weights_from_disk (any SGLang release;
+  the servers need a shared file system);
+- "tensor": /update_weights_from_tensor with a base64 safetensors blob, which only the embedded server
+  reads (SGLang's own serializer passes CUDA IPC handles between processes of one machine);
+- "broadcast": SGLang's collective update from this process (april_ext.sglang.broadcast).
+The current release runs tensor and collective updates inside a weight-update session
+(/begin_weight_update ... /end_weight_update), which is opened on the workers of that release.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from april_ext.model.checkpoint import safetensors_files, save_safetensors
+from april_ext.model.checkpoint import iter_safetensors, safetensors_files, save_safetensors
+from april_ext.protocol import sglang_wire
 from april_ext.protocol.sglang_wire import encode_named_tensors
+from april_ext.sglang.broadcast import WeightBroadcaster
+from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.errors import SGLangHTTPError
+from april_ext.sglang.profiles import ServerProfile
 from april_ext.sglang.workers import WorkerPool
 
 WeightsSource = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike[str]
 
 
-async def push_weights(workers: WorkerPool, weights: WeightsSource, version: int,
-                       weight_sync_dir: str | None) -> list[str]:
+async def push_weights(workers: WorkerPool, http: HTTPClient, weights: WeightsSource, version: int,
+                       weight_sync: str, weight_sync_dir: str | None, broadcaster: WeightBroadcaster) -> list[str]:
     """Loads the weights on every worker with weight_version str(version), flushing their caches and
     keeping their requests (SGLang holds the update until they end); returns the names loaded."""
-    if not isinstance(weights, (str, os.PathLike)):
-        tensors = dict(weights.items() if isinstance(weights, Mapping) else weights)
-        if weight_sync_dir is None:
-            payload = {"serialized_named_tensors": [encode_named_tensors(tensors)], "load_format": None}
-            await _load(workers, "/update_weights_from_tensor", payload, version)
-            return sorted(tensors)
-        save_safetensors(tensors, weight_sync_dir)
-        weights = weight_sync_dir
-    path = os.path.abspath(os.fspath(weights))
+    if isinstance(weights, (str, os.PathLike)):
+        path = os.path.abspath(os.fspath(weights))
+        if weight_sync == "broadcast":
+            return await _broadcast(broadcaster, list(iter_safetensors(path)), version)
+        return await _from_disk(workers, path, version)
+    tensors = list(weights.items() if isinstance(weights, Mapping) else weights)
+    if weight_sync == "broadcast":
+        return await _broadcast(broadcaster, tensors, version)
+    if weight_sync == "tensor":
+        payload = {"serialized_named_tensors": [encode_named_tensors(dict(tensors))], "load_format": None}
+        await _in_session(workers, http, lambda: _load(workers, "/update_weights_from_tensor", payload, version))
+        return sorted(name for name, _ in tensors)
+    assert weight_sync_dir is not None  # SGLangEngineConfig requires it for "disk"
+    save_safetensors(dict(tensors), weight_sync_dir)
+    return await _from_disk(workers, weight_sync_dir, version)
+
+
+async def _broadcast(broadcaster: WeightBroadcaster, tensors: list[tuple[str, torch.Tensor]],
+                     version: int) -> list[str]:
+    await broadcaster.push(tensors, version)
+    return sorted(name for name, _ in tensors)
+
+
+async def _from_disk(workers: WorkerPool, path: str, version: int) -> list[str]:
     names = []
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as handle:
             names.extend(handle.keys())
     await _load(workers, "/update_weights_from_disk", {"model_path": path, "load_format": None}, version)
     return sorted(names)
+
+
+async def _in_session(workers: WorkerPool, http: HTTPClient, update: Callable[[], Awaitable[None]]) -> None:
+    """Runs the update inside a weight-update session on the workers whose release has them."""
+    async def call(endpoint: str) -> None:
+        async def one(profile: ServerProfile) -> None:
+            if profile.dialect is sglang_wire.CURRENT:
+                await http.call("POST", f"{profile.url}{endpoint}", {}, idempotent=False)
+
+        await workers.each(one)
+
+    await call("/begin_weight_update")
+    try:
+        await update()
+    finally:
+        await call("/end_weight_update")
 
 
 async def _load(workers: WorkerPool, endpoint: str, payload: dict[str, Any], version: int) -> None:

@@ -21,7 +21,7 @@ _GROUPS = {
                          "engine"),
     "SGLang engine": ("sglang_urls", "sglang_router_url", "sglang_launch", "sglang_num_servers", "sglang_module",
                       "sglang_args", "sglang_launch_timeout_s", "sglang_weight_sync_dir", "sglang_stream",
-                      "sglang_worker_timeout_s"),
+                      "sglang_worker_timeout_s", "weight_sync", "weight_sync_bucket_mb"),
     "rollout": (*SCHEDULER_SETTINGS, "partial_rollout", "temperature", "top_p", "top_k"),
     "rewards and filters": ("custom_rm_path", "custom_rm_kind", "custom_rm_text", "custom_rm_timeout_s",
                             "dynamic_sampling_filter_path"),

@@ -36,6 +36,7 @@ TRAINERS = ("torch", "megatron")
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)")
 RewardKind = Literal["auto", "sample", "batch", "group"]
 KlType = Literal["k1", "k2", "k3", "low_var_kl"]
+WeightSync = Literal["disk", "tensor", "broadcast"]
 
 
 SCHEDULER_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(SchedulerConfig))
@@ -129,6 +130,13 @@ class TrainConfig:
     """engine=sglang: failover. A server that refuses connections, or sends nothing (no token, no /health
     answer) for this many seconds, is removed; its requests are resumed on the others, and it rejoins with
     the current weights when it answers again (docs/sglang.md). None: no failover."""
+    weight_sync: WeightSync = "disk"
+    """engine=sglang: how new weights reach the servers: "disk" (written to sglang_weight_sync_dir and loaded
+    with /update_weights_from_disk; any SGLang release, needs a shared file system), "tensor" (in
+    /update_weights_from_tensor requests; the embedded server only) or "broadcast" (SGLang's collective update:
+    this process broadcasts to every server through a process group; docs/weight_sync.md)."""
+    weight_sync_bucket_mb: float = 64.0
+    """weight_sync=broadcast: MiB of tensors per /update_weights_from_distributed call."""
     # --- training
     trainer: str = "torch"
     """Trainer: "torch" (april_ext.model) or "megatron" (a megatron-core GPTModel; needs april_ext[megatron])."""
@@ -352,6 +360,12 @@ class TrainConfig:
         if self.engine == "sglang" and not self.sglang_launch and self.model is None:
             _bad("model", None, "the checkpoint directory the SGLang servers serve (the trainer starts from the "
                  "same weights); or sglang_launch=true, which starts servers on the run's initial weights")
+        if self.weight_sync not in typing.get_args(WeightSync):
+            _bad("weight_sync", self.weight_sync, f"one of {typing.get_args(WeightSync)}")
+        if self.weight_sync != "disk" and self.engine != "sglang":
+            _bad("weight_sync", self.weight_sync, "'disk' (the default) unless engine='sglang'")
+        if not math.isfinite(self.weight_sync_bucket_mb) or self.weight_sync_bucket_mb <= 0:
+            _bad("weight_sync_bucket_mb", self.weight_sync_bucket_mb, "a finite number > 0")
         if self.sglang_num_servers < 1:
             _bad("sglang_num_servers", self.sglang_num_servers, "an int >= 1")
         if not math.isfinite(self.sglang_launch_timeout_s) or self.sglang_launch_timeout_s <= 0:

@@ -9,8 +9,8 @@ resume, the checkpoint's), labelled ``trainer.version``:
 - "sglang": SGLang servers over HTTP (april_ext.sglang), either running ones (sglang_urls /
   sglang_router_url, which serve ``model``; they get the trainer's weights pushed, which also resets a
   label left by an earlier run) or servers launched on a checkpoint of those weights and stopped on exit.
-  New weights reach them the way real SGLang takes them: written to a weight-sync directory and loaded
-  with /update_weights_from_disk.
+  New weights reach them as TrainConfig.weight_sync says: by default the way every SGLang release takes
+  them, written to a weight-sync directory and loaded with /update_weights_from_disk.
 """
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ async def _sglang_engine(config: TrainConfig, trainer: Trainer, model_config: Mo
                 else config.sglang_urls)
         engine = await stack.enter_async_context(SGLangEngine(SGLangEngineConfig(
             worker_urls=urls, router_url=config.sglang_router_url, initial_weight_version=trainer.version,
+            weight_sync=config.weight_sync, weight_bucket_mb=config.weight_sync_bucket_mb,
             weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
             stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s)))
         if not config.sglang_launch:
