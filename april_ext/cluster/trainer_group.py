@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 _RESUME = "the run stopped; continue it from its last checkpoint with --resume"
 # Closing the ranks is a courtesy before they are killed: a rank stuck in a collective never answers.
 _CLOSE_TIMEOUT_S = 10.0
+# After a rank fails: how long the others may take to fail too (the actor of a killed rank is reported dead
+# about 1-2 s after its process ends).
+_FAILURE_GRACE_S = 5.0
 
 
 class TrainerGroup:
@@ -47,30 +50,48 @@ class TrainerGroup:
         return self._version
 
     def _all(self, what: str, calls: list[Any]) -> list[Any]:
-        """The results of one call per rank (``calls[r]`` is rank r's ObjectRef), in rank order. The first
-        rank to fail fails the call at once; the others may be waiting for it in a collective."""
+        """The results of one call per rank (``calls[r]`` is rank r's ObjectRef), in rank order. When a rank
+        fails, the others get a few seconds to fail too (a rank that died makes the others' collectives fail
+        at once), so that the error names the rank that died rather than one that lost it."""
         import ray
 
         pending = {ref: rank for rank, ref in enumerate(calls)}
         results: dict[int, Any] = {}
+        failures: dict[int, Exception] = {}
         deadline = time.monotonic() + self.timeout_s
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
+                if failures:
+                    break
                 raise ClusterError(f"trainer ranks {sorted(pending.values())} did not finish {what} within "
                                    f"ray_timeout_s={self.timeout_s} s (stalled, or waiting for a dead rank); {_RESUME}")
             rank = pending.pop(ready[0])
             try:
                 results[rank] = ray.get(ready[0])
-            except ray.exceptions.RayActorError as err:
-                raise ClusterError(f"trainer rank {rank} (pid {self.pids[rank]}) died during {what}: "
-                                   f"{type(err).__name__}; {_RESUME}") from None
-            except ray.exceptions.RayTaskError as err:
-                if isinstance(err.cause, AprilError):
-                    raise err.cause from None
-                raise ClusterError(f"trainer rank {rank} (pid {self.pids[rank]}) failed in {what}: "
-                                   f"{type(err.cause).__name__}: {err.cause}; {_RESUME}") from None
+            except ray.exceptions.RayError as err:
+                if not failures:
+                    deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+                failures[rank] = err
+        if failures:
+            raise self._failure(what, failures)
         return [results[r] for r in range(len(calls))]
+
+    def _failure(self, what: str, failures: dict[int, Exception]) -> Exception:
+        """The error of a failed call: a rank that died, else the first failing rank's error (an april_ext
+        error as it was raised)."""
+        import ray
+
+        for rank in sorted(failures):
+            if isinstance(failures[rank], ray.exceptions.RayActorError):
+                return ClusterError(f"trainer rank {rank} (pid {self.pids[rank]}) died during {what} "
+                                    f"({type(failures[rank]).__name__}); {_RESUME}")
+        rank = min(failures)
+        cause = getattr(failures[rank], "cause", failures[rank])
+        if isinstance(cause, AprilError):
+            return cause
+        return ClusterError(f"trainer rank {rank} (pid {self.pids[rank]}) failed in {what}: "
+                            f"{type(cause).__name__}: {cause}; {_RESUME}")
 
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
         import ray
