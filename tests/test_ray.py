@@ -20,11 +20,10 @@ import time
 import urllib.request
 
 import pytest
+from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.cluster import ClusterError
 from april_ext.training import TrainConfig, TrainingRun, train
-
-from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 pytestmark = [
     pytest.mark.slow,

@@ -22,6 +22,7 @@ from april_ext.cluster.engine_actor import EngineHost
 from april_ext.cluster.errors import ClusterError
 from april_ext.cluster.router import Router
 from april_ext.cluster.session import RaySession
+from april_ext.errors import AprilError
 from april_ext.sglang import SGLangServerArgs
 from april_ext.training.config import TrainConfig
 
@@ -124,8 +125,12 @@ class EnginePool:
         while True:
             await asyncio.sleep(self.config.ray_engine_check_interval_s)
             for slot in self.slots:
-                if not slot.dead:
+                if slot.dead:
+                    continue
+                try:
                     await self._check(slot, rejoin)
+                except AprilError as err:  # a rejoin that failed is tried again at the next check
+                    logger.warning("rollout engine %d (%s) could not rejoin: %s", slot.index, slot.url, err)
 
     async def _check(self, slot: EngineSlot, rejoin: Callable[[str], Awaitable[None]]) -> None:
         import ray
@@ -181,4 +186,4 @@ class EnginePool:
         self._router.stop()
 
 
-__all__ = ["EMBEDDED_SERVER", "EngineSlot", "EnginePool", "ray_result", "server_args"]
+__all__ = ["EMBEDDED_SERVER", "EnginePool", "EngineSlot", "ray_result", "server_args"]
