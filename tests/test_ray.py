@@ -6,7 +6,8 @@ each test starts its own run's actors and placement groups in it.
   same scheduler batches and rewards as the single-process run of the same seed (baseline mode); an engine
   actor killed with SIGKILL is restarted by Ray and rejoins the router with the current weights.
 - A trainer rank killed with SIGKILL stops the run with a ClusterError naming it; --resume completes the run.
-- Colocated: the trainer actor's and the engine server's memory alternate through pause / resume (RSS).
+- Colocated: the trainer actor's and the engine server's memory alternate through pause / resume (RSS); the
+  engine registers with a router the run is given, and leaves it at the end.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.cluster import ClusterError
+from april_ext.cluster.router import Router
 from april_ext.training import TrainConfig, TrainingRun, train
 
 pytestmark = [
@@ -135,16 +137,18 @@ def test_a_killed_trainer_rank_stops_the_run_and_resume_completes_it(tmp_path) -
     assert [r["engine/server_weight_versions"] for r in resumed.history[1:]] == [["2"], ["3"]]
 
 
-def test_colocated_trainer_and_engine_memory_alternate(tmp_path) -> None:
+def test_colocated_trainer_and_engine_memory_alternate_behind_a_given_router(tmp_path) -> None:
     # Big enough to see in RSS: the engine's KV cache is 1024 pages x 16 tokens x 4 layers x (K, V) x 2 KV heads
     # x 128 x 4 B = 128 MiB; the trainer's paused weights 4 layers x 13 x 512^2 x 4 B = 52 MiB.
+    router = Router.launch([], str(tmp_path / "router.log"), timeout_s=60, request_timeout_s=60)
     config = TrainConfig(**{**TINY, "hidden_size": 512, "num_layers": 4, "num_blocks": 1024}, **RAY, colocate=True,
-                         num_steps=2, output_dir=str(tmp_path / "run"))
+                         num_steps=2, output_dir=str(tmp_path / "run"), ray_router_url=router.url)
     mib = 1 << 20
 
     async def run() -> dict[str, list[int]]:
         async with TrainingRun(config) as run:
             memory, trainer, engine = run.memory, run.trainer, run.engine
+            assert list(engine.pool.router.workers()) == [engine.pool.slots[0].url]
             rss: dict[str, list[int]] = {"trainer": [], "engine": []}
 
             async def measure() -> None:
@@ -163,7 +167,12 @@ def test_colocated_trainer_and_engine_memory_alternate(tmp_path) -> None:
             assert [r["engine/server_weight_versions"] for r in run.history] == [["1"], ["2"]]
             return rss
 
-    rss = asyncio.run(run())
+    try:
+        rss = asyncio.run(run())
+        # The run registered its engine with the router it was given, and took it off again at the end.
+        assert router.process.poll() is None and router.workers() == {}
+    finally:
+        router.stop()
     print({k: [round(v / mib) for v in vs] for k, vs in rss.items()})
     (t0, t1, t2), (e0, e1, e2) = rss["trainer"], rss["engine"]
     assert e1 - e0 > 100 * mib and e1 - e2 > 100 * mib  # the KV cache comes back for the rollout, then goes
