@@ -15,7 +15,7 @@ import dataclasses
 import os
 import signal
 
-from april_ext.cluster.trainer_actor import rss_bytes
+from april_ext.cluster.process_memory import rss_bytes
 from april_ext.persistence import atomic_write_text
 from april_ext.sglang import SGLangServerArgs, launch_sglang_server
 

@@ -18,23 +18,12 @@ from typing import Any
 import torch
 
 from april_ext.batch import TrainingBatch
+from april_ext.cluster.process_memory import rss_bytes
 from april_ext.model import LlamaForCausalLM, load_pretrained
 from april_ext.protocol.trainer import ExportedWeights, Trainer
 from april_ext.trainer import distributed
 from april_ext.training.config import TrainConfig
 from april_ext.training.trainers import build_trainer
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of a process (Linux /proc), 0 when it is gone."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return 0
-    return 0
 
 
 class TrainerRank:
@@ -109,4 +98,4 @@ class TrainerRank:
         self._stack.close()
 
 
-__all__ = ["TrainerRank", "rss_bytes"]
+__all__ = ["TrainerRank"]
