@@ -13,13 +13,19 @@ ROOT = Path(__file__).resolve().parent.parent / "april_ext"
 
 # (importing package, imported packages it must not import, why)
 FORBIDDEN: list[tuple[str, tuple[str, ...], str]] = [
-    ("engine", ("sim", "sglang", "server", "training"), "an engine imports no other engine, no server, no training"),
-    ("sim", ("engine", "sglang", "server", "training"), "an engine imports no other engine, no server, no training"),
-    ("sglang", ("engine", "sim", "server", "training"), "an engine imports no other engine, no server, no training"),
-    ("rollout", ("tasks", "engine", "sim", "sglang"), "the loop speaks the protocol, not a concrete engine"),
-    ("trainer", ("engine", "sim", "sglang", "server", "rollout"), "trainers know no engine and no loop"),
-    ("model", ("engine", "trainer", "rollout", "server", "sglang", "sim", "training"),
+    ("engine", ("sim", "sglang", "server", "training", "cluster"),
+     "an engine imports no other engine, no server, no training"),
+    ("sim", ("engine", "sglang", "server", "training", "cluster"),
+     "an engine imports no other engine, no server, no training"),
+    ("sglang", ("engine", "sim", "server", "training", "cluster"),
+     "an engine imports no other engine, no server, no training"),
+    ("rollout", ("tasks", "engine", "sim", "sglang", "cluster"), "the loop speaks the protocol, not a concrete engine"),
+    ("trainer", ("engine", "sim", "sglang", "server", "rollout", "cluster"), "trainers know no engine and no loop"),
+    ("model", ("engine", "trainer", "rollout", "server", "sglang", "sim", "training", "cluster"),
      "the model is below everything that uses it"),
+    ("server", ("training", "cluster"), "a server serves an engine; it knows no run"),
+    # cluster is the top layer beside training (whose run enters it when TrainConfig.ray is set).
+    ("cluster", ("engine", "sim", "server"), "the Ray layer starts engines as servers and talks to them over HTTP"),
 ]
 # april_ext.protocol is the bottom layer: of april_ext it imports only these (and itself).
 PROTOCOL_ALLOWED = ("protocol", "errors", "batch", "data_source")

@@ -216,6 +216,35 @@ class TrainConfig:
     """torch intra-op threads; None leaves torch's default."""
     distributed_timeout_minutes: float = 10.0
     """Across ranks (torchrun): the limit of every collective and of a rank's wait for rank 0's next command."""
+    # --- Ray (april_ext.cluster, docs/scaling.md)
+    ray: bool = False
+    """Run on Ray: one actor per trainer rank, one per rollout engine (each owning a server), the engines behind
+    sglang-router; the driver keeps the scheduler and the rollout loop."""
+    ray_address: str | None = None
+    """ray: the cluster to join ("auto", "host:6379", "ray://host:10001"); None: RAY_ADDRESS, else a local
+    cluster started by the run."""
+    actor_num_nodes: int = 1
+    """ray: nodes of the trainer (slime's --actor-num-nodes)."""
+    actor_num_gpus_per_node: int = 1
+    """ray: trainer ranks per node, one GPU each (slime's --actor-num-gpus-per-node); on a CPU, ranks per node."""
+    rollout_num_gpus: int | None = None
+    """ray: GPUs of all rollout engines (slime's --rollout-num-gpus); None: the trainer's when colocated, else
+    rollout_num_gpus_per_engine (one engine). On a CPU each counts as an engine slot of ray_num_cpus_per_actor."""
+    rollout_num_gpus_per_engine: int = 1
+    """ray: GPUs of one engine, its tensor parallel size (slime's --rollout-num-gpus-per-engine)."""
+    num_gpus_per_node: int = 8
+    """ray: GPUs of a node (slime's --num-gpus-per-node); an engine must fit on one node."""
+    ray_num_cpus_per_actor: float = 1.0
+    """ray: CPUs each trainer and engine actor reserves (on a CPU-only cluster its only resource)."""
+    ray_router_url: str | None = None
+    """ray: a running sglang-router the engines register with; None: the run launches one on the driver."""
+    ray_timeout_s: float = 600.0
+    """ray: seconds a trainer call (train step, checkpoint, export) may take, also the process-group timeout,
+    and the startup limit of the actors, placement groups and router."""
+    ray_engine_max_restarts: int = 3
+    """ray: times Ray restarts an engine actor that died (it gets the current weights before it rejoins)."""
+    ray_engine_check_interval_s: float = 1.0
+    """ray: seconds between two liveness checks of the engine actors by the driver."""
     # --- outputs
     output_dir: str = "april_runs/run"
     """metrics.jsonl, plots and (unless save is set) checkpoints go here."""
@@ -321,6 +350,24 @@ class TrainConfig:
             if path is not None and not _IMPORT_PATH.fullmatch(path):
                 _bad(name, path, "an import path 'pkg.module:function' or 'pkg.module.function'")
         self._check_sglang()
+        self._check_ray()
+
+    def _check_ray(self) -> None:
+        for name in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine", "num_gpus_per_node"):
+            if getattr(self, name) < 1:
+                _bad(name, getattr(self, name), "an int >= 1")
+        if self.rollout_num_gpus is not None and self.rollout_num_gpus < 1:
+            _bad("rollout_num_gpus", self.rollout_num_gpus, "None or an int >= 1")
+        if self.ray_engine_max_restarts < 0:
+            _bad("ray_engine_max_restarts", self.ray_engine_max_restarts, "an int >= 0")
+        for name in ("ray_num_cpus_per_actor", "ray_timeout_s", "ray_engine_check_interval_s"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                _bad(name, getattr(self, name), "a finite number > 0")
+        if self.ray_router_url is not None and not self.ray_router_url.startswith(("http://", "https://")):
+            _bad("ray_router_url", self.ray_router_url, "None or an http:// or https:// url")
+        if self.ray and self.engine == "sglang" and not self.sglang_launch:
+            _bad("engine", self.engine, "with ray, 'embedded' or 'sglang' with sglang_launch=true (each engine actor "
+                 "launches its server; servers given by url are not Ray's to place)")
 
     def _check_parallel(self) -> None:
         if not math.isfinite(self.distributed_timeout_minutes) or self.distributed_timeout_minutes <= 0:

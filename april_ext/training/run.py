@@ -217,6 +217,11 @@ class TrainingRun:
         self.data_exhausted = False
         self.steps_done = 0
         self.memory_tag_prefix = f"run{next(_run_ids)}-"
+        if config.ray:  # trainer ranks and engines as Ray actors (april_ext.cluster, docs/scaling.md)
+            from april_ext.cluster import RayTopologyRun
+
+            cluster = RayTopologyRun(config)
+            trainer_factory, engine_factory = cluster.trainer_factory, cluster.engine_factory
         self._trainer_factory = trainer_factory
         self._engine_factory = engine_factory
         self._stack = contextlib.AsyncExitStack()

@@ -1,0 +1,189 @@
+"""EnginePool: the rollout engine actors of a Ray run and their membership in the router.
+
+One actor per engine (engine_actor.EngineHost) in its bundle, restarted by Ray up to
+``ray_engine_max_restarts`` times. The driver checks every actor each ``ray_engine_check_interval_s``:
+an engine whose actor died, restarts or does not answer leaves the router at once (the router itself
+only marks it unhealthy); when its actor answers again, from a new server, the pool's ``rejoin`` hook
+gives it the current weights and only then is it registered again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from april_ext.cluster.engine_actor import EngineHost
+from april_ext.cluster.errors import ClusterError
+from april_ext.cluster.router import Router
+from april_ext.cluster.session import RaySession
+from april_ext.errors import AprilError
+from april_ext.sglang import SGLangServerArgs
+from april_ext.training.config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_SERVER = "april_ext.server"
+"""The module an embedded engine actor serves (``april-ext serve``)."""
+
+
+async def ray_result(ref: Any, timeout_s: float) -> Any:
+    """An ObjectRef's value, awaited at most ``timeout_s`` (asyncio.TimeoutError after)."""
+    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+
+
+@dataclass
+class EngineSlot:
+    """One engine: its actor, its server (``pid`` of the actor, ``url``) and whether the router lists it."""
+
+    index: int
+    actor: Any
+    pid: int = -1
+    url: str = ""
+    registered: bool = False
+    dead: bool = False
+    restarts_seen: int = 0
+
+
+def server_args(config: TrainConfig, model_path: str, version: int, index: int, gpus: int) -> tuple[str, SGLangServerArgs]:
+    """(module, launch flags) of engine ``index``'s server, on ``model_path`` labelled ``version``."""
+    if config.engine == "embedded":
+        extra = ("--weight-version", str(version), "--num-blocks", str(config.num_blocks), "--block-size",
+                 str(config.block_size), "--max-num-seqs", str(config.max_num_seqs), "--device", config.device,
+                 "--seed", str(config.seed + index))
+        return EMBEDDED_SERVER, SGLangServerArgs(model_path=model_path, enable_memory_saver=config.colocate,
+                                                 extra_args=extra)
+    extra = ("--weight-version", str(version), *shlex.split(config.sglang_args))
+    return config.sglang_module, SGLangServerArgs(model_path=model_path, tp=gpus, enable_memory_saver=config.colocate,
+                                                  extra_args=extra)
+
+
+class EnginePool:
+    def __init__(self, config: TrainConfig, slots: list[EngineSlot]) -> None:
+        self.config = config
+        self.slots = slots
+        self._router: Router | None = None
+        self._probe_timeout_s = max(2.0, 2 * config.ray_engine_check_interval_s)
+
+    @classmethod
+    async def start(cls, session: RaySession, config: TrainConfig, model_path: str, version: int) -> EnginePool:
+        """Starts every engine actor (each launches its server on ``model_path``) and the router (or
+        registers them with ``ray_router_url``), and waits until the router lists them all as healthy."""
+        import ray
+
+        topology = session.topology
+        remote = ray.remote(EngineHost)
+        run_dir = os.path.abspath(os.path.join(config.output_dir, "cluster"))
+        slots = []
+        for i in range(topology.num_engines):
+            module, args = server_args(config, model_path, version, i, topology.gpus_per_engine)
+            actor = remote.options(max_restarts=config.ray_engine_max_restarts,
+                                   **session.actor_options(topology.engine(i))).remote(
+                i, module, args, run_dir, config.sglang_launch_timeout_s)
+            slots.append(EngineSlot(i, actor))
+        pool = cls(config, slots)
+        try:
+            addresses = await asyncio.gather(*(ray_result(s.actor.address.remote(), config.ray_timeout_s)
+                                               for s in slots))
+        except (asyncio.TimeoutError, ray.exceptions.RayError) as err:
+            pool.stop()
+            raise ClusterError(f"the rollout engines did not start within ray_timeout_s={config.ray_timeout_s} s "
+                               f"({type(err).__name__}: {err}); their logs are in {run_dir}") from None
+        for slot, (pid, url) in zip(slots, addresses):
+            slot.pid, slot.url, slot.registered = pid, url, True
+        urls = [s.url for s in slots]
+        try:
+            if config.ray_router_url is None:
+                pool._router = await asyncio.to_thread(Router.launch, urls, os.path.join(run_dir, "router.log"),
+                                                       config.ray_timeout_s, config.ray_timeout_s)
+            else:
+                pool._router = Router(config.ray_router_url)
+                for url in urls:
+                    await asyncio.to_thread(pool.router.add, url)
+                await asyncio.to_thread(pool.router.wait_until, lambda w: all(w.get(u, {}).get("is_healthy")
+                                                                              for u in urls),
+                                        config.ray_timeout_s, f"list {urls} as healthy")
+        except BaseException:
+            pool.stop()
+            raise
+        logger.info("rollout: %d engines behind the router %s: %s", len(slots), pool.router.url, urls)
+        return pool
+
+    @property
+    def router(self) -> Router:
+        assert self._router is not None, "start() sets the router up"
+        return self._router
+
+    async def watch(self, rejoin: Callable[[str], Awaitable[None]]) -> None:
+        """Checks the engines forever (cancel to stop): removes the silent ones from the router, and
+        after ``rejoin(url)`` (the current weights) registers the restarted ones again."""
+        while True:
+            await asyncio.sleep(self.config.ray_engine_check_interval_s)
+            for slot in self.slots:
+                if slot.dead:
+                    continue
+                try:
+                    await self._check(slot, rejoin)
+                except AprilError as err:  # a rejoin that failed is tried again at the next check
+                    logger.warning("rollout engine %d (%s) could not rejoin: %s", slot.index, slot.url, err)
+
+    async def _check(self, slot: EngineSlot, rejoin: Callable[[str], Awaitable[None]]) -> None:
+        import ray
+
+        try:
+            pid, url = await ray_result(slot.actor.address.remote(), self._probe_timeout_s)
+        except (asyncio.TimeoutError, ray.exceptions.RayError) as err:
+            slot.dead = isinstance(err, ray.exceptions.ActorDiedError)
+            if slot.registered:
+                await asyncio.to_thread(self.router.remove, slot.url)
+                slot.registered = False
+                logger.warning("rollout engine %d (%s) is down (%s): removed from the router%s", slot.index,
+                               slot.url, type(err).__name__,
+                               "; no restarts left" if slot.dead else ", waiting for Ray to restart it")
+            return
+        if slot.registered and url == slot.url:
+            return
+        if slot.registered:  # restarted between two checks
+            await asyncio.to_thread(self.router.remove, slot.url)
+        slot.pid, slot.url, slot.registered = pid, url, False
+        await rejoin(url)
+        await asyncio.to_thread(self.router.add, url)
+        await asyncio.to_thread(self.router.wait_until, lambda w: w.get(url, {}).get("is_healthy"),
+                                self.config.ray_timeout_s, f"list {url} as healthy")
+        slot.registered = True
+        slot.restarts_seen += 1
+        logger.warning("rollout engine %d restarted (pid %d) and rejoined the router at %s with the current "
+                       "weights", slot.index, pid, url)
+
+    def states(self) -> dict[int, str]:
+        return {s.index: "dead" if s.dead else "up" if s.registered else "down" for s in self.slots}
+
+    async def server_rss_bytes(self) -> list[int]:
+        """Each engine server's resident memory (colocated runs measure it)."""
+        return list(await asyncio.gather(*(ray_result(s.actor.rss_bytes.remote(), self.config.ray_timeout_s)
+                                           for s in self.slots)))
+
+    def stop(self) -> None:
+        """Stops the servers, the actors and a router launched by the run."""
+        import ray
+
+        refs = [s.actor.stop.remote() for s in self.slots]
+        ray.wait(refs, num_returns=len(refs), timeout=30)
+        for slot in self.slots:
+            ray.kill(slot.actor, no_restart=True)
+        if self._router is None:
+            return
+        if self._router.process is None:  # a router given by url keeps running: it forgets our engines
+            for slot in self.slots:
+                if slot.registered:
+                    with contextlib.suppress(ClusterError):
+                        self._router.remove(slot.url)
+        self._router.stop()
+
+
+__all__ = ["EMBEDDED_SERVER", "EnginePool", "EngineSlot", "ray_result", "server_args"]

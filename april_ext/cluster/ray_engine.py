@@ -1,0 +1,103 @@
+"""RayEngine: the RolloutEngine of a Ray run on the driver. Generation, aborts, weight updates and memory
+calls go through an SGLangEngine pointed at the router (aborts and weights reach every worker the router
+lists: the router has no /abort_request); beside it the engine pool's watch keeps the router's list to
+the engines that answer, and gives a restarted engine the weights of the last update before it rejoins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+from april_ext.cluster.engine_pool import EnginePool
+from april_ext.protocol.memory_tags import memory_tags
+from april_ext.protocol.outputs import GenerationChunk, GenerationOutput
+from april_ext.protocol.sampling_params import SamplingParams
+from april_ext.sglang import SGLangEngine, SGLangEngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RayEngine:
+    def __init__(self, inner: SGLangEngine, pool: EnginePool) -> None:
+        self.inner = inner
+        self.pool = pool
+        self._lock = asyncio.Lock()  # one weight push at a time: an update, or a rejoining engine's
+        self._weights: tuple[list[tuple[str, Any]], int] | None = None
+        self._released: set[str] = set()  # memory tags released on every engine now
+        self._watch: asyncio.Task[None] | None = None
+        self.rejoins = 0
+
+    async def __aenter__(self) -> RayEngine:
+        self._watch = asyncio.create_task(self.pool.watch(self._rejoin))
+        self._watch.add_done_callback(_report_watch_end)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watch
+
+    def generate(self, input_ids: Sequence[int], params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+        return self.inner.generate(input_ids, params, request_id)
+
+    async def abort(self, request_ids: str | Iterable[str] | None = None) -> list[GenerationOutput]:
+        return await self.inner.abort(request_ids)
+
+    async def update_weights(self, weights: Any, version: int) -> list[str]:
+        """New weights on every registered engine; kept on the driver for engines that rejoin later."""
+        async with self._lock:
+            tensors = list(weights.items() if isinstance(weights, dict) else weights)
+            names = await self.inner.update_weights(tensors, version)
+            self._weights = (tensors, version)
+            return names
+
+    async def release_memory(self, tags: Iterable[str] | None = None) -> None:
+        async with self._lock:
+            await self.inner.release_memory(tags)
+            self._released |= set(memory_tags(tags))
+
+    async def resume_memory(self, tags: Iterable[str] | None = None) -> None:
+        async with self._lock:
+            await self.inner.resume_memory(tags)
+            self._released -= set(memory_tags(tags))
+
+    async def _rejoin(self, url: str) -> None:
+        """A restarted engine's server gets the last update's weights (it started from the run's initial
+        checkpoint) and the memory state of the others, before it is registered with the router."""
+        async with self._lock:
+            if self._weights is None and not self._released:
+                return
+            config = self.inner.config
+            version = self._weights[1] if self._weights is not None else config.initial_weight_version
+            async with SGLangEngine(SGLangEngineConfig(worker_urls=(url,), initial_weight_version=version,
+                                                       weight_sync_dir=config.weight_sync_dir)) as engine:
+                if self._weights is not None:
+                    await engine.update_weights(*self._weights)
+                if self._released:
+                    await engine.release_memory(sorted(self._released))
+            self.rejoins += 1
+
+    def stats(self) -> Any:
+        return self.inner.stats()
+
+    def health(self) -> dict[str, Any]:
+        """The SGLang engine's health plus each engine actor's state ("up", "down": waiting for its
+        restart, "dead": no restarts left)."""
+        return {**self.inner.health(), "engines": self.pool.states()}
+
+    async def weight_versions(self) -> dict[str, str]:
+        return await self.inner.weight_versions()
+
+
+def _report_watch_end(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("the rollout engine watch stopped: %r; dead engines are no longer replaced", task.exception())
+
+
+__all__ = ["RayEngine"]

@@ -1,0 +1,68 @@
+"""RayTopologyRun: the trainer and engine factories of a training run on Ray (TrainConfig.ray), sharing
+one Ray session. TrainingRun enters the trainer factory first (the session: cluster and placement groups,
+then the trainer actor group) and the engine factory second (the initial checkpoint, the engine actors,
+the router, the RayEngine); it leaves them in the reverse order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator, Iterator
+
+from april_ext.cluster.engine_pool import EnginePool
+from april_ext.cluster.ray_engine import RayEngine
+from april_ext.cluster.session import RaySession
+from april_ext.cluster.topology import Topology
+from april_ext.cluster.trainer_group import TrainerGroup, start_trainer_group
+from april_ext.model import LlamaForCausalLM, ModelConfig
+from april_ext.protocol.rollout_engine import RolloutEngine
+from april_ext.protocol.trainer import Trainer
+from april_ext.sglang import SGLangEngine, SGLangEngineConfig
+from april_ext.training.config import TrainConfig
+from april_ext.training.engines import SGLANG_DIR, write_hf_checkpoint
+
+
+class RayTopologyRun:
+    """``trainer_factory`` / ``engine_factory`` for TrainingRun (see training.trainers / training.engines)."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.topology = Topology.from_config(config)
+        self._session: RaySession | None = None
+        self.trainer: TrainerGroup | None = None
+        self.engine: RayEngine | None = None
+
+    @contextlib.contextmanager
+    def trainer_factory(self, config: TrainConfig, model: LlamaForCausalLM, memory_tag_prefix: str) -> Iterator[Trainer]:
+        with RaySession(config, self.topology) as session:
+            self._session = session
+            try:
+                with start_trainer_group(session, config, model, memory_tag_prefix) as group:
+                    self.trainer = group
+                    yield group
+            finally:
+                self._session = self.trainer = None
+
+    @contextlib.asynccontextmanager
+    async def engine_factory(self, config: TrainConfig, trainer: Trainer, model_config: ModelConfig,
+                             memory_tag_prefix: str) -> AsyncIterator[RolloutEngine]:
+        """Engines on a checkpoint of the trainer's current weights (after a resume, the checkpoint's),
+        labelled with its version. New weights reach them as in engine='sglang': written to the
+        weight-sync directory (sglang_weight_sync_dir, which every node must see) and loaded from disk."""
+        assert self._session is not None, "TrainingRun enters the trainer factory first"
+        root = os.path.abspath(os.path.join(config.output_dir, SGLANG_DIR))
+        initial = write_hf_checkpoint(trainer, model_config, os.path.join(root, "initial_model"))
+        pool = await EnginePool.start(self._session, config, initial, trainer.version)
+        try:
+            async with SGLangEngine(SGLangEngineConfig(
+                    router_url=pool.router.url, initial_weight_version=trainer.version,
+                    weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
+                    stream=config.sglang_stream)) as inner, RayEngine(inner, pool) as engine:
+                self.engine = engine
+                yield engine
+        finally:
+            self.engine = None
+            pool.stop()
+
+
+__all__ = ["RayTopologyRun"]

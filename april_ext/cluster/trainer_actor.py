@@ -1,0 +1,101 @@
+"""TrainerRank: what runs inside one trainer actor. A plain object (Ray wraps it in trainer_group), so
+the trainers it builds never import Ray.
+
+Two phases, as a torchrun launch: every rank's actor is created, rank 0 names a rendezvous address
+(its node and a free port), then every rank joins the process group at once (``setup``), with the
+environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so that
+trainer.distributed's process-group setup, DDP and the Megatron trainer work unchanged. Ray gives each
+actor its own GPU (CUDA_VISIBLE_DEVICES), hence LOCAL_RANK 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from typing import Any
+
+import torch
+
+from april_ext.batch import TrainingBatch
+from april_ext.cluster.process_memory import rss_bytes
+from april_ext.model import LlamaForCausalLM, load_pretrained
+from april_ext.protocol.trainer import ExportedWeights, Trainer
+from april_ext.trainer import distributed
+from april_ext.training.config import TrainConfig
+from april_ext.training.trainers import build_trainer
+
+
+class TrainerRank:
+    def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self._stack = contextlib.ExitStack()
+        self._trainer: Trainer | None = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(this node's address, a free port): where the other ranks meet this one (rank 0)."""
+        import ray
+
+        from april_ext.sglang import free_port
+
+        return ray.util.get_node_ip_address(), free_port("")
+
+    def setup(self, master: tuple[str, int], model: LlamaForCausalLM | None, memory_tag_prefix: str) -> int:
+        """Joins the process group and builds the trainer (TrainConfig.trainer) from ``model``, or from
+        TrainConfig.model when None; returns this process's pid."""
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+        config = self.config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        if self.world_size > 1:
+            distributed.initialize(config.ray_timeout_s)
+            self._stack.callback(distributed.shutdown)
+        if model is None:
+            assert config.model is not None
+            model = load_pretrained(config.model, device="cpu")
+        self._trainer = self._stack.enter_context(build_trainer(config, model, memory_tag_prefix))
+        return os.getpid()
+
+    @property
+    def trainer(self) -> Trainer:
+        assert self._trainer is not None, "setup() builds the trainer"
+        return self._trainer
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def train_step(self, batch: TrainingBatch) -> tuple[dict[str, float], int]:
+        # Arrays from the object store are read-only views of shared memory; the trainer gets its own.
+        metrics = self.trainer.train_step(copy.deepcopy(batch))
+        return metrics, self.trainer.version
+
+    def export_weights(self, to_cpu: bool, send: bool) -> ExportedWeights | None:
+        """Every rank exports (with model parallelism a collective); ``send``: this rank's result is wanted."""
+        weights = self.trainer.export_weights(to_cpu=to_cpu or send)
+        return weights if send else None
+
+    def save_checkpoint(self, path: str, extra: dict[str, Any] | None) -> None:
+        self.trainer.save_checkpoint(path, extra)
+
+    def load_checkpoint(self, path: str) -> tuple[dict[str, Any], int]:
+        extra = self.trainer.load_checkpoint(path)
+        return extra, self.trainer.version
+
+    def offload(self) -> None:
+        self.trainer.offload()
+
+    def onload(self) -> None:
+        self.trainer.onload()
+
+    def rss_bytes(self) -> int:
+        return rss_bytes(os.getpid())
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+__all__ = ["TrainerRank"]

@@ -1,0 +1,160 @@
+"""TrainerGroup: the trainer of a Ray run, as one Trainer (april_ext.protocol) on the driver over one
+actor per rank.
+
+Every call goes to every rank (the trainers' methods are collectives: DDP's all-reduce, Megatron's
+gathers, the rank-0 checkpoint write and its barrier) and rank 0's result is returned. Each call waits
+at most ``ray_timeout_s``, also the ranks' process-group timeout, so a rank that dies or stalls stops
+the run with a ClusterError naming it instead of hanging it; the run's checkpoints are where ``--resume``
+continues from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from april_ext.batch import TrainingBatch
+from april_ext.cluster.errors import ClusterError
+from april_ext.cluster.session import RaySession
+from april_ext.cluster.trainer_actor import TrainerRank
+from april_ext.errors import AprilError
+from april_ext.model import LlamaForCausalLM
+from april_ext.protocol.trainer import ExportedWeights
+from april_ext.training.config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+_RESUME = "the run stopped; continue it from its last checkpoint with --resume"
+# Closing the ranks is a courtesy before they are killed: a rank stuck in a collective never answers.
+_CLOSE_TIMEOUT_S = 10.0
+# After a rank fails: how long the others may take to fail too (the actor of a killed rank is reported dead
+# about 1-2 s after its process ends).
+_FAILURE_GRACE_S = 5.0
+
+
+class TrainerGroup:
+    """The Trainer protocol over the rank actors (``actors[r]`` is rank r). ``pids[r]``: rank r's process."""
+
+    def __init__(self, actors: list[Any], pids: list[int], version: int, timeout_s: float) -> None:
+        self.actors = actors
+        self.pids = pids
+        self.timeout_s = timeout_s
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _all(self, what: str, calls: list[Any]) -> list[Any]:
+        """The results of one call per rank (``calls[r]`` is rank r's ObjectRef), in rank order. When a rank
+        fails, the others get a few seconds to fail too (a rank that died makes the others' collectives fail
+        at once), so that the error names the rank that died rather than one that lost it."""
+        import ray
+
+        pending = {ref: rank for rank, ref in enumerate(calls)}
+        results: dict[int, Any] = {}
+        failures: dict[int, Exception] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                if failures:
+                    break
+                raise ClusterError(f"trainer ranks {sorted(pending.values())} did not finish {what} within "
+                                   f"ray_timeout_s={self.timeout_s} s (stalled, or waiting for a dead rank); {_RESUME}")
+            rank = pending.pop(ready[0])
+            try:
+                results[rank] = ray.get(ready[0])
+            except ray.exceptions.RayError as err:
+                if not failures:
+                    deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+                failures[rank] = err
+        if failures:
+            raise self._failure(what, failures)
+        return [results[r] for r in range(len(calls))]
+
+    def _failure(self, what: str, failures: dict[int, Exception]) -> Exception:
+        """The error of a failed call: a rank that died, else the first failing rank's error (an april_ext
+        error as it was raised)."""
+        import ray
+
+        for rank in sorted(failures):
+            if isinstance(failures[rank], ray.exceptions.RayActorError):
+                return ClusterError(f"trainer rank {rank} (pid {self.pids[rank]}) died during {what} "
+                                    f"({type(failures[rank]).__name__}); {_RESUME}")
+        rank = min(failures)
+        cause = getattr(failures[rank], "cause", failures[rank])
+        if isinstance(cause, AprilError):
+            return cause
+        return ClusterError(f"trainer rank {rank} (pid {self.pids[rank]}) failed in {what}: "
+                            f"{type(cause).__name__}: {cause}; {_RESUME}")
+
+    def train_step(self, batch: TrainingBatch) -> dict[str, float]:
+        import ray
+
+        ref = ray.put(batch)  # one copy in the object store, read by every rank
+        metrics, self._version = self._all("train_step", [a.train_step.remote(ref) for a in self.actors])[0]
+        return metrics
+
+    def export_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
+        weights = self._all("export_weights", [a.export_weights.remote(to_cpu, r == 0)
+                                               for r, a in enumerate(self.actors)])[0]
+        assert weights is not None
+        return weights
+
+    def save_checkpoint(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
+        self._all("save_checkpoint", [a.save_checkpoint.remote(os.fspath(path), extra) for a in self.actors])
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        extra, self._version = self._all("load_checkpoint",
+                                         [a.load_checkpoint.remote(os.fspath(path)) for a in self.actors])[0]
+        return extra
+
+    def offload(self) -> None:
+        self._all("offload", [a.offload.remote() for a in self.actors])
+
+    def onload(self) -> None:
+        self._all("onload", [a.onload.remote() for a in self.actors])
+
+    def rss_bytes(self) -> list[int]:
+        """Each rank's resident memory (colocated runs measure it)."""
+        return self._all("rss_bytes", [a.rss_bytes.remote() for a in self.actors])
+
+    def close(self) -> None:
+        """Releases the ranks' trainers and process group, then ends the actors (those stuck in a collective too)."""
+        import ray
+
+        refs = [a.close.remote() for a in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=_CLOSE_TIMEOUT_S)
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+
+@contextlib.contextmanager
+def start_trainer_group(session: RaySession, config: TrainConfig, model: LlamaForCausalLM,
+                        memory_tag_prefix: str) -> Iterator[TrainerGroup]:
+    """One actor per rank in the trainer's placement group, joined in one process group, each with a
+    trainer built from ``model`` (TrainConfig.model's checkpoint is read by each rank instead)."""
+    import ray
+
+    topology = session.topology
+    remote = ray.remote(TrainerRank)
+    actors = [remote.options(max_restarts=0, **session.actor_options(topology.trainer(rank)))
+              .remote(config, rank, topology.trainer_ranks) for rank in range(topology.trainer_ranks)]
+    group = TrainerGroup(actors, [-1] * len(actors), 0, config.ray_timeout_s)
+    try:
+        master = group._all("rendezvous", [actors[0].rendezvous.remote()])[0]
+        shipped = None if config.model is not None else ray.put(model)
+        group.pids = group._all("setup", [a.setup.remote(master, shipped, memory_tag_prefix) for a in actors])
+        group._version = group._all("version", [a.version.remote() for a in actors])[0]
+        logger.info("trainer: %d ranks on Ray (pids %s), rendezvous %s:%d", len(actors), group.pids, *master)
+        yield group
+    finally:
+        group.close()
+
+
+__all__ = ["TrainerGroup", "start_trainer_group"]

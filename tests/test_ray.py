@@ -1,0 +1,179 @@
+"""april-ext train on Ray (april_ext.cluster), on a local Ray cluster with the real sglang-router: trainer
+ranks and engines as actors, the run on the driver. One cluster for the module (a cluster costs about 15 s);
+each test starts its own run's actors and placement groups in it.
+
+- 2 trainer ranks (DDP over gloo) and 2 embedded engines behind the router train the counting task with the
+  same scheduler batches and rewards as the single-process run of the same seed (baseline mode); an engine
+  actor killed with SIGKILL is restarted by Ray and rejoins the router with the current weights.
+- A trainer rank killed with SIGKILL stops the run with a ClusterError naming it; --resume completes the run.
+- Colocated: the trainer actor's and the engine server's memory alternate through pause / resume (RSS); the
+  engine registers with a router the run is given, and leaves it at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+from _torch_threads import one_thread  # noqa: F401 (fixture)
+
+from april_ext.cluster import ClusterError
+from april_ext.cluster.router import Router
+from april_ext.training import TrainConfig, TrainingRun, train
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("sglang_router") is None,
+                       reason="ray and sglang-router are not installed (pip install -e '.[test]' installs them)"),
+]
+
+TINY = dict(counting_median=3.0, counting_sigma=0.8, counting_max_count=12, counting_symbols=2, hidden_size=16,
+            num_layers=1, rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=4,
+            max_num_seqs=64, num_blocks=256, lr=0.003, progress=False, plots=False, num_threads=1)
+# Short timeouts: a dead rank or engine must show within seconds. Actors take a quarter CPU each: the
+# local cluster's logical CPUs, on a machine of 2 cores.
+RAY = dict(ray=True, ray_num_cpus_per_actor=0.25, ray_timeout_s=120.0, ray_engine_check_interval_s=0.5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as handle:
+            return "State:\tZ" not in handle.read()
+    except OSError:
+        return False
+
+
+async def _wait(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.2)
+
+
+def _label(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/model_info", timeout=10) as response:
+        return str(json.loads(response.read())["weight_version"])
+
+
+def _batches(rows: list[dict]) -> list[tuple[list[int], float]]:
+    """Per step: the batch's response lengths (as a multiset: groups finish in any order) and mean reward."""
+    return [(sorted(r["rollout/response_lens"]), r["rollout/reward_mean"]) for r in rows]
+
+
+def test_two_ranks_and_two_engines_train_as_one_process_and_a_killed_engine_rejoins(tmp_path) -> None:
+    single = train(TrainConfig(**TINY, partial_rollout=False, num_steps=4, output_dir=str(tmp_path / "single")))
+    config = TrainConfig(**TINY, **RAY, partial_rollout=False, num_steps=4, output_dir=str(tmp_path / "ray"),
+                         actor_num_gpus_per_node=2, rollout_num_gpus=2)
+
+    async def run() -> tuple[list[dict], dict]:
+        async with TrainingRun(config) as run:
+            trainer, engine = run.trainer, run.engine
+            assert len(trainer.pids) == 2 and len(engine.pool.slots) == 2 and engine.pool.states() == {0: "up", 1: "up"}
+            for _ in range(2):
+                await run.step()
+            slot = engine.pool.slots[0]
+            old_url, old_server = slot.url, await asyncio.wrap_future(slot.actor.server_pid.remote().future())
+            os.kill(slot.pid, signal.SIGKILL)
+            await _wait(lambda: engine.rejoins == 1 and engine.pool.states()[0] == "up", 120,
+                        "engine 0 restarted and rejoined")
+            seen = {"old_url": old_url, "new_url": slot.url, "old_server_alive": _alive(old_server),
+                    "listed": sorted(engine.pool.router.workers()), "label_on_rejoin": _label(slot.url)}
+            while not run.done:
+                await run.step()
+            seen["labels"] = sorted({_label(s.url) for s in engine.pool.slots})
+            await run.finish()
+            return run.history, seen
+
+    rows, seen = asyncio.run(run())
+    # The same scheduler batches as one process: the ranks' DDP update equals one process's, and each sample's
+    # tokens depend only on its seed and the weights, not on which engine drew them.
+    assert _batches(rows) == _batches(single.history)
+    assert [r["engine/server_weight_versions"] for r in rows] == [["1"], ["2"], ["3"], ["4"]]
+    # The restarted engine is a new server (the old one ended by the new actor), given step 2's weights before it
+    # was listed again, and the dead url is no longer listed.
+    assert seen["new_url"] != seen["old_url"] and not seen["old_server_alive"]
+    assert seen["label_on_rejoin"] == "2"
+    assert seen["old_url"] not in seen["listed"] and seen["new_url"] in seen["listed"] and len(seen["listed"]) == 2
+    assert seen["labels"] == ["4"]
+
+
+def test_a_killed_trainer_rank_stops_the_run_and_resume_completes_it(tmp_path) -> None:
+    config = TrainConfig(**TINY, **{**RAY, "ray_timeout_s": 30.0}, num_steps=3, save_interval=1,
+                         output_dir=str(tmp_path / "run"), actor_num_gpus_per_node=2, rollout_num_gpus=1)
+
+    async def run_until_killed() -> float:
+        async with TrainingRun(config) as run:
+            await run.step()
+            os.kill(run.trainer.pids[1], signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(ClusterError, match=r"trainer rank 1 .*died during train_step.*--resume"):
+                await run.step()
+            return time.monotonic() - start
+
+    assert asyncio.run(run_until_killed()) < config.ray_timeout_s
+    resumed = train(config.replace(resume=True))
+    assert resumed.resumed_from == 1
+    assert [r["step"] for r in resumed.history] == [1, 2, 3]
+    assert [r["engine/server_weight_versions"] for r in resumed.history[1:]] == [["2"], ["3"]]
+
+
+def test_colocated_trainer_and_engine_memory_alternate_behind_a_given_router(tmp_path) -> None:
+    # Big enough to see in RSS: the engine's KV cache is 1024 pages x 16 tokens x 4 layers x (K, V) x 2 KV heads
+    # x 128 x 4 B = 128 MiB; the trainer's paused weights 4 layers x 13 x 512^2 x 4 B = 52 MiB.
+    router = Router.launch([], str(tmp_path / "router.log"), timeout_s=60, request_timeout_s=60)
+    config = TrainConfig(**{**TINY, "hidden_size": 512, "num_layers": 4, "num_blocks": 1024}, **RAY, colocate=True,
+                         num_steps=2, output_dir=str(tmp_path / "run"), ray_router_url=router.url)
+    mib = 1 << 20
+
+    async def run() -> dict[str, list[int]]:
+        async with TrainingRun(config) as run:
+            memory, trainer, engine = run.memory, run.trainer, run.engine
+            assert list(engine.pool.router.workers()) == [engine.pool.slots[0].url]
+            rss: dict[str, list[int]] = {"trainer": [], "engine": []}
+
+            async def measure() -> None:
+                rss["trainer"].append(trainer.rss_bytes()[0])
+                rss["engine"].append((await engine.pool.server_rss_bytes())[0])
+
+            await run.step()  # the optimizer state exists after the first update
+            await measure()  # after the weight sync: the trainer resident, the engine's KV cache released
+            await memory.to_rollout()
+            await measure()  # the trainer paused, the engine resumed
+            await memory.to_training()
+            await measure()  # the engine released, the trainer resumed
+            while not run.done:
+                await run.step()
+            await run.finish()
+            assert [r["engine/server_weight_versions"] for r in run.history] == [["1"], ["2"]]
+            return rss
+
+    try:
+        rss = asyncio.run(run())
+        # The run registered its engine with the router it was given, and took it off again at the end.
+        assert router.process.poll() is None and router.workers() == {}
+    finally:
+        router.stop()
+    print({k: [round(v / mib) for v in vs] for k, vs in rss.items()})
+    (t0, t1, t2), (e0, e1, e2) = rss["trainer"], rss["engine"]
+    assert e1 - e0 > 100 * mib and e1 - e2 > 100 * mib  # the KV cache comes back for the rollout, then goes
+    assert t0 - t1 > 40 * mib and t2 - t1 > 40 * mib  # the trainer's weights: away for the rollout, then back

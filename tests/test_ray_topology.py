@@ -1,0 +1,82 @@
+"""The Ray topology from slime's flags, without Ray: ranks, engines, bundles per role and each actor's
+place, on GPUs and on CPUs, colocated and disaggregated; settings that cannot be placed are refused with
+the setting named; the flags reach TrainConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from april_ext import ConfigError
+from april_ext.cluster import Placement, Topology
+from april_ext.training import TrainConfig
+from april_ext.training.command import add_parser, config_from_args
+
+
+def topology(**changes) -> Topology:
+    return Topology.from_config(TrainConfig(ray=True, **changes))
+
+
+def test_disaggregated_gpus_one_group_per_role() -> None:
+    t = topology(device="cuda", engine="sglang", sglang_launch=True, actor_num_nodes=2, actor_num_gpus_per_node=8,
+                 rollout_num_gpus=16, rollout_num_gpus_per_engine=4, ray_num_cpus_per_actor=2)
+    assert (t.trainer_ranks, t.num_engines, t.gpus_per_engine) == (16, 4, 4)
+    assert t.bundles("trainer") == [{"CPU": 2, "GPU": 1.0}] * 16
+    assert t.bundles("rollout") == [{"CPU": 2, "GPU": 4.0}] * 4
+    assert t.trainer(15) == Placement("trainer", 15, 2, 1.0)
+    assert t.engine(3) == Placement("rollout", 3, 2, 4.0)
+
+
+def test_colocated_engines_share_the_trainer_bundles() -> None:
+    t = topology(device="cuda", colocate=True, actor_num_gpus_per_node=8)
+    assert (t.trainer_ranks, t.num_engines) == (8, 8)  # rollout_num_gpus defaults to the trainer's
+    assert t.bundles("trainer") == [{"CPU": 2.0, "GPU": 1.0}] * 8
+    assert t.bundles("rollout") == []
+    assert t.trainer(5) == Placement("trainer", 5, 1.0, 0.5)
+    assert t.engine(5) == Placement("trainer", 5, 1.0, 0.5)
+
+
+def test_cpu_only_cluster_places_cpus() -> None:
+    t = topology(actor_num_gpus_per_node=2, rollout_num_gpus=3, ray_num_cpus_per_actor=0.25)
+    assert t.bundles("trainer") == [{"CPU": 0.25}] * 2
+    assert t.bundles("rollout") == [{"CPU": 0.25}] * 3
+    assert t.engine(2) == Placement("rollout", 2, 0.25, 0.0)
+    assert topology().num_engines == 1  # disaggregated default: one engine of rollout_num_gpus_per_engine
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"engine": "sglang", "sglang_launch": True, "rollout_num_gpus": 6, "rollout_num_gpus_per_engine": 4},
+     "rollout_num_gpus=6"),
+    ({"engine": "sglang", "sglang_launch": True, "rollout_num_gpus_per_engine": 16}, "rollout_num_gpus_per_engine=16"),
+    ({"rollout_num_gpus_per_engine": 2, "rollout_num_gpus": 2}, "engine='embedded'"),
+    ({"colocate": True, "actor_num_gpus_per_node": 2, "rollout_num_gpus": 4}, "colocate"),
+    ({"actor_num_gpus_per_node": 9}, "actor_num_gpus_per_node=9"),
+])
+def test_unplaceable_settings_are_refused(changes, named) -> None:
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
+        topology(**changes)
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"actor_num_nodes": 0}, "actor_num_nodes"), ({"rollout_num_gpus": 0}, "rollout_num_gpus"),
+    ({"ray_num_cpus_per_actor": 0.0}, "ray_num_cpus_per_actor"), ({"ray_timeout_s": float("inf")}, "ray_timeout_s"),
+    ({"ray_engine_max_restarts": -1}, "ray_engine_max_restarts"), ({"ray_router_url": "localhost:1"}, "ray_router_url"),
+    ({"ray": True, "engine": "sglang", "sglang_urls": ("http://a:1",), "model": "m"}, "engine"),
+])
+def test_bad_ray_settings_name_the_setting(changes, named) -> None:
+    with pytest.raises(ConfigError, match=f"TrainConfig.{named}"):
+        TrainConfig(**changes)
+
+
+def test_slime_flags_set_the_ray_settings() -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train", "--ray", "--ray-address", "auto", "--actor-num-nodes", "2",
+                              "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "8",
+                              "--rollout-num-gpus-per-engine", "2", "--num-gpus-per-node", "4", "--colocate",
+                              "--ray-num-cpus-per-actor", "0.5", "--engine", "sglang", "--sglang-launch"])
+    config = config_from_args(args)
+    assert (config.ray, config.ray_address, config.actor_num_nodes, config.actor_num_gpus_per_node,
+            config.rollout_num_gpus, config.rollout_num_gpus_per_engine, config.num_gpus_per_node, config.colocate,
+            config.ray_num_cpus_per_actor) == (True, "auto", 2, 4, 8, 2, 4, True, 0.5)
