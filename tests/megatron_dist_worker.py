@@ -4,8 +4,9 @@ DistributedMegatronTrainer from the counting-task model, computes the batch's pe
 train steps and exports the weights; rank 0 writes what it saw to OUT/<layout>.pt.
 
 Usage: torchrun --nproc-per-node N tests/megatron_dist_worker.py OUT LAYOUT [LAYOUT ...]
-A layout is tp<T>pp<P>[sp][do][tie] (sp: sequence parallel, do: distributed optimizer, tie: tied
-embeddings); "single" records whether the one-process MegatronTrainer refuses the two-rank world; "resume" saves a
+A layout is tp<T>pp<P>[ep<E>][sp][do][tie|moe|odd] (ep: expert parallel, sp: sequence parallel, do:
+distributed optimizer; the model: tied embeddings, Qwen3-MoE, or a vocabulary of 21, which no TP > 1
+divides); "single" records whether the one-process MegatronTrainer refuses the two-rank world; "resume" saves a
 checkpoint at TP=2 and resumes it at TP=1 (two ranks); "raise": rank 1 raises while rank 0 waits in a
 collective.
 """
@@ -35,16 +36,26 @@ from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 from april_ext.trainer.megatron.trainer import MegatronTrainer, MegatronTrainerConfig
 
 TIMEOUT_S = 60.0
-LAYOUT = re.compile(r"^tp(\d)pp(\d)(sp)?(do)?(tie)?$")
+LAYOUT = re.compile(r"^tp(\d)pp(\d)(?:ep(\d))?(sp)?(do)?(tie|moe|odd)?$")
+# Qwen3-MoE: layer 0 routes each token to 2 of 4 experts (renormalised), layer 1 is dense.
+MOE = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+       "norm_topk_prob": True, "mlp_only_layers": (1,)}
+VARIANTS = {"tie": {"tie_word_embeddings": True}, "moe": MOE, "odd": {"vocab_size": 21}}
 
 
-def tiny_model(seed: int, tied: bool = False) -> LlamaForCausalLM:
-    """The counting-task model of the trainer tests, optionally with tied input / output embeddings."""
-    if not tied:
+def tiny_model(seed: int, variant: str | None = None) -> LlamaForCausalLM:
+    """The counting-task model of the trainer tests, or a variant of it (VARIANTS)."""
+    if variant is None:
         return make_model(seed)
-    model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, tie_word_embeddings=True))
+    model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, **VARIANTS[variant]))
     model.init_weights(seed)
     return model
+
+
+def layout_variant(name: str) -> str | None:
+    """The model variant a layout name asks for (None: the plain model)."""
+    match = LAYOUT.match(name)
+    return match[6] if match else None
 
 
 def trainer_config() -> TrainerConfig:
@@ -58,9 +69,9 @@ def run_layout(out: str, name: str) -> None:
     if match is None:
         raise SystemExit(f"unknown layout {name!r}")
     par = MegatronParallelConfig(tensor_model_parallel_size=int(match[1]), pipeline_model_parallel_size=int(match[2]),
-                                 sequence_parallel=bool(match[3]), use_distributed_optimizer=bool(match[4]),
-                                 timeout_s=TIMEOUT_S)
-    model = tiny_model(3, tied=bool(match[5]))
+                                 expert_model_parallel_size=int(match[3] or 1), sequence_parallel=bool(match[4]),
+                                 use_distributed_optimizer=bool(match[5]), timeout_s=TIMEOUT_S)
+    model = tiny_model(3, match[6])
     trainer = DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=trainer_config(),
                                                                parallel=par), model.named_parameters())
     batches = [make_batch(model, step, seed=step) for step in range(2)]

@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from _torchrun import check_a_failing_rank_stops_every_rank
 from _torchrun import torchrun as launch
 from _trainer_utils import make_batch, make_model
-from megatron_dist_worker import tiny_model, trainer_config
+from megatron_dist_worker import VARIANTS, layout_variant, tiny_model, trainer_config
 
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.trainer import TorchTrainer
@@ -26,6 +26,7 @@ from april_ext.trainer.megatron import parallel
 from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer
 from april_ext.trainer.megatron.packed import pack
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
+from april_ext.trainer.megatron.sharded import padded_vocab_size
 from april_ext.trainer.megatron.trainer import MegatronTrainer, MegatronTrainerConfig
 
 WORKER = Path(__file__).with_name("megatron_dist_worker.py")
@@ -36,9 +37,9 @@ def torchrun(nproc: int, out: Path, *layouts: str) -> subprocess.CompletedProces
     return launch(WORKER, nproc, LAUNCH_TIMEOUT_S, str(out), *layouts)
 
 
-def one_process(tied: bool) -> dict[str, object]:
+def one_process(variant: str | None) -> dict[str, object]:
     """The embedded trainer on the same weights, batches and settings as the worker."""
-    model = tiny_model(3, tied)
+    model = tiny_model(3, variant)
     trainer = TorchTrainer(copy.deepcopy(model), trainer_config())
     batches = [make_batch(model, step, seed=step) for step in range(2)]
     return {"logprobs": trainer.token_logprobs(batches[0]),
@@ -47,15 +48,15 @@ def one_process(tied: bool) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[bool, dict[str, object]]:
-    """By whether the embeddings are tied."""
-    return {tied: one_process(tied) for tied in (False, True)}
+def reference() -> dict[str | None, dict[str, object]]:
+    """By model variant (megatron_dist_worker.VARIANTS; None: the plain model)."""
+    return {variant: one_process(variant) for variant in (None, *VARIANTS)}
 
 
-def check_layout(out: Path, name: str, expected: dict[bool, dict[str, object]]) -> None:
+def check_layout(out: Path, name: str, expected: dict[str | None, dict[str, object]]) -> None:
     got = torch.load(out / f"{name}.pt", weights_only=False)
     assert got["round_trip"] is True, f"{name}: the weights gathered right after loading differ from the HF ones"
-    check(got, name, expected[name.endswith("tie")])
+    check(got, name, expected[layout_variant(name)])
 
 
 def check(got: dict[str, object], name: str, expected: dict[str, object]) -> None:
@@ -71,7 +72,7 @@ def check(got: dict[str, object], name: str, expected: dict[str, object]) -> Non
                                    msg=lambda m, key=key: f"{name}: {key}: {m}")
 
 
-def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: dict[bool, dict[str, object]],
+def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: dict[str | None, dict[str, object]],
                   *extra: str) -> None:
     proc = torchrun(nproc, tmp_path, *layouts, *extra)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -81,11 +82,12 @@ def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: dic
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_and_resume_across_layouts(tmp_path: Path,
-                                                               reference: dict[bool, dict[str, object]]) -> None:
+                                                               reference: dict[str | None, dict[str, object]]) -> None:
     # TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), DP=2 (tp1pp1 on two ranks), PP=2 with tied
-    # embeddings (the last stage's copy); then a checkpoint saved at TP=2 resumed at TP=1 x DP=2; and the
-    # one-process MegatronTrainer refuses a world of two (it has no gradient all-reduce).
-    layouts = ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1", "tp1pp2tie"]
+    # embeddings (the last stage's copy), Qwen3-MoE at EP=2 (its experts split across the two ranks), a
+    # vocabulary of 21 at TP=2 (padded to 22); then a checkpoint saved at TP=2 resumed at TP=1 x DP=2; and
+    # the one-process MegatronTrainer refuses a world of two (it has no gradient all-reduce).
+    layouts = ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1", "tp1pp2tie", "tp1pp1ep2moe", "tp2pp1odd"]
     run_and_check(2, layouts, tmp_path, reference, "resume", "single")
     assert "runs in a world of one process, this one has 2" in torch.load(tmp_path / "single.pt")
     result = torch.load(tmp_path / "resume.pt", weights_only=False)
@@ -100,9 +102,11 @@ def test_two_ranks_equal_one_process_and_resume_across_layouts(tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_four_ranks_equal_one_process(tmp_path: Path, reference: dict[bool, dict[str, object]]) -> None:
-    # TP=2 x DP=2 with and without the distributed optimizer, TP=2 x PP=2.
-    run_and_check(4, ["tp2pp1", "tp2pp1do", "tp2pp2"], tmp_path, reference)
+def test_four_ranks_equal_one_process(tmp_path: Path, reference: dict[str | None, dict[str, object]]) -> None:
+    # TP=2 x DP=2 with and without the distributed optimizer, TP=2 x PP=2; Qwen3-MoE at TP=2 x EP=2
+    # (sequence parallel, which megatron-core's MoE layer needs with TP) and at DP=4 x EP=2 with the
+    # distributed optimizer.
+    run_and_check(4, ["tp2pp1", "tp2pp1do", "tp2pp2", "tp2pp1ep2spmoe", "tp1pp1ep2domoe"], tmp_path, reference)
 
 
 @pytest.mark.slow
@@ -110,7 +114,7 @@ def test_a_failing_rank_stops_every_rank(tmp_path: Path) -> None:
     check_a_failing_rank_stops_every_rank(WORKER, tmp_path, LAUNCH_TIMEOUT_S)
 
 
-def test_one_process_equals_the_embedded_trainer(reference: dict[bool, dict[str, object]]) -> None:
+def test_one_process_equals_the_embedded_trainer(reference: dict[str | None, dict[str, object]]) -> None:
     # The whole distributed path (DDP, Megatron's optimizer, the schedule, packing) in a world of one.
     model = make_model(3)
     try:
@@ -123,7 +127,7 @@ def test_one_process_equals_the_embedded_trainer(reference: dict[bool, dict[str,
             trainer.train_step(batches[0])
     finally:
         parallel.shutdown()
-    check(got, "world of one", reference[False])
+    check(got, "world of one", reference[None])
 
 
 def test_pack_puts_samples_in_one_row_and_pads_to_the_multiple() -> None:
@@ -155,9 +159,15 @@ def test_parallel_config_errors_name_the_field() -> None:
     model = make_model(0)
     with pytest.raises(ConfigError, match="needs DistributedMegatronTrainer"):
         MegatronTrainer(MegatronTrainerConfig(model=model.config, parallel=config))
-    with pytest.raises(ConfigError, match="vocab_size 20 must be a multiple of tensor_model_parallel_size 3"):
+    moe = tiny_model(0, "moe").config
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size > 1 needs sequence_parallel=True"):
         DistributedMegatronTrainer(MegatronTrainerConfig(
-            model=model.config, parallel=MegatronParallelConfig(tensor_model_parallel_size=3)))
+            model=moe, parallel=MegatronParallelConfig(tensor_model_parallel_size=2)))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="pipeline_model_parallel_size > 1 needs a GPU"):
+            DistributedMegatronTrainer(MegatronTrainerConfig(
+                model=moe, parallel=MegatronParallelConfig(pipeline_model_parallel_size=2)))
+    assert [padded_vocab_size(v, tp) for v, tp in ((20, 2), (21, 2), (21, 4), (7, 1))] == [20, 22, 24, 7]
 
 
 def test_checkpoints_refuse_the_distributed_optimizer(tmp_path: Path) -> None:

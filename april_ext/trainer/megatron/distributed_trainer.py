@@ -87,17 +87,23 @@ class DistributedMegatronTrainer:
         if settings.temperature > 0 and (settings.top_k > 0 or settings.top_p < 1):
             raise ConfigError("TrainerConfig.top_k / top_p need the whole vocabulary on one rank; the distributed "
                               "Megatron trainer computes log-probs from vocabulary-sharded logits (leave them off)")
-        if model_config.vocab_size % par.tensor_model_parallel_size:
-            raise ConfigError(f"vocab_size {model_config.vocab_size} must be a multiple of "
-                              f"tensor_model_parallel_size {par.tensor_model_parallel_size}")
         self.config = config
         self.settings = settings
+        # Every tensor-parallel rank holds an equal slice of the embedding and output rows.
+        self.padded_vocab_size = sharded.padded_vocab_size(model_config.vocab_size, par.tensor_model_parallel_size)
         device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         self.bf16 = use_bf16_autocast(settings.mixed_precision, self.device)
         if self.bf16 and self.device.type != "cuda":
             raise ConfigError("TrainerConfig.mixed_precision='bf16' needs a GPU in the distributed Megatron trainer "
                               "(bf16 parameters with fp32 main parameters)")
+        if model_config.num_experts and par.tensor_model_parallel_size > 1 and not par.sequence_parallel:
+            raise ConfigError("a mixture-of-experts model with tensor_model_parallel_size > 1 needs "
+                              "sequence_parallel=True (megatron-core's MoE layer refuses to train without it)")
+        if model_config.num_experts and par.pipeline_model_parallel_size > 1 and self.device.type != "cuda":
+            raise ConfigError("a mixture-of-experts model with pipeline_model_parallel_size > 1 needs a GPU: "
+                              "megatron-core passes packed rows of varying length between stages only with the "
+                              "alltoall token dispatcher, which needs CUDA")
         parallel.initialize(par, seed=config.seed)
         from megatron.core import parallel_state as ps
 
@@ -106,6 +112,9 @@ class DistributedMegatronTrainer:
         self.dp_rank = ps.get_data_parallel_rank()
         self.first_stage = ps.is_pipeline_first_stage()
         self.last_stage = ps.is_pipeline_last_stage()
+        # Every MoE layer is a collective over the expert-parallel group (see _row_lengths).
+        self._ep_group = (ps.get_expert_model_parallel_group()
+                          if model_config.num_experts and ps.get_expert_model_parallel_world_size() > 1 else None)
         weights = list(weights) if weights is not None else None
         self.model = self._build(weights, train=True)
         self.ref_model = None
@@ -140,7 +149,7 @@ class DistributedMegatronTrainer:
                                   tensor_model_parallel_size=par.tensor_model_parallel_size,
                                   pipeline_model_parallel_size=par.pipeline_model_parallel_size,
                                   expert_model_parallel_size=par.expert_model_parallel_size,
-                                  bf16=self.bf16, **self._pipeline_changes())
+                                  vocab_size=self.padded_vocab_size, bf16=self.bf16, **self._pipeline_changes())
         finally:
             torch.set_rng_state(rng)
         if weights is not None:
@@ -250,14 +259,32 @@ class DistributedMegatronTrainer:
 
         offsets = inputs.offsets
         multiple = self.config.parallel.tensor_model_parallel_size if self.config.parallel.sequence_parallel else 1
+        splits = [(u + a, v + a) for u, v in split_by_token_budget(
+            offsets[a:b + 1].diff().tolist(), self.settings.micro_batch_tokens, self.settings.micro_batch_size)]
+        rows = self._row_lengths([int(offsets[v] - offsets[u]) for u, v in splits])
         out = []
-        for u, v in split_by_token_budget(offsets[a:b + 1].diff().tolist(), self.settings.micro_batch_tokens,
-                                          self.settings.micro_batch_size):
-            u, v = u + a, v + a
+        for i, row in enumerate(rows):
+            # Past this rank's own micro-batches: filler rows (no samples) as long as its peers'.
+            u, v = splits[i] if i < len(splits) else (b, b)
             t0, t1 = int(offsets[u]), int(offsets[v])
-            out.append(_MicroBatch(index=len(out), a=u, b=v, t0=t0, t1=t1,
-                                   packed=pack(inputs.tokens[t0:t1], offsets[u:v + 1] - offsets[u], multiple)))
+            out.append(_MicroBatch(index=i, a=u, b=v, t0=t0, t1=t1,
+                                   packed=pack(inputs.tokens[t0:t1], offsets[u:v + 1] - offsets[u], multiple, row)))
         return out
+
+    def _row_lengths(self, lengths: list[int]) -> list[int]:
+        """The row length of each micro-batch this rank runs. Alone: its own micro-batches' token counts.
+        With expert parallelism every MoE layer all-gathers equal-sized token blocks across the
+        expert-parallel group, so its ranks run as many micro-batches as the one with the most, each row
+        as long as the longest of that index (filler tokens form a sample of their own: they change no
+        real token's output, since no expert has a capacity limit)."""
+        if self._ep_group is None:
+            return lengths
+        count = torch.tensor([len(lengths)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._ep_group)
+        rows = torch.zeros(int(count), dtype=torch.int64, device=self.device)
+        rows[:len(lengths)] = torch.tensor(lengths, dtype=torch.int64)
+        dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=self._ep_group)
+        return rows.tolist()
 
     def _run(self, model: Any, mbs: list[_MicroBatch], loss: Callable[..., Any], *, forward_only: bool) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -282,7 +309,7 @@ class DistributedMegatronTrainer:
         p = mb.packed
         tokens = p.input_ids[0, :p.n_tokens]
         picked, entropy = token_logprobs(output[0, :p.n_tokens - 1], tokens[1:], self.settings.temperature,
-                                         with_entropy=with_entropy)
+                                         vocab_size=self.config.model.vocab_size, with_entropy=with_entropy)
         starts = p.cu_seqlens[:-1].to(tokens.device)
         out = torch.cat((picked.new_zeros(1), picked)).index_fill(0, starts, 0.0)
         if entropy is not None:
@@ -293,6 +320,8 @@ class DistributedMegatronTrainer:
         """Per micro-batch log-probs without gradient (on the last stage; empty elsewhere)."""
 
         def collect(mb: _MicroBatch, output: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:
+            if mb.a == mb.b:
+                return output.new_zeros(0)
             return self._token_logprobs(mb, output, with_entropy=False)[0]
 
         with torch.no_grad():
@@ -301,6 +330,9 @@ class DistributedMegatronTrainer:
     def _loss(self, ctx: _StepContext, mb: _MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """The micro-batch's share of the minibatch loss, scaled for the schedule and DDP (see the module
         docstring); adds the metrics to the step's sums."""
+        if mb.a == mb.b:
+            # A filler micro-batch (see _row_lengths): no loss, zero gradients.
+            return output.sum() * 0.0, {}
         inputs = ctx.inputs
         logprobs, entropy = self._token_logprobs(mb, output, with_entropy=True)
         u0, u1 = mb.t0, mb.t1
@@ -352,7 +384,7 @@ class DistributedMegatronTrainer:
         checkpoint.check_extra(extra or {}, "extra")
         state = self._sharded_state(loading=False)
         state["trainer"] = {"format": CHECKPOINT_FORMAT, "version": self._version, "step": self.step,
-                            "extra": extra or {}}
+                            "padded_vocab_size": self.padded_vocab_size, "extra": extra or {}}
         with contextlib.ExitStack() as stack:
             temp = [stack.enter_context(atomic_directory(path)) if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(temp, src=0)
@@ -370,6 +402,11 @@ class DistributedMegatronTrainer:
         trainer = common.get("trainer") if isinstance(common, dict) else None
         if not isinstance(trainer, dict) or trainer.get("format") != CHECKPOINT_FORMAT:
             raise CorruptStateError(f"{path!r} is not a {CHECKPOINT_FORMAT} checkpoint")
+        if trainer.get("padded_vocab_size", self.config.model.vocab_size) != self.padded_vocab_size:
+            raise InvalidStateError(f"{path!r} holds a vocabulary padded to {trainer['padded_vocab_size']} rows, "
+                                    f"this layout pads it to {self.padded_vocab_size} (the vocabulary rounded up "
+                                    f"to a multiple of tensor_model_parallel_size); resume at a tensor-parallel "
+                                    f"size that pads it alike")
         state = self._sharded_state(loading=True)
         loaded = dist_checkpointing.load(state, path)
         self.gpt.load_state_dict(loaded["model"])
