@@ -11,6 +11,10 @@ with megatron-core's own machinery.
   that of the real tokens. The loss is the torch trainer's (algorithms.policy_loss with aggregation
   weights over the whole minibatch), computed on the last stage from per-token log-probs of the
   vocabulary-sharded logits (vocab_parallel.token_logprobs).
+- Experts (Qwen3-MoE): megatron-core MoE layers, split across expert-parallel ranks (which are
+  data-parallel ranks); their micro-batches are made alike across the expert-parallel group
+  (``_row_lengths``). A vocabulary that TP does not divide is padded to a multiple of TP; the padded
+  logits get no probability.
 - Data parallelism: every rank receives the same TrainingBatch; data-parallel rank r trains the r-th of
   dp consecutive slices of each minibatch. Each rank's loss is its slice's share of the minibatch loss
   times dp, and DDP averages over dp, so the update equals one process training the whole minibatch.
@@ -58,6 +62,13 @@ from april_ext.trainer.megatron import compat, parallel, sharded
 from april_ext.trainer.megatron.trainer import MegatronTrainerConfig
 
 CHECKPOINT_FORMAT = "april_ext.megatron_distributed/1"
+# The distributed optimizer's checkpoint format. megatron-core 0.16's default ("fully_sharded_model_space")
+# builds ShardedTensors with a flattened_range, which its own dist_checkpointing refuses. "fully_reshardable"
+# stores each parameter's Adam state in the model's own shape, so it loads into any tensor / pipeline /
+# data-parallel layout; "mem_efficient" gathers it over gloo on data-parallel rank 0 (the other exchange
+# moves CPU buffers with Tensor.cuda()). Ignored by the plain (non-distributed) optimizer.
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
+                     "distrib_optim_fully_reshardable_mem_efficient": True}
 
 
 @dataclass(frozen=True)
@@ -377,10 +388,10 @@ class DistributedMegatronTrainer:
     def save_checkpoint(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         """A megatron-core distributed checkpoint (dist_checkpointing: every rank writes its shards of the
         model, the KL reference and the optimizer state), written into a temporary directory that replaces
-        ``path`` once every rank is done. It loads into any tensor / pipeline / data-parallel layout."""
+        ``path`` once every rank is done. It loads into any tensor / pipeline / data-parallel layout that pads
+        the vocabulary alike and uses the same kind of optimizer (distributed or not)."""
         from megatron.core import dist_checkpointing
 
-        self._require_checkpointable()
         checkpoint.check_extra(extra or {}, "extra")
         state = self._sharded_state(loading=False)
         state["trainer"] = {"format": CHECKPOINT_FORMAT, "version": self._version, "step": self.step,
@@ -396,7 +407,6 @@ class DistributedMegatronTrainer:
         """Restores what ``save_checkpoint`` wrote (at any layout); returns its ``extra``."""
         from megatron.core import dist_checkpointing
 
-        self._require_checkpointable()
         path = os.fspath(path)
         common = dist_checkpointing.load_common_state_dict(path)
         trainer = common.get("trainer") if isinstance(common, dict) else None
@@ -407,28 +417,21 @@ class DistributedMegatronTrainer:
                                     f"this layout pads it to {self.padded_vocab_size} (the vocabulary rounded up "
                                     f"to a multiple of tensor_model_parallel_size); resume at a tensor-parallel "
                                     f"size that pads it alike")
-        state = self._sharded_state(loading=True)
-        loaded = dist_checkpointing.load(state, path)
-        self.gpt.load_state_dict(loaded["model"])
-        if self.ref_model is not None:
-            self.ref_gpt.load_state_dict({k.removeprefix("reference."): v for k, v in loaded["reference"].items()})
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        with compat.torch_adam_state_loading(self.optimizer):
+            loaded = dist_checkpointing.load(self._sharded_state(loading=True), path)
+            self.gpt.load_state_dict(loaded["model"])
+            if self.ref_model is not None:
+                self.ref_gpt.load_state_dict({k.removeprefix("reference."): v
+                                              for k, v in loaded["reference"].items()})
+            self.optimizer.load_state_dict(loaded["optimizer"])
         self._version = int(trainer["version"])
         self.step = int(trainer["step"])
         return dict(trainer["extra"])
 
-    def _require_checkpointable(self) -> None:
-        # megatron-core 0.16's distributed optimizer checkpoints fail with the torch Adam it falls back to
-        # without Transformer Engine / Apex: its default format is refused by dist_checkpointing
-        # ("flattened_range is not supported"), and loading the fully_reshardable one raises KeyError 'step'.
-        if self.config.parallel.use_distributed_optimizer:
-            raise InvalidStateError("checkpoints of the distributed Megatron trainer need "
-                                    "use_distributed_optimizer=False (with torch's Adam, megatron-core 0.16 fails "
-                                    "to save or reload the distributed optimizer's state)")
-
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
         model = self.gpt.sharded_state_dict()
-        state = {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
+        state = {"model": model, "optimizer": self.optimizer.sharded_state_dict(
+            model, is_loading=loading, metadata=_OPTIMIZER_FORMAT)}
         if self.ref_model is not None:
             state["reference"] = self.ref_gpt.sharded_state_dict(prefix="reference.")
         return state
