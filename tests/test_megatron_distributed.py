@@ -30,7 +30,7 @@ from april_ext.trainer.megatron.sharded import padded_vocab_size
 from april_ext.trainer.megatron.trainer import MegatronTrainer, MegatronTrainerConfig
 
 WORKER = Path(__file__).with_name("megatron_dist_worker.py")
-LAUNCH_TIMEOUT_S = 240
+LAUNCH_TIMEOUT_S = 420
 
 
 def torchrun(nproc: int, out: Path, *layouts: str) -> subprocess.CompletedProcess[str]:
@@ -85,28 +85,39 @@ def test_two_ranks_equal_one_process_and_resume_across_layouts(tmp_path: Path,
                                                                reference: dict[str | None, dict[str, object]]) -> None:
     # TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), DP=2 (tp1pp1 on two ranks), PP=2 with tied
     # embeddings (the last stage's copy), Qwen3-MoE at EP=2 (its experts split across the two ranks), a
-    # vocabulary of 21 at TP=2 (padded to 22); then a checkpoint saved at TP=2 resumed at TP=1 x DP=2; and
-    # the one-process MegatronTrainer refuses a world of two (it has no gradient all-reduce).
+    # vocabulary of 21 at TP=2 (padded to 22); then a checkpoint saved at TP=2 resumed at TP=1 x DP=2; the
+    # one-process MegatronTrainer refuses a world of two (it has no gradient all-reduce); a checkpoint of
+    # the padded vocabulary is refused at TP=1.
     layouts = ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1", "tp1pp2tie", "tp1pp1ep2moe", "tp2pp1odd"]
-    run_and_check(2, layouts, tmp_path, reference, "resume", "single")
+    run_and_check(2, layouts, tmp_path, reference, "resume", "single", "odd_resume")
     assert "runs in a world of one process, this one has 2" in torch.load(tmp_path / "single.pt")
-    result = torch.load(tmp_path / "resume.pt", weights_only=False)
+    assert "padded to 22 rows, this layout pads it to 21" in torch.load(tmp_path / "odd_resume.pt")
+    check_resumed(tmp_path / "resume.pt")
+    assert sorted(os.listdir(tmp_path)) == sorted(["resume_checkpoint", "resume.pt", "single.pt", "odd_checkpoint",
+                                                   "odd_resume.pt", *(f"{n}.pt" for n in layouts)])
+
+
+def check_resumed(path: Path) -> None:
+    """The two steps after resuming at the other layout equal those the saving trainer took."""
+    result = torch.load(path, weights_only=False)
     expected, got = result["expected"], result["got"]
     assert got["extra"] == {"data_position": 12} and got["version"] == 1
-    for key in ("loss", "grad_norm", "entropy", "version"):
-        assert got["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-5), key
+    for mine, theirs in zip(got["metrics"], expected["metrics"], strict=True):
+        for key in ("loss", "grad_norm", "entropy", "version"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
     for key, tensor in got["weights"].items():
         torch.testing.assert_close(tensor, expected["weights"][key], rtol=1e-5, atol=1e-6)
-    assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint", "resume.pt", "single.pt",
-                                                   *(f"{n}.pt" for n in layouts)])
 
 
 @pytest.mark.slow
 def test_four_ranks_equal_one_process(tmp_path: Path, reference: dict[str | None, dict[str, object]]) -> None:
     # TP=2 x DP=2 with and without the distributed optimizer, TP=2 x PP=2; Qwen3-MoE at TP=2 x EP=2
     # (sequence parallel, which megatron-core's MoE layer needs with TP) and at DP=4 x EP=2 with the
-    # distributed optimizer.
-    run_and_check(4, ["tp2pp1", "tp2pp1do", "tp2pp2", "tp2pp1ep2spmoe", "tp1pp1ep2domoe"], tmp_path, reference)
+    # distributed optimizer. Then a checkpoint with the distributed optimizer saved at TP=2 x DP=2 resumed
+    # at TP=1 x DP=4.
+    run_and_check(4, ["tp2pp1", "tp2pp1do", "tp2pp2", "tp2pp1ep2spmoe", "tp1pp1ep2domoe"], tmp_path, reference,
+                  "resume_do")
+    check_resumed(tmp_path / "resume_do.pt")
 
 
 @pytest.mark.slow
@@ -170,15 +181,28 @@ def test_parallel_config_errors_name_the_field() -> None:
     assert [padded_vocab_size(v, tp) for v, tp in ((20, 2), (21, 2), (21, 4), (7, 1))] == [20, 22, 24, 7]
 
 
-def test_checkpoints_refuse_the_distributed_optimizer(tmp_path: Path) -> None:
-    model = make_model(0)
+def test_distributed_optimizer_checkpoint_resumes(tmp_path: Path) -> None:
+    # megatron-core's default distributed-optimizer format is refused by its own dist_checkpointing, and
+    # its fully_reshardable load fails with torch's Adam (KeyError 'step'; compat.torch_adam_state_loading).
+    model = make_model(3)
+    batches = [make_batch(model, step, seed=step) for step in range(3)]
     config = MegatronTrainerConfig(model=model.config, trainer=trainer_config(),
                                    parallel=MegatronParallelConfig(use_distributed_optimizer=True))
     try:
-        trainer = DistributedMegatronTrainer(config, model.named_parameters())
-        for call in (lambda: trainer.save_checkpoint(tmp_path / "ckpt"), lambda: trainer.load_checkpoint(tmp_path)):
-            with pytest.raises(InvalidStateError, match="need use_distributed_optimizer=False"):
-                call()
+        first = DistributedMegatronTrainer(config, model.named_parameters())
+        first.train_step(batches[0])
+        first.save_checkpoint(tmp_path / "ckpt", extra={"data_position": 3})
+        expected = [first.train_step(b) for b in batches[1:]]
+        weights = dict(first.export_weights(to_cpu=True).tensors)
+        parallel.shutdown()
+        resumed = DistributedMegatronTrainer(config, make_model(1).named_parameters())
+        assert resumed.load_checkpoint(tmp_path / "ckpt") == {"data_position": 3}
+        # Two steps: a step tensor shared by every parameter would be off from the second on.
+        got = [resumed.train_step(b) for b in batches[1:]]
+        for mine, theirs in zip(got, expected):
+            for key in ("loss", "grad_norm", "entropy", "version"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-6), key
+        for key, tensor in resumed.export_weights(to_cpu=True).tensors:
+            torch.testing.assert_close(tensor, weights[key], rtol=1e-6, atol=1e-7)
     finally:
         parallel.shutdown()
-    assert os.listdir(tmp_path) == []
