@@ -150,6 +150,14 @@ def test_pack_puts_samples_in_one_row_and_pads_to_the_multiple() -> None:
     assert packed.params.qkv_format == "thd" and packed.params.max_seqlen_q == 3
     assert packed.params.cu_seqlens_q.tolist() == [0, 3, 4, 7, 8]
     assert pack(tokens, torch.tensor([0, 7])).pad == 0
+    # A row as long as an expert-parallel peer's: at least `length`, then a multiple of 4.
+    longer = pack(tokens, torch.tensor([0, 3, 4, 7]), multiple=4, length=10)
+    assert longer.pad == 5 and longer.params.cu_seqlens_q.tolist() == [0, 3, 4, 7, 12]
+    filler = pack(tokens[:0], torch.tensor([0]), length=5)
+    assert filler.n_tokens == 0 and filler.input_ids.tolist() == [[0] * 5]
+    assert filler.params.cu_seqlens_q.tolist() == [0, 5]
+    with pytest.raises(InvalidArgumentError, match="T = 0 only with a length"):
+        pack(tokens[:0], torch.tensor([0]))
     with pytest.raises(InvalidArgumentError, match="rising strictly from 0 to T = 7"):
         pack(tokens, torch.tensor([0, 3, 3, 7]))
 
