@@ -4,14 +4,18 @@ DistributedMegatronTrainer from the counting-task model, computes the batch's pe
 train steps and exports the weights; rank 0 writes what it saw to OUT/<layout>.pt.
 
 Usage: torchrun --nproc-per-node N tests/megatron_dist_worker.py OUT LAYOUT [LAYOUT ...]
-A layout is tp<T>pp<P>[sp][do][tie][kl] (sp: sequence parallel, do: distributed optimizer, tie: tied
-embeddings, kl: the shaped objective of trainer_config(shaped=True)); "single" records whether the
-one-process MegatronTrainer refuses the two-rank world; "resume" saves a checkpoint at TP=2 and resumes it
-at TP=1 (two ranks); "raise": rank 1 raises while rank 0 waits in a collective.
+A layout is tp<T>pp<P>[ep<E>][sp][do][tie|moe|odd][kl] (ep: expert parallel, sp: sequence parallel, do:
+distributed optimizer; the model: tied embeddings, Qwen3-MoE, or a vocabulary of 21, which no TP > 1
+divides; kl: the shaped objective of trainer_config(shaped=True)); "single" records whether the one-process
+MegatronTrainer refuses the two-rank world; "resume" saves a checkpoint at TP=2 and resumes it at TP=1 (two
+ranks), "resume_do" the same with the distributed optimizer (TP=2 x DP=2 -> TP=1 x DP=4, four ranks);
+"odd_resume" records whether a checkpoint of the odd vocabulary saved at TP=2 is refused at TP=1; "raise":
+rank 1 raises while rank 0 waits in a collective.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -35,16 +39,27 @@ from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 from april_ext.trainer.megatron.trainer import MegatronTrainer, MegatronTrainerConfig
 
 TIMEOUT_S = 60.0
-LAYOUT = re.compile(r"^tp(\d)pp(\d)(sp)?(do)?(tie)?(kl)?$")
+LAYOUT = re.compile(r"^tp(\d)pp(\d)(?:ep(\d))?(sp)?(do)?(tie|moe|odd)?(kl)?$")
+# Qwen3-MoE: layer 0 routes each token to 2 of 4 experts (renormalised), layer 1 is dense.
+MOE = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+       "norm_topk_prob": True, "mlp_only_layers": (1,)}
+VARIANTS = {"tie": {"tie_word_embeddings": True}, "moe": MOE, "odd": {"vocab_size": 21}}
 
 
-def tiny_model(seed: int, tied: bool = False) -> LlamaForCausalLM:
-    """The counting-task model of the trainer tests, optionally with tied input / output embeddings."""
-    if not tied:
+def tiny_model(seed: int, variant: str | None = None) -> LlamaForCausalLM:
+    """The counting-task model of the trainer tests, or a variant of it (VARIANTS)."""
+    if variant is None:
         return make_model(seed)
-    model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, tie_word_embeddings=True))
+    model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, **VARIANTS[variant]))
     model.init_weights(seed)
     return model
+
+
+def layout_key(name: str) -> tuple[str | None, bool]:
+    """(the model variant, whether the objective is the shaped one) a layout name asks for."""
+    match = LAYOUT.match(name)
+    assert match is not None, name
+    return match[6], bool(match[7])
 
 
 def trainer_config(shaped: bool = False) -> TrainerConfig:
@@ -64,10 +79,10 @@ def run_layout(out: str, name: str) -> None:
     if match is None:
         raise SystemExit(f"unknown layout {name!r}")
     par = MegatronParallelConfig(tensor_model_parallel_size=int(match[1]), pipeline_model_parallel_size=int(match[2]),
-                                 sequence_parallel=bool(match[3]), use_distributed_optimizer=bool(match[4]),
-                                 timeout_s=TIMEOUT_S)
-    model = tiny_model(3, tied=bool(match[5]))
-    settings = trainer_config(shaped=bool(match[6]))
+                                 expert_model_parallel_size=int(match[3] or 1), sequence_parallel=bool(match[4]),
+                                 use_distributed_optimizer=bool(match[5]), timeout_s=TIMEOUT_S)
+    model = tiny_model(3, match[6])
+    settings = trainer_config(shaped=bool(match[7]))
     trainer = DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=settings, parallel=par),
                                          model.named_parameters())
     batches = [make_batch(model, step, seed=step) for step in range(2)]
@@ -90,24 +105,45 @@ def build(par: MegatronParallelConfig, seed: int) -> DistributedMegatronTrainer:
                                       model.named_parameters())
 
 
-def save_and_resume(out: str) -> None:
-    """Saves at TP=2 after one step, takes a second; a trainer at TP=1 (DP=2 on two ranks) built from other
-    weights loads the checkpoint and takes the same second step."""
+def save_and_resume(out: str, name: str, saved: MegatronParallelConfig, resumed: MegatronParallelConfig) -> None:
+    """Saves at layout ``saved`` after one step, takes two more; a trainer at layout ``resumed`` built from
+    other weights loads the checkpoint and takes the same two steps. Rank 0 writes OUT/<name>.pt."""
     model = make_model(3)
-    batches = [make_batch(model, step, seed=step) for step in range(2)]
-    path = os.path.join(out, "checkpoint")
-    first = build(MegatronParallelConfig(tensor_model_parallel_size=2, timeout_s=TIMEOUT_S), 3)
+    batches = [make_batch(model, step, seed=step) for step in range(3)]
+    path = os.path.join(out, f"{name}_checkpoint")
+    first = build(saved, 3)
     first.train_step(batches[0])
     first.save_checkpoint(path, extra={"data_position": 12})
-    expected = {"metrics": first.train_step(batches[1]), "weights": dict(first.export_weights(to_cpu=True).tensors)}
+    expected = {"metrics": [first.train_step(b) for b in batches[1:]],
+                "weights": dict(first.export_weights(to_cpu=True).tensors)}
     parallel.shutdown()
-    resumed = build(MegatronParallelConfig(timeout_s=TIMEOUT_S), 1)
-    extra = resumed.load_checkpoint(path)
-    got = {"extra": extra, "version": resumed.version, "metrics": resumed.train_step(batches[1]),
-           "weights": dict(resumed.export_weights(to_cpu=True).tensors)}
+    second = build(resumed, 1)
+    extra = second.load_checkpoint(path)
+    got = {"extra": extra, "version": second.version, "metrics": [second.train_step(b) for b in batches[1:]],
+           "weights": dict(second.export_weights(to_cpu=True).tensors)}
     parallel.shutdown()
     if dist.get_rank() == 0:
-        atomic_write(os.path.join(out, "resume.pt"), lambda p: torch.save({"expected": expected, "got": got}, p))
+        atomic_write(os.path.join(out, f"{name}.pt"), lambda p: torch.save({"expected": expected, "got": got}, p))
+
+
+def refuse_other_vocab_padding(out: str) -> None:
+    """A checkpoint of the 21-token vocabulary padded to 22 rows at TP=2 does not load at TP=1 (21 rows)."""
+    model = tiny_model(3, "odd")
+    config = MegatronTrainerConfig(model=model.config, trainer=trainer_config(),
+                                   parallel=MegatronParallelConfig(tensor_model_parallel_size=2, timeout_s=TIMEOUT_S))
+    path = os.path.join(out, "odd_checkpoint")
+    DistributedMegatronTrainer(config, model.named_parameters()).save_checkpoint(path)
+    parallel.shutdown()
+    other = DistributedMegatronTrainer(dataclasses.replace(config, parallel=MegatronParallelConfig(timeout_s=TIMEOUT_S)),
+                                       model.named_parameters())
+    try:
+        other.load_checkpoint(path)
+        outcome = "loaded"
+    except InvalidStateError as err:
+        outcome = str(err)
+    parallel.shutdown()
+    if dist.get_rank() == 0:
+        atomic_write(os.path.join(out, "odd_resume.pt"), lambda p: torch.save(outcome, p))
 
 
 def refuse_single_process_trainer(out: str) -> None:
@@ -136,8 +172,19 @@ def main() -> None:
         if name == "single":
             refuse_single_process_trainer(out)
             continue
+        if name == "odd_resume":
+            refuse_other_vocab_padding(out)
+            continue
         if name == "resume":
-            save_and_resume(out)
+            # TP=2 -> TP=1 x DP=2 on two ranks.
+            save_and_resume(out, name, MegatronParallelConfig(tensor_model_parallel_size=2, timeout_s=TIMEOUT_S),
+                            MegatronParallelConfig(timeout_s=TIMEOUT_S))
+            continue
+        if name == "resume_do":
+            # The distributed optimizer, TP=2 x DP=2 -> TP=1 x DP=4 on four ranks.
+            save_and_resume(out, name, MegatronParallelConfig(tensor_model_parallel_size=2, timeout_s=TIMEOUT_S,
+                                                              use_distributed_optimizer=True),
+                            MegatronParallelConfig(timeout_s=TIMEOUT_S, use_distributed_optimizer=True))
             continue
         run_layout(out, name)
     dist.destroy_process_group()

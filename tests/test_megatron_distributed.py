@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from _torchrun import check_a_failing_rank_stops_every_rank
 from _torchrun import torchrun as launch
 from _trainer_utils import make_batch, make_model
-from megatron_dist_worker import LAYOUT, tiny_model, trainer_config
+from megatron_dist_worker import VARIANTS, layout_key, tiny_model, trainer_config
 
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.trainer import TorchTrainer
@@ -26,19 +26,20 @@ from april_ext.trainer.megatron import parallel
 from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer
 from april_ext.trainer.megatron.packed import pack
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
+from april_ext.trainer.megatron.sharded import padded_vocab_size
 from april_ext.trainer.megatron.trainer import MegatronTrainer, MegatronTrainerConfig
 
 WORKER = Path(__file__).with_name("megatron_dist_worker.py")
-LAUNCH_TIMEOUT_S = 240
+LAUNCH_TIMEOUT_S = 420
 
 
 def torchrun(nproc: int, out: Path, *layouts: str) -> subprocess.CompletedProcess[str]:
     return launch(WORKER, nproc, LAUNCH_TIMEOUT_S, str(out), *layouts)
 
 
-def one_process(tied: bool, shaped: bool) -> dict[str, object]:
+def one_process(variant: str | None, shaped: bool) -> dict[str, object]:
     """The embedded trainer on the same weights, batches and settings as the worker."""
-    model = tiny_model(3, tied)
+    model = tiny_model(3, variant)
     trainer = TorchTrainer(copy.deepcopy(model), trainer_config(shaped))
     batches = [make_batch(model, step, seed=step) for step in range(2)]
     return {"logprobs": trainer.token_logprobs(batches[0]),
@@ -46,22 +47,21 @@ def one_process(tied: bool, shaped: bool) -> dict[str, object]:
             "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
 
 
-Reference = dict[tuple[bool, bool], dict[str, object]]
+Reference = dict[tuple[str | None, bool], dict[str, object]]
 
 
 @pytest.fixture(scope="module")
 def reference() -> Reference:
-    """By whether the embeddings are tied and whether the objective is the shaped one."""
-    return {(tied, shaped): one_process(tied, shaped) for tied, shaped in ((False, False), (True, False),
-                                                                          (False, True))}
+    """By model variant (megatron_dist_worker.VARIANTS; None: the plain model) and whether the objective is
+    the shaped one."""
+    keys = [(variant, False) for variant in (None, *VARIANTS)] + [(None, True)]
+    return {key: one_process(*key) for key in keys}
 
 
 def check_layout(out: Path, name: str, expected: Reference) -> None:
     got = torch.load(out / f"{name}.pt", weights_only=False)
     assert got["round_trip"] is True, f"{name}: the weights gathered right after loading differ from the HF ones"
-    match = LAYOUT.match(name)
-    assert match is not None, name
-    check(got, name, expected[(bool(match[5]), bool(match[6]))])
+    check(got, name, expected[layout_key(name)])
 
 
 def check(got: dict[str, object], name: str, expected: dict[str, object]) -> None:
@@ -89,27 +89,42 @@ def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: Ref
 def test_two_ranks_equal_one_process_and_resume_across_layouts(tmp_path: Path,
                                                                reference: Reference) -> None:
     # TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), DP=2 (tp1pp1 on two ranks), PP=2 with tied
-    # embeddings (the last stage's copy); the shaped objective at DP=2 and PP=2 (the advantages need the
+    # embeddings (the last stage's copy), Qwen3-MoE at EP=2 (its experts split across the two ranks), a
+    # vocabulary of 21 at TP=2 (padded to 22); the shaped objective at DP=2 and PP=2 (the advantages need the
     # log-probs every data-parallel rank's last stage holds); then a checkpoint saved at TP=2 resumed at
-    # TP=1 x DP=2; and the one-process MegatronTrainer refuses a world of two (it has no gradient all-reduce).
-    layouts = ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1", "tp1pp2tie", "tp1pp1kl", "tp1pp2kl"]
-    run_and_check(2, layouts, tmp_path, reference, "resume", "single")
+    # TP=1 x DP=2; the one-process MegatronTrainer refuses a world of two (it has no gradient all-reduce); a
+    # checkpoint of the padded vocabulary is refused at TP=1.
+    layouts = ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1", "tp1pp2tie", "tp1pp1ep2moe", "tp2pp1odd", "tp1pp1kl",
+               "tp1pp2kl"]
+    run_and_check(2, layouts, tmp_path, reference, "resume", "single", "odd_resume")
     assert "runs in a world of one process, this one has 2" in torch.load(tmp_path / "single.pt")
-    result = torch.load(tmp_path / "resume.pt", weights_only=False)
+    assert "padded to 22 rows, this layout pads it to 21" in torch.load(tmp_path / "odd_resume.pt")
+    check_resumed(tmp_path / "resume.pt")
+    assert sorted(os.listdir(tmp_path)) == sorted(["resume_checkpoint", "resume.pt", "single.pt", "odd_checkpoint",
+                                                   "odd_resume.pt", *(f"{n}.pt" for n in layouts)])
+
+
+def check_resumed(path: Path) -> None:
+    """The two steps after resuming at the other layout equal those the saving trainer took."""
+    result = torch.load(path, weights_only=False)
     expected, got = result["expected"], result["got"]
     assert got["extra"] == {"data_position": 12} and got["version"] == 1
-    for key in ("loss", "grad_norm", "entropy", "version"):
-        assert got["metrics"][key] == pytest.approx(expected["metrics"][key], rel=1e-5), key
+    for mine, theirs in zip(got["metrics"], expected["metrics"], strict=True):
+        for key in ("loss", "grad_norm", "entropy", "version"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
     for key, tensor in got["weights"].items():
         torch.testing.assert_close(tensor, expected["weights"][key], rtol=1e-5, atol=1e-6)
-    assert sorted(os.listdir(tmp_path)) == sorted(["checkpoint", "resume.pt", "single.pt",
-                                                   *(f"{n}.pt" for n in layouts)])
 
 
 @pytest.mark.slow
 def test_four_ranks_equal_one_process(tmp_path: Path, reference: Reference) -> None:
-    # TP=2 x DP=2 with and without the distributed optimizer, TP=2 x PP=2.
-    run_and_check(4, ["tp2pp1", "tp2pp1do", "tp2pp2"], tmp_path, reference)
+    # TP=2 x DP=2 with and without the distributed optimizer, TP=2 x PP=2; Qwen3-MoE at TP=2 x EP=2
+    # (sequence parallel, which megatron-core's MoE layer needs with TP) and at DP=4 x EP=2 with the
+    # distributed optimizer. Then a checkpoint with the distributed optimizer saved at TP=2 x DP=2 resumed
+    # at TP=1 x DP=4.
+    run_and_check(4, ["tp2pp1", "tp2pp1do", "tp2pp2", "tp2pp1ep2spmoe", "tp1pp1ep2domoe"], tmp_path, reference,
+                  "resume_do")
+    check_resumed(tmp_path / "resume_do.pt")
 
 
 @pytest.mark.slow
@@ -132,7 +147,7 @@ def test_one_process_equals_the_embedded_trainer(reference: Reference, shaped: b
             trainer.train_step(batches[0])
     finally:
         parallel.shutdown()
-    check(got, "world of one", reference[(False, shaped)])
+    check(got, "world of one", reference[(None, shaped)])
 
 
 def test_pack_puts_samples_in_one_row_and_pads_to_the_multiple() -> None:
@@ -144,6 +159,14 @@ def test_pack_puts_samples_in_one_row_and_pads_to_the_multiple() -> None:
     assert packed.params.qkv_format == "thd" and packed.params.max_seqlen_q == 3
     assert packed.params.cu_seqlens_q.tolist() == [0, 3, 4, 7, 8]
     assert pack(tokens, torch.tensor([0, 7])).pad == 0
+    # A row as long as an expert-parallel peer's: at least `length`, then a multiple of 4.
+    longer = pack(tokens, torch.tensor([0, 3, 4, 7]), multiple=4, length=10)
+    assert longer.pad == 5 and longer.params.cu_seqlens_q.tolist() == [0, 3, 4, 7, 12]
+    filler = pack(tokens[:0], torch.tensor([0]), length=5)
+    assert filler.n_tokens == 0 and filler.input_ids.tolist() == [[0] * 5]
+    assert filler.params.cu_seqlens_q.tolist() == [0, 5]
+    with pytest.raises(InvalidArgumentError, match="T = 0 only with a length"):
+        pack(tokens[:0], torch.tensor([0]))
     with pytest.raises(InvalidArgumentError, match="rising strictly from 0 to T = 7"):
         pack(tokens, torch.tensor([0, 3, 3, 7]))
 
@@ -164,20 +187,39 @@ def test_parallel_config_errors_name_the_field() -> None:
     model = make_model(0)
     with pytest.raises(ConfigError, match="needs DistributedMegatronTrainer"):
         MegatronTrainer(MegatronTrainerConfig(model=model.config, parallel=config))
-    with pytest.raises(ConfigError, match="vocab_size 20 must be a multiple of tensor_model_parallel_size 3"):
+    moe = tiny_model(0, "moe").config
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size > 1 needs sequence_parallel=True"):
         DistributedMegatronTrainer(MegatronTrainerConfig(
-            model=model.config, parallel=MegatronParallelConfig(tensor_model_parallel_size=3)))
+            model=moe, parallel=MegatronParallelConfig(tensor_model_parallel_size=2)))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="pipeline_model_parallel_size > 1 needs a GPU"):
+            DistributedMegatronTrainer(MegatronTrainerConfig(
+                model=moe, parallel=MegatronParallelConfig(pipeline_model_parallel_size=2)))
+    assert [padded_vocab_size(v, tp) for v, tp in ((20, 2), (21, 2), (21, 4), (7, 1))] == [20, 22, 24, 7]
 
 
-def test_checkpoints_refuse_the_distributed_optimizer(tmp_path: Path) -> None:
-    model = make_model(0)
+def test_distributed_optimizer_checkpoint_resumes(tmp_path: Path) -> None:
+    # megatron-core's default distributed-optimizer format is refused by its own dist_checkpointing, and
+    # its fully_reshardable load fails with torch's Adam (KeyError 'step'; compat.torch_adam_state_loading).
+    model = make_model(3)
+    batches = [make_batch(model, step, seed=step) for step in range(3)]
     config = MegatronTrainerConfig(model=model.config, trainer=trainer_config(),
                                    parallel=MegatronParallelConfig(use_distributed_optimizer=True))
     try:
-        trainer = DistributedMegatronTrainer(config, model.named_parameters())
-        for call in (lambda: trainer.save_checkpoint(tmp_path / "ckpt"), lambda: trainer.load_checkpoint(tmp_path)):
-            with pytest.raises(InvalidStateError, match="need use_distributed_optimizer=False"):
-                call()
+        first = DistributedMegatronTrainer(config, model.named_parameters())
+        first.train_step(batches[0])
+        first.save_checkpoint(tmp_path / "ckpt", extra={"data_position": 3})
+        expected = [first.train_step(b) for b in batches[1:]]
+        weights = dict(first.export_weights(to_cpu=True).tensors)
+        parallel.shutdown()
+        resumed = DistributedMegatronTrainer(config, make_model(1).named_parameters())
+        assert resumed.load_checkpoint(tmp_path / "ckpt") == {"data_position": 3}
+        # Two steps: a step tensor shared by every parameter would be off from the second on.
+        got = [resumed.train_step(b) for b in batches[1:]]
+        for mine, theirs in zip(got, expected):
+            for key in ("loss", "grad_norm", "entropy", "version"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-6), key
+        for key, tensor in resumed.export_weights(to_cpu=True).tensors:
+            torch.testing.assert_close(tensor, weights[key], rtol=1e-6, atol=1e-7)
     finally:
         parallel.shutdown()
-    assert os.listdir(tmp_path) == []

@@ -7,6 +7,9 @@ Each patch replaces one attribute and says why. They only change behaviour that 
 exception, ``cuda_type_names`` (Tensor.type() naming CPU tensors as CUDA ones), is therefore not
 installed globally: the trainer enters it only around the optimizer's construction and step.
 /work/shared/notes/megatron-cpu.md has the measurements behind each patch.
+
+One stand-in is about the optimizer, not the device: ``torch_adam_state_loading`` lets megatron-core's
+distributed optimizer reload its checkpointed state into torch's Adam (no Apex / Transformer Engine).
 """
 
 from __future__ import annotations
@@ -232,6 +235,54 @@ def cuda_type_names() -> Iterator[None]:
             yield
         finally:
             torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def torch_adam_state_loading(optimizer: Any) -> Iterator[None]:
+    """Lets megatron-core 0.16's DistributedOptimizer load a ``fully_reshardable`` checkpoint into torch's
+    Adam, its fallback without Apex / Transformer Engine; enter it around building the loading state dict
+    and ``optimizer.load_state_dict``. Two faults, both about Adam's per-parameter "step" tensor (FusedAdam
+    keeps the step in the param groups instead):
+    - ``state_dict()`` (called by ``sharded_state_dict(is_loading=True)``) reads every parameter's step, but
+      torch's Adam creates its state at the first step only: a fresh optimizer fails an assertion. Here
+      each distributed optimizer's empty states get Adam's initial state (step 0, zero moments), which the
+      load overwrites.
+    - ``load_state_dict`` restores the step from the param groups as ONE tensor shared by every parameter,
+      then ``load_parameter_state_from_fully_reshardable`` hands each parameter's state without "step" to
+      ``_set_main_param_and_optimizer_states``, which copies every key of the optimizer's state: KeyError
+      'step'. The setter here first gives each parameter its own copy of the restored step (a shared
+      tensor would be incremented once per parameter by every Adam step).
+    A no-op where megatron-core found Apex or Transformer Engine."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        yield
+        return
+    cls = distrib_optimizer.DistributedOptimizer
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(part, cls):
+            inner = part.optimizer
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    if not inner.state[param]:
+                        inner.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                                              "exp_avg_sq": torch.zeros_like(param)}
+    original = cls._set_main_param_and_optimizer_states
+
+    def set_states(self: Any, model_param: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        if "step" in state and "step" not in tensors:
+            state["step"] = state["step"].detach().clone()
+            tensors = {**tensors, "step": state["step"]}
+        original(self, model_param, tensors)
+
+    with _method_lock:
+        cls._set_main_param_and_optimizer_states = set_states  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            cls._set_main_param_and_optimizer_states = original  # type: ignore[method-assign]
 
 
 def install_cpu_rng_tracker(seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> None:

@@ -11,6 +11,10 @@ with megatron-core's own machinery.
   that of the real tokens. The loss is the torch trainer's (algorithms.policy_loss with aggregation
   weights over the whole minibatch), computed on the last stage from per-token log-probs of the
   vocabulary-sharded logits (vocab_parallel.token_logprobs).
+- Experts (Qwen3-MoE): megatron-core MoE layers, split across expert-parallel ranks (which are
+  data-parallel ranks); their micro-batches are made alike across the expert-parallel group
+  (``_row_lengths``). A vocabulary that TP does not divide is padded to a multiple of TP; the padded
+  logits get no probability.
 - Data parallelism: every rank receives the same TrainingBatch; data-parallel rank r trains the r-th of
   dp consecutive slices of each minibatch. Each rank's loss is its slice's share of the minibatch loss
   times dp, and DDP averages over dp, so the update equals one process training the whole minibatch.
@@ -60,6 +64,13 @@ from april_ext.trainer.megatron import compat, parallel, sharded
 from april_ext.trainer.megatron.trainer import MegatronTrainerConfig
 
 CHECKPOINT_FORMAT = "april_ext.megatron_distributed/1"
+# The distributed optimizer's checkpoint format. megatron-core 0.16's default ("fully_sharded_model_space")
+# builds ShardedTensors with a flattened_range, which its own dist_checkpointing refuses. "fully_reshardable"
+# stores each parameter's Adam state in the model's own shape, so it loads into any tensor / pipeline /
+# data-parallel layout; "mem_efficient" gathers it over gloo on data-parallel rank 0 (the other exchange
+# moves CPU buffers with Tensor.cuda()). Ignored by the plain (non-distributed) optimizer.
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
+                     "distrib_optim_fully_reshardable_mem_efficient": True}
 
 logger = logging.getLogger(__name__)
 
@@ -91,17 +102,23 @@ class DistributedMegatronTrainer:
         if settings.temperature > 0 and (settings.top_k > 0 or settings.top_p < 1):
             raise ConfigError("TrainerConfig.top_k / top_p need the whole vocabulary on one rank; the distributed "
                               "Megatron trainer computes log-probs from vocabulary-sharded logits (leave them off)")
-        if model_config.vocab_size % par.tensor_model_parallel_size:
-            raise ConfigError(f"vocab_size {model_config.vocab_size} must be a multiple of "
-                              f"tensor_model_parallel_size {par.tensor_model_parallel_size}")
         self.config = config
         self.settings = settings
+        # Every tensor-parallel rank holds an equal slice of the embedding and output rows.
+        self.padded_vocab_size = sharded.padded_vocab_size(model_config.vocab_size, par.tensor_model_parallel_size)
         device = settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         self.bf16 = use_bf16_autocast(settings.mixed_precision, self.device)
         if self.bf16 and self.device.type != "cuda":
             raise ConfigError("TrainerConfig.mixed_precision='bf16' needs a GPU in the distributed Megatron trainer "
                               "(bf16 parameters with fp32 main parameters)")
+        if model_config.num_experts and par.tensor_model_parallel_size > 1 and not par.sequence_parallel:
+            raise ConfigError("a mixture-of-experts model with tensor_model_parallel_size > 1 needs "
+                              "sequence_parallel=True (megatron-core's MoE layer refuses to train without it)")
+        if model_config.num_experts and par.pipeline_model_parallel_size > 1 and self.device.type != "cuda":
+            raise ConfigError("a mixture-of-experts model with pipeline_model_parallel_size > 1 needs a GPU: "
+                              "megatron-core passes packed rows of varying length between stages only with the "
+                              "alltoall token dispatcher, which needs CUDA")
         parallel.initialize(par, seed=config.seed)
         from megatron.core import parallel_state as ps
 
@@ -110,6 +127,9 @@ class DistributedMegatronTrainer:
         self.dp_rank = ps.get_data_parallel_rank()
         self.first_stage = ps.is_pipeline_first_stage()
         self.last_stage = ps.is_pipeline_last_stage()
+        # Every MoE layer is a collective over the expert-parallel group (see _row_lengths).
+        self._ep_group = (ps.get_expert_model_parallel_group()
+                          if model_config.num_experts and ps.get_expert_model_parallel_world_size() > 1 else None)
         weights = list(weights) if weights is not None else None
         self.model = self._build(weights, train=True)
         self.ref_model = None
@@ -146,7 +166,7 @@ class DistributedMegatronTrainer:
                                   tensor_model_parallel_size=par.tensor_model_parallel_size,
                                   pipeline_model_parallel_size=par.pipeline_model_parallel_size,
                                   expert_model_parallel_size=par.expert_model_parallel_size,
-                                  bf16=self.bf16, **self._pipeline_changes())
+                                  vocab_size=self.padded_vocab_size, bf16=self.bf16, **self._pipeline_changes())
         finally:
             torch.set_rng_state(rng)
         if weights is not None:
@@ -280,14 +300,32 @@ class DistributedMegatronTrainer:
 
         offsets = inputs.offsets
         multiple = self.config.parallel.tensor_model_parallel_size if self.config.parallel.sequence_parallel else 1
+        splits = [(u + a, v + a) for u, v in split_by_token_budget(
+            offsets[a:b + 1].diff().tolist(), self.settings.micro_batch_tokens, self.settings.micro_batch_size)]
+        rows = self._row_lengths([int(offsets[v] - offsets[u]) for u, v in splits])
         out = []
-        for u, v in split_by_token_budget(offsets[a:b + 1].diff().tolist(), self.settings.micro_batch_tokens,
-                                          self.settings.micro_batch_size):
-            u, v = u + a, v + a
+        for i, row in enumerate(rows):
+            # Past this rank's own micro-batches: filler rows (no samples) as long as its peers'.
+            u, v = splits[i] if i < len(splits) else (b, b)
             t0, t1 = int(offsets[u]), int(offsets[v])
-            out.append(_MicroBatch(index=len(out), a=u, b=v, t0=t0, t1=t1,
-                                   packed=pack(inputs.tokens[t0:t1], offsets[u:v + 1] - offsets[u], multiple)))
+            out.append(_MicroBatch(index=i, a=u, b=v, t0=t0, t1=t1,
+                                   packed=pack(inputs.tokens[t0:t1], offsets[u:v + 1] - offsets[u], multiple, row)))
         return out
+
+    def _row_lengths(self, lengths: list[int]) -> list[int]:
+        """The row length of each micro-batch this rank runs. Alone: its own micro-batches' token counts.
+        With expert parallelism every MoE layer all-gathers equal-sized token blocks across the
+        expert-parallel group, so its ranks run as many micro-batches as the one with the most, each row
+        as long as the longest of that index (filler tokens form a sample of their own: they change no
+        real token's output, since no expert has a capacity limit)."""
+        if self._ep_group is None:
+            return lengths
+        count = torch.tensor([len(lengths)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._ep_group)
+        rows = torch.zeros(int(count), dtype=torch.int64, device=self.device)
+        rows[:len(lengths)] = torch.tensor(lengths, dtype=torch.int64)
+        dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=self._ep_group)
+        return rows.tolist()
 
     def _run(self, model: Any, mbs: list[_MicroBatch], loss: Callable[..., Any], *, forward_only: bool) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -312,7 +350,7 @@ class DistributedMegatronTrainer:
         p = mb.packed
         tokens = p.input_ids[0, :p.n_tokens]
         picked, entropy = token_logprobs(output[0, :p.n_tokens - 1], tokens[1:], self.settings.temperature,
-                                         with_entropy=with_entropy)
+                                         vocab_size=self.config.model.vocab_size, with_entropy=with_entropy)
         starts = p.cu_seqlens[:-1].to(tokens.device)
         out = torch.cat((picked.new_zeros(1), picked)).index_fill(0, starts, 0.0)
         if entropy is not None:
@@ -323,6 +361,8 @@ class DistributedMegatronTrainer:
         """Per micro-batch log-probs without gradient (on the last stage; empty elsewhere)."""
 
         def collect(mb: _MicroBatch, output: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:
+            if mb.a == mb.b:
+                return output.new_zeros(0)
             return self._token_logprobs(mb, output, with_entropy=False)[0]
 
         with torch.no_grad():
@@ -331,6 +371,9 @@ class DistributedMegatronTrainer:
     def _loss(self, ctx: _StepContext, mb: _MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """The micro-batch's share of the minibatch loss, scaled for the schedule and DDP (see the module
         docstring); adds the metrics to the step's sums."""
+        if mb.a == mb.b:
+            # A filler micro-batch (see _row_lengths): no loss, zero gradients.
+            return output.sum() * 0.0, {}
         inputs = ctx.inputs
         logprobs, entropy = self._token_logprobs(mb, output, with_entropy=True)
         u0, u1 = mb.t0, mb.t1
@@ -375,14 +418,14 @@ class DistributedMegatronTrainer:
     def save_checkpoint(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         """A megatron-core distributed checkpoint (dist_checkpointing: every rank writes its shards of the
         model, the KL reference and the optimizer state), written into a temporary directory that replaces
-        ``path`` once every rank is done. It loads into any tensor / pipeline / data-parallel layout."""
+        ``path`` once every rank is done. It loads into any tensor / pipeline / data-parallel layout that pads
+        the vocabulary alike and uses the same kind of optimizer (distributed or not)."""
         from megatron.core import dist_checkpointing
 
-        self._require_checkpointable()
         checkpoint.check_extra(extra or {}, "extra")
         state = self._sharded_state(loading=False)
         state["trainer"] = {"format": CHECKPOINT_FORMAT, "version": self._version, "step": self.step,
-                            "extra": extra or {}}
+                            "padded_vocab_size": self.padded_vocab_size, "extra": extra or {}}
         with contextlib.ExitStack() as stack:
             temp = [stack.enter_context(atomic_directory(path)) if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(temp, src=0)
@@ -394,34 +437,31 @@ class DistributedMegatronTrainer:
         """Restores what ``save_checkpoint`` wrote (at any layout); returns its ``extra``."""
         from megatron.core import dist_checkpointing
 
-        self._require_checkpointable()
         path = os.fspath(path)
         common = dist_checkpointing.load_common_state_dict(path)
         trainer = common.get("trainer") if isinstance(common, dict) else None
         if not isinstance(trainer, dict) or trainer.get("format") != CHECKPOINT_FORMAT:
             raise CorruptStateError(f"{path!r} is not a {CHECKPOINT_FORMAT} checkpoint")
-        state = self._sharded_state(loading=True)
-        loaded = dist_checkpointing.load(state, path)
-        self.gpt.load_state_dict(loaded["model"])
-        if self.ref_model is not None:
-            self.ref_gpt.load_state_dict({k.removeprefix("reference."): v for k, v in loaded["reference"].items()})
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        if trainer.get("padded_vocab_size", self.config.model.vocab_size) != self.padded_vocab_size:
+            raise InvalidStateError(f"{path!r} holds a vocabulary padded to {trainer['padded_vocab_size']} rows, "
+                                    f"this layout pads it to {self.padded_vocab_size} (the vocabulary rounded up "
+                                    f"to a multiple of tensor_model_parallel_size); resume at a tensor-parallel "
+                                    f"size that pads it alike")
+        with compat.torch_adam_state_loading(self.optimizer):
+            loaded = dist_checkpointing.load(self._sharded_state(loading=True), path)
+            self.gpt.load_state_dict(loaded["model"])
+            if self.ref_model is not None:
+                self.ref_gpt.load_state_dict({k.removeprefix("reference."): v
+                                              for k, v in loaded["reference"].items()})
+            self.optimizer.load_state_dict(loaded["optimizer"])
         self._version = int(trainer["version"])
         self.step = int(trainer["step"])
         return dict(trainer["extra"])
 
-    def _require_checkpointable(self) -> None:
-        # megatron-core 0.16's distributed optimizer checkpoints fail with the torch Adam it falls back to
-        # without Transformer Engine / Apex: its default format is refused by dist_checkpointing
-        # ("flattened_range is not supported"), and loading the fully_reshardable one raises KeyError 'step'.
-        if self.config.parallel.use_distributed_optimizer:
-            raise InvalidStateError("checkpoints of the distributed Megatron trainer need "
-                                    "use_distributed_optimizer=False (with torch's Adam, megatron-core 0.16 fails "
-                                    "to save or reload the distributed optimizer's state)")
-
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
         model = self.gpt.sharded_state_dict()
-        state = {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
+        state = {"model": model, "optimizer": self.optimizer.sharded_state_dict(
+            model, is_loading=loading, metadata=_OPTIMIZER_FORMAT)}
         if self.ref_model is not None:
             state["reference"] = self.ref_gpt.sharded_state_dict(prefix="reference.")
         return state

@@ -109,35 +109,32 @@ def _cpu_gating(self: Any, input: torch.Tensor) -> torch.Tensor:
 
 
 def build_gpt_model(config: ModelConfig, *, params_dtype: torch.dtype = torch.float32, packed: bool = False,
-                    pre_process: bool = True, post_process: bool = True, **transformer_changes: object) -> nn.Module:
+                    pre_process: bool = True, post_process: bool = True, vocab_size: int | None = None,
+                    **transformer_changes: object) -> nn.Module:
     """A GPTModel with the local (non-Transformer-Engine) layer specs, dense or MoE per layer. Needs
-    ``parallel.initialize()``. packed: attention takes THD input (packed.PackedDotProductAttention; dense
-    models only); pre_process / post_process: this pipeline stage holds the embedding / the output layer;
-    transformer_changes: TransformerConfig fields (e.g. sequence_parallel) replaced after the mapping."""
+    ``parallel.initialize()``. packed: attention takes THD input (packed.PackedDotProductAttention);
+    pre_process / post_process: this pipeline stage holds the embedding / the output layer; vocab_size:
+    the embedding and output rows when padded past ``config.vocab_size``; transformer_changes:
+    TransformerConfig fields (e.g. sequence_parallel) replaced after the mapping."""
     import dataclasses
 
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if config.num_experts:
         _patch_moe_runtime()
     transformer = dataclasses.replace(transformer_config(config, params_dtype=params_dtype), **transformer_changes)
+    spec = get_gpt_decoder_block_spec(transformer, use_transformer_engine=False, normalization="RMSNorm")
     if packed:
         from april_ext.trainer.megatron.packed import packed_layer_spec
 
-        if config.num_experts:
-            raise InvalidArgumentError("the packed (distributed) Megatron trainer takes dense models; "
-                                       f"{config.model_type} has {config.num_experts} experts")
-        spec = packed_layer_spec(get_gpt_layer_local_spec(qk_layernorm=config.qk_norm, normalization="RMSNorm"),
-                                 transformer)
-    else:
-        spec = get_gpt_decoder_block_spec(transformer, use_transformer_engine=False, normalization="RMSNorm")
+        spec = packed_layer_spec(spec, transformer)
     model = GPTModel(
         config=transformer,
         transformer_layer_spec=spec,
         pre_process=pre_process,
         post_process=post_process,
-        vocab_size=config.vocab_size,
+        vocab_size=vocab_size if vocab_size is not None else config.vocab_size,
         max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=int(config.rope_theta),

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.spec_utils import ModuleSpec
 
 from april_ext.errors import InvalidArgumentError
 
@@ -61,35 +60,38 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 
 
-def packed_layer_spec(spec: ModuleSpec, config: Any) -> Any:
-    """The block spec of the distributed trainer from a local GPT layer spec: its core attention replaced
-    by PackedDotProductAttention and, under ``config.sequence_parallel``, its norms (and the final one)
-    by SequenceParallelRMSNorm."""
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
+def packed_layer_spec(block: Any, config: Any) -> Any:
+    """The block spec of the distributed trainer from megatron-core's local block spec (this stage's
+    layers, dense or MoE): every layer's core attention replaced by PackedDotProductAttention and, under
+    ``config.sequence_parallel``, its norms (and the final one) by SequenceParallelRMSNorm. Layer specs
+    may share submodule objects (megatron-core reuses one spec for every dense layer), so each is
+    changed once."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layer = spec.submodules
-    attention = layer.self_attention.submodules
-    if attention.core_attention is not DotProductAttention:
-        raise InvalidArgumentError(f"packed_layer_spec takes the local layer spec (DotProductAttention), got "
-                                   f"{attention.core_attention}")
-    attention.core_attention = PackedDotProductAttention
-    if not config.sequence_parallel:
-        return spec
-    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
-    # What megatron-core builds from a layer spec (this stage's layers), with our final norm.
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
-                                      layer_norm=SequenceParallelRMSNorm)
+    for spec in {id(s): s for s in block.layer_specs}.values():
+        layer = spec.submodules
+        attention = layer.self_attention.submodules
+        if attention.core_attention not in (DotProductAttention, PackedDotProductAttention):
+            raise InvalidArgumentError(f"packed_layer_spec takes the local layer spec (DotProductAttention), got "
+                                       f"{attention.core_attention}")
+        attention.core_attention = PackedDotProductAttention
+        if config.sequence_parallel:
+            layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+            # Qwen3's per-head q/k norms: megatron-core's torch norm refuses to be built under sequence
+            # parallelism; their partial gradients (each rank normalises its own heads) are summed over
+            # TP by finalize_model_grads either way.
+            if config.qk_layernorm:
+                attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
+    norm = SequenceParallelRMSNorm if config.sequence_parallel else block.layer_norm
+    return TransformerBlockSubmodules(layer_specs=list(block.layer_specs), layer_norm=norm)
 
 
 @dataclass(frozen=True)
 class PackedMicroBatch:
     """The model inputs of samples packed into one row: input_ids and position_ids [1, T + pad]; the
     sample bounds ``cu_seqlens`` [S + 1] of the real tokens (T of them); ``pad`` filler tokens close the
-    row as one extra sample so that T + pad divides by ``multiple`` (sequence parallelism splits the row
-    across the tensor-parallel ranks)."""
+    row as one extra sample so that T + pad reaches the requested length and divides by ``multiple``
+    (sequence parallelism splits the row across the tensor-parallel ranks)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -99,14 +101,19 @@ class PackedMicroBatch:
     pad: int
 
 
-def pack(tokens: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1) -> PackedMicroBatch:
-    """Packs the samples of ``tokens`` [T] (bounds ``cu_seqlens`` [S + 1], rising strictly from 0 to T)."""
+def pack(tokens: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1, length: int = 0) -> PackedMicroBatch:
+    """Packs the samples of ``tokens`` [T] (bounds ``cu_seqlens`` [S + 1], rising strictly from 0 to T) into
+    a row of at least ``length`` tokens. T may be 0 (``cu_seqlens`` [0]) when ``length`` > 0: a row of
+    filler only, for ranks that must run as many micro-batches as their expert-parallel peers."""
     n = tokens.numel()
     cu = cu_seqlens.to("cpu", torch.int64)
-    if tokens.dim() != 1 or n == 0 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu.diff() < 1).any()):
-        raise InvalidArgumentError(f"pack takes a non-empty [T] tensor of tokens and cu_seqlens rising strictly "
-                                   f"from 0 to T = {n}, got shape {tuple(tokens.shape)} and {cu.tolist()[:6]}")
-    pad = -n % multiple
+    if (tokens.dim() != 1 or n + length == 0 or cu.dim() != 1 or int(cu[0]) != 0 or int(cu[-1]) != n
+            or bool((cu.diff() < 1).any())):
+        raise InvalidArgumentError(f"pack takes a [T] tensor of tokens and cu_seqlens rising strictly from 0 to "
+                                   f"T = {n} (T = 0 only with a length), got shape {tuple(tokens.shape)} and "
+                                   f"{cu.tolist()[:6]}")
+    pad = max(n, length) - n
+    pad += -(n + pad) % multiple
     bounds = torch.cat((cu, cu.new_tensor([n + pad]))) if pad else cu
     lengths = bounds.diff()
     positions = torch.arange(n + pad) - torch.repeat_interleave(bounds[:-1], lengths)
