@@ -99,7 +99,8 @@ class AsyncEngine(LoopTaskEngine):
 
     async def hold(self, retract: bool) -> None:
         """Stops stepping until release(); the requests stay. retract: their KV cache is dropped (they go
-        back to the queue and are recomputed when stepping resumes); otherwise it is kept as it is."""
+        back to the queue and are recomputed when stepping resumes); otherwise it is kept as it is, also
+        across update_weights (they continue over it)."""
         def run() -> tuple[None, list[GenerationChunk]]:
             if retract:
                 self.core.flush_cache()

@@ -359,8 +359,9 @@ class EngineServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         """New requests wait until /continue_generation. Mode "abort" aborts every request in flight;
-        "retract" holds them and drops their KV cache (recomputed on continue); "in_place" holds them with
-        their KV cache. The last two need an engine that can hold its batch (AsyncEngine.hold)."""
+        "retract" holds them and drops their KV cache (recomputed on continue, under the weights loaded by
+        then); "in_place" holds them with their KV cache, which a weight update meanwhile keeps (they
+        continue over it). The last two need an engine that can hold its batch (AsyncEngine.hold)."""
         mode = sglang_wire.parse_pause(await self._body(request), self.dialect)
         if mode != "abort" and not isinstance(self.engine, _Holdable):
             raise InvalidArgumentError(f"/pause_generation: mode {mode!r} needs an engine that can hold its running "
