@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from _engine_utils import GREEDY, engine, greedy_reference, greedy_with_carried_kv, tiny_model
 
@@ -140,3 +141,47 @@ def test_kv_cache_released_without_a_backup_is_flushed_and_recomputed() -> None:
     _, info = _run(core, [[3, 1, 4, 1, 5, 9, 2, 6]], GREEDY, pause_after=5)
     assert info["running_after_resume"] == 0 and core.stats().preemptions == 1
     assert info["prefill_after"] > info["prefill_before"]
+
+
+def test_async_pause_in_place_keeps_the_kv_across_an_update_and_retract_recomputes() -> None:
+    import asyncio
+
+    from april_ext.engine import AsyncEngine
+    from april_ext.errors import InvalidArgumentError
+    from april_ext.protocol import PausableEngine
+
+    old, new = tiny_model(seed=0), tiny_model(seed=1)
+    prompt = [5, 17, 33, 2, 60, 7, 9]
+
+    async def main(mode: str):
+        core = engine(tiny_model(seed=0))
+        async with AsyncEngine(core) as eng:
+            assert isinstance(eng, PausableEngine)
+            with pytest.raises(InvalidArgumentError, match="in_place"):
+                await eng.pause_generation("abort")
+            stream = eng.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=16))
+            tokens = []
+            async for chunk in stream:
+                tokens += chunk.token_ids
+                if len(tokens) >= 4:
+                    await eng.pause_generation(mode)
+                    held = eng.stats()
+                    await eng.update_weights(dict(new.named_parameters()), version=1)
+                    await asyncio.sleep(0.05)
+                    assert eng.stats().generated_tokens == held.generated_tokens  # nothing ran while paused
+                    await eng.continue_generation()
+                    break
+            async for chunk in stream:
+                tokens += chunk.token_ids
+            return tokens, held, core.stats()
+
+    tokens, held, end = asyncio.run(main("in_place"))
+    generated = held.generated_tokens
+    assert tokens[:generated] == greedy_reference(old, prompt, generated)
+    assert tokens[generated:] == greedy_with_carried_kv(old, new, prompt + tokens[:generated],
+                                                        len(prompt) + generated - 1, 16 - generated)[0]
+    assert end.prefill_tokens == held.prefill_tokens and end.preemptions == 0
+    tokens, held, end = asyncio.run(main("retract"))
+    generated = held.generated_tokens
+    assert tokens[generated:] == greedy_reference(new, prompt + tokens[:generated], 16 - generated)
+    assert end.prefill_tokens == held.prefill_tokens + len(prompt) + generated
