@@ -64,6 +64,7 @@ class SGLangEngine:
         self._aborter = Aborter(config, self._http, self._workers)
         self._ids = RequestIds("sglang")
         self._weight_version = config.initial_weight_version
+        self._held_in_place = False
         self._requests = 0
         self._generated = 0
         self._aborted = 0
@@ -188,7 +189,9 @@ class SGLangEngine:
         """Loads weights on every worker with weight_version str(version); returns the names loaded.
         A checkpoint directory or named tensors; see april_ext.sglang.weights for the transports."""
         check_weight_version(version)
-        names = await push_weights(self._workers, weights, version, self.config.weight_sync_dir)
+        # Requests held in place keep their KV: SGLang would fail the flush (it flushes only when idle).
+        names = await push_weights(self._workers, weights, version, self.config.weight_sync_dir,
+                                   flush_cache=not self._held_in_place)
         self._weight_version = version
         return names
 
@@ -222,9 +225,11 @@ class SGLangEngine:
             raise InvalidArgumentError(f"pause_generation mode {mode!r} is not served by {', '.join(old)}: their "
                                        "release only aborts on pause; use mode 'abort'")
         await self._workers.broadcast("/pause_generation", lambda p: _with_modes(p, {"mode": mode}))
+        self._held_in_place = mode == "in_place"
 
     async def continue_generation(self) -> None:
         await self._workers.broadcast("/continue_generation", lambda p: _with_modes(p, {}))
+        self._held_in_place = False
 
     async def flush_cache(self) -> None:
         await self._workers.broadcast("/flush_cache", None)
