@@ -9,6 +9,8 @@ Per run (reported as mean +- std over seeds per mode):
 - the mean KL(behavior || trainer) on off-policy tokens: each step, before its update, the trainer's
   log-probs of the batch (``token_logprobs``) against the behavior log-probs of the tokens produced by
   older weights, by the k3 estimator (r - 1 - log r, r = pi_train / pi_behavior), averaged over the steps;
+  and the same on the current-version tokens that follow such tokens in their sample (carry decodes them
+  over K/V of older weights, abort re-prefilled them);
 - the length bias: the Wasserstein-1 distance between the response lengths trained on in the last quarter
   and the natural lengths of the final policy (held-out prompts answered to completion, no step boundary);
 - rollout throughput, off-policy token share, carried and re-prefilled tokens per step.
@@ -49,15 +51,27 @@ def wasserstein_1(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sum(np.abs(cdf_a - cdf_b) * np.diff(grid)))
 
 
-def off_policy_kl(trainer: Trainer, batch: Any) -> tuple[float, int]:
-    """Mean k3 KL(behavior || trainer) over the batch's response tokens from older weights, and their count."""
+def _k3(lp_train: np.ndarray, lp_behavior: np.ndarray, where: np.ndarray) -> tuple[float, int]:
+    if not where.any():
+        return 0.0, 0
+    log_r = lp_train[where] - lp_behavior[where]
+    return float(np.mean(np.exp(log_r) - 1.0 - log_r)), int(where.sum())
+
+
+def off_policy_kl(trainer: Trainer, batch: Any) -> dict[str, tuple[float, int]]:
+    """Mean k3 KL(behavior || trainer) and token count over the batch's response tokens from older weights
+    ("stale"), and over the current-version tokens that follow stale ones in their sample ("after_stale":
+    with abort they were re-prefilled, so on-policy; with carry they decoded over K/V of older weights,
+    which their version does not show)."""
     lp_train = trainer.token_logprobs(batch).astype(np.float64)  # type: ignore[attr-defined]
     lp_behavior = batch.behavior_logprobs.astype(np.float64)
-    off = batch.loss_mask.astype(bool) & (batch.versions < batch.policy_version)
-    if not off.any():
-        return 0.0, 0
-    log_r = lp_train[off] - lp_behavior[off]
-    return float(np.mean(np.exp(log_r) - 1.0 - log_r)), int(off.sum())
+    trained = batch.loss_mask.astype(bool)
+    stale = trained & (batch.versions < batch.policy_version)
+    seen_stale = np.zeros_like(stale)
+    for a, b in zip(batch.offsets[:-1], batch.offsets[1:]):
+        seen_stale[a:b] = np.maximum.accumulate(stale[a:b])
+    after_stale = trained & ~stale & seen_stale
+    return {"stale": _k3(lp_train, lp_behavior, stale), "after_stale": _k3(lp_train, lp_behavior, after_stale)}
 
 
 class _Measured:
@@ -65,7 +79,7 @@ class _Measured:
 
     def __init__(self, inner: Trainer) -> None:
         self._inner = inner
-        self.kl: list[tuple[float, int]] = []
+        self.kl: list[dict[str, tuple[float, int]]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -111,13 +125,15 @@ async def one_run(config: TrainConfig, natural_prompts: int, natural_samples: in
     wall = time.perf_counter() - start
     quarter = history[-max(1, len(history) // 4):]
     trained = np.concatenate([np.asarray(r["rollout/response_lens"]) for r in quarter])
-    kls = [kl for kl, n in measured[0].kl if n > 0]
+    kls = [m["stale"][0] for m in measured[0].kl if m["stale"][1] > 0]
+    after = [m["after_stale"][0] for m in measured[0].kl if m["after_stale"][1] > 0]
     tokens = sum(r["rollout/generated_tokens"] for r in history)
     seconds = sum(r["rollout/wall_s"] for r in history)
     return {
         "steps": len(history), "wall_s": wall,
         "reward_last_quarter": float(np.mean([r["rollout/reward_mean"] for r in quarter])),
         "offpolicy_kl": float(np.mean(kls)) if kls else 0.0,
+        "after_stale_kl": float(np.mean(after)) if after else 0.0,
         "offpolicy_token_ratio": float(np.mean([r["rollout/off_policy_token_ratio"] for r in history])),
         "length_w1": wasserstein_1(trained, natural),
         "trained_len_mean": float(trained.mean()), "natural_len_mean": float(natural.mean()),
@@ -128,6 +144,7 @@ async def one_run(config: TrainConfig, natural_prompts: int, natural_samples: in
 
 
 COLUMNS = [("reward_last_quarter", "reward (last 1/4)", 3), ("offpolicy_kl", "KL on off-policy tokens", 4),
+           ("after_stale_kl", "KL on tokens after them", 4),
            ("offpolicy_token_ratio", "off-policy tokens", 3), ("length_w1", "length W1", 2),
            ("rollout_tokens_per_s", "rollout tokens/s", 0), ("carried_tokens_per_step", "carried tokens/step", 0),
            ("re_prefilled_tokens_per_step", "re-prefilled tokens/step", 0)]
