@@ -23,6 +23,7 @@ RefillMode = Literal["batch", "continuous"]
 OverSamplingMode = Literal["fixed", "adaptive"]
 StalenessPolicy = Literal["keep", "mask", "restart", "drop"]
 ResumeOrder = Literal["oldest_first", "newest_first", "longest_first"]
+StepBoundary = Literal["abort", "carry"]
 SampleState = Literal["queued", "running", "aborting", "done"]
 
 # The names the core accepts for each enum-valued field; settings cross to C++ by name.
@@ -79,6 +80,10 @@ class SchedulerConfig:
     live share of a group's samples (over_sampling_batch_size is its floor)."""
     target_inflight_samples: int | None = None
     """Adaptive only (required there): samples to keep generating, e.g. the engines' total running capacity."""
+    step_boundary: StepBoundary = "abort"
+    """What running samples do when a step's batch is taken: "abort" (paper: aborted, resumed next step with a
+    re-prefill) or "carry" (keep generating across the weight update with their KV; the staleness policy applies
+    to them at the next begin_step)."""
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len"):
@@ -114,6 +119,7 @@ class SchedulerConfig:
         elif self.target_inflight_samples is not None:
             raise _bad("target_inflight_samples", self.target_inflight_samples,
                        "None unless over_sampling='adaptive'")
+        _check_choice("step_boundary", self.step_boundary)
 
 
 @dataclass(frozen=True)
@@ -224,6 +230,7 @@ class Scheduler:
             max_inflight_samples=config.max_inflight_samples or 0,
             over_sampling=config.over_sampling,
             target_inflight_samples=config.target_inflight_samples or 0,
+            step_boundary=config.step_boundary,
         )
         self._core.set_data_size(len(data))
 
@@ -258,11 +265,14 @@ class Scheduler:
         return bool(self._core.step_done())
 
     def samples_to_abort(self) -> list[int]:
-        """Once the step is done: the running samples the engine must abort (each returned once)."""
+        """The samples the engine must abort, each returned once. step_boundary="abort": once the step is done,
+        every running sample. "carry": none at the boundary; right after begin_step, the carried samples past
+        max_staleness under the restart and drop policies."""
         return self._core.samples_to_abort().tolist()
 
     def take_batch(self) -> TrainingBatch:
-        """The step's TrainingBatch (exactly N groups unless data ran out); closes the step."""
+        """The step's TrainingBatch (exactly N groups unless data ran out); closes the step. With
+        step_boundary="abort" no sample may still be running; with "carry" running samples stay running."""
         out = self._core.take_batch()
         prompts = [self._data[int(i)] for i in out["prompt_indices"]]
         return TrainingBatch(
@@ -401,7 +411,8 @@ class Scheduler:
     # ------------------------------------------------------------------ persistence
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole state (buffer, counters, data position). In-flight samples are stored as buffered partials."""
+        """The whole state (buffer, counters, data position). In-flight samples (carried ones too) are stored as
+        buffered partials with all their tokens; their KV is not, so a resumed run re-prefills them once."""
         return {"format": _STATE_FORMAT, "core": self._core.serialize()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -47,3 +47,46 @@ def prompts(count: int, seed: int, low: int = 1, high: int = 30) -> list[list[in
 
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
+
+
+class _DenseKV:
+    """An attention backend for one sequence that keeps every layer's K/V, so that tokens run by one model
+    can be attended to by the next tokens run by another (a KV cache carried across a weight update)."""
+
+    def __init__(self) -> None:
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        from april_ext.model.attention import expand_kv_heads
+
+        past = self.k[layer].shape[0] if layer in self.k else 0
+        self.k[layer] = k if layer not in self.k else torch.cat([self.k[layer], k])
+        self.v[layer] = v if layer not in self.v else torch.cat([self.v[layer], v])
+        groups = q.shape[1] // k.shape[1]
+        keys, values = expand_kv_heads(self.k[layer], groups), expand_kv_heads(self.v[layer], groups)
+        n, total = q.shape[0], past + q.shape[0]
+        allowed = torch.arange(total)[None, :] <= (past + torch.arange(n))[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=allowed, scale=scale)
+        return out.transpose(0, 1)
+
+
+def greedy_with_carried_kv(old: LlamaForCausalLM, new: LlamaForCausalLM, ids: list[int], num_old: int,
+                           n: int) -> tuple[list[int], list[float]]:
+    """Greedy continuation of `ids` whose first `num_old` tokens have K/V computed by `old`; every later
+    token runs through `new` over that cache (the ground truth of a weight update that keeps the KV)."""
+    cache = _DenseKV()
+    tokens, logprobs = list(ids), []
+    with torch.no_grad():
+        old.hidden_states(torch.tensor(ids[:num_old]), torch.arange(num_old), cache)
+        pending = ids[num_old:]
+        for _ in range(n):
+            start = len(tokens) - len(pending)
+            hidden = new.hidden_states(torch.tensor(pending), torch.arange(start, len(tokens)), cache)
+            logp = torch.log_softmax(new.compute_logits(hidden[-1:]).float(), dim=-1)[0]
+            token = int(logp.argmax())
+            tokens.append(token)
+            logprobs.append(float(logp[token]))
+            pending = [token]
+    return tokens[len(ids):], logprobs

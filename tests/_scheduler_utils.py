@@ -74,7 +74,7 @@ def state_payload(core: bytes) -> bytes:
     return core[20:-8]
 
 
-def frame_state(payload: bytes, version: int = 2) -> bytes:
+def frame_state(payload: bytes, version: int = 3) -> bytes:
     """Frames a payload as the core writes it: magic, format version, length, payload, FNV-1a checksum."""
     return b"APRILSCH" + struct.pack("<IQ", version, len(payload)) + payload + struct.pack("<Q", _fnv1a(payload))
 

@@ -28,7 +28,7 @@ ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 VALUES = dict(rollout_batch_size=3, n_samples_per_prompt=2, over_sampling_batch_size=5, max_response_len=20,
               refill="continuous", max_staleness=2, staleness_policy="mask", mask_offpolicy=True,
               resume_order="longest_first", keep_surplus=False, max_inflight_samples=6, over_sampling="adaptive",
-              target_inflight_samples=4)
+              target_inflight_samples=4, step_boundary="carry")
 # A value that SchedulerConfig refuses, for every field (with what it needs to be checked).
 BAD = dict(rollout_batch_size=dict(rollout_batch_size=0), n_samples_per_prompt=dict(n_samples_per_prompt="8"),
            over_sampling_batch_size=dict(over_sampling_batch_size=4), max_response_len=dict(max_response_len=0),
@@ -36,7 +36,8 @@ BAD = dict(rollout_batch_size=dict(rollout_batch_size=0), n_samples_per_prompt=d
            staleness_policy=dict(staleness_policy="ignore"), mask_offpolicy=dict(mask_offpolicy=1),
            resume_order=dict(resume_order="random"), keep_surplus=dict(keep_surplus="yes"),
            max_inflight_samples=dict(max_inflight_samples=3), over_sampling=dict(over_sampling="dynamic"),
-           target_inflight_samples=dict(over_sampling="adaptive", target_inflight_samples=3))
+           target_inflight_samples=dict(over_sampling="adaptive", target_inflight_samples=3),
+           step_boundary=dict(step_boundary="keep"))
 TINY = dict(counting_median=3.0, counting_sigma=0.8, counting_max_count=12, counting_symbols=2, hidden_size=16,
             num_layers=1, max_num_seqs=64, num_blocks=256, progress=False, plots=False)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import april_ext.triton_kernels as triton_kernels
 import pytest
 import torch
-from _engine_utils import GREEDY, TINY, engine, greedy_reference, prompts, tiny_model
+from _engine_utils import GREEDY, TINY, engine, greedy_reference, greedy_with_carried_kv, prompts, tiny_model
 
 from april_ext.batch import FinishReason
 from april_ext.engine import EngineConfig, EngineCore
@@ -235,8 +235,11 @@ def test_update_weights_mid_stream_switches_versions(model, tmp_path) -> None:
     tokens = [t for c in chunks for t in c.token_ids]
     versions = [c.weight_version for c in chunks for _ in c.token_ids]
     assert versions == [0] * 5 + [1] * 7
-    # After the update the request continues under the new weights over the recomputed cache.
-    assert tokens[5:] == greedy_reference(new_model, prompt + tokens[:5], 7)
+    # After the update the request continues under the new weights over the KV the old ones computed
+    # (prompt + 4 tokens; the 5th was sampled but not yet run).
+    assert core.stats().preemptions == 0
+    expected, _ = greedy_with_carried_kv(tiny_model(seed=0), new_model, prompt + tokens[:5], len(prompt) + 4, 7)
+    assert tokens[5:] == expected
     assert chunks[-1].finish_reason is FinishReason.LENGTH and chunks[-1].request_id == rid
     # From a checkpoint directory.
     save_pretrained(tiny_model(seed=2), tmp_path)

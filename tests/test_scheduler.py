@@ -62,6 +62,7 @@ _CORE_ARGS = dict(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_ba
 @pytest.mark.parametrize("field,allowed", [
     ("refill", "'batch', 'continuous'"), ("staleness_policy", "'keep', 'mask', 'restart', 'drop'"),
     ("resume_order", "'oldest_first', 'newest_first', 'longest_first'"), ("over_sampling", "'fixed', 'adaptive'"),
+    ("step_boundary", "'abort', 'carry'"),
 ])
 @pytest.mark.parametrize("bad", ["greedy", "Batch", ""])
 def test_the_core_takes_enum_settings_by_name_and_rejects_other_values(field, allowed, bad):

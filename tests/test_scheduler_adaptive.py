@@ -152,14 +152,24 @@ def test_adaptive_state_survives_save_and_load(tmp_path):
     assert [r.sample_id for r in restored.dispatch()] == [r.sample_id for r in sched.dispatch()]
 
 
-def _as_version_1(core: bytes) -> bytes:
-    """Rewrite a version 2 state as version 1 wrote it: 32 counters, no adaptive fields at the end."""
+_COUNTERS_AT = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # n, max_len, next group id, prompts, flags, version, step
+
+
+def _as_version_2(core: bytes) -> bytes:
+    """Rewrite a version 3 state as version 2 wrote it: 33 counters (no carried_samples, carried_kv_tokens)."""
     payload = state_payload(core)
-    counters_at = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # n, max_len, next group id, prompts, flags, version, step
-    (count,) = struct.unpack_from("<Q", payload, counters_at)
-    assert count == 33
-    last = counters_at + 8 + 32 * 8  # over_sampling_groups, the counter version 2 added
-    payload = payload[:counters_at] + struct.pack("<Q", 32) + payload[counters_at + 8:last] + payload[last + 8:-16]
+    (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)
+    assert count == 35
+    last = _COUNTERS_AT + 8 + 33 * 8  # carried_samples, carried_kv_tokens: the counters version 3 added
+    payload = payload[:_COUNTERS_AT] + struct.pack("<Q", 33) + payload[_COUNTERS_AT + 8:last] + payload[last + 16:]
+    return frame_state(payload, version=2)
+
+
+def _as_version_1(core: bytes) -> bytes:
+    """Rewrite a version 3 state as version 1 wrote it: 32 counters, no adaptive fields at the end."""
+    payload = state_payload(core)
+    last = _COUNTERS_AT + 8 + 32 * 8  # over_sampling_groups, the counter version 2 added
+    payload = (payload[:_COUNTERS_AT] + struct.pack("<Q", 32) + payload[_COUNTERS_AT + 8:last] + payload[last + 24:-16])
     return frame_state(payload, version=1)
 
 
@@ -171,7 +181,7 @@ def test_version_1_state_files_still_load_into_fixed_and_adaptive_schedulers():
     fixed.begin_step(1)
     fixed.dispatch()
     state = fixed.state_dict()
-    assert struct.unpack_from("<I", state["core"], 8)[0] == 2
+    assert struct.unpack_from("<I", state["core"], 8)[0] == 3
     old = dict(state, core=_as_version_1(state["core"]))
     again = Scheduler(fixed.config, prompts(50))
     again.load_state_dict(old)
@@ -182,8 +192,8 @@ def test_version_1_state_files_still_load_into_fixed_and_adaptive_schedulers():
     adaptive.load_state_dict(old)  # the group ceiling is derived on load
     assert len(adaptive.dispatch()) == 6
     bad = bytearray(old["core"])
-    bad[8] = 3
-    with pytest.raises(CorruptStateError, match="format version 3"):
+    bad[8] = 4
+    with pytest.raises(CorruptStateError, match="format version 4"):
         again.load_state_dict(dict(old, core=bytes(bad)))
 
 
@@ -193,3 +203,19 @@ def test_adaptive_floor_is_the_configured_over_sampling_batch_size():
     assert sched.stats()["over_sampling_groups"] == 6  # max(N' = 6, ceil(4 / 2) = 2)
     assert len(sched.dispatch()) == 4  # the live target still bounds launches: 2 groups
     assert sched.stats()["groups_launched"] == 2
+
+
+def test_version_2_state_files_load_with_the_carried_counters_at_zero():
+    sched = make(rollout_batch_size=1, target_inflight_samples=8, step_boundary="carry")
+    engine = FakeEngine(sched, lambda sid: 5 + sid % 7, chunk=2)
+    run_step(sched, engine, 0)
+    sched.begin_step(1)
+    sched.dispatch()
+    state = sched.state_dict()
+    old = dict(state, core=_as_version_2(state["core"]))
+    again = make(rollout_batch_size=1, target_inflight_samples=8)
+    again.load_state_dict(old)
+    assert again.sample_ids("queued") == sorted(sched.sample_ids("queued") + sched.sample_ids("running"))
+    assert again.stats()["over_sampling_groups"] == sched.stats()["over_sampling_groups"]
+    assert again.stats()["carried_samples"] == 0 and again.stats()["groups_launched"] == 2
+    assert again.state_dict()["core"][8] == 3  # saved again in the current format

@@ -28,16 +28,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_staleness=st.sampled_from([None, 0, 1, 2]), mask_offpolicy=st.booleans(),
                 order=st.sampled_from(["oldest_first", "newest_first", "longest_first"]),
                 keep_surplus=st.booleans(), cap=st.sampled_from([None, 3, 5]), n_prompts=st.integers(2, 12),
-                live_target=st.sampled_from([None, 0, 1, 4]))
+                live_target=st.sampled_from([None, 0, 1, 4]), boundary=st.sampled_from(["abort", "carry"]))
     def setup(self, n, big_n, extra, refill, policy, max_staleness, mask_offpolicy, order, keep_surplus, cap,
-              n_prompts, live_target):
+              n_prompts, live_target, boundary):
         self.cfg = SchedulerConfig(
             rollout_batch_size=big_n, n_samples_per_prompt=n, over_sampling_batch_size=big_n + extra,
             max_response_len=MAX_LEN, refill=refill, max_staleness=max_staleness, staleness_policy=policy,
             mask_offpolicy=mask_offpolicy, resume_order=order, keep_surplus=keep_surplus,
             max_inflight_samples=None if cap is None else max(cap, n),
             over_sampling="fixed" if live_target is None else "adaptive",
-            target_inflight_samples=None if live_target is None else n + live_target)
+            target_inflight_samples=None if live_target is None else n + live_target, step_boundary=boundary)
         self.data = prompts(n_prompts)
         self.sched = Scheduler(self.cfg, self.data)
         self.version = -1
@@ -50,6 +50,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.gone: set[int] = set()  # trained or filtered
         self.trained_groups: set[int] = set()
         event(f"over_sampling={self.cfg.over_sampling}")
+        event(f"step_boundary={boundary}")
+
+    @property
+    def carry(self) -> bool:
+        return self.cfg.step_boundary == "carry"
 
     @property
     def enforced(self) -> bool:
@@ -63,6 +68,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         self.version = max(self.version, 0) + bump
         self.sched.begin_step(self.version)
+        # What still runs after begin_step was carried (abort: nothing runs between steps).
+        carried = len(self.sched.sample_ids("running"))
+        assert self.sched.stats()["carried_samples"] == carried
+        if self.carry:
+            event("samples carried" if carried else "nothing carried")
+        else:
+            assert carried == 0
 
     @rule()
     def dispatch(self):
@@ -146,10 +158,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not (self.sched.step_open):
             return
         ids = self.sched.samples_to_abort()
-        if ids:
+        if ids and not self.carry:
             assert self.sched.step_done
+        if ids and self.carry:  # only stale carried samples are aborted
+            assert self.enforced
+            event("stale carried samples aborted")
         for sid in ids:
             assert sid in self.engine and sid not in self.to_abort
+            assert self.sched.sample(sid).state == "aborting"
         self.to_abort.update(ids)
 
     @rule(data=st.data(), count=st.integers(0, 2))
@@ -191,7 +207,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def take_batch(self):
         if not (self.sched.step_open):
             return
-        if not self.sched.step_done or self.sched.sample_ids("running"):
+        if not self.sched.step_done or (self.sched.sample_ids("running") and not self.carry):
             try:
                 self.sched.take_batch()
             except InvalidStateError:
@@ -199,28 +215,47 @@ class SchedulerMachine(RuleBasedStateMachine):
             raise AssertionError("take_batch succeeded before the step was done and aborted")
         self._take_and_check()
 
-    @rule(stop=st.booleans(), turns=st.integers(1, 3))
-    def progress(self, stop, turns):
-        """Turns of the step loop: dispatch, the engine finishes everything, rewards accept all."""
+    @rule(data=st.data())
+    def finish_group(self, data):
+        """Every sample of one group the engine holds finishes (the others keep running)."""
+        if not self.engine:
+            return
+        n = self.cfg.n_samples_per_prompt
+        gid = data.draw(st.sampled_from(sorted({sid // n for sid in self.engine})))
+        for sid in sorted(s for s in self.engine if s // n == gid):
+            pos, version = self._chunk(sid, 1, True)
+            self.sched.on_finish(sid, "stop", token_at(sid, pos), logprob_at(pos), version)
+            self._fed(sid, pos, version)
+            del self.engine[sid]
+            self.to_abort.discard(sid)
+
+    @rule(data=st.data(), stop=st.booleans(), turns=st.integers(1, 3), whole=st.booleans())
+    def progress(self, data, stop, turns, whole):
+        """Turns of the step loop: dispatch, the engine finishes everything (or one group), rewards accept all."""
         if not self.sched.step_open:
             self.begin_step(1)
         for _ in range(turns):
             if self.sched.step_done:
                 return
             self.dispatch()
-            if self.engine:
+            if self.engine and whole:
                 self.finish_all(1, stop)
+            elif self.engine:
+                self.finish_group(data)
             self.pop_completed()
             self.accept_all()
 
-    @rule(count=st.integers(0, 2))
-    def end_step(self, count):
-        """Once done: abort what runs (with partial output), then take and check the batch."""
+    @rule(count=st.integers(0, 2), bump=st.sampled_from([None, 1, 2]))
+    def end_step(self, count, bump):
+        """Once done: abort what runs (with partial output; nothing in carry mode), then take and check the
+        batch, and begin the next step ``bump`` versions on."""
         if not (self.sched.step_open and self.sched.step_done):
             return
         self.request_aborts()
         self._abort_all(count)
         self._take_and_check()
+        if bump is not None:
+            self.begin_step(bump)
 
     def _abort_all(self, count: int) -> None:
         for sid in sorted(self.to_abort):
@@ -234,8 +269,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         stats_before = self.sched.stats()
         done_before = set(self.sched.sample_ids("done"))
         batch = self.sched.take_batch()
-        if not self.cfg.keep_surplus:  # completed extras are dropped with the batch
-            self.gone |= done_before - set(batch.sample_ids.tolist()) - set(self.sched.sample_ids("done"))
+        if not self.cfg.keep_surplus:  # completed extras are dropped with the batch, also popped unrewarded ones
+            dropped = done_before - set(batch.sample_ids.tolist()) - set(self.sched.sample_ids("done"))
+            self.gone |= dropped
+            n = self.cfg.n_samples_per_prompt
+            self.pending = [gid for gid in self.pending if gid * n not in dropped]
         event(f"batch of {batch.n_groups} groups")
         n, big_n = self.cfg.n_samples_per_prompt, self.cfg.rollout_batch_size
         if batch.n_groups != big_n:
@@ -345,7 +383,70 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("group dropped for staleness")
         self.alive |= set(present)
 
+    @invariant()
+    def counts_consistent(self):
+        """The counters agree with the samples: in flight = what the engine holds, buffered = partials held
+        for a resume, every group either buffered or surplus."""
+        if not hasattr(self, "sched"):
+            return
+        stats = self.sched.stats()
+        aborting = self.sched.sample_ids("aborting")
+        partials = [sid for sid in self.sched.sample_ids("queued") if self.sched.sample(sid).token_ids.size]
+        assert len(self.sched.sample_ids("running")) + len(aborting) == len(self.engine)
+        assert stats["buffered_samples"] == len(aborting) + len(partials)
+        assert stats["buffered_tokens"] == sum(self.sched.sample(sid).token_ids.size for sid in aborting + partials)
+        n = self.cfg.n_samples_per_prompt
+        groups = {sid // n for state in STATES for sid in self.sched.sample_ids(state)}
+        assert stats["buffered_groups"] + stats["surplus_groups"] == len(groups)
+
+    @invariant()
+    def running_samples_within_the_staleness_bound(self):
+        """Under restart / drop, a running sample (carried ones too) never holds or gets a token past the bound."""
+        if not hasattr(self, "sched") or not self.enforced:
+            return
+        for sid in self.sched.sample_ids("running"):
+            versions = self.sched.sample(sid).versions
+            oldest = int(versions[0]) if versions.size else self.engine[sid]
+            assert self.version - oldest <= self.cfg.max_staleness, "a stale sample keeps running"
+
 
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
                                               suppress_health_check=[HealthCheck.too_slow])
 TestScheduler = SchedulerMachine.TestCase
+
+
+class CarryMachine(SchedulerMachine):
+    """The same rules in carry mode, with shapes that leave samples running at the step boundary: over-sampling,
+    enough prompts, a live target above one group."""
+
+    @initialize(n=st.integers(1, 3), big_n=st.integers(1, 2), extra=st.integers(1, 2),
+                refill=st.sampled_from(["batch", "continuous"]),
+                policy=st.sampled_from(["keep", "mask", "restart", "drop"]),
+                max_staleness=st.sampled_from([None, 0, 1]), mask_offpolicy=st.booleans(),
+                order=st.sampled_from(["oldest_first", "newest_first", "longest_first"]),
+                keep_surplus=st.booleans(), cap=st.sampled_from([None, 5]), n_prompts=st.integers(12, 40),
+                live_target=st.sampled_from([None, 4]))
+    def setup(self, **kw):
+        super().setup(boundary="carry", **kw)
+
+    @rule(data=st.data(), bump=st.integers(1, 2))
+    def carry_step(self, data, bump):
+        """A whole step that ends with samples running: groups finish one at a time until N are accepted,
+        the batch is taken and the next step begins with what still runs."""
+        if not self.sched.step_open:
+            self.begin_step(bump)
+        for _ in range(8):
+            if self.sched.step_done:
+                break
+            self.dispatch()
+            if self.engine:
+                self.tokens(data, 1, True)
+                self.finish_group(data)
+            self.pop_completed()
+            self.accept_all()
+        self.end_step(0, bump)
+
+
+CarryMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
+TestCarry = CarryMachine.TestCase

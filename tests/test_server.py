@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 import torch
-from _engine_utils import greedy_reference, tiny_model
+from _engine_utils import greedy_reference, greedy_with_carried_kv, tiny_model
 from _sglang_utils import engine_state, get, in_flight, live_server, post, stream_events, wait_for
 from _torch_threads import one_torch_thread
 
@@ -218,11 +218,13 @@ def test_stream_interval_sends_every_kth_token_and_splits_events_at_weight_updat
     assert all(0 < b - a <= 4 for a, b in zip([0] + sizes, sizes))
     switch = versions.index("1")
     assert switch > 0 and set(versions[:switch]) == {"default"} and set(versions[switch:]) == {"1"}
-    # The events labelled "default" hold exactly the old weights' tokens, the rest the new weights'.
+    # The events labelled "default" hold exactly the old weights' tokens, the rest the new weights' (decoding
+    # over the KV cache the old ones computed: the update keeps it).
     tokens, start = events[-1]["output_ids"], sizes[switch - 1]
     assert len(tokens) == 60
     assert tokens[:start] == greedy_reference(model, PROMPT, start)
-    assert tokens[start:] == greedy_reference(new_model, PROMPT + tokens[:start], 60 - start)
+    expected, _ = greedy_with_carried_kv(model, new_model, PROMPT + tokens[:start], len(PROMPT) + start - 1, 60 - start)
+    assert tokens[start:] == expected
 
 
 async def _generated_at_least(session, url: str, n: int) -> bool:
@@ -509,6 +511,43 @@ def test_pause_in_place_or_retract_holds_requests_and_continue_finishes_them_unc
         assert held_at["free_blocks"] == held_at["total_blocks"]
     assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length"
     assert out["output_ids"] == whole["output_ids"]
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_weight_update_while_paused_keeps_the_kv_in_place_and_recomputes_on_retract(mode) -> None:
+    """SGLang's semantics: after in_place + update + continue the held request decodes over the KV the old
+    weights computed (nothing recomputed); after retract it is recomputed under the new weights."""
+    old, new = tiny_model(seed=0), tiny_model(seed=1)
+    body_of = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40, "temperature": 0.0,
+                                                        "ignore_eos": True}}
+
+    async def body(url):
+        async with aiohttp.ClientSession() as session:
+            running = asyncio.create_task(post(session, f"{url}/generate", body_of))
+            await wait_for(lambda: _in_flight_at_least(session, url, 1))
+            await wait_for(lambda: _generated_at_least(session, url, 3))
+            await post(session, f"{url}/pause_generation", {"mode": mode})
+            held_at = await engine_state(session, url)
+            blob = encode_named_tensors(dict(new.named_parameters()))
+            updated = await post(session, f"{url}/update_weights_from_tensor",
+                                 {"serialized_named_tensors": [blob], "weight_version": "1"})
+            await post(session, f"{url}/continue_generation", {})
+            result = await running
+            return held_at, updated, result, await engine_state(session, url)
+
+    with one_torch_thread(), live_server(tiny_model(seed=0)) as s:
+        held_at, updated, (status, out), end = run(body(s.url))
+    assert updated[0] == 200 and status == 200
+    n = held_at["generated_tokens"]
+    tokens = out["output_ids"]
+    assert 3 <= n < 40 and tokens[:n] == greedy_reference(old, PROMPT, n)
+    if mode == "in_place":
+        expected, _ = greedy_with_carried_kv(old, new, PROMPT + tokens[:n], len(PROMPT) + n - 1, 40 - n)
+        assert (end["prefill_tokens"], end["preemptions"]) == (held_at["prefill_tokens"], 0)
+    else:
+        expected = greedy_reference(new, PROMPT + tokens[:n], 40 - n)
+        assert end["prefill_tokens"] == held_at["prefill_tokens"] + len(PROMPT) + n
+    assert tokens[n:] == expected
 
 
 def test_pause_modes_other_than_abort_need_an_engine_that_can_hold() -> None:

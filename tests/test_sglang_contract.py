@@ -274,6 +274,25 @@ def test_the_broadcast_payloads_fit_sglangs_classes(io_struct, sampling_fields, 
         _check_payload(endpoint, payload, io_struct, sampling_fields)
 
 
+def test_a_weight_update_during_an_in_place_pause_does_not_ask_for_a_flush(monkeypatch) -> None:
+    """SGLang flushes its cache only when idle and fails an update whose flush fails: requests held in place
+    keep their KV, so the update between pause_generation("in_place") and continue sends flush_cache=False."""
+    sent = _record(monkeypatch)
+
+    async def session(url: str) -> None:
+        async with SGLangEngine(SGLangEngineConfig(worker_urls=(url,))) as engine:
+            for mode in ("in_place", "retract", "abort"):
+                await engine.pause_generation(mode)
+                await engine.update_weights(dict(tiny_model(seed=3).state_dict()), version=1)
+                await engine.continue_generation()
+            await engine.update_weights(dict(tiny_model(seed=3).state_dict()), version=2)
+
+    with one_torch_thread(), live_server(tiny_model()) as server:
+        asyncio.run(session(server.url))
+    flushes = [payload["flush_cache"] for url, payload in sent if url.endswith("/update_weights_from_tensor")]
+    assert flushes == [False, True, True, True]
+
+
 # What the server accepts ----------------------------------------------------------------------------
 
 def _sample(annotation: ast.expr) -> Any:

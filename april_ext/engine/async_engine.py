@@ -15,11 +15,13 @@ from typing import Any, TypeVar
 
 from april_ext.batch import FinishReason
 from april_ext.engine.core import EngineCore, WeightsSource
+from april_ext.errors import InvalidArgumentError
 from april_ext.protocol.engine_base import RequestStream, generate_args, stream_until_finish
 from april_ext.protocol.loop_task import LoopTaskEngine
 from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
 from april_ext.protocol.request_ids import RequestIds
+from april_ext.protocol.rollout_engine import HOLD_MODES
 from april_ext.protocol.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -97,18 +99,23 @@ class AsyncEngine(LoopTaskEngine):
         names = memory_tags(tags)
         await self._call(lambda: (self.core.resume_memory(names), []))
 
-    async def hold(self, retract: bool) -> None:
-        """Stops stepping until release(); the requests stay. retract: their KV cache is dropped (they go
-        back to the queue and are recomputed when stepping resumes); otherwise it is kept as it is."""
+    async def pause_generation(self, mode: str = "in_place") -> None:
+        """Stops stepping until continue_generation(); the requests stay (new ones queue). "in_place": their
+        KV cache is kept as it is, also across update_weights (they continue over it); "retract": it is
+        dropped (they go back to the queue and are recomputed when stepping resumes). See PausableEngine."""
+        if mode not in HOLD_MODES:
+            raise InvalidArgumentError(f"pause_generation mode must be one of {list(HOLD_MODES)}, got {mode!r} "
+                                       "(to end the requests, abort() them)")
+
         def run() -> tuple[None, list[GenerationChunk]]:
-            if retract:
+            if mode == "retract":
                 self.core.flush_cache()
             self._held = True
             return None, []
 
         await self._call(run)
 
-    async def release(self) -> None:
+    async def continue_generation(self) -> None:
         self._held = False
         self._notify()
 

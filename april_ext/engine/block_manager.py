@@ -15,6 +15,11 @@ class BlockManager:
     its tokens chained with the previous block's hash; a later sequence with the same prefix shares
     those blocks (reference count > 1) instead of recomputing them. A freed block keeps its hash until
     the free list hands it out again, so a preempted or finished sequence's prefix stays reusable.
+
+    The cache is keyed by weight epoch (one per weight update, `reset_prefix_cache`): a sequence
+    admitted in an earlier epoch keeps its KV across the update (its later blocks attend to K/V of the
+    old weights), so none of its blocks is ever published, and the blocks published before the
+    update are forgotten. A new request therefore never reuses K/V computed by older weights.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True) -> None:
@@ -26,6 +31,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._block_key: dict[int, tuple[int, tuple[int, ...]]] = {}
         self._cached: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.epoch = 0
 
     @property
     def num_free(self) -> int:
@@ -68,6 +74,7 @@ class BlockManager:
                 del self._free[block]
             self.ref_counts[block] += 1
         seq.block_table = list(prefix)
+        seq.kv_epoch = self.epoch
         seq.num_computed = len(prefix) * self.block_size
         keys = self._keys(seq.token_ids, len(prefix))
         seq.hashed_blocks = len(prefix)
@@ -105,8 +112,9 @@ class BlockManager:
         seq.prefix_hash = 0
 
     def register_computed(self, seq: Sequence) -> None:
-        """Publishes the sequence's full, computed blocks for prefix sharing."""
-        if not self.prefix_caching:
+        """Publishes the sequence's full, computed blocks for prefix sharing (only KV computed entirely
+        under the current weights)."""
+        if not self.prefix_caching or seq.kv_epoch != self.epoch:
             return
         size = self.block_size
         # Incremental: each block is hashed once, chained to the previous block's hash.
@@ -121,6 +129,8 @@ class BlockManager:
             seq.hashed_blocks += 1
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every hash (after a weight update the cached K/V are stale)."""
+        """Forgets every hash and starts a new weight epoch (after a weight update the cached K/V are
+        stale, and so is every block that running sequences compute over their older K/V)."""
         self._cached.clear()
         self._block_key.clear()
+        self.epoch += 1

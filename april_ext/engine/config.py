@@ -22,6 +22,8 @@ class EngineConfig:
     memory_tag_prefix: prepended to the allocator tags "weights" and "kv_cache" (tags are
     process-wide: give engines sharing a process distinct prefixes to release them separately).
     weights_cpu_backup: keep a host copy of the weights while released (resume restores them).
+    kv_cache_cpu_backup: keep a host copy of the KV cache while released, so running requests keep their
+    K/V across a release (colocated `carry` runs); without it a release flushes the cache.
     """
 
     block_size: int = 16
@@ -34,6 +36,7 @@ class EngineConfig:
     prefix_caching: bool = True
     seed: int = 0
     weights_cpu_backup: bool = True
+    kv_cache_cpu_backup: bool = False
     memory_tag_prefix: str = ""
 
     def __post_init__(self) -> None:
@@ -48,5 +51,8 @@ class EngineConfig:
                 f"EngineConfig.attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
         if not isinstance(self.memory_tag_prefix, str):
             raise ConfigError(f"EngineConfig.memory_tag_prefix must be a string, got {self.memory_tag_prefix!r}")
+        for name in ("prefix_caching", "weights_cpu_backup", "kv_cache_cpu_backup"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"EngineConfig.seed must be an integer >= 0, got {self.seed!r}")

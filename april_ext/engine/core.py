@@ -53,7 +53,8 @@ class EngineCore:
             raise ConfigError(f"EngineConfig.max_model_len {self.max_model_len} exceeds the model's "
                               f"max_position_embeddings {model_config.max_position_embeddings}")
         self.memory = MemoryPlacement(device, tag_prefix=config.memory_tag_prefix,
-                                      weights_cpu_backup=config.weights_cpu_backup)
+                                      weights_cpu_backup=config.weights_cpu_backup,
+                                      kv_cache_cpu_backup=config.kv_cache_cpu_backup)
         if model.lm_head.weight.device != device:
             model = model.to(device)
         self.model = self.memory.place_module(model.eval(), "weights")
@@ -188,9 +189,12 @@ class EngineCore:
     # Weights and memory -----------------------------------------------------------------------------
 
     def update_weights(self, weights: WeightsSource, version: int) -> list[str]:
-        """Loads new weights in place (named tensors: any subset; a checkpoint directory: all of them),
-        sets the weight version and flushes the KV cache: running requests are recomputed under the new
-        weights and continue. Bad names or shapes raise InvalidArgumentError and change nothing."""
+        """Loads new weights in place (named tensors: any subset; a checkpoint directory: all of them)
+        and sets the weight version. Running requests keep their KV cache (computed by the older weights)
+        and continue: their later tokens carry the new version (PipelineRL's in-flight update, SGLang's
+        `in_place` pause). The prefix cache starts a new epoch, so no new request reuses older K/V; to
+        recompute the running requests instead, `flush_cache` first. Bad names or shapes raise
+        InvalidArgumentError and change nothing."""
         check_weight_version(version)
         if self.memory.is_paused("weights"):
             raise InvalidStateError("update_weights needs the 'weights' memory resumed first")
@@ -199,22 +203,25 @@ class EngineCore:
         else:
             items = weights.items() if isinstance(weights, Mapping) else weights
             loaded = self.model.load_weights(items, require_all=False)
-        self.flush_cache()
+        self.blocks.reset_prefix_cache()
         self.weight_version = version
         return loaded
 
     def flush_cache(self) -> None:
-        """Drops every cached K/V: running requests return to the queue and are recomputed."""
+        """Drops every cached K/V: running requests return to the queue and are recomputed (under the
+        weights loaded when they are readmitted)."""
         self.scheduler.preempt_all()
         self.blocks.reset_prefix_cache()
 
     def release_memory(self, tags: str | Iterable[str] | None = None) -> None:
         """Releases the physical memory of the tags (protocol.memory_tags: "weights", "kv_cache",
-        "cuda_graph"; None = all). The KV cache is flushed first (running requests will be recomputed);
-        weights keep a host copy when EngineConfig.weights_cpu_backup. "cuda_graph" holds nothing here
-        (the engine captures no CUDA graphs): releasing it changes nothing. Steps wait until resume_memory."""
+        "cuda_graph"; None = all). The KV cache keeps a host copy when EngineConfig.kv_cache_cpu_backup
+        (resume restores it bit-exactly and running requests continue without recompute); otherwise it
+        is flushed first (running requests will be recomputed). Weights keep a host copy when
+        EngineConfig.weights_cpu_backup. "cuda_graph" holds nothing here (the engine captures no CUDA
+        graphs): releasing it changes nothing. Steps wait until resume_memory."""
         names = memory_tags(tags)
-        if "kv_cache" in names:
+        if "kv_cache" in names and not self.config.kv_cache_cpu_backup:
             self.flush_cache()
         self.memory.release(names)
 

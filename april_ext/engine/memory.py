@@ -15,15 +15,16 @@ class MemoryPlacement:
     """Puts the engine's tensors in tagged regions of april_ext.memory and pauses / resumes them.
 
     Allocator tags are process-wide, so each engine's tags are `tag_prefix + "weights"` and
-    `tag_prefix + "kv_cache"`. The KV cache is released without a host copy (the engine flushes it
-    and recomputes); the weights keep one when `weights_cpu_backup`, so resume restores them
-    without a reload. While a tag is released its tensors must not be touched.
+    `tag_prefix + "kv_cache"`. Each keeps a host copy while released when asked (`weights_cpu_backup`,
+    `kv_cache_cpu_backup`), so resume restores it bit-exactly; a KV cache without one is flushed by the
+    engine before release and recomputed. While a tag is released its tensors must not be touched.
     """
 
-    def __init__(self, device: torch.device, *, tag_prefix: str, weights_cpu_backup: bool) -> None:
+    def __init__(self, device: torch.device, *, tag_prefix: str, weights_cpu_backup: bool,
+                 kv_cache_cpu_backup: bool) -> None:
         self.device = device
         self.tag_prefix = tag_prefix
-        self.backup = {"weights": weights_cpu_backup, "kv_cache": False}
+        self.backup = {"weights": weights_cpu_backup, "kv_cache": kv_cache_cpu_backup}
         self.paused_tags: set[str] = set()
 
     def region_tag(self, tag: str) -> str:

@@ -34,6 +34,8 @@ class Sequence:
         # Prefix-cache progress (owned by the BlockManager): full blocks hashed and the chain's last hash.
         self.hashed_blocks = 0
         self.prefix_hash = 0
+        # The BlockManager's weight epoch when this sequence's KV started; older KV is never shared.
+        self.kv_epoch = 0
         self.finish_reason: FinishReason | None = None
         self.matched_stop: int | None = None
         self.num_preemptions = 0

@@ -67,6 +67,27 @@ class ServableEngine(RolloutEngine, Protocol):
     def capacity(self) -> dict[str, Any]: ...
 
 
+HOLD_MODES = ("in_place", "retract")
+"""Pause modes that hold the running requests (SGLang's /pause_generation; its third mode, "abort", is abort())."""
+
+
+@runtime_checkable
+class PausableEngine(Protocol):
+    """An engine that can hold its running requests between two calls (SGLang's /pause_generation and
+    /continue_generation), what the rollout loop's ``carry`` step boundary needs beyond RolloutEngine.
+
+    - ``pause_generation("in_place")``: nothing is generated until ``continue_generation``; the requests keep
+      their KV cache, also across ``update_weights`` (they continue over it, later tokens carry the new
+      version). ``pause_generation("retract")``: the same, with their KV cache freed (recomputed on continue,
+      under the weights loaded by then).
+    - New requests wait while paused.
+    """
+
+    async def pause_generation(self, mode: str = ...) -> None: ...
+
+    async def continue_generation(self) -> None: ...
+
+
 def engine_clock(engine: object, clock: Clock | None = None) -> Clock:
     """The clock the loop measures with: the one given, else the engine's ``clock()``, else
     ``time.perf_counter`` (an engine that runs in real time)."""
@@ -78,4 +99,4 @@ def engine_clock(engine: object, clock: Clock | None = None) -> Clock:
     return time.perf_counter
 
 
-__all__ = ["Clock", "RolloutEngine", "ServableEngine", "engine_clock"]
+__all__ = ["HOLD_MODES", "Clock", "PausableEngine", "RolloutEngine", "ServableEngine", "engine_clock"]

@@ -2,8 +2,11 @@
 
 Per step: dispatch (buffered partials first, then new groups), stream chunks into the scheduler (batched
 per wake-up), reward each group as it completes (reward functions run as tasks, so a slow one never holds
-up the loop), apply the group filter, abort everything still running once N groups are accepted, hand the
-abort results (partial tokens) back to the scheduler and take the batch.
+up the loop), apply the group filter, and once N groups are accepted take the batch. What happens to the
+samples still running then is the scheduler's ``step_boundary``: ``abort`` (the paper) aborts them and
+hands the abort results (partial tokens) back to the scheduler; ``carry`` pauses the engine in place
+(``pause_generation("in_place")``): they keep their KV cache while the trainer trains and the weights
+update, and the next step continues them (after aborting those the staleness bound sends back).
 
 APRIL and the synchronous baseline are this same code: the baseline is a scheduler with
 over_sampling_batch_size == rollout_batch_size, so nothing is left running when N groups are accepted
@@ -13,20 +16,21 @@ and nothing is aborted (see :func:`scheduler_config_for`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from april_ext.batch import FinishReason, TrainingBatch
 from april_ext.data_source import Prompt
-from april_ext.errors import InternalError, InvalidArgumentError
+from april_ext.errors import InternalError, InvalidArgumentError, UnknownIdError
 from april_ext.protocol.reward import score_group
-from april_ext.protocol.rollout_engine import Clock, RolloutEngine, engine_clock
+from april_ext.protocol.rollout_engine import Clock, PausableEngine, RolloutEngine, engine_clock
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.scheduler import (
     CompletedGroup,
@@ -34,6 +38,8 @@ from april_ext.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+
+_E = TypeVar("_E", bound=tuple)
 
 RewardFn = Callable[[Prompt, np.ndarray], "float | Awaitable[float]"]
 """Scores one response (token ids) of a prompt; may be a plain function (run in a worker thread) or async."""
@@ -66,7 +72,8 @@ class RolloutMetrics:
     """Model steps (iterations) the engine ran during the step, when its stats() count them (EngineStats.steps);
     else 0. generated_tokens / engine_steps is the mean batch: a throughput figure that no machine load moves."""
     scheduler: dict[str, Any] = field(default_factory=dict)
-    """Scheduler.stats() after the step (partial / off-policy ratios, buffered and surplus groups, ...)."""
+    """Scheduler.stats() after the step (partial / off-policy ratios, buffered and surplus groups, the samples
+    carried into the step and their tokens, the re-prefilled tokens, ...)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,6 +91,9 @@ class _Stream:
     request_id: str
     received: int = 0
     ended: FinishReason | None = None
+    aborting: bool = False
+    """We abort it: its end is reported with the abort result (which may carry tokens the stream lacks)."""
+    task: asyncio.Task[None] | None = None
 
 
 class RolloutLoop:
@@ -96,6 +106,12 @@ class RolloutLoop:
     replaced by the scheduler's budget and its seed by a per-sample seed derived from ``seed``, so a
     resumed sample continues the same random stream). clock: see :func:`engine_clock`.
     engine_capacity: how many requests the engine runs at once, for the occupancy metric.
+
+    With the scheduler's step_boundary="carry", the samples running when a step's batch is taken stay in the
+    engine: a ``PausableEngine`` is paused in place until the next ``run_step`` (an engine without
+    pause_generation keeps generating meanwhile, as PipelineRL's engines do). Between steps the engine
+    holds them; :meth:`running_engine` lets other work (evaluation) use the engine meanwhile, and
+    :meth:`abort_carried` ends them (the end of a run).
 
     Groups whose rewards are still being computed when the step ends are not waited for: their
     rewards reach the scheduler whenever they are ready (surplus for a later step). Call
@@ -140,7 +156,8 @@ class RolloutLoop:
         self._stream_tasks: set[asyncio.Task[None]] = set()
         self._token_events: list[tuple[int, list[int], list[float], int]] = []
         self._finish_events: list[tuple[int, FinishReason]] = []
-        self._aborting = False
+        self._carry = cfg.step_boundary == "carry"
+        self._paused = False
         self._inflight = 0
         self._area = 0.0
         self._last_change = 0.0
@@ -154,16 +171,24 @@ class RolloutLoop:
         return len(self._reward_tasks)
 
     async def run_step(self, policy_version: int) -> RolloutResult:
-        """Generates until N groups are accepted (or data runs out), aborts the rest, returns the batch."""
+        """Generates until N groups are accepted (or data runs out), then aborts the rest (step_boundary
+        "abort") or pauses them in place (carry), and returns the batch."""
         sched = self.scheduler
         self._wake = asyncio.Event()
-        self._aborting = False
         self._generated = 0
         self._area = 0.0
+        # Chunks the carried samples produced before the last pause reach the scheduler with their version.
+        self._flush()
         sched.begin_step(policy_version)
         engine_steps = self._engine_steps()
         start = self._last_change = self.clock()
-        requests = resumed = 0
+        requests = resumed = aborted = 0
+        if self._carry:
+            # Carried samples past the staleness bound come back (restart / drop); the rest continue.
+            stale = sched.samples_to_abort()
+            aborted += len(stale)
+            await self._abort(stale)
+            await self._continue()
         while True:
             self._raise_failures()
             self._flush()
@@ -181,7 +206,12 @@ class RolloutLoop:
             self._wake.clear()
             await self._wake.wait()
         done_at = self.clock()
-        aborted = await self._abort_running()
+        if self._carry:
+            await self._pause()
+            self._flush()
+        else:
+            to_abort = set(sched.samples_to_abort())
+            aborted += len(to_abort & await self._abort(None))
         batch = sched.take_batch()
         end = self.clock()
         self._account(end)
@@ -198,8 +228,34 @@ class RolloutLoop:
             scheduler=sched.stats())
         return RolloutResult(batch, metrics)
 
+    @property
+    def carried(self) -> int:
+        """Samples held in the engine between steps (step_boundary="carry")."""
+        return len(self._streams)
+
+    @contextlib.asynccontextmanager
+    async def running_engine(self) -> AsyncIterator[None]:
+        """The engine generating inside the block although samples are carried (for work between steps, such as
+        evaluation): the carried samples continue meanwhile, under the weights loaded by then; the pause is
+        restored on exit."""
+        paused = self._paused
+        await self._continue()
+        try:
+            yield
+        finally:
+            if paused:
+                await self._pause()
+
+    async def abort_carried(self) -> None:
+        """Ends the carried samples (at the end of a run): aborted in the engine, their tokens handed to the
+        scheduler as partials."""
+        await self._abort(None)
+        await self._continue()
+
     async def drain_rewards(self) -> None:
-        """Waits for every pending reward task (its rewards reach the scheduler); raises the first failure."""
+        """Hands the chunks received so far to the scheduler and waits for every pending reward task (its
+        rewards reach the scheduler); raises the first failure."""
+        self._flush()
         while self._reward_tasks:
             await asyncio.wait(set(self._reward_tasks))
         self._raise_failures()
@@ -214,7 +270,7 @@ class RolloutLoop:
         self._streams[request.sample_id] = stream
         self._account(self.clock())
         self._inflight += 1
-        task = asyncio.create_task(self._run_stream(stream))
+        task = stream.task = asyncio.create_task(self._run_stream(stream))
         self._stream_tasks.add(task)
         task.add_done_callback(self._stream_done)
 
@@ -242,36 +298,59 @@ class RolloutLoop:
         if stream.ended is None:
             stream.ended = FinishReason.ABORT
         # An abort we issued is reported with the abort results (they may carry tokens the stream lacks).
-        if not (self._aborting and stream.ended == FinishReason.ABORT):
+        if not (stream.aborting and stream.ended == FinishReason.ABORT):
             self._finish_events.append((sid, stream.ended))
             del self._streams[sid]
         self._notify()
 
-    async def _abort_running(self) -> int:
-        """Aborts every sample the scheduler no longer needs and delivers their partial outputs."""
-        to_abort = set(self.scheduler.samples_to_abort())
-        if not self._stream_tasks:
+    async def _abort(self, sample_ids: Sequence[int] | None) -> set[int]:
+        """Aborts the requests of the given samples (None: every request of the loop, which owns the engine
+        during a step) and hands their partial outputs to the scheduler. Returns the samples aborted."""
+        streams = list(self._streams.values()) if sample_ids is None else \
+            [self._streams[sid] for sid in sample_ids if sid in self._streams]
+        if not streams:
             self._flush()
-            return 0
-        self._aborting = True
-        # The loop owns the engine during a step: every request still running belongs to this step.
-        outputs = await self.engine.abort(None)
+            return set()
+        for stream in streams:
+            stream.aborting = True
+        if sample_ids is None:
+            outputs = await self.engine.abort(None)
+        else:
+            outputs = []
+            for stream in streams:
+                # A request that finished meanwhile is unknown to the engine: its stream reports the finish.
+                with contextlib.suppress(UnknownIdError):
+                    outputs += await self.engine.abort([stream.request_id])
         by_request = {o.request_id: o for o in outputs}
-        while self._stream_tasks:
-            await asyncio.wait(set(self._stream_tasks))
+        tasks = {stream.task for stream in streams if stream.task is not None}
+        while pending := {t for t in tasks if not t.done()}:
+            await asyncio.wait(pending)
         self._raise_failures()
-        aborted = 0
-        for sid, stream in list(self._streams.items()):
+        aborted = set()
+        for stream in streams:
+            sid = stream.request.sample_id
+            if self._streams.get(sid) is not stream:
+                continue  # it ended on its own; its stream reported the finish
             output = by_request.get(stream.request_id)
             if output is not None and len(output.token_ids) > stream.received:
                 self._push_tail(sid, output.token_ids[stream.received:], output.logprobs[stream.received:],
                                 output.versions[stream.received:])
             self._finish_events.append((sid, FinishReason.ABORT))
-            aborted += sid in to_abort
+            aborted.add(sid)
             del self._streams[sid]
-        self._aborting = False
         self._flush()
         return aborted
+
+    async def _pause(self) -> None:
+        """Holds the carried samples in the engine with their KV cache (a PausableEngine only)."""
+        if self._streams and not self._paused and isinstance(self.engine, PausableEngine):
+            await self.engine.pause_generation("in_place")
+            self._paused = True
+
+    async def _continue(self) -> None:
+        if self._paused:
+            await self.engine.continue_generation()  # type: ignore[attr-defined]
+            self._paused = False
 
     def _push_tail(self, sid: int, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
         """Tokens of an abort result that the stream had not delivered, one event per version run."""
@@ -283,18 +362,32 @@ class RolloutLoop:
         self._generated += len(tokens)
 
     def _flush(self) -> None:
-        """Hands the collected chunks and finishes to the scheduler in two batched calls."""
-        if self._token_events:
+        """Hands the collected chunks and finishes to the scheduler in two batched calls. Chunks of weights
+        newer than the scheduler's step (carried samples continuing between steps, under weights loaded for
+        the next one) wait for that step, with every later event of their samples."""
+        # Only a carried sample can run ahead of the scheduler's step (within a step no chunk can).
+        version = self.scheduler.policy_version if self._carry and self._token_events else None
+        if version is not None and any(e[3] > version for e in self._token_events):
+            held = {e[0] for e in self._token_events if e[3] > version}
+            self._token_events, events = _split(self._token_events, held)
+            self._finish_events, finishes = _split(self._finish_events, held)
+            self._hand_over(events, finishes)
+        else:
             events, self._token_events = self._token_events, []
+            finishes, self._finish_events = self._finish_events, []
+            self._hand_over(events, finishes)
+
+    def _hand_over(self, events: list[tuple[int, list[int], list[float], int]],
+                   finishes: list[tuple[int, FinishReason]]) -> None:
+        if events:
             sids = [e[0] for e in events]
             counts = [len(e[1]) for e in events]
             total = sum(counts)
             tokens = np.fromiter(itertools.chain.from_iterable(e[1] for e in events), np.int32, total)
             logprobs = np.fromiter(itertools.chain.from_iterable(e[2] for e in events), np.float32, total)
             self.scheduler.on_tokens_batch(sids, counts, tokens, logprobs, [e[3] for e in events])
-        if self._finish_events:
-            events, self._finish_events = self._finish_events, []
-            self.scheduler.on_finish_batch([e[0] for e in events], [int(e[1]) for e in events])
+        if finishes:
+            self.scheduler.on_finish_batch([e[0] for e in finishes], [int(e[1]) for e in finishes])
 
     # ------------------------------------------------------------------ rewards
 
@@ -340,6 +433,11 @@ class RolloutLoop:
             failure = self._failures[0]
             self._failures.clear()
             raise failure
+
+
+def _split(events: list[_E], held: set[int]) -> tuple[list[_E], list[_E]]:
+    """(events of the held samples, the others), each in order."""
+    return [e for e in events if e[0] in held], [e for e in events if e[0] not in held]
 
 
 def scheduler_config_for(config: SchedulerConfig, partial_rollout: bool) -> SchedulerConfig:

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from aiohttp import web
 
@@ -29,7 +29,7 @@ from april_ext.errors import (
     UnknownIdError,
 )
 from april_ext.data.tokenizer import encode_prompt, load_tokenizer
-from april_ext.protocol import GenerationChunk, SamplingParams, ServableEngine, sglang_wire
+from april_ext.protocol import HOLD_MODES, GenerationChunk, PausableEngine, SamplingParams, ServableEngine, sglang_wire
 from april_ext.server.distributed_weights import DistributedWeights
 
 logger = logging.getLogger(__name__)
@@ -89,15 +89,6 @@ class ServerConfig:
                 or self.max_request_bytes < 1:
             raise ConfigError(
                 f"ServerConfig.max_request_bytes must be an integer >= 1, got {self.max_request_bytes!r}")
-
-
-@runtime_checkable
-class _Holdable(Protocol):
-    """An engine that can hold its running batch (pause modes "retract" and "in_place")."""
-
-    async def hold(self, retract: bool) -> None: ...
-
-    async def release(self) -> None: ...
 
 
 class _Output:
@@ -370,26 +361,27 @@ class EngineServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         """New requests wait until /continue_generation. Mode "abort" aborts every request in flight;
-        "retract" holds them and drops their KV cache (recomputed on continue); "in_place" holds them with
-        their KV cache. The last two need an engine that can hold its batch (AsyncEngine.hold)."""
+        "retract" holds them and drops their KV cache (recomputed on continue, under the weights loaded by
+        then); "in_place" holds them with their KV cache, which a weight update meanwhile keeps (they
+        continue over it). The last two need a PausableEngine (AsyncEngine)."""
         mode = sglang_wire.parse_pause(await self._body(request), self.dialect)
-        if mode != "abort" and not isinstance(self.engine, _Holdable):
+        if mode != "abort" and not isinstance(self.engine, PausableEngine):
             raise InvalidArgumentError(f"/pause_generation: mode {mode!r} needs an engine that can hold its running "
                                        f"batch; {type(self.engine).__name__} cannot: use mode 'abort'")
         self._unpaused.clear()
         if mode == "abort":
             await self.engine.abort()
-            if self._pause_mode in ("retract", "in_place"):
-                await self.engine.release()  # type: ignore[attr-defined]
+            if self._pause_mode in HOLD_MODES:
+                await self.engine.continue_generation()  # type: ignore[attr-defined]
         else:
-            await self.engine.hold(retract=mode == "retract")  # type: ignore[attr-defined]
+            await self.engine.pause_generation(mode)  # type: ignore[attr-defined]
         self._pause_mode = mode
         return _json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         sglang_wire.parse_continue(await self._body(request), self.dialect)
-        if self._pause_mode in ("retract", "in_place"):
-            await self.engine.release()  # type: ignore[attr-defined]
+        if self._pause_mode in HOLD_MODES:
+            await self.engine.continue_generation()  # type: ignore[attr-defined]
         self._pause_mode = None
         self._unpaused.set()
         return _json_response({"message": "Generation continued successfully.", "status": "ok"})

@@ -65,8 +65,9 @@ class WeightBroadcaster:
         self._master_address = master_address
         self._group: _Group | None = None
 
-    async def push(self, tensors: Named, version: int) -> None:
-        """Loads the tensors on every worker, labelled str(version)."""
+    async def push(self, tensors: Named, version: int, *, flush_cache: bool = True) -> None:
+        """Loads the tensors on every worker, labelled str(version); flush_cache as SGLang's field (False while
+        requests are held by an in_place pause)."""
         if not tensors:
             raise InvalidArgumentError("a weight broadcast needs at least one tensor")
         backend = "nccl" if tensors[0][1].is_cuda else "gloo"
@@ -87,7 +88,7 @@ class WeightBroadcaster:
             try:
                 await self._each(urls, "/begin_weight_update", {})
                 for bucket in buckets(tensors, self.bucket_bytes):
-                    await self._send(group, bucket, version)
+                    await self._send(group, bucket, version, flush_cache)
             except BaseException:
                 await self._end_sessions(urls)
                 raise
@@ -125,10 +126,10 @@ class WeightBroadcaster:
         await self._together(joined, calls, f"joining weight group {name!r} at {address}:{port}")
         self._group = _Group(joined.result(), name, urls, backend)
 
-    async def _send(self, group: _Group, bucket: Named, version: int) -> None:
+    async def _send(self, group: _Group, bucket: Named, version: int, flush_cache: bool) -> None:
         body = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket], "group_name": group.name,
-                "weight_version": str(version), "flush_cache": True, "abort_all_requests": False}
+                "weight_version": str(version), "flush_cache": flush_cache, "abort_all_requests": False}
         device = "cuda" if group.backend == "nccl" else "cpu"
         payload = [t.detach().to(device).contiguous() for _, t in bucket]
         sent = asyncio.ensure_future(asyncio.to_thread(broadcast_tensors, group.handle, payload))

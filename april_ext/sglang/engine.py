@@ -70,6 +70,7 @@ class SGLangEngine:
         self._broadcaster = self._new_broadcaster(self._workers)
         self._ids = RequestIds("sglang")
         self._weight_version = config.initial_weight_version
+        self._held_in_place = False
         self._requests = 0
         self._generated = 0
         self._aborted = 0
@@ -243,8 +244,10 @@ class SGLangEngine:
         if not isinstance(weights, (str, os.PathLike, Mapping)):
             weights = dict(weights)
         async with self._weights_lock:
+            # Requests held in place keep their KV: SGLang would fail the flush (it flushes only when idle).
             names = await push_weights(self._workers, self._http, weights, version, self.config.weight_sync,
-                                       self.config.weight_sync_dir, self._broadcaster)
+                                       self.config.weight_sync_dir, self._broadcaster,
+                                       flush_cache=not self._held_in_place)
             self._weight_version = version
             if self._failover is not None:
                 self._weights = _kept(weights, self.config.weight_sync, self.config.weight_sync_dir)
@@ -323,9 +326,11 @@ class SGLangEngine:
             raise InvalidArgumentError(f"pause_generation mode {mode!r} is not served by {', '.join(old)}: their "
                                        "release only aborts on pause; use mode 'abort'")
         await self._workers.broadcast("/pause_generation", lambda p: _with_modes(p, {"mode": mode}))
+        self._held_in_place = mode == "in_place"
 
     async def continue_generation(self) -> None:
         await self._workers.broadcast("/continue_generation", lambda p: _with_modes(p, {}))
+        self._held_in_place = False
 
     async def flush_cache(self) -> None:
         await self._workers.broadcast("/flush_cache", None)

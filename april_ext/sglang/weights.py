@@ -34,38 +34,43 @@ WeightsSource = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] 
 
 
 async def push_weights(workers: WorkerPool, http: HTTPClient, weights: WeightsSource, version: int,
-                       weight_sync: str, weight_sync_dir: str | None, broadcaster: WeightBroadcaster) -> list[str]:
-    """Loads the weights on every worker with weight_version str(version), flushing their caches and
-    keeping their requests (SGLang holds the update until they end); returns the names loaded."""
+                       weight_sync: str, weight_sync_dir: str | None, broadcaster: WeightBroadcaster, *,
+                       flush_cache: bool = True) -> list[str]:
+    """Loads the weights on every worker with weight_version str(version), flushing their caches unless
+    flush_cache=False (SGLang fails a flush while requests are held by an in_place pause) and keeping their
+    requests (SGLang holds the update until they end, or runs it at once while paused); returns the names
+    loaded."""
     if isinstance(weights, (str, os.PathLike)):
         path = os.path.abspath(os.fspath(weights))
         if weight_sync == "broadcast":
-            return await _broadcast(broadcaster, list(iter_safetensors(path)), version)
-        return await _from_disk(workers, path, version)
+            return await _broadcast(broadcaster, list(iter_safetensors(path)), version, flush_cache)
+        return await _from_disk(workers, path, version, flush_cache)
     tensors = list(weights.items() if isinstance(weights, Mapping) else weights)
     if weight_sync == "broadcast":
-        return await _broadcast(broadcaster, tensors, version)
+        return await _broadcast(broadcaster, tensors, version, flush_cache)
     if weight_sync == "tensor":
         payload = {"serialized_named_tensors": [encode_named_tensors(dict(tensors))], "load_format": None}
-        await _in_session(workers, http, lambda: _load(workers, "/update_weights_from_tensor", payload, version))
+        await _in_session(workers, http, lambda: _load(workers, "/update_weights_from_tensor", payload, version,
+                                                                flush_cache))
         return sorted(name for name, _ in tensors)
     assert weight_sync_dir is not None  # SGLangEngineConfig requires it for "disk"
     save_safetensors(dict(tensors), weight_sync_dir)
-    return await _from_disk(workers, weight_sync_dir, version)
+    return await _from_disk(workers, weight_sync_dir, version, flush_cache)
 
 
 async def _broadcast(broadcaster: WeightBroadcaster, tensors: list[tuple[str, torch.Tensor]],
-                     version: int) -> list[str]:
-    await broadcaster.push(tensors, version)
+                     version: int, flush_cache: bool) -> list[str]:
+    await broadcaster.push(tensors, version, flush_cache=flush_cache)
     return sorted(name for name, _ in tensors)
 
 
-async def _from_disk(workers: WorkerPool, path: str, version: int) -> list[str]:
+async def _from_disk(workers: WorkerPool, path: str, version: int, flush_cache: bool) -> list[str]:
     names = []
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as handle:
             names.extend(handle.keys())
-    await _load(workers, "/update_weights_from_disk", {"model_path": path, "load_format": None}, version)
+    await _load(workers, "/update_weights_from_disk", {"model_path": path, "load_format": None}, version,
+                flush_cache)
     return sorted(names)
 
 
@@ -85,11 +90,12 @@ async def _in_session(workers: WorkerPool, http: HTTPClient, update: Callable[[]
         await call("/end_weight_update")
 
 
-async def _load(workers: WorkerPool, endpoint: str, payload: dict[str, Any], version: int) -> None:
+async def _load(workers: WorkerPool, endpoint: str, payload: dict[str, Any], version: int,
+                flush_cache: bool) -> None:
     """Each worker gets the fields its SGLang release defines (0.4.x has no weight_version, flush_cache came
     with 0.5.x, ...); a server without weight versions still loads the weights, and the adapter tags their
     tokens with its own version."""
-    payload.update(weight_version=str(version), flush_cache=True, abort_all_requests=False)
+    payload.update(weight_version=str(version), flush_cache=flush_cache, abort_all_requests=False)
     for url, answer in await workers.broadcast(endpoint, lambda profile: profile.fields(endpoint, payload)):
         if not isinstance(answer, dict) or not answer.get("success", False):
             raise SGLangHTTPError(f"{url}{endpoint}", 200, f"weight update failed: {answer!r}")

@@ -221,6 +221,8 @@ def _print_summary(summaries: dict[str, dict[str, float]]) -> None:
             ("rollout s/step", "rollout_s_per_step", "{:.2f}"), ("reward (first 1/4)", "reward_first", "{:.3f}"),
             ("reward (last 1/4)", "reward_last", "{:.3f}"), ("tokens from partials", "partial_token_ratio", "{:.1%}"),
             ("off-policy tokens", "off_policy_token_ratio", "{:.1%}"), ("engine occupancy", "occupancy", "{:.1%}"),
+            ("carried tokens/step", "carried_tokens_per_step", "{:.0f}"),
+            ("re-prefilled tok/step", "re_prefilled_tokens_per_step", "{:.0f}"),
             ("tokens / engine step", "tokens_per_engine_step", "{:.1f}"), ("engine bubble", "bubble", "{:.1%}"))
     names = list(summaries)
     print(f"{'':22s}" + "".join(f"{n:>14s}" for n in names))

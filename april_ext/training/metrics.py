@@ -46,6 +46,9 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, float]:
         "partial_token_ratio": float(np.mean([r["rollout/carried_token_ratio"] for r in history])),
         "off_policy_token_ratio": float(np.mean([r["rollout/off_policy_token_ratio"] for r in history])),
         "occupancy": float(np.mean([r["rollout/occupancy"] for r in history])),
+        # Rows of runs older than the carry step boundary lack carried_kv_tokens: they carried nothing.
+        "carried_tokens_per_step": float(np.mean([r.get("rollout/carried_kv_tokens", 0) for r in history])),
+        "re_prefilled_tokens_per_step": float(np.mean([r["rollout/re_prefill_tokens"] for r in history])),
     }
 
 
@@ -60,7 +63,7 @@ def step_row(step: int, mode: str, rm: RolloutMetrics, tm: dict[str, float], tra
     sched = rm.scheduler
     for key in ("off_policy_token_ratio", "carried_token_ratio", "batch_max_staleness", "buffered_groups",
                 "surplus_groups", "aborts", "resume_requests", "re_prefill_tokens", "groups_filtered",
-                "batch_response_tokens", "prompts_consumed"):
+                "batch_response_tokens", "prompts_consumed", "carried_samples", "carried_kv_tokens"):
         row[f"rollout/{key}"] = sched[key]
     row["rollout/staleness_histogram"] = sched["staleness_histogram"]
     for key, value in tm.items():

@@ -6,7 +6,10 @@ builds its trainer (training.trainers.build_trainer: torch or Megatron) and one 
 steps the same way. Per step: (colocated: the trainer's memory is paused, the engine's KV cache resumed)
 the rollout loop produces a batch at the trainer's policy version; (colocated: the engine's memory is
 released, the trainer's resumed) the trainer updates the policy; the new weights go to the engine with
-version + 1 (training.handoff.sync_weights). Metrics go to ``<output_dir>/metrics.jsonl`` one line per
+version + 1 (training.handoff.sync_weights). With ``step_boundary="carry"`` the samples still running when
+the batch is taken stay paused in place in the engine through training and the weight update (keeping
+their KV cache: colocated, the embedded engine's KV cache is released with a host copy and restored
+bit-exactly) and continue in the next step. Metrics go to ``<output_dir>/metrics.jsonl`` one line per
 step; checkpoints every ``save_interval`` steps and at the end; ``resume`` continues from the newest
 checkpoint.
 """
@@ -31,7 +34,7 @@ import torch
 
 from april_ext.algorithms import reject_uniform_groups
 from april_ext.data_source import DataSource, Prompt
-from april_ext.errors import InvalidArgumentError
+from april_ext.errors import ConfigError, InvalidArgumentError
 from april_ext.model import LlamaForCausalLM, load_pretrained
 from april_ext.persistence import atomic_write_json, atomic_write_text
 from april_ext.protocol import RolloutEngine, SamplingParams, Trainer
@@ -240,6 +243,9 @@ class TrainingRun:
 
     async def _open(self) -> TrainingRun:
         config = self.config
+        if config.step_boundary == "carry" and config.colocate and config.engine == "sglang":
+            raise ConfigError("step_boundary='carry' with colocate needs the embedded engine: an SGLang server "
+                              "releases its KV cache only when idle (use step_boundary='abort', or no colocate)")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         _seed_everything(config.seed)
@@ -370,26 +376,31 @@ class TrainingRun:
         start = time.perf_counter()
         if self.memory is not None:
             await self.memory.to_rollout()
-        metrics = await evaluate(self.engine, self.eval_prompts, self.reward_fn, self.sampling,
-                                 n_samples=self.config.n_samples_per_eval_prompt, seed=self.config.seed,
-                                 concurrency=self.config.max_num_seqs)
+        # Carried samples (step_boundary="carry") continue meanwhile, under the weights just loaded.
+        async with self.rollout.running_engine():
+            metrics = await evaluate(self.engine, self.eval_prompts, self.reward_fn, self.sampling,
+                                     n_samples=self.config.n_samples_per_eval_prompt, seed=self.config.seed,
+                                     concurrency=self.config.max_num_seqs)
         if self.memory is not None:
             await self.memory.to_training()
         return {**metrics, "time/eval_s": time.perf_counter() - start}
 
     async def save(self) -> str:
-        """Checkpoints now (after every pending reward reached the scheduler)."""
+        """Checkpoints now (after every pending reward reached the scheduler). Carried samples are saved as
+        partials with every token received (their KV cache is not saved: a resumed run re-prefills them)."""
         await self.rollout.drain_rewards()
         self.last_saved = self.checkpoints.save(self.steps_done, self.trainer, self.scheduler, {"mode": self.mode})
         return self.last_saved
 
     async def finish(self) -> TrainResult:
-        """Final checkpoint (when this session trained), plots, and the result."""
+        """Final checkpoint (when this session trained), plots, and the result. Carried samples are saved as
+        partials, then aborted in the engine."""
         await self.rollout.drain_rewards()
         if self.memory is not None:
             await self.memory.finish()
         if self.history and (self.resumed_from is None or self.steps_done > self.resumed_from):
             await self.save()
+        await self.rollout.abort_carried()
         if self.config.plots and self.history:
             from april_ext.plots import plot_run
 

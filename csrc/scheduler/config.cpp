@@ -36,6 +36,7 @@ void Config::validate() const {
   require_known(staleness_policy, "staleness_policy");
   require_known(resume_order, "resume_order");
   require_known(over_sampling, "over_sampling");
+  require_known(step_boundary, "step_boundary");
   if (over_sampling == OverSampling::Adaptive) {
     require(target_inflight_samples >= n_samples_per_prompt, "target_inflight_samples", target_inflight_samples,
             "must be >= n_samples_per_prompt with adaptive over-sampling");

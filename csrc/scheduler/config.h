@@ -11,6 +11,9 @@ enum class Refill : int32_t { Batch, Continuous };
 enum class OverSampling : int32_t { Fixed, Adaptive };
 enum class StalenessPolicy : int32_t { Keep, Mask, Restart, Drop };
 enum class ResumeOrder : int32_t { OldestFirst, NewestFirst, LongestFirst };
+// What happens to running samples when a step's batch is taken: aborted (the paper) or kept generating
+// across the weight update with their KV (carried).
+enum class StepBoundary : int32_t { Abort, Carry };
 // Also the codes of the finish_reasons arrays (april_ext.batch.FinishReason), so the numbers are fixed.
 enum class FinishReason : uint8_t { Stop = 0, Length = 1, Abort = 2 };
 
@@ -30,6 +33,7 @@ struct Config {
   // that many; the group ceiling N'_t is retuned each step from the observed live share of groups in hand.
   OverSampling over_sampling = OverSampling::Fixed;
   int64_t target_inflight_samples = 0;  // adaptive only; 0 in fixed mode
+  StepBoundary step_boundary = StepBoundary::Abort;
 
   // Throws ConfigError naming the first field that is not allowed.
   void validate() const;

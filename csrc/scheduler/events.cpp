@@ -188,6 +188,9 @@ void Scheduler::finish(Sample& smp, Group& g, int64_t gid, FinishReason reason) 
     g.stale_check_pending = false;
     apply_staleness(gid);
     if (s_.groups.find(gid) == s_.groups.end()) return;
+  } else if (!g.stale_check_pending && config_.staleness_policy == StalenessPolicy::Restart &&
+             staleness_enforced() && is_stale(smp)) {
+    apply_staleness(gid);  // a stale carried sample back from its abort (or finished before it): restarted
   }
   complete_if_done(gid, g);
 }

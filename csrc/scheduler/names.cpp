@@ -25,6 +25,8 @@ constexpr std::array<Named<StalenessPolicy>, 4> kStaleness{{{"keep", StalenessPo
 constexpr std::array<Named<ResumeOrder>, 3> kResume{{{"oldest_first", ResumeOrder::OldestFirst},
                                                      {"newest_first", ResumeOrder::NewestFirst},
                                                      {"longest_first", ResumeOrder::LongestFirst}}};
+constexpr std::array<Named<StepBoundary>, 2> kStepBoundary{
+    {{"abort", StepBoundary::Abort}, {"carry", StepBoundary::Carry}}};
 constexpr std::array<Named<SampleState>, 4> kSampleState{{{"queued", SampleState::Queued},
                                                           {"running", SampleState::Running},
                                                           {"aborting", SampleState::Aborting},
@@ -73,6 +75,10 @@ ResumeOrder parse_resume_order(const std::string& name) {
   return parse(kResume, name, ErrorKind::Config, "SchedulerConfig.resume_order");
 }
 
+StepBoundary parse_step_boundary(const std::string& name) {
+  return parse(kStepBoundary, name, ErrorKind::Config, "SchedulerConfig.step_boundary");
+}
+
 SampleState parse_sample_state(const std::string& name) {
   return parse(kSampleState, name, ErrorKind::InvalidArgument, "sample state");
 }
@@ -81,13 +87,15 @@ const char* name_of(Refill value) { return find_name(kRefill, value); }
 const char* name_of(OverSampling value) { return find_name(kOverSampling, value); }
 const char* name_of(StalenessPolicy value) { return find_name(kStaleness, value); }
 const char* name_of(ResumeOrder value) { return find_name(kResume, value); }
+const char* name_of(StepBoundary value) { return find_name(kStepBoundary, value); }
 const char* name_of(SampleState value) { return find_name(kSampleState, value); }
 
 std::vector<std::pair<std::string, std::vector<std::string>>> config_choices() {
   return {{"refill", names(kRefill)},
           {"staleness_policy", names(kStaleness)},
           {"resume_order", names(kResume)},
-          {"over_sampling", names(kOverSampling)}};
+          {"over_sampling", names(kOverSampling)},
+          {"step_boundary", names(kStepBoundary)}};
 }
 
 }  // namespace april::sched

@@ -126,13 +126,15 @@ void Scheduler::deserialize(const std::string& bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   fresh.data_size = s_.data_size;  // the size belongs to the data source attached now
   s_ = std::move(fresh);
+  stale_aborts_.clear();
   index_.rebuild(s_.groups);
   settle_after_load();
 }
 
 // Nothing is in flight after a load: what was running is queued again. A queued sample at the length cap
-// could only be dispatched with no token budget, so it finishes as a length finish here; and staleness
-// checks that waited for returning aborts run now.
+// could only be dispatched with no token budget, so it finishes as a length finish here; and the staleness
+// policy runs now for what waited on samples in flight (returning aborts; with carry, stale carried samples
+// whose abort had not returned).
 void Scheduler::settle_after_load() {
   std::vector<int64_t> touched;
   for (auto& [gid, g] : s_.groups) {
@@ -147,16 +149,13 @@ void Scheduler::settle_after_load() {
       s_.queued_samples -= 1;
       capped = true;
     }
-    if (capped || g.stale_check_pending) touched.push_back(gid);
+    if (capped || g.stale_check_pending || staleness_enforced()) touched.push_back(gid);
   }
   // A state from format version 1, or saved with fixed over-sampling, has no group ceiling yet.
   if (config_.over_sampling == OverSampling::Adaptive && s_.adaptive_groups == 0) retune_over_sampling();
   for (int64_t gid : touched) {
-    Group& g = s_.groups.at(gid);
-    if (g.stale_check_pending) {
-      g.stale_check_pending = false;
-      apply_staleness(gid);
-    }
+    s_.groups.at(gid).stale_check_pending = false;
+    apply_staleness(gid);
     auto it = s_.groups.find(gid);
     if (it != s_.groups.end()) complete_if_done(gid, it->second);
   }

@@ -89,7 +89,10 @@ class Scheduler {
   void set_data_size(int64_t size);  // -1: unknown
   int64_t prompts_consumed() const;
 
-  // Step control
+  // Step control. step_boundary=abort: once the step is done, samples_to_abort() lists the running samples
+  // and take_batch() waits until none runs. step_boundary=carry: running samples stay running through
+  // take_batch() and begin_step(); right after begin_step(), samples_to_abort() lists the carried samples
+  // past the staleness bound under the restart and drop policies.
   void begin_step(int64_t policy_version);
   bool step_open() const;
   bool step_done() const;
@@ -119,7 +122,8 @@ class Scheduler {
                        std::vector<int32_t>& versions, SampleState& state, int64_t& resumes) const;
   int64_t policy_version() const;
 
-  // Persistence: running samples are stored as buffered partials (the engine's requests do not survive);
+  // Persistence: running samples (carried ones too) are stored as buffered partials (the engine's requests
+  // and their KV do not survive);
   // on load, a partial at the length cap finishes as a length finish. Bytes that do not decode
   // (CorruptStateError, or InvalidArgumentError for another shape) leave the state untouched.
   std::string serialize() const;
@@ -154,7 +158,10 @@ class Scheduler {
   std::vector<Pick> queued_in_resume_order() const;
   void launch(Dispatch& d, const Pick& pick);
   // Staleness (staleness.cpp)
+  bool staleness_enforced() const;  // restart or drop with a bound
+  bool is_stale(const Sample& smp) const;
   void apply_staleness(int64_t group_id);
+  void apply_staleness_carried(int64_t group_id);
   // Token and finish events (events.cpp)
   Sample* const* validate_events(const EventBatch& events, bool finishing);
   void check_event(Sample& sample, const EventBatch& events, size_t e, bool finishing);
@@ -169,6 +176,9 @@ class Scheduler {
   SampleIndex index_;  // kept in step with s_.groups
   uint64_t epoch_ = 0;
   std::vector<Sample*> scratch_samples_;  // the events' samples; grows to the largest call, never shrinks
+  // carry: carried samples begin_step set aborting for staleness, until samples_to_abort() hands them out.
+  // Not persisted: a loaded state has nothing in flight.
+  std::vector<int64_t> stale_aborts_;
 };
 
 }  // namespace april::sched

@@ -5,15 +5,23 @@
 
 namespace april::sched {
 
+bool Scheduler::staleness_enforced() const {
+  return config_.max_staleness >= 0 && (config_.staleness_policy == StalenessPolicy::Restart ||
+                                        config_.staleness_policy == StalenessPolicy::Drop);
+}
+
+bool Scheduler::is_stale(const Sample& smp) const {
+  const int64_t oldest = smp.oldest_possible_version();
+  return oldest >= 0 && s_.policy_version - oldest > config_.max_staleness;
+}
+
+// Restarts the stale samples that are not in flight, or drops the group (callers make sure none of its
+// samples is in flight then).
 void Scheduler::apply_staleness(int64_t group_id) {
-  const bool enforced = config_.max_staleness >= 0 && (config_.staleness_policy == StalenessPolicy::Restart ||
-                                                       config_.staleness_policy == StalenessPolicy::Drop);
-  if (!enforced) return;
+  if (!staleness_enforced()) return;
   Group& g = s_.groups.at(group_id);
-  auto is_stale = [&](const Sample& smp) {
-    return !smp.segments.empty() && s_.policy_version - smp.oldest_version() > config_.max_staleness;
-  };
-  if (std::none_of(g.samples.begin(), g.samples.end(), is_stale)) return;
+  auto stale = [&](const Sample& smp) { return is_stale(smp); };
+  if (std::none_of(g.samples.begin(), g.samples.end(), stale)) return;
   if (config_.staleness_policy == StalenessPolicy::Drop) {
     for (const auto& smp : g.samples) s_.stats.stale_tokens_discarded += static_cast<int64_t>(smp.tokens.size());
     s_.stats.groups_dropped_stale += 1;
@@ -21,7 +29,7 @@ void Scheduler::apply_staleness(int64_t group_id) {
     return;
   }
   for (auto& smp : g.samples) {
-    if (!is_stale(smp)) continue;
+    if (smp.in_flight() || !is_stale(smp)) continue;
     s_.stats.samples_restarted_stale += 1;
     s_.stats.stale_tokens_discarded += static_cast<int64_t>(smp.tokens.size());
     if (smp.state == SampleState::Done) {
@@ -42,6 +50,35 @@ void Scheduler::apply_staleness(int64_t group_id) {
     g.rewards.clear();
     g.popped = false;
   }
+}
+
+// step_boundary=carry, at begin_step: a group's running samples keep generating unless the policy needs
+// them back. Restart: the stale ones are aborted (restarted when their abort returns, in finish()), the
+// others restarted now. Drop: every running sample of the group is aborted and the group waits for them,
+// then goes. A sample that is not stale now cannot become stale before the next version bump: its next
+// tokens are no older than its dispatch version or its last token.
+void Scheduler::apply_staleness_carried(int64_t group_id) {
+  if (!staleness_enforced()) return;
+  Group& g = s_.groups.at(group_id);
+  // Pending: only aborts are in flight; the check runs when they are back.
+  if (g.stale_check_pending) return;
+  auto stale = [&](const Sample& smp) { return is_stale(smp); };
+  if (std::none_of(g.samples.begin(), g.samples.end(), stale)) return;
+  const bool drop = config_.staleness_policy == StalenessPolicy::Drop;
+  const int64_t n = config_.n_samples_per_prompt;
+  for (int64_t i = 0; i < n; ++i) {
+    Sample& smp = g.samples[i];
+    if (smp.state != SampleState::Running || !(drop || is_stale(smp))) continue;
+    smp.state = SampleState::Aborting;
+    s_.running_samples -= 1;
+    s_.aborting_samples += 1;
+    stale_aborts_.push_back(group_id * n + i);
+  }
+  if (drop && g.n_in_flight > 0) {
+    g.stale_check_pending = true;
+    return;
+  }
+  apply_staleness(group_id);
 }
 
 }  // namespace april::sched

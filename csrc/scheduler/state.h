@@ -44,6 +44,11 @@ struct Sample {
 
   bool in_flight() const { return state == SampleState::Running || state == SampleState::Aborting; }
   int64_t oldest_version() const { return segments.empty() ? -1 : segments.front().version; }
+  // The oldest version the response has or can still get: a sample in flight with no token yet gets tokens
+  // of its dispatch version or newer. -1: none.
+  int64_t oldest_possible_version() const {
+    return !segments.empty() ? segments.front().version : in_flight() ? dispatch_version : -1;
+  }
   int64_t last_version() const { return tail_version; }
   // One past the last token of segment k: the next segment's start, or the response's end.
   size_t segment_end(size_t k) const { return k + 1 < segments.size() ? segments[k + 1].start : tokens.size(); }

@@ -135,8 +135,8 @@ Frame check_frame(const std::string& bytes) {
   uint64_t len = 0;
   std::memcpy(&f.version, bytes.data() + sizeof(kMagic), sizeof(f.version));
   std::memcpy(&len, bytes.data() + sizeof(kMagic) + sizeof(f.version), sizeof(len));
-  check(f.version == 1 || f.version == kStateFormatVersion, ErrorKind::CorruptState,
-        "scheduler state has format version " + std::to_string(f.version) + "; this build reads versions 1 and " +
+  check(f.version >= 1 && f.version <= kStateFormatVersion, ErrorKind::CorruptState,
+        "scheduler state has format version " + std::to_string(f.version) + "; this build reads versions 1 to " +
             std::to_string(kStateFormatVersion));
   check(len == bytes.size() - kHeader - sizeof(uint64_t), ErrorKind::CorruptState,
         "scheduler state is truncated or has trailing bytes: header says " + std::to_string(len) +
@@ -172,10 +172,11 @@ void decode_step(Reader& r, uint32_t version, int64_t n, State& s) {
                      s.step_index >= 0 && s.step_index < std::numeric_limits<int64_t>::max(),
                  "counters out of range");
   const auto n_counters = r.get<uint64_t>();
-  const size_t expected_counters = version == 1 ? kV1CounterCount : s.stats.counters().size();
+  const size_t expected_counters =
+      version == 1 ? kV1CounterCount : version == 2 ? kV2CounterCount : s.stats.counters().size();
   corrupt_unless(n_counters == expected_counters, "stats has " + std::to_string(n_counters) + " counters, expected " +
                                                  std::to_string(expected_counters));
-  std::vector<int64_t> values(s.stats.counters().size(), 0);  // counters a version 1 file lacks stay 0
+  std::vector<int64_t> values(s.stats.counters().size(), 0);  // counters an older file lacks stay 0
   for (size_t i = 0; i < n_counters; ++i) values[i] = r.get<int64_t>();
   size_t k = 0;
 #define APRIL_RESTORE(name) s.stats.name = values[k++];

@@ -10,8 +10,9 @@
 
 namespace april::sched {
 
-// Version 2 adds the adaptive over-sampling state and the over_sampling_groups counter; version 1 still loads.
-constexpr uint32_t kStateFormatVersion = 2;
+// Version 2 adds the adaptive over-sampling state and the over_sampling_groups counter, version 3 the
+// carried_samples and carried_kv_tokens counters; versions 1 and 2 still load.
+constexpr uint32_t kStateFormatVersion = 3;
 
 // The framed bytes of a state (header, payload, checksum).
 std::string encode_state(const Config& config, const State& state);

@@ -16,10 +16,13 @@ namespace april::sched {
   X(surplus_dropped) X(batch_groups) X(batch_samples) X(batch_response_tokens)                   \
   X(batch_carried_tokens) X(batch_offpolicy_tokens) X(batch_masked_tokens)                       \
   X(batch_max_staleness) X(buffered_groups) X(buffered_samples) X(buffered_tokens)               \
-  X(surplus_groups) X(data_exhausted) X(prompts_consumed) X(over_sampling_groups)
+  X(surplus_groups) X(data_exhausted) X(prompts_consumed) X(over_sampling_groups) X(carried_samples)         \
+  X(carried_kv_tokens)
 
-// Format version 1 files hold every counter before over_sampling_groups.
+// Format version 1 files hold every counter before over_sampling_groups, version 2 those before
+// carried_samples.
 constexpr size_t kV1CounterCount = 32;
+constexpr size_t kV2CounterCount = 33;
 
 struct StepStats {
 #define APRIL_DECLARE(name) int64_t name = 0;

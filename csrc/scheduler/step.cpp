@@ -37,13 +37,25 @@ void Scheduler::begin_step(int64_t policy_version) {
     ids.push_back(gid);
   }
   // A version bump is the only thing that makes tokens staler, so this is where the policy is enforced.
-  // Groups with samples still in flight (aborts of the last step not yet returned) wait for them.
+  // abort: groups with samples still in flight (aborts of the last step not yet returned) wait for them.
+  // carry: running samples stay, unless the policy needs them back (apply_staleness_carried).
+  const bool carry = config_.step_boundary == StepBoundary::Carry;
   for (int64_t gid : ids) {
     Group& g = s_.groups.at(gid);
-    if (g.n_in_flight > 0) {
+    if (carry) {
+      apply_staleness_carried(gid);
+    } else if (g.n_in_flight > 0) {
       g.stale_check_pending = true;
     } else {
       apply_staleness(gid);
+    }
+  }
+  // Samples still running here were carried across the boundary with their KV (none with abort).
+  for (const auto& [gid, g] : s_.groups) {
+    for (const auto& smp : g.samples) {
+      if (smp.state != SampleState::Running) continue;
+      s_.stats.carried_samples += 1;
+      s_.stats.carried_kv_tokens += static_cast<int64_t>(g.prompt.size() + smp.tokens.size());
     }
   }
 }
@@ -71,17 +83,27 @@ bool Scheduler::step_done() const {
 
 std::vector<int64_t> Scheduler::samples_to_abort() {
   std::lock_guard<std::mutex> lock(mu_);
+  // carry: the stale carried samples begin_step marked; their abort may have answered already.
   std::vector<int64_t> out;
-  if (!step_done_locked()) return out;
-  const int64_t n = config_.n_samples_per_prompt;
-  for (auto& [gid, g] : s_.groups) {
-    for (int64_t i = 0; i < n; ++i) {
-      Sample& smp = g.samples[i];
-      if (smp.state != SampleState::Running) continue;
-      smp.state = SampleState::Aborting;
-      s_.running_samples -= 1;
-      s_.aborting_samples += 1;
-      out.push_back(gid * n + i);
+  for (int64_t sid : stale_aborts_) {
+    const Sample* smp = index_.find(sid);
+    if (smp != nullptr && smp->state == SampleState::Aborting) out.push_back(sid);
+  }
+  stale_aborts_.clear();
+  // A sample marked at two version bumps (restarted and carried again in between) is listed once.
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  if (config_.step_boundary == StepBoundary::Abort && step_done_locked()) {
+    const int64_t n = config_.n_samples_per_prompt;
+    for (auto& [gid, g] : s_.groups) {
+      for (int64_t i = 0; i < n; ++i) {
+        Sample& smp = g.samples[i];
+        if (smp.state != SampleState::Running) continue;
+        smp.state = SampleState::Aborting;
+        s_.running_samples -= 1;
+        s_.aborting_samples += 1;
+        out.push_back(gid * n + i);
+      }
     }
   }
   s_.stats.abort_requests += static_cast<int64_t>(out.size());
@@ -94,9 +116,10 @@ Batch Scheduler::take_batch() {
   check(step_done_locked(), ErrorKind::InvalidState,
         "take_batch: the step is not done: " + std::to_string(s_.accepted.size()) + " of " +
             std::to_string(config_.rollout_batch_size) + " groups accepted and prompts remain");
-  check(s_.running_samples == 0, ErrorKind::InvalidState,
+  check(s_.running_samples == 0 || config_.step_boundary == StepBoundary::Carry, ErrorKind::InvalidState,
         "take_batch: " + std::to_string(s_.running_samples) +
-            " samples are still running; call samples_to_abort() and abort them in the engine first");
+            " samples are still running; call samples_to_abort() and abort them in the engine first "
+            "(or carry them with step_boundary='carry')");
   const int64_t n = config_.n_samples_per_prompt;
   const int64_t n_groups = std::min<int64_t>(config_.rollout_batch_size, static_cast<int64_t>(s_.accepted.size()));
   Batch b;

@@ -1,0 +1,109 @@
+"""The rollout loop's `carry` step boundary over the embedded engine: running samples stay paused in place
+with their KV cache across the weight update (no abort, no re-prefill), continue in the next step with the
+new version, the staleness bound sends them back, and the engine generates nothing between steps."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import numpy as np
+import pytest
+from _torch_threads import one_thread  # noqa: F401 (fixture)
+
+from april_ext import Scheduler, SchedulerConfig
+from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
+from april_ext.model import LlamaForCausalLM
+from april_ext.protocol import SamplingParams
+from april_ext.rollout import RolloutLoop
+from april_ext.tasks import CountingTask, CountingTaskConfig
+
+TASK = CountingTask(CountingTaskConfig(n_symbols=2, max_count=24, median_count=3, sigma=1.0, seed=2))
+_prefixes = itertools.count()
+
+
+async def _run(steps: int, **scheduler: object) -> tuple[list, list[dict], dict]:
+    model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, max_position_embeddings=96))
+    model.init_weights(0)
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=6,
+                                      max_response_len=40, **scheduler), TASK)  # type: ignore[arg-type]
+    core = EngineCore(model, EngineConfig(num_blocks=256, max_num_seqs=64,
+                                          memory_tag_prefix=f"carry-loop-{next(_prefixes)}-"))
+    results, between = [], []
+    async with AsyncEngine(core) as engine:
+        loop = RolloutLoop(engine, sched, TASK.reward, sampling=SamplingParams(stop_token_ids=(TASK.eos_id,)),
+                           seed=3, engine_capacity=64)
+        for version in range(steps):
+            results.append(await loop.run_step(version))
+            held = engine.stats()
+            await asyncio.sleep(0.05)
+            await engine.update_weights({}, version + 1)
+            between.append({"carried": loop.carried, "running": held.running,
+                            "generated_while_paused": engine.stats().generated_tokens - held.generated_tokens})
+        await loop.abort_carried()
+        await loop.drain_rewards()
+        final = {"engine": core.stats(), "running": core.stats().running, "streams": loop.carried}
+    return results, between, final
+
+
+def test_carry_keeps_running_samples_in_the_engine_across_the_update(one_thread):
+    results, between, final = asyncio.run(_run(4, step_boundary="carry"))
+    carried = [r.metrics.scheduler["carried_samples"] for r in results]
+    # Nothing is carried into the first step; later steps start with the samples left running.
+    assert carried[0] == 0 and sum(carried[1:]) > 0
+    assert [b["carried"] for b in between[:-1]] == carried[1:]
+    for r, b in zip(results, between):
+        m = r.metrics
+        assert m.aborted_samples == 0 and m.resumed_requests == 0 and m.scheduler["re_prefill_tokens"] == 0
+        assert b["running"] == b["carried"] and b["generated_while_paused"] == 0  # paused in place
+        assert r.batch.n_groups == 2
+        versions = r.batch.versions[r.batch.loss_mask.astype(bool)]
+        assert versions.max() <= r.batch.policy_version
+    assert all(r.metrics.scheduler["carried_kv_tokens"] > 0 for r, c in zip(results, carried) if c > 0)
+    # Carried samples produced tokens under two versions and none of them was recomputed by the engine.
+    assert max(r.batch.versions[r.batch.loss_mask.astype(bool)].min() < r.batch.policy_version
+               for r in results[1:])
+    assert final["engine"].preemptions == 0
+    assert final["running"] == 0 and final["streams"] == 0  # abort_carried ended them
+
+
+def test_abort_re_prefills_what_carry_keeps(one_thread):
+    results, between, _ = asyncio.run(_run(3, step_boundary="abort"))
+    assert all(r.metrics.scheduler["carried_samples"] == 0 for r in results)
+    assert all(b["carried"] == 0 and b["running"] == 0 for b in between)
+    assert sum(r.metrics.aborted_samples for r in results) > 0
+    assert sum(r.metrics.scheduler["re_prefill_tokens"] for r in results) > 0
+
+
+def test_carried_samples_past_the_staleness_bound_are_restarted(one_thread):
+    results, between, _ = asyncio.run(_run(4, step_boundary="carry", max_staleness=0, staleness_policy="restart"))
+    assert sum(r.metrics.aborted_samples for r in results[1:]) > 0
+    for r in results:
+        trained = r.batch.loss_mask.astype(bool)
+        # Every token trained on comes from the policy of its step: stale carried samples started over.
+        assert np.all(r.batch.versions[trained] == r.batch.policy_version)
+
+
+@pytest.mark.parametrize("boundary", ["abort", "carry"])
+def test_an_engine_without_pause_still_runs_the_loop(one_thread, boundary):
+    """A RolloutEngine without pause_generation (PipelineRL-style engines) keeps generating between steps."""
+    from _loop_utils import ScriptedEngine
+
+    from april_ext import ListDataSource, Prompt
+
+    data = ListDataSource([Prompt(f"p{i}", [1, 5, n, 3]) for i, n in enumerate([2, 9, 3, 30, 2, 4, 25, 3] * 3)])
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=3,
+                                      max_response_len=40, step_boundary=boundary), data)
+    engine = ScriptedEngine(lambda ids: int(ids[2]), delay=0.001)
+
+    async def main():
+        loop = RolloutLoop(engine, sched, lambda p, r: float(len(r) % 2), seed=1)
+        out = []
+        for version in range(3):
+            out.append(await loop.run_step(version))
+            await engine.update_weights({}, version + 1)
+        await loop.abort_carried()
+        return out
+
+    results = asyncio.run(main())
+    assert all(r.batch.n_groups == 2 for r in results)
