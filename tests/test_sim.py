@@ -275,7 +275,7 @@ def test_pause_in_place_keeps_the_kv_across_a_weight_update_and_stops_the_clock(
             task = asyncio.ensure_future(_collect_chunks(engine, synthetic_prompt(0, 4)))
             await _collect(engine, synthetic_prompt(1, 4), "tick", max_new=2)  # prefill 4 s, then 2 steps
             await engine.pause_generation("in_place")
-            assert engine.health()["paused"] == "in_place"
+            assert engine.health()["paused"] == "in_place" and engine.health()["status"] == "paused"
             for _ in range(100):
                 await asyncio.sleep(0)
             paused_at = engine.clock()

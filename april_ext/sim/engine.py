@@ -267,7 +267,7 @@ class SimulatedEngine(LoopTaskEngine):
                 "context_length": cost.kv_capacity_tokens, "device": "simulated"}
 
     def health(self) -> dict[str, Any]:
-        return {"status": self._status(bool(self.paused_tags)), "weight_version": self.weight_version,
+        return {"status": self._status(self._held()), "weight_version": self.weight_version,
                 "paused_tags": sorted(self.paused_tags), "paused": self._paused,
                 "error": None if self.last_error is None else repr(self.last_error), "virtual_time": self.now}
 
