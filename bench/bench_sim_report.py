@@ -1,6 +1,7 @@
 """The simulator calibrated against the APRIL paper, then measured long enough, against bounds that bound.
 
     .venv/bin/python bench/bench_sim_report.py [--steps 12] [--seeds 3] [--jobs 2] [--json out.json]
+        [--only efficiency --algorithms grpo --datasets dapo-math-17k]   # efficiency of a subset of cells
     .venv/bin/python -m pytest bench/bench_sim_report.py --benchmark-only   # seconds per simulated step
 
 Paper-faithful settings (the APRIL scripts, RLsys-Foundation/APRIL scripts/partial_rollout/qwen): 8 GPUs as 4
@@ -12,9 +13,9 @@ modelled (ABORT_LATENCY_S, WEIGHT_SYNC_S: assumptions, docs/sim.md).
    next to the figures we could source from the paper's authors (PAPER_GAINS).
 2. Convergence: how many steps until the figures settle, their spread over seeds, the largest staleness.
 3. Efficiency on every H100 / H200 preset against the headline bound (the best schedule of the same work on
-   the same engines, without re-prefill) and the ceiling (with the unavoidable re-prefill); target for the
-   `abort` step boundary (every APRIL mode here): >= 0.85 of the headline bound. The `carry` mode (keep the KV
-   across the update) is not built yet, so its target (>= 0.95) is not reported.
+   the same engines, without re-prefill) and the ceiling (with the re-prefill), for the baseline and the APRIL
+   modes with each step boundary, colocated (carry copies its KV to host and back); targets: `abort` >= 0.85
+   and `carry` >= 0.95 of the headline bound, per cell with the best APRIL mode.
 4. Sensitivity: one calibration cell with one engine cost changed at a time.
 """
 
@@ -36,6 +37,7 @@ from april_ext.sim.runner import SimConfig, simulate
 ABORT_LATENCY_S = 0.5
 WEIGHT_SYNC_S = 4.0
 TARGET_ABORT = 0.85
+TARGET_CARRY = 0.95
 # Rollout-throughput gains of APRIL over the baseline we could source: the APRIL repository's README
 # (RLsys-Foundation/APRIL, "Results vs. Baselines"), Qwen3-4B, algorithm not stated. The paper (arXiv 2509.18521)
 # states +22.5% on average over GRPO / DAPO / GSPO and at most +44%; its per-cell Table 1 was not available here.
@@ -146,48 +148,67 @@ def print_convergence(out: dict[tuple, dict], steps: int, seeds: int, warmup: in
     return table
 
 
-def efficiency_configs(steps: int) -> dict[tuple, SimConfig]:
-    """H100 april-batch comes from the calibration runs; the rest of H100 / H200 x 4B / 8B x GRPO / DAPO here."""
+BOUNDARY_MODES = (("april-batch", "abort"), ("april-adaptive", "abort"), ("april-batch", "carry"),
+                  ("april-adaptive", "carry"))
+
+
+def efficiency_cells(algorithms: tuple[str, ...], datasets: tuple[str, ...]) -> list[tuple[str, str, str, str]]:
+    return list(itertools.product(("h100", "h200"), ("qwen3-4b", "qwen3-8b"), algorithms, datasets))
+
+
+def efficiency_configs(steps: int, cells: list[tuple[str, str, str, str]]) -> dict[tuple, SimConfig]:
+    """Each (GPU, model, algorithm, dataset) cell: the baseline and each APRIL mode with each step boundary,
+    colocated as the APRIL scripts run (carry copies its KV to host and back; abort has none to keep)."""
     configs = {}
-    for gpu, model, algo, lengths, mode in itertools.product(("h100", "h200"), ("qwen3-4b", "qwen3-8b"),
-                                                              ("grpo", "dapo"), LENGTH_PRESETS,
-                                                              ("april-batch", "april-adaptive")):
-        if gpu == "h200" or mode == "april-adaptive":
-            configs[("eff", gpu, model, algo, lengths, mode)] = paper_config(f"{gpu}-{model}", lengths, algo, mode,
-                                                                              steps)
+    for gpu, model, algo, lengths in cells:
+        for mode, boundary in (("baseline", "abort"), *BOUNDARY_MODES):
+            config = paper_config(f"{gpu}-{model}", lengths, algo, mode, steps)
+            configs[("eff", gpu, model, algo, lengths, mode, boundary)] = replace(
+                config, step_boundary=boundary, colocate=True)
     return configs
 
 
-def print_efficiency(out: dict[tuple, dict], steps: int) -> list[dict[str, object]]:
-    print(f"\n3. Efficiency of the abort step boundary, paper-faithful engines, {steps} steps (summary over steps 2..): "
-          f"headline = best schedule of the same work without re-prefill, ceiling = with it")
-    print(f"{'preset':16} {'algo':5} {'dataset':14} {'batch eff/ceil':>14} {'adaptive eff/ceil':>17} "
-          f"{'reprefill b/a':>13} {'target':>7}")
+def _efficiency_run(out: dict[tuple, dict], gpu: str, model: str, algo: str, lengths: str, mode: str,
+                    boundary: str) -> dict[str, float]:
+    return out[("eff", gpu, model, algo, lengths, mode, boundary)]["summary"]
+
+
+def print_efficiency(out: dict[tuple, dict], steps: int,
+                     cells: list[tuple[str, str, str, str]]) -> list[dict[str, object]]:
+    print(f"\n3. Efficiency of the abort and carry step boundaries, paper-faithful colocated engines, {steps} steps "
+          f"(summary over steps 2..): eff = against the headline bound (best schedule of the same work, no "
+          f"re-prefill), ceil = against the ceiling (with the re-prefill)")
+    print(f"{'preset':16} {'algo':5} {'dataset':14} {'base':>5} {'abort batch':>11} {'abort adapt':>11} "
+          f"{'carry batch':>11} {'carry adapt':>11} {'kvcopy':>6} {'abort':>6} {'carry':>6}")
     rows = []
-    for gpu, model, algo, lengths in itertools.product(("h100", "h200"), ("qwen3-4b", "qwen3-8b"), ("grpo", "dapo"),
-                                                       LENGTH_PRESETS):
-        key = ("cal", model, algo, lengths, "april-batch") if gpu == "h100" else (
-            "eff", gpu, model, algo, lengths, "april-batch")
-        b = out[key]["summary"]
-        a = out[("eff", gpu, model, algo, lengths, "april-adaptive")]["summary"]
-        best = max(a["efficiency"], b["efficiency"])
-        rows.append({"preset": f"{gpu}-{model}", "algorithm": algo, "dataset": lengths, "batch": b, "adaptive": a})
-        print(f"{gpu + '-' + model:16} {algo:5} {lengths:14} {b['efficiency']:7.2f}/{b['ceiling_efficiency']:<6.2f} "
-              f"{a['efficiency']:9.2f}/{a['ceiling_efficiency']:<7.2f} "
-              f"{b['re_prefill_time_fraction']:6.3f}/{a['re_prefill_time_fraction']:<6.3f} "
-              f"{'met' if best >= TARGET_ABORT else 'MISSED':>7}")
+    for gpu, model, algo, lengths in cells:
+        row: dict[str, object] = {"preset": f"{gpu}-{model}", "algorithm": algo, "dataset": lengths,
+                                  "baseline": _efficiency_run(out, gpu, model, algo, lengths, "baseline", "abort")}
+        for mode, boundary in BOUNDARY_MODES:
+            row[f"{boundary} {mode}"] = _efficiency_run(out, gpu, model, algo, lengths, mode, boundary)
+        cells = [row[f"{b} {m}"] for m, b in BOUNDARY_MODES]  # type: ignore[index]
+        row["abort best"] = max(cells[0]["efficiency"], cells[1]["efficiency"])
+        row["carry best"] = max(cells[2]["efficiency"], cells[3]["efficiency"])
+        rows.append(row)
+        print(f"{gpu + '-' + model:16} {algo:5} {lengths:14} {row['baseline']['efficiency']:5.2f} "  # type: ignore[index]
+              + " ".join(f"{c['efficiency']:5.2f}/{c['ceiling_efficiency']:<5.2f}" for c in cells)
+              + f" {cells[3]['kv_copy_time_fraction']:6.3f}"
+              f" {'met' if row['abort best'] >= TARGET_ABORT else 'MISSED':>6}"
+              f" {'met' if row['carry best'] >= TARGET_CARRY else 'MISSED':>6}")
     for gpu in ("h100", "h200"):
-        mine = [r for r in rows if r["preset"].startswith(gpu)]
-        for mode in ("batch", "adaptive"):
-            eff = [r[mode]["efficiency"] for r in mine]
-            ceil = [r[mode]["ceiling_efficiency"] for r in mine]
-            rep = [r[mode]["re_prefill_time_fraction"] for r in mine]
-            print(f"{gpu} {mode}: efficiency {min(eff):.2f}-{max(eff):.2f} (mean {np.mean(eff):.2f}), ceiling "
-                  f"{min(ceil):.2f}-{max(ceil):.2f}, re-prefill {min(rep):.3f}-{max(rep):.3f} of engine time")
-    missed = sum(max(r["adaptive"]["efficiency"], r["batch"]["efficiency"]) < TARGET_ABORT for r in rows)
-    print(f"target abort >= {TARGET_ABORT} of the headline bound on every preset: "
-          f"{'met' if missed == 0 else f'MISSED on {missed} of {len(rows)}'} (best APRIL mode per preset); "
-          "carry >= 0.95: not measured (the carry mode is not built)")
+        mine = [r for r in rows if str(r["preset"]).startswith(gpu)]
+        for name in ("baseline", *(f"{b} {m}" for m, b in BOUNDARY_MODES)):
+            eff = [r[name]["efficiency"] for r in mine]  # type: ignore[index]
+            ceil = [r[name]["ceiling_efficiency"] for r in mine]  # type: ignore[index]
+            rep = [r[name]["re_prefill_time_fraction"] for r in mine]  # type: ignore[index]
+            copy = [r[name]["kv_copy_time_fraction"] for r in mine]  # type: ignore[index]
+            print(f"{gpu} {name}: efficiency {min(eff):.2f}-{max(eff):.2f} (mean {np.mean(eff):.2f}), ceiling "
+                  f"{min(ceil):.2f}-{max(ceil):.2f}, re-prefill {min(rep):.3f}-{max(rep):.3f}, "
+                  f"KV copy {min(copy):.3f}-{max(copy):.3f} of rollout time")
+    for boundary, target in (("abort", TARGET_ABORT), ("carry", TARGET_CARRY)):
+        missed = [f"{r['preset']} {r['algorithm']} {r['dataset']}" for r in rows if r[f"{boundary} best"] < target]
+        print(f"target {boundary} >= {target} of the headline bound on every preset (best APRIL mode per cell): "
+              + ("met on all" if not missed else f"MISSED on {len(missed)} of {len(rows)}"))
     return rows
 
 
@@ -238,11 +259,15 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--only", choices=("calibration", "convergence", "efficiency", "sensitivity"), default=None)
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
+    parser.add_argument("--algorithms", type=lambda t: tuple(t.split(",")), default=("grpo", "dapo"),
+                        help="efficiency section: comma-separated algorithms")
+    parser.add_argument("--datasets", type=lambda t: tuple(t.split(",")), default=tuple(LENGTH_PRESETS),
+                        help="efficiency section: comma-separated length presets")
     args = parser.parse_args()
     started = time.perf_counter()
     out: dict[str, object] = {}
     runs: dict[tuple, dict] = {}
-    if args.only in (None, "calibration", "efficiency"):
+    if args.only in (None, "calibration"):
         runs.update(run_all(calibration_configs(args.steps), args.jobs))
     if args.only in (None, "calibration"):
         out["calibration"] = print_calibration(runs, args.steps)
@@ -250,8 +275,9 @@ def main() -> None:
         conv = run_all(convergence_configs(args.convergence_steps, args.seeds), args.jobs)
         out["convergence"] = print_convergence(conv, args.convergence_steps, args.seeds)
     if args.only in (None, "efficiency"):
-        runs.update(run_all(efficiency_configs(args.steps), args.jobs))
-        out["efficiency"] = print_efficiency(runs, args.steps)
+        cells = efficiency_cells(args.algorithms, args.datasets)
+        runs.update(run_all(efficiency_configs(args.steps, cells), args.jobs))
+        out["efficiency"] = print_efficiency(runs, args.steps, cells)
     if args.only in (None, "sensitivity"):
         out["sensitivity"] = print_sensitivity(run_all(sensitivity_configs(args.steps), args.jobs), args.steps)
     print(f"\n({time.perf_counter() - started:.0f} s of wall time)")

@@ -15,7 +15,7 @@ from _torch_threads import one_thread  # noqa: F401 (fixture)
 from april_ext.batch import FinishReason
 from april_ext.data_source import ListDataSource, Prompt
 from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
-from april_ext.errors import ConfigError, InvalidArgumentError, UnknownIdError
+from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError, UnknownIdError
 from april_ext.model import LlamaForCausalLM, ModelConfig
 from april_ext.protocol import SamplingParams
 from april_ext.rollout import RolloutEngine, RolloutLoop
@@ -262,6 +262,99 @@ def test_released_memory_stops_the_clock_and_kv_release_recomputes():
     paused_at, chunks, end, counters = asyncio.run(run())
     assert paused_at == 2.0 and end == 6.0  # 4 more tokens after the resume (recompute costs 0 here)
     assert [len(c.token_ids) for c in chunks] == [2, 4] and counters.recompute_tokens == 4 + 2
+
+
+def test_pause_in_place_keeps_the_kv_across_a_weight_update_and_stops_the_clock():
+    # A request of 6 tokens runs 2 steps, is paused in place, the weights update (sync 3 s, outside decoding),
+    # and it continues at version 1 without recompute: 4 more steps after the pause ends.
+    cost = replace(UNIT, prefill_per_token_s=0.5)
+    cluster = replace(_one(cost), weight_sync_s=3.0)
+
+    async def run():
+        async with SimulatedEngine(cluster, TraceLengths([[6]])) as engine:
+            task = asyncio.ensure_future(_collect_chunks(engine, synthetic_prompt(0, 4)))
+            await _collect(engine, synthetic_prompt(1, 4), "tick", max_new=2)  # prefill 4 s, then 2 steps
+            await engine.pause_generation("in_place")
+            assert engine.health()["paused"] == "in_place" and engine.health()["status"] == "paused"
+            for _ in range(100):
+                await asyncio.sleep(0)
+            paused_at = engine.clock()
+            await engine.update_weights({}, 1)
+            with pytest.raises(InvalidStateError, match="already paused"):
+                await engine.pause_generation()
+            resumed_at = engine.clock()
+            await engine.continue_generation()
+            chunks = await task
+            return paused_at, resumed_at, chunks, engine.clock(), engine.counters()
+
+    paused_at, resumed_at, chunks, end, counters = asyncio.run(run())
+    assert paused_at == 6.0 and resumed_at == 9.0 and end == 13.0
+    assert [(len(c.token_ids), c.weight_version) for c in chunks] == [(2, 0), (4, 1)]
+    assert counters.recompute_tokens == 0 and counters.kv_copy_time == 0.0
+
+
+def test_pause_retract_frees_the_kv_and_recomputes_on_continue():
+    cost = replace(UNIT, prefill_per_token_s=0.5)
+
+    async def run():
+        async with SimulatedEngine(_one(cost), TraceLengths([[6]])) as engine:
+            task = asyncio.ensure_future(_collect_chunks(engine, synthetic_prompt(0, 4)))
+            await _collect(engine, synthetic_prompt(1, 4), "tick", max_new=2)
+            await engine.pause_generation("retract")
+            await engine.update_weights({}, 1)
+            await engine.continue_generation()
+            with pytest.raises(InvalidStateError, match="not paused"):
+                await engine.continue_generation()
+            with pytest.raises(InvalidArgumentError, match="'in_place' or 'retract'"):
+                await engine.pause_generation("abort")
+            return await task, engine.clock(), engine.counters()
+
+    chunks, end, counters = asyncio.run(run())
+    # Recompute of prompt + 2 tokens (3 s), then 4 steps.
+    assert [(len(c.token_ids), c.weight_version) for c in chunks] == [(2, 0), (4, 1)]
+    assert end == 6.0 + 3.0 + 4.0 and counters.recompute_tokens == 4 + 2
+
+
+def test_a_colocated_in_place_pause_copies_the_held_kv_to_host_and_back():
+    # Two replicas; the held contexts are 4 + 2 tokens on one and 4 + 2 on the other after 2 steps (the second
+    # request on each ran 2 tokens and finished). Backup 0.25 s and restore 0.5 s per KV token, in parallel.
+    cost = replace(UNIT, kv_backup_per_token_s=0.25, kv_restore_per_token_s=0.5)
+    cluster = replace(_one(cost, engines=2), colocated=True)
+
+    async def run():
+        async with SimulatedEngine(cluster, TraceLengths([[6]])) as engine:
+            tasks = [asyncio.ensure_future(_collect_chunks(engine, synthetic_prompt(0, 4), f"long{i}"))
+                     for i in range(2)]
+            await asyncio.gather(*(_collect(engine, synthetic_prompt(1, 4), f"tick{i}", max_new=2) for i in range(2)))
+            await engine.pause_generation("in_place")
+            paused = engine.clock()
+            [out] = await engine.abort(["long1"])  # aborted while paused: its KV is not restored
+            await engine.continue_generation()
+            chunks = await asyncio.gather(*tasks)
+            return paused, out, chunks, engine.clock(), engine.counters()
+
+    paused, out, chunks, end, counters = asyncio.run(run())
+    assert len(out.token_ids) == 2
+    assert paused == pytest.approx(2.0 + 6 * 0.25)  # each replica backs up its 6 KV tokens at once
+    assert end == pytest.approx(paused + 6 * 0.5 + 4.0)  # one replica restores 6 tokens, then 4 steps
+    assert counters.kv_copy_tokens == 12 + 6 and counters.kv_copy_time == pytest.approx(1.5 + 3.0)
+    assert counters.recompute_tokens == 0
+
+
+@pytest.mark.skipif(not hasattr(RolloutLoop, "abort_carried"),
+                    reason="needs the rollout loop's carry step boundary (april_ext/rollout/loop.py, issue 14)")
+def test_a_carry_run_keeps_the_kv_of_carried_samples_and_pays_the_colocated_copy_instead():
+    config = SimConfig(cluster="h100-qwen3-4b", lengths="dapo-math-17k", mode="april-adaptive", num_engines=2,
+                       tensor_parallel=2, mem_fraction_static=0.6, rollout_batch_size=4, n_samples_per_prompt=4,
+                       over_sampling_batch_size=8, target_inflight_samples=32, max_response_len=8192, steps=4,
+                       colocate=True)
+    abort, carry = (simulate(replace(config, step_boundary=b)) for b in ("abort", "carry"))
+    assert sum(s.aborted_samples for s in abort.steps) > 0 and sum(s.re_prefill_tokens for s in abort.steps) > 0
+    assert all(s.aborted_samples == 0 and s.re_prefill_tokens == 0 for s in carry.steps)
+    assert all(s.kv_copy_time_fraction > 0 for s in carry.steps[1:]) and carry.steps[0].kv_copy_time_fraction > 0
+    assert max(s.partial_token_ratio for s in carry.steps) > 0  # carried tokens reach later batches
+    assert carry.summary["re_prefill_time_fraction"] == 0 and abort.summary["kv_copy_time_fraction"] == 0
+    assert carry.summary["efficiency"] == pytest.approx(carry.summary["ceiling_efficiency"])
 
 
 def test_kv_capacity_preempts_and_recomputes():

@@ -1,5 +1,6 @@
 """The simulator's bounds: the least time of a step's work on its engines (CostModel.least_busy_time) by hand,
-no mode above it in any step of any preset, the ceiling with re-prefill, abort latency and weight-sync time."""
+no mode (either step boundary) above it in any step of any preset, the ceiling with re-prefill, abort latency
+and weight-sync time."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def _small(cluster: str, lengths: str, algorithm: str) -> SimConfig:
     # Paper-faithful engines (TP = 2, SGLang's mem_fraction_static 0.6, abort latency) at a small batch; the
     # adaptive target is small too, or it would fill the engines (hundreds of samples) and take seconds.
     return SimConfig(cluster=cluster, lengths=lengths, algorithm=algorithm, num_engines=2, tensor_parallel=2,
-                     mem_fraction_static=0.6, abort_latency_s=0.5, rollout_batch_size=4, n_samples_per_prompt=4,
+                     mem_fraction_static=0.6, abort_latency_s=0.5, colocate=True, rollout_batch_size=4,
+                     n_samples_per_prompt=4,
                      over_sampling_batch_size=8, target_inflight_samples=32, max_response_len=8192, steps=2)
 
 
@@ -79,10 +81,12 @@ def test_no_mode_exceeds_the_bound_in_any_step_of_any_preset(cluster, lengths):
     base = _small(cluster, lengths, "grpo")
     occupancy = full_occupancy_bound(base.cluster_config(), base.length_model(), base.max_response_len,
                                      base.prompt_len, warmup_finishes=64, measure_finishes=128)
-    for algorithm, mode in itertools.product(("grpo", "dapo"), MODES):
-        result = simulate(replace(base, algorithm=algorithm, mode=mode), occupancy)
+    runs = [(algorithm, mode, boundary) for algorithm, mode, boundary in
+            itertools.product(("grpo", "dapo"), MODES, ("abort", "carry")) if mode != "baseline" or boundary == "abort"]
+    for algorithm, mode, boundary in runs:
+        result = simulate(replace(base, algorithm=algorithm, mode=mode, step_boundary=boundary), occupancy)
         for s in result.steps:
-            where = f"{algorithm} {mode} step {s.step}"
+            where = f"{algorithm} {mode} {boundary} step {s.step}"
             assert s.generated_tokens > 0, where
             assert s.least_time_s <= s.ceiling_time_s <= s.rollout_s * (1 + 1e-9), where
             assert s.tokens_per_s <= s.bound_tokens_per_s * (1 + 1e-9), where

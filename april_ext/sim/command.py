@@ -67,6 +67,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--abort-latency", type=float, default=0.0, help="seconds an abort call takes")
     parser.add_argument("--weight-sync", type=float, default=0.0,
                         help="seconds a weight update takes (outside the rollout window)")
+    parser.add_argument("--colocate", action="store_true",
+                        help="engines share their GPUs with the trainer: with --step-boundary carry the carried KV "
+                             "is copied to host memory and back at every step boundary")
     parser.add_argument("--lengths", default="dapo-math-17k",
                         help=f"length preset ({', '.join(LENGTH_PRESETS)}) or a .csv / .jsonl trace path")
     parser.add_argument("--modes", type=_modes, default=MODES, help=f"comma-separated: {','.join(MODES)}")
@@ -107,7 +110,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         cluster=args.cluster, lengths=args.lengths, algorithm=args.algorithm, num_engines=args.num_engines,
         tensor_parallel=args.tensor_parallel, mem_fraction_static=args.mem_fraction_static,
-        abort_latency_s=args.abort_latency, weight_sync_s=args.weight_sync, mixed_chunk=args.mixed_chunk,
+        abort_latency_s=args.abort_latency, weight_sync_s=args.weight_sync, colocate=args.colocate,
+        mixed_chunk=args.mixed_chunk,
         chunked_prefill_size=args.chunked_prefill_size, steps=args.steps, warmup_steps=args.warmup_steps,
         prompt_len=args.prompt_len, seed=args.seed, **scheduler)
 

@@ -60,10 +60,16 @@ class CostModel:
     which decoding pauses (SGLang's default)."""
     chunked_prefill_size: int = 8192
     """Prefill tokens per mixed iteration at most (SGLang's default chunk)."""
+    kv_backup_per_token_s: float = 0.0
+    """Copying one KV token of the replica to host memory (a colocated carry step boundary backs up the carried
+    KV while the trainer holds the GPUs): KV bytes per token / (GPUs x device-to-host bandwidth)."""
+    kv_restore_per_token_s: float = 0.0
+    """Copying one KV token back from host memory: KV bytes per token / (GPUs x host-to-device bandwidth)."""
 
     def __post_init__(self) -> None:
         for name in ("decode_fixed_s", "decode_per_seq_s", "decode_per_kv_token_s", "prefill_per_token_s",
-                     "prefill_attn_per_token_pair_s", "prefill_fixed_s"):
+                     "prefill_attn_per_token_pair_s", "prefill_fixed_s", "kv_backup_per_token_s",
+                     "kv_restore_per_token_s"):
             _positive("CostModel", name, getattr(self, name), allow_zero=name != "decode_fixed_s")
         _positive("CostModel", "step_overhead_s", self.step_overhead_s, allow_zero=True)
         if self.step_overhead_s > self.decode_fixed_s:
@@ -181,6 +187,10 @@ class GpuSpec:
     activation_reserve_bytes: float = 4 * GIB  # workspace kept free of KV
     link_bandwidth: float = 450e9  # bytes/s per direction between the GPUs of a tensor-parallel engine
     allreduce_latency_s: float = 10e-6  # one small all-reduce inside a CUDA graph (decode)
+    # Host link (PCIe Gen5 x16 on all three), as measured with nvbandwidth on an H100 cluster (NVIDIA/nvbandwidth
+    # issue #24: device_to_host 52.8 GB/s, host_to_device 35.2 GB/s per GPU); docs/sim.md.
+    device_to_host_bandwidth: float = 52.8e9  # bytes/s
+    host_to_device_bandwidth: float = 35.2e9  # bytes/s
 
 
 @dataclass(frozen=True)
@@ -248,6 +258,8 @@ def derive_cost_model(gpu: GpuSpec, model: ModelSpec, max_num_seqs: int = 256,
         step_overhead_s=overhead,
         mixed_chunk=mixed_chunk,
         chunked_prefill_size=chunked_prefill_size,
+        kv_backup_per_token_s=model.kv_bytes_per_token / (tp * gpu.device_to_host_bandwidth),
+        kv_restore_per_token_s=model.kv_bytes_per_token / (tp * gpu.host_to_device_bandwidth),
     )
 
 
@@ -283,6 +295,10 @@ class ClusterConfig:
     """Virtual seconds a weight update takes (trainer to engines); outside the rollout window."""
     gpus_per_engine: int = 1
     """GPUs behind one engine (tensor parallelism), for reports."""
+    colocated: bool = False
+    """The engines share their GPUs with the trainer (as the APRIL scripts run): with the carry step boundary the
+    carried KV is backed up to host memory when the engines pause and restored before they continue, at the cost
+    model's kv_backup / kv_restore rates (abort leaves no KV to keep)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cost, CostModel):
@@ -295,16 +311,19 @@ class ClusterConfig:
             raise ConfigError(f"ClusterConfig.router={self.router!r} is not allowed: 'least_loaded' or 'round_robin'")
         _positive("ClusterConfig", "abort_latency_s", self.abort_latency_s, allow_zero=True)
         _positive("ClusterConfig", "weight_sync_s", self.weight_sync_s, allow_zero=True)
+        if not isinstance(self.colocated, bool):
+            raise ConfigError(f"ClusterConfig.colocated={self.colocated!r} is not allowed: True or False")
 
 
 def cluster_preset(name: str, num_engines: int = 8, mixed_chunk: bool = False,
                    chunked_prefill_size: int = 8192, tensor_parallel: int = 1,
                    mem_fraction_static: float | None = None, abort_latency_s: float = 0.0,
-                   weight_sync_s: float = 0.0) -> ClusterConfig:
+                   weight_sync_s: float = 0.0, colocated: bool = False) -> ClusterConfig:
     """``<gpu>-<model>``: h100-qwen3-4b, h100-qwen3-8b, h200-qwen3-4b, h200-qwen3-8b, mi300x-qwen3-4b,
     mi300x-qwen3-8b; ``num_engines`` engines of ``tensor_parallel`` GPUs each. ``mixed_chunk``: engines run mixed
     chunked prefill with ``chunked_prefill_size`` tokens per iteration; ``mem_fraction_static``: SGLang's share of
-    GPU memory for weights + KV (None: the GPU's default); abort latency and weight-sync time in seconds."""
+    GPU memory for weights + KV (None: the GPU's default); abort latency and weight-sync time in seconds;
+    ``colocated``: engines and trainer share the GPUs (see ClusterConfig.colocated)."""
     gpu_name, _, model_name = name.partition("-")
     if gpu_name not in GPUS or model_name not in MODELS:
         raise ConfigError(f"cluster preset {name!r} is not known: one of {sorted(CLUSTER_PRESETS)}")
@@ -312,7 +331,7 @@ def cluster_preset(name: str, num_engines: int = 8, mixed_chunk: bool = False,
     cost = derive_cost_model(gpu, model, mixed_chunk=mixed_chunk, chunked_prefill_size=chunked_prefill_size,
                              tensor_parallel=tensor_parallel, mem_fraction_static=mem_fraction_static)
     return ClusterConfig(cost=cost, num_engines=num_engines, name=name, abort_latency_s=abort_latency_s,
-                         weight_sync_s=weight_sync_s, gpus_per_engine=tensor_parallel)
+                         weight_sync_s=weight_sync_s, gpus_per_engine=tensor_parallel, colocated=colocated)
 
 
 CLUSTER_PRESETS = tuple(f"{g}-{m}" for g in GPUS for m in MODELS)

@@ -10,6 +10,12 @@ and when a weight update flushes it (chunks never mix versions).
 A sample's length is drawn once, from the length model keyed by (prompt, sample ordinal, weight
 version), when the engine first sees it; a resumed request (prompt + partial response, exactly as aborted)
 is recognised by a hash of its ids and continues to the same target.
+
+``pause_generation("in_place")`` holds the running requests with their KV (also across update_weights, after
+which they continue under the new version) until ``continue_generation``; the clock stands still meanwhile. On
+a colocated cluster the held KV is copied to host memory at the pause and back before decoding continues, and
+the clock moves on by the copy (every replica copies its own KV; the slowest sets the time).
+``pause_generation("retract")`` frees the KV instead: the requests are recomputed when they continue.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class ClusterCounters:
     new_prefill_work_s: float
     resume_prefill_work_s: float
     delivered_tokens: int
+    kv_copy_time: float  # virtual seconds the clock moved on for host copies of held KV (colocated pauses)
+    kv_copy_tokens: int  # KV tokens copied to host and back
 
     def minus(self, earlier: ClusterCounters) -> ClusterCounters:
         """Counters accumulated since ``earlier`` (``now`` becomes the elapsed time)."""
@@ -118,6 +126,9 @@ class SimulatedEngine(LoopTaskEngine):
         self._ids = RequestIds("sim")
         self._rr = itertools.cycle(range(cluster.num_engines))
         self._delivered_tokens = 0
+        self._paused: str | None = None  # pause_generation's mode while paused
+        self._kv_copy_time = 0.0
+        self._kv_copy_tokens = 0
 
     def clock(self) -> float:
         """Virtual seconds since the engine was created."""
@@ -179,16 +190,48 @@ class SimulatedEngine(LoopTaskEngine):
 
     async def update_weights(self, weights: Any, version: int) -> list[str]:
         """Sets the weight version (the weights themselves are not simulated). Running requests deliver their
-        tokens so far under the old version and are recomputed, as the embedded engine flushes its cache. The
+        tokens so far under the old version; paused in place they keep their KV and continue under the new
+        version, otherwise they are recomputed (the cache is flushed, as SGLang's update does by default). The
         clock moves on by the cluster's weight-sync time."""
         check_weight_version(version)
         if "weights" in self.paused_tags:
             raise InvalidStateError("update_weights: the 'weights' tag is released; resume_memory first")
-        self._flush_all()
+        if self._paused == "in_place":
+            self._deliver_held()
+        else:
+            self._flush_all()
         self.weight_version = version
         self._stall(self.cluster.weight_sync_s)
         self._notify()
         return list(weights) if isinstance(weights, dict) else []
+
+    async def pause_generation(self, mode: str = "in_place") -> None:
+        """Holds every request (new ones wait) until continue_generation; the clock stands still meanwhile.
+        "in_place": they keep their KV (backed up to host memory on a colocated cluster, the clock moving on by
+        the copy); "retract": their KV is freed and they are recomputed when generation continues."""
+        if mode not in ("in_place", "retract"):
+            raise InvalidArgumentError(f"pause_generation: mode={mode!r} is not allowed: 'in_place' or 'retract'")
+        if self._paused is not None:
+            raise InvalidStateError(f"pause_generation: already paused ({self._paused!r}); continue_generation first")
+        self._notify()
+        for replica in self.replicas:
+            replica.sync(self.now, finish_step=False)
+        self._paused = mode
+        if mode == "retract":
+            self._flush_all()
+        elif self.cluster.colocated:
+            self._copy_kv(self.cluster.cost.kv_backup_per_token_s)
+
+    async def continue_generation(self) -> None:
+        """Ends a pause: held requests continue from now (a colocated in-place pause first restores their KV)."""
+        if self._paused is None:
+            raise InvalidStateError("continue_generation: generation is not paused")
+        if self._paused == "in_place" and self.cluster.colocated:
+            self._copy_kv(self.cluster.cost.kv_restore_per_token_s)  # what is still held (aborts freed theirs)
+        self._paused = None
+        for replica in self.replicas:
+            replica.resume_at(self.now)
+        self._notify()
 
     async def release_memory(self, tags: str | Iterable[str] | None = None) -> None:
         """Marks tags released; while any is, the clock stands still. Releasing kv_cache flushes running work.
@@ -224,8 +267,8 @@ class SimulatedEngine(LoopTaskEngine):
                 "context_length": cost.kv_capacity_tokens, "device": "simulated"}
 
     def health(self) -> dict[str, Any]:
-        return {"status": self._status(bool(self.paused_tags)), "weight_version": self.weight_version,
-                "paused_tags": sorted(self.paused_tags),
+        return {"status": self._status(self._held()), "weight_version": self.weight_version,
+                "paused_tags": sorted(self.paused_tags), "paused": self._paused,
                 "error": None if self.last_error is None else repr(self.last_error), "virtual_time": self.now}
 
     def counters(self) -> ClusterCounters:
@@ -235,7 +278,8 @@ class SimulatedEngine(LoopTaskEngine):
             for key, value in asdict(rep.counters).items():
                 setattr(total, key, getattr(total, key) + value)
         return ClusterCounters(now=self.now, num_engines=len(self.replicas),
-                               delivered_tokens=self._delivered_tokens, **asdict(total))
+                               delivered_tokens=self._delivered_tokens, kv_copy_time=self._kv_copy_time,
+                               kv_copy_tokens=self._kv_copy_tokens, **asdict(total))
 
     # ------------------------------------------------------------------ requests
 
@@ -325,7 +369,7 @@ class SimulatedEngine(LoopTaskEngine):
         for rid in ids:
             request = self._requests.pop(rid)
             replica = self.replicas[request.replica]
-            if replica.index not in synced:
+            if replica.index not in synced and self._paused is None:  # paused: synced at the pause
                 replica.sync(self.now, finish_step=False)
                 synced.add(replica.index)
             replica.remove(request)
@@ -350,11 +394,27 @@ class SimulatedEngine(LoopTaskEngine):
 
     def _flush_all(self) -> None:
         for replica in self.replicas:
-            replica.sync(self.now, finish_step=False)
+            if self._paused is None:  # paused: synced at the pause, no time has passed for the replicas since
+                replica.sync(self.now, finish_step=False)
             for request in replica.admitted:
                 if request.generated > request.delivered:
                     self._deliver(request, self._chunk(request, None))
             replica.flush()
+
+    def _deliver_held(self) -> None:
+        """Paused in place: the tokens generated so far go out under the current version (the KV stays)."""
+        for replica in self.replicas:
+            for request in replica.admitted:
+                if request.generated > request.delivered:
+                    self._deliver(request, self._chunk(request, None))
+
+    def _copy_kv(self, seconds_per_token: float) -> None:
+        """Copies each replica's KV over its host link, all at once: the clock moves on by the slowest copy."""
+        held = [replica.kv + replica.pending_kv for replica in self.replicas]
+        longest = max(held) * seconds_per_token
+        self._kv_copy_tokens += sum(held)
+        self._kv_copy_time += longest
+        self.now += longest
 
     # ------------------------------------------------------------------ the clock
 
@@ -369,7 +429,7 @@ class SimulatedEngine(LoopTaskEngine):
         """Returns once every consumer waits and the event loop ran settle_passes rounds with no call."""
         assert self._wake is not None
         while True:
-            while not self._closing and not (self._quiescent() and not self.paused_tags):
+            while not self._closing and not (self._quiescent() and not self._held()):
                 self._wake.clear()
                 await self._wake.wait()
             if self._closing:
@@ -377,8 +437,12 @@ class SimulatedEngine(LoopTaskEngine):
             mark = self._activity
             for _ in range(self.settle_passes):
                 await asyncio.sleep(0)
-            if mark == self._activity and self._quiescent() and not self.paused_tags:
+            if mark == self._activity and self._quiescent() and not self._held():
                 return
+
+    def _held(self) -> bool:
+        """The clock stands still: a memory tag is released or generation is paused."""
+        return bool(self.paused_tags) or self._paused is not None
 
     def _step(self) -> bool:
         """Admit queued work, then jump to the earliest replica event and deliver what finished there."""

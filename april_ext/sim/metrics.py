@@ -146,6 +146,7 @@ class StepReport:
     re_prefill_tokens: int
     re_prefill_time_fraction: float  # replica time spent re-prefilling resumed requests / (replicas x rollout)
     recompute_time_fraction: float  # replica time re-prefilling after preemptions / (replicas x rollout)
+    kv_copy_time_fraction: float  # rollout time the engines stood still copying carried KV to host and back
     preemptions: int
     aborted_samples: int
     surplus_groups: int
@@ -184,6 +185,7 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
         staleness_histogram=list(sched["staleness_histogram"]), re_prefill_tokens=int(sched["re_prefill_tokens"]),
         re_prefill_time_fraction=counters.resume_prefill_time / replica_time if replica_time > 0 else 0.0,
         recompute_time_fraction=counters.recompute_time / replica_time if replica_time > 0 else 0.0,
+        kv_copy_time_fraction=counters.kv_copy_time / wall if wall > 0 else 0.0,
         preemptions=counters.preemptions, aborted_samples=metrics.aborted_samples,
         surplus_groups=int(sched["surplus_groups"]), buffered_groups=int(sched["buffered_groups"]),
         filtered_groups=int(sched["groups_filtered"]), reward_mean=metrics.reward_mean,

@@ -325,6 +325,12 @@ class Replica:
         self._next = None
         self.dirty = True
 
+    def resume_at(self, t: float) -> None:
+        """Decoding (paused since the last sync) starts again at ``t``."""
+        self.seg_t0 = max(self.seg_t0, t)
+        self._next = None
+        self.dirty = True
+
     def idle_until(self, t: float) -> None:
         """An idle replica (nothing admitted) starts its next work no earlier than ``t``."""
         if not self.running and not self.prefilling:

@@ -15,7 +15,7 @@ from april_ext.sim.runner import SimResult, gain
 _COLUMNS = (
     ("mode", "{}"), ("tok/s", "{:,.0f}"), ("gain", "{}"), ("useful tok/s", "{:,.0f}"), ("bound", "{:,.0f}"),
     ("eff", "{:.2f}"), ("ceil eff", "{:.2f}"), ("bubble", "{:.2f}"),
-    ("partial", "{:.2f}"), ("offpol", "{:.2f}"), ("stale<=", "{:.0f}"), ("reprefill", "{:.3f}"),
+    ("partial", "{:.2f}"), ("offpol", "{:.2f}"), ("stale<=", "{:.0f}"), ("reprefill", "{:.3f}"), ("kvcopy", "{:.3f}"),
     ("step s", "{:.1f}"), ("len ratio", "{:.2f}"), ("W1 first->last", "{}"),
 )
 
@@ -32,7 +32,7 @@ def summary_rows(results: dict[str, SimResult]) -> list[dict[str, Any]]:
             "bound": s["bound_tokens_per_s"], "eff": s["efficiency"], "ceil eff": s["ceiling_efficiency"],
             "bubble": s["bubble_fraction"], "partial": s["partial_token_ratio"],
             "offpol": s["offpolicy_token_ratio"], "stale<=": s["max_staleness"],
-            "reprefill": s["re_prefill_time_fraction"], "step s": s["rollout_s"],
+            "reprefill": s["re_prefill_time_fraction"], "kvcopy": s["kv_copy_time_fraction"], "step s": s["rollout_s"],
             "len ratio": s["length_mean_ratio"],
             "W1 first->last": f"{s['first_step_length_w1_rel']:.2f}->{s['last_step_length_w1_rel']:.2f}",
         })

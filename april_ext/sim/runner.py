@@ -73,6 +73,9 @@ class SimConfig:
     """Virtual seconds an abort call takes (a preset; a given ClusterConfig carries its own)."""
     weight_sync_s: float = 0.0
     """Virtual seconds a weight update takes, outside the rollout window (a preset; a ClusterConfig has its own)."""
+    colocate: bool = False
+    """Engines share their GPUs with the trainer (a preset; a ClusterConfig has its own): with step_boundary "carry"
+    the carried KV is copied to host memory and back at every step boundary (ClusterConfig.colocated)."""
     steps: int = 6
     warmup_steps: int = 1
     """Steps left out of the run summaries (the buffer and the running mix start empty)."""
@@ -86,8 +89,9 @@ class SimConfig:
             raise ConfigError(f"SimConfig.mode={self.mode!r} is not allowed: one of {MODES}")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"SimConfig.algorithm={self.algorithm!r} is not allowed: one of {ALGORITHMS}")
-        if not isinstance(self.mixed_chunk, bool):
-            raise ConfigError(f"SimConfig.mixed_chunk={self.mixed_chunk!r} is not allowed: True or False")
+        for name in ("mixed_chunk", "colocate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"SimConfig.{name}={getattr(self, name)!r} is not allowed: True or False")
         for name in ("steps", "num_engines", "prompt_len", "dataset_size", "chunked_prefill_size", "tensor_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -120,7 +124,8 @@ class SimConfig:
         the groups still needed), stops once N pass the filter and throws the unfinished and surplus groups
         away (max_staleness 0 with the drop policy).
         april-adaptive is continuous refill with adaptive over-sampling, its target target_inflight_samples
-        or else ``engine_capacity`` (samples the engines run at once)."""
+        or else ``engine_capacity`` (samples the engines run at once). The baselines end their steps as slime does
+        (step_boundary "abort"); the APRIL modes use step_boundary as configured."""
         adaptive = self.mode == "april-adaptive"
         target = self.target_inflight_samples or engine_capacity
         if adaptive and target is None:
@@ -129,6 +134,7 @@ class SimConfig:
         base = replace(
             self._shared_scheduler_config(),
             max_inflight_samples=self.max_inflight_samples if self.mode != "baseline" else None,
+            step_boundary=self.step_boundary if self.mode != "baseline" else "abort",
             refill="continuous" if self.mode in ("april-continuous", "april-adaptive") else "batch",
             over_sampling="adaptive" if adaptive else "fixed",
             target_inflight_samples=target if adaptive else None)
@@ -146,7 +152,7 @@ class SimConfig:
         return cluster_preset(self.cluster, num_engines=self.num_engines, mixed_chunk=self.mixed_chunk,
                               chunked_prefill_size=self.chunked_prefill_size, tensor_parallel=self.tensor_parallel,
                               mem_fraction_static=self.mem_fraction_static, abort_latency_s=self.abort_latency_s,
-                              weight_sync_s=self.weight_sync_s)
+                              weight_sync_s=self.weight_sync_s, colocated=self.colocate)
 
     @property
     def bound_version(self) -> int:
@@ -219,6 +225,7 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
         "partial_token_ratio": _weighted([s.partial_token_ratio for s in steady], batch_tokens),
         "offpolicy_token_ratio": _weighted([s.offpolicy_token_ratio for s in steady], batch_tokens),
         "re_prefill_time_fraction": _weighted([s.re_prefill_time_fraction for s in steady], durations),
+        "kv_copy_time_fraction": _weighted([s.kv_copy_time_fraction for s in steady], durations),
         "max_staleness": float(max((len(s.staleness_histogram) - 1 for s in steps), default=0)),
         "rollout_s": seconds / len(steady),
         "length_mean_ratio": bias["mean_ratio"],
