@@ -562,7 +562,19 @@ def test_pause_modes_other_than_abort_need_an_engine_that_can_hold() -> None:
                     await post(session, f"{url}/pause_generation", {"mode": "abort"}),
                     await post(session, f"{url}/continue_generation", {}))
 
-    with ServerThread(SimulatedEngine(ClusterConfig(cost=cost, num_engines=1), TraceLengths([[3]]))) as s:
+    class CannotHold:
+        """The simulated engine without its pause / continue (which it has since the carry boundary)."""
+
+        def __init__(self, engine: SimulatedEngine) -> None:
+            self._engine = engine
+
+        def __getattr__(self, name: str):
+            if name in ("pause_generation", "continue_generation"):
+                raise AttributeError(name)
+            return getattr(self._engine, name)
+
+    engine = SimulatedEngine(ClusterConfig(cost=cost, num_engines=1), TraceLengths([[3]]))
+    with ServerThread(CannotHold(engine)) as s:
         refused, aborted, resumed = run(body(s.url))
     assert refused[0] == 400 and "cannot: use mode 'abort'" in refused[1]["error"]["message"]
     assert aborted[0] == 200 and resumed[0] == 200
