@@ -254,6 +254,9 @@ def test_a_split_model_in_one_process_says_how_to_launch(tmp_path: Path, capsys:
     assert "the run has 3 rank(s), not a multiple" in capsys.readouterr().err
     assert cli.main(["train", "--nproc-per-node", "0", "--output-dir", str(tmp_path / "c")]) == 2
     assert "--nproc-per-node 0 is not allowed" in capsys.readouterr().err
+    assert cli.main(["train", "--trainer", "megatron", "--use-distributed-optimizer", "--output-dir",
+                     str(tmp_path / "c")]) == 2
+    assert "use_distributed_optimizer=True needs a run across ranks" in capsys.readouterr().err
     # One rank is this process: a run of its own, no launch.
     assert cli.main(["train", *_flags({**TINY, "num_steps": 1, "output_dir": tmp_path / "one"}), "--nproc-per-node",
                      "1"]) == 0
