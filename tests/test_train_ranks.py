@@ -105,16 +105,32 @@ def test_torch_ddp_on_two_ranks_equals_one_process_across_a_resume(tmp_path: Pat
     _assert_same_weights(dict(iter_safetensors(ranks / step)), dict(iter_safetensors(one / step)))
 
 
-@pytest.mark.slow
-def test_megatron_tp2_on_two_ranks_equals_one_process_across_a_resume(tmp_path: Path) -> None:
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
+def _megatron_weights(tmp_path: Path, settings: dict, checkpoint: Path, model_dir: Path,
+                      **parallel_settings: object) -> dict[str, torch.Tensor]:
+    """The sharded checkpoint of ranks, loaded in this process (a world of one: tensor parallel 1) with
+    ``parallel_settings`` and exported in HF names."""
     from april_ext.trainer.megatron import (
         DistributedMegatronTrainer,
+        MegatronParallelConfig,
         MegatronTrainerConfig,
         parallel,
     )
     from april_ext.training.trainers import trainer_config
 
+    config = TrainConfig(**{**settings, "output_dir": str(tmp_path / "unused")})
+    trainer = DistributedMegatronTrainer(MegatronTrainerConfig(
+        model=ModelConfig.from_pretrained(model_dir), trainer=trainer_config(config), seed=config.seed,
+        parallel=MegatronParallelConfig(**parallel_settings)))
+    try:
+        trainer.load_checkpoint(checkpoint)
+        return dict(trainer.export_weights(to_cpu=True))
+    finally:
+        parallel.shutdown()
+
+
+@pytest.mark.slow
+def test_megatron_tp2_on_two_ranks_equals_one_process_across_a_resume(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
     settings = {**TINY, "trainer": "megatron", "tensor_model_parallel_size": 2}
     ranks = _two_ranks_with_a_resume(tmp_path, settings)
     # The one-process run: MegatronTrainer (tensor parallel 1 is the only layout of a world of one).
@@ -122,15 +138,24 @@ def test_megatron_tp2_on_two_ranks_equals_one_process_across_a_resume(tmp_path: 
     one = _one_process(tmp_path, single)
     _assert_same_rows(_rows(ranks), _rows(one))
     step = "checkpoints/step_000003/trainer"
-    # The two ranks' sharded checkpoint, loaded at tensor parallel 1 in this process and exported in HF names.
-    config = TrainConfig(**{**single, "output_dir": str(tmp_path / "unused")})
-    trainer = DistributedMegatronTrainer(MegatronTrainerConfig(
-        model=ModelConfig.from_pretrained(one / step), trainer=trainer_config(config), seed=config.seed))
-    try:
-        trainer.load_checkpoint(ranks / step)
-        gathered = dict(trainer.export_weights(to_cpu=True))
-    finally:
-        parallel.shutdown()
+    gathered = _megatron_weights(tmp_path, single, ranks / step, one / step)
+    _assert_same_weights(gathered, dict(iter_safetensors(one / step)))
+
+
+@pytest.mark.slow
+def test_megatron_distributed_optimizer_on_two_ranks_equals_one_process_across_a_resume(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
+    # DP=2: each rank holds half of Adam's state and of the fp32 main parameters, saved and resumed sharded.
+    settings = {**TINY, "trainer": "megatron", "use_distributed_optimizer": True}
+    ranks = _two_ranks_with_a_resume(tmp_path, settings)
+    # The one-process run: MegatronTrainer with its whole optimizer (a world of one has nothing to shard).
+    single = {**settings, "use_distributed_optimizer": False}
+    one = _one_process(tmp_path, single)
+    _assert_same_rows(_rows(ranks), _rows(one))
+    step = "checkpoints/step_000003/trainer"
+    # Loaded with the distributed optimizer (resharded from DP=2 to 1): a checkpoint of the plain optimizer
+    # would not load this way, so this also shows the ranks ran the distributed one.
+    gathered = _megatron_weights(tmp_path, single, ranks / step, one / step, use_distributed_optimizer=True)
     _assert_same_weights(gathered, dict(iter_safetensors(one / step)))
 
 
@@ -207,8 +232,10 @@ def test_parallel_settings_are_flags_validated_by_megatron_parallel_config() -> 
         TrainConfig(trainer="megatron", sequence_parallel=True)
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 is not allowed: 1 with trainer='torch'"):
         TrainConfig(tensor_model_parallel_size=2)
-    with pytest.raises(ConfigError, match="use_distributed_optimizer=True is not allowed"):
-        TrainConfig(trainer="megatron", use_distributed_optimizer=True)
+    with pytest.raises(ConfigError, match="use_distributed_optimizer=True is not allowed: False with trainer='torch'"):
+        TrainConfig(use_distributed_optimizer=True)
+    assert config_from_args(cli.build_parser().parse_args(
+        ["train", "--trainer", "megatron", "--use-distributed-optimizer"])).parallel_config().use_distributed_optimizer
     assert check_world(TrainConfig(), 3) == 3  # the torch trainer: data parallel over any world
     small = TrainConfig(rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=2)
     with pytest.raises(ConfigError, match="optimizer step of 2 samples .* cannot be split across 3"):
@@ -227,6 +254,9 @@ def test_a_split_model_in_one_process_says_how_to_launch(tmp_path: Path, capsys:
     assert "the run has 3 rank(s), not a multiple" in capsys.readouterr().err
     assert cli.main(["train", "--nproc-per-node", "0", "--output-dir", str(tmp_path / "c")]) == 2
     assert "--nproc-per-node 0 is not allowed" in capsys.readouterr().err
+    assert cli.main(["train", "--trainer", "megatron", "--use-distributed-optimizer", "--output-dir",
+                     str(tmp_path / "c")]) == 2
+    assert "use_distributed_optimizer=True needs a run across ranks" in capsys.readouterr().err
     # One rank is this process: a run of its own, no launch.
     assert cli.main(["train", *_flags({**TINY, "num_steps": 1, "output_dir": tmp_path / "one"}), "--nproc-per-node",
                      "1"]) == 0

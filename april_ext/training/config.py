@@ -379,11 +379,6 @@ class TrainConfig:
                 if getattr(split, name) != getattr(MegatronParallelConfig, name):
                     _bad(name, getattr(self, name), f"{getattr(MegatronParallelConfig, name)!r} with trainer='torch' "
                          "(the torch trainer is data parallel only; trainer='megatron' splits the model)")
-        if self.use_distributed_optimizer:
-            # DistributedMegatronTrainer saves and reshards it (tests/test_megatron_distributed.py), but no run
-            # across ranks has saved and resumed with it yet.
-            _bad("use_distributed_optimizer", True, "False: april-ext train does not run the distributed "
-                 "optimizer yet (DistributedMegatronTrainer takes it in a torchrun script; docs/megatron.md)")
 
     def parallel_config(self) -> MegatronParallelConfig:
         """The parallel layout as a MegatronParallelConfig, which validates it (ConfigErrors name

@@ -55,7 +55,7 @@ class _Command:
 def check_world(config: TrainConfig, world_size: int) -> int:
     """The data-parallel size of ``config``'s run in a world of ``world_size`` ranks; ConfigError when the
     layout does not fit it (tensor x pipeline x context parallel must divide it; the torch trainer is data
-    parallel over any world) or an optimizer step has fewer samples than data-parallel ranks."""
+    parallel over any world; the distributed optimizer needs more than one rank) or an optimizer step has fewer samples than data-parallel ranks."""
     dp = world_size
     if config.trainer != "torch":
         split = config.parallel_config()
@@ -66,6 +66,10 @@ def check_world(config: TrainConfig, world_size: int) -> int:
                               f"parallel = {split.tensor_model_parallel_size} x {split.pipeline_model_parallel_size}"
                               f" x {split.context_parallel_size}: {launch}")
         dp = split.data_parallel_size(world_size)
+        if split.use_distributed_optimizer and world_size == 1:
+            # MegatronTrainer (a world of one) has no distributed optimizer: the flag would be ignored.
+            raise ConfigError("use_distributed_optimizer=True needs a run across ranks (the run has 1 rank): "
+                              "launch it with --nproc-per-node or torchrun, or leave out --use-distributed-optimizer")
     # Each optimizer step's samples are split across the data-parallel ranks: at least one each.
     per_step = config.global_batch_size or config.rollout_batch_size * config.n_samples_per_prompt
     if per_step < dp:
