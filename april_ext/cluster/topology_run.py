@@ -48,7 +48,9 @@ class RayTopologyRun:
                              memory_tag_prefix: str) -> AsyncIterator[RolloutEngine]:
         """Engines on a checkpoint of the trainer's current weights (after a resume, the checkpoint's),
         labelled with its version. New weights reach them as in engine='sglang': written to the
-        weight-sync directory (sglang_weight_sync_dir, which every node must see) and loaded from disk."""
+        weight-sync directory (sglang_weight_sync_dir, which every node must see) and loaded from disk.
+        Failover as in engine='sglang' (sglang_worker_timeout_s): a server that died or stopped answering
+        leaves the router, its requests return to the scheduler as partials."""
         assert self._session is not None, "TrainingRun enters the trainer factory first"
         root = os.path.abspath(os.path.join(config.output_dir, SGLANG_DIR))
         initial = write_hf_checkpoint(trainer, model_config, os.path.join(root, "initial_model"))
@@ -57,7 +59,7 @@ class RayTopologyRun:
             async with SGLangEngine(SGLangEngineConfig(
                     router_url=pool.router.url, initial_weight_version=trainer.version,
                     weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
-                    stream=config.sglang_stream)) as inner, RayEngine(inner, pool) as engine:
+                    stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s)) as inner, RayEngine(inner, pool) as engine:
                 self.engine = engine
                 yield engine
         finally:
