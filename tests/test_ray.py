@@ -204,10 +204,13 @@ def _check_batch(scheduler, batch, trained_groups: set[int]) -> None:
     assert stats["generated_tokens"] == held, (stats, held)
 
 
-def test_an_engine_server_killed_or_stopped_mid_step_fails_over_and_rejoins_with_current_weights(tmp_path) -> None:
+@pytest.mark.parametrize("weight_sync", ["disk", "broadcast"])
+def test_an_engine_server_killed_or_stopped_mid_step_fails_over_and_rejoins_with_current_weights(
+        tmp_path, weight_sync: str) -> None:
     timeout_s = 3.0
     config = TrainConfig(**{**TINY, "rollout_batch_size": 4}, **RAY, num_steps=4, output_dir=str(tmp_path / "run"),
-                         actor_num_gpus_per_node=1, rollout_num_gpus=2, sglang_worker_timeout_s=timeout_s)
+                         actor_num_gpus_per_node=1, rollout_num_gpus=2, sglang_worker_timeout_s=timeout_s,
+                         weight_sync=weight_sync)
 
     async def run() -> dict:
         async with TrainingRun(config) as run:
