@@ -10,7 +10,8 @@ each test starts its own run's actors and placement groups in it.
   the current weights), then the other's SIGSTOPped during a later step (removed within
   sglang_worker_timeout_s, its requests resumed elsewhere; after SIGCONT it rejoins with the current
   weights). Every step completes with full batches of distinct groups, none trained twice, and every token
-  the scheduler received held once.
+  the scheduler received held once. (A restarted engine's old url is forgotten by failover; a stalled
+  actor's, answering again on the same url, is not.)
 - A trainer rank killed with SIGKILL stops the run with a ClusterError naming it; --resume completes the run.
 - Colocated: the trainer actor's and the engine server's memory alternate through pause / resume (RSS); the
   engine registers with a router the run is given, and leaves it at the end.
@@ -297,3 +298,19 @@ def test_an_engine_server_killed_or_stopped_mid_step_fails_over_and_rejoins_with
     assert [r["engine/server_weight_versions"] for r in seen["history"]] == [["1"], ["2"], ["3"], ["4"]]
     assert seen["labels"] == ["4"] and len(seen["listed"]) == 2
     assert seen["history"][-1]["engine/workers_live"] == 2
+
+
+def test_failover_forgets_a_restarted_engines_old_url_but_not_a_stalled_actors_own() -> None:
+    from april_ext.cluster.ray_engine import RayEngine
+
+    class Inner:
+        forgotten: list[str] = []
+
+        def forget_worker(self, url: str) -> None:
+            self.forgotten.append(url)
+
+    engine = RayEngine(Inner(), pool=None)  # type: ignore[arg-type]
+    # No update yet: nothing to push; an actor that was stalled answers again on its own url.
+    asyncio.run(engine._rejoin("http://h:1", "http://h:1"))
+    asyncio.run(engine._rejoin("http://h:1", "http://h:2"))
+    assert Inner.forgotten == ["http://h:1"]

@@ -70,9 +70,10 @@ class RayEngine:
     async def _rejoin(self, old_url: str, url: str) -> None:
         """A restarted engine's server gets the last update's weights (it started from the run's initial
         checkpoint) and the memory state of the others, before it is registered with the router. Failover
-        stops awaiting its old url."""
+        stops awaiting its old url (an actor that was only stalled comes back on the same one)."""
         async with self._lock:
-            self.inner.forget_worker(old_url)
+            if old_url != url:
+                self.inner.forget_worker(old_url)
             if self._weights is None and not self._released:
                 return
             config = self.inner.config
