@@ -303,14 +303,14 @@ def test_an_engine_server_killed_or_stopped_mid_step_fails_over_and_rejoins_with
 def test_failover_forgets_a_restarted_engines_old_url_but_not_a_stalled_actors_own() -> None:
     from april_ext.cluster.ray_engine import RayEngine
 
-    class Inner:
-        forgotten: list[str] = []
+    forgotten: list[str] = []
 
+    class Inner:
         def forget_worker(self, url: str) -> None:
-            self.forgotten.append(url)
+            forgotten.append(url)
 
     engine = RayEngine(Inner(), pool=None)  # type: ignore[arg-type]
     # No update yet: nothing to push; an actor that was stalled answers again on its own url.
     asyncio.run(engine._rejoin("http://h:1", "http://h:1"))
     asyncio.run(engine._rejoin("http://h:1", "http://h:2"))
-    assert Inner.forgotten == ["http://h:1"]
+    assert forgotten == ["http://h:1"]
