@@ -5,6 +5,13 @@ each test starts its own run's actors and placement groups in it.
 - 2 trainer ranks (DDP over gloo) and 2 embedded engines behind the router train the counting task with the
   same scheduler batches and rewards as the single-process run of the same seed (baseline mode); an engine
   actor killed with SIGKILL is restarted by Ray and rejoins the router with the current weights.
+- Mid-step faults, with 2 engines behind the router: one engine's server SIGKILLed during a step's rollout
+  (its streams end as partials that resume on the other engine; Ray restarts the engine, which rejoins with
+  the current weights), then the other's SIGSTOPped during a later step (removed within
+  sglang_worker_timeout_s, its requests resumed elsewhere; after SIGCONT it rejoins with the current
+  weights). Every step completes with full batches of distinct groups, none trained twice, and every token
+  the scheduler received held once. (A restarted engine's old url is forgotten by failover; a stalled
+  actor's, answering again on the same url, is not.)
 - A trainer rank killed with SIGKILL stops the run with a ClusterError naming it; --resume completes the run.
 - Colocated: the trainer actor's and the engine server's memory alternate through pause / resume (RSS); the
   engine registers with a router the run is given, and leaves it at the end.
@@ -20,6 +27,7 @@ import signal
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
@@ -62,12 +70,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def _wait(condition, timeout_s: float, what: str) -> None:
+async def _wait(condition, timeout_s: float, what: str, poll_s: float = 0.2) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(poll_s)
 
 
 def _label(url: str) -> str:
@@ -177,3 +185,132 @@ def test_colocated_trainer_and_engine_memory_alternate_behind_a_given_router(tmp
     (t0, t1, t2), (e0, e1, e2) = rss["trainer"], rss["engine"]
     assert e1 - e0 > 100 * mib and e1 - e2 > 100 * mib  # the KV cache comes back for the rollout, then goes
     assert t0 - t1 > 40 * mib and t2 - t1 > 40 * mib  # the trainer's weights: away for the rollout, then back
+
+
+def _check_batch(scheduler, batch, trained_groups: set[int]) -> None:
+    """A full batch of distinct complete groups, none trained before, and every token the scheduler received
+    held once: in the batch, in a partial buffered for a resume, or in a surplus group."""
+    config = scheduler.config
+    assert batch.n_groups == config.rollout_batch_size and len(set(batch.prompt_ids)) == batch.n_groups
+    assert np.bincount(batch.group_index).tolist() == [config.n_samples_per_prompt] * batch.n_groups
+    assert len(set(batch.sample_ids.tolist())) == batch.n_samples
+    assert not trained_groups & set(batch.prompt_ids), "a group trained twice"
+    trained_groups.update(batch.prompt_ids)
+    in_batch = set(batch.sample_ids.tolist())
+    held = int(batch.response_lens.sum())
+    for sid in scheduler.sample_ids("queued") + scheduler.sample_ids("done"):
+        if sid not in in_batch:
+            held += int(scheduler.sample(sid).token_ids.size)
+    stats = scheduler.stats()
+    assert stats["generated_tokens"] == held, (stats, held)
+
+
+@pytest.mark.parametrize("weight_sync", ["disk", "broadcast"])
+def test_an_engine_server_killed_or_stopped_mid_step_fails_over_and_rejoins_with_current_weights(
+        tmp_path, weight_sync: str) -> None:
+    timeout_s = 3.0
+    config = TrainConfig(**{**TINY, "rollout_batch_size": 4}, **RAY, num_steps=4, output_dir=str(tmp_path / "run"),
+                         actor_num_gpus_per_node=1, rollout_num_gpus=2, sglang_worker_timeout_s=timeout_s,
+                         weight_sync=weight_sync)
+
+    async def run() -> dict:
+        async with TrainingRun(config) as run:
+            engine, seen, trained = run.engine, {}, set()
+            step_rollout = run.rollout.run_step
+
+            async def checked_rollout(version: int):
+                result = await step_rollout(version)
+                _check_batch(run.scheduler, result.batch, trained)
+                return result
+
+            run.rollout.run_step = checked_rollout
+
+            # The fault comes with the first streamed token of a step: its requests are running on the servers.
+            armed: list = []
+            generate = engine.generate
+
+            async def generate_then_fault(*args):
+                async for chunk in generate(*args):
+                    if armed:
+                        armed.pop()()
+                    yield chunk
+
+            engine.generate = generate_then_fault
+
+            async def mid_step(fault) -> dict:
+                """A step with ``fault()`` made mid-rollout; it must complete."""
+                armed.append(fault)
+                row = await asyncio.wait_for(run.step(), 120)
+                assert not armed, "no token came in the step"
+                return row
+
+            await run.step()
+            killed, stopped = engine.pool.slots
+            server = await asyncio.wrap_future(killed.actor.server_pid.remote().future())
+            seen["killed_url"] = killed.url
+            await mid_step(lambda: os.kill(server, signal.SIGKILL))
+            await _wait(lambda: engine.rejoins == 1 and engine.pool.states()[0] == "up", 120,
+                        "the killed engine restarted and rejoined")
+            seen["killed_rejoined"] = (killed.url, _label(killed.url), str(run.trainer.version))
+            server = await asyncio.wrap_future(stopped.actor.server_pid.remote().future())
+            times: dict[str, float] = {}
+
+            def stop() -> None:
+                os.kill(server, signal.SIGSTOP)
+                times["stopped"] = time.monotonic()
+
+            async def removal() -> None:
+                await _wait(lambda: stopped.url in engine.pool_health()["removed"], 60, "the stopped engine removed",
+                            poll_s=0.05)
+                times["removed"] = time.monotonic()
+
+            try:
+                watch = asyncio.create_task(removal())
+                row = await mid_step(stop)
+                await asyncio.wait_for(watch, 60)
+                seen["detected_s"] = times["removed"] - times["stopped"]
+                seen["stopped_row"] = row
+                assert stopped.url in engine.pool_health()["removed"]
+                assert stopped.url not in engine.pool.router.workers()
+            finally:
+                os.kill(server, signal.SIGCONT)
+            await _wait(lambda: stopped.url in engine.pool_health()["live"], 60, "the stopped engine rejoined")
+            seen["stopped_rejoined"] = (_label(stopped.url), str(run.trainer.version))
+            while not run.done:
+                await run.step()
+            seen["labels"] = sorted({_label(s.url) for s in engine.pool.slots})
+            seen["listed"] = sorted(engine.pool.router.workers())
+            await run.finish()
+            seen["history"] = run.history
+            return seen
+
+    seen = asyncio.run(run())
+    # Killed: Ray restarted the engine on a new server, given the current weights before it was listed again.
+    new_url, label, version = seen["killed_rejoined"]
+    assert new_url != seen["killed_url"] and label == version
+    # Stopped: removed within the failover timeout (between 1 and 1.25 x it after its last answer), back after
+    # SIGCONT with the current weights.
+    # (Failover's probes and silence checks run every timeout / 4; a second of slack for a busy machine.)
+    assert seen["detected_s"] < 1.25 * timeout_s + 1.0, seen["detected_s"]
+    assert seen["stopped_row"]["engine/workers_removed"] == 1
+    label, version = seen["stopped_rejoined"]
+    assert label == version
+    assert [r["engine/server_weight_versions"] for r in seen["history"]] == [["1"], ["2"], ["3"], ["4"]]
+    assert seen["labels"] == ["4"] and len(seen["listed"]) == 2
+    assert seen["history"][-1]["engine/workers_live"] == 2
+
+
+def test_failover_forgets_a_restarted_engines_old_url_but_not_a_stalled_actors_own() -> None:
+    from april_ext.cluster.ray_engine import RayEngine
+
+    forgotten: list[str] = []
+
+    class Inner:
+        def forget_worker(self, url: str) -> None:
+            forgotten.append(url)
+
+    engine = RayEngine(Inner(), pool=None)  # type: ignore[arg-type]
+    # No update yet: nothing to push; an actor that was stalled answers again on its own url.
+    asyncio.run(engine._rejoin("http://h:1", "http://h:1"))
+    asyncio.run(engine._rejoin("http://h:1", "http://h:2"))
+    assert forgotten == ["http://h:1"]

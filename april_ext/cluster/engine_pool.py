@@ -119,9 +119,9 @@ class EnginePool:
         assert self._router is not None, "start() sets the router up"
         return self._router
 
-    async def watch(self, rejoin: Callable[[str], Awaitable[None]]) -> None:
+    async def watch(self, rejoin: Callable[[str, str], Awaitable[None]]) -> None:
         """Checks the engines forever (cancel to stop): removes the silent ones from the router, and
-        after ``rejoin(url)`` (the current weights) registers the restarted ones again."""
+        after ``rejoin(old_url, url)`` (the current weights) registers the restarted ones again."""
         while True:
             await asyncio.sleep(self.config.ray_engine_check_interval_s)
             for slot in self.slots:
@@ -132,7 +132,7 @@ class EnginePool:
                 except AprilError as err:  # a rejoin that failed is tried again at the next check
                     logger.warning("rollout engine %d (%s) could not rejoin: %s", slot.index, slot.url, err)
 
-    async def _check(self, slot: EngineSlot, rejoin: Callable[[str], Awaitable[None]]) -> None:
+    async def _check(self, slot: EngineSlot, rejoin: Callable[[str, str], Awaitable[None]]) -> None:
         import ray
 
         try:
@@ -150,8 +150,9 @@ class EnginePool:
             return
         if slot.registered:  # restarted between two checks
             await asyncio.to_thread(self.router.remove, slot.url)
+        old_url = slot.url
         slot.pid, slot.url, slot.registered = pid, url, False
-        await rejoin(url)
+        await rejoin(old_url, url)
         await asyncio.to_thread(self.router.add, url)
         await asyncio.to_thread(self.router.wait_until, lambda w: w.get(url, {}).get("is_healthy"),
                                 self.config.ray_timeout_s, f"list {url} as healthy")

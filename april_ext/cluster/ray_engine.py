@@ -67,10 +67,13 @@ class RayEngine:
             await self.inner.resume_memory(tags)
             self._released -= set(memory_tags(tags))
 
-    async def _rejoin(self, url: str) -> None:
+    async def _rejoin(self, old_url: str, url: str) -> None:
         """A restarted engine's server gets the last update's weights (it started from the run's initial
-        checkpoint) and the memory state of the others, before it is registered with the router."""
+        checkpoint) and the memory state of the others, before it is registered with the router. Failover
+        stops awaiting its old url (an actor that was only stalled comes back on the same one)."""
         async with self._lock:
+            if old_url != url:
+                self.inner.forget_worker(old_url)
             if self._weights is None and not self._released:
                 return
             config = self.inner.config
@@ -90,6 +93,10 @@ class RayEngine:
         """The SGLang engine's health plus each engine actor's state ("up", "down": waiting for its
         restart, "dead": no restarts left)."""
         return {**self.inner.health(), "engines": self.pool.states()}
+
+    def pool_health(self) -> dict[str, Any]:
+        """The SGLang engine's failover view (live, removed, removals, rejoins), for the run's metrics rows."""
+        return self.inner.pool_health()
 
     async def weight_versions(self) -> dict[str, str]:
         return await self.inner.weight_versions()

@@ -47,8 +47,11 @@ class RayTopologyRun:
     async def engine_factory(self, config: TrainConfig, trainer: Trainer, model_config: ModelConfig,
                              memory_tag_prefix: str) -> AsyncIterator[RolloutEngine]:
         """Engines on a checkpoint of the trainer's current weights (after a resume, the checkpoint's),
-        labelled with its version. New weights reach them as in engine='sglang': written to the
-        weight-sync directory (sglang_weight_sync_dir, which every node must see) and loaded from disk."""
+        labelled with its version. New weights reach them as in engine='sglang' (weight_sync): by default
+        written to the weight-sync directory (sglang_weight_sync_dir, which every node must see) and loaded
+        from disk, or broadcast by the driver to every engine through a process group.
+        Failover as in engine='sglang' (sglang_worker_timeout_s): a server that died or stopped answering
+        leaves the router, its requests return to the scheduler as partials."""
         assert self._session is not None, "TrainingRun enters the trainer factory first"
         root = os.path.abspath(os.path.join(config.output_dir, SGLANG_DIR))
         initial = write_hf_checkpoint(trainer, model_config, os.path.join(root, "initial_model"))
@@ -56,8 +59,9 @@ class RayTopologyRun:
         try:
             async with SGLangEngine(SGLangEngineConfig(
                     router_url=pool.router.url, initial_weight_version=trainer.version,
+                    weight_sync=config.weight_sync, weight_bucket_mb=config.weight_sync_bucket_mb,
                     weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
-                    stream=config.sglang_stream)) as inner, RayEngine(inner, pool) as engine:
+                    stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s)) as inner, RayEngine(inner, pool) as engine:
                 self.engine = engine
                 yield engine
         finally:

@@ -373,6 +373,10 @@ class SGLangEngine:
         return {"live": pool.live(), "removed": {url: r.reason for url, r in pool.removed.items()},
                 "removals": pool.removals, "rejoins": pool.rejoins}
 
+    def forget_worker(self, url: str) -> None:
+        """Failover stops awaiting a removed worker whose server was replaced by one at another url."""
+        self._workers.forget(url)
+
     def stats(self) -> SGLangEngineStats:
         return SGLangEngineStats(dict(self._workers.load), self._requests, self._generated, self._aborted,
                                  self._weight_version)

@@ -9,7 +9,8 @@ stall is found between worker_timeout_s and 1.25 x worker_timeout_s after the wo
 The requests a removed worker was running end as ABORT with every token received so far (the caller,
 e.g. the rollout loop's scheduler, resumes them elsewhere). With direct worker urls they are known by
 their url. Behind a router a request's worker is not known: a stream that has been silent for
-worker_timeout_s is ended when some worker was removed since it started or is not answering now.
+worker_timeout_s is ended when some worker was removed since it started, is removed and not back yet, or
+is not answering now.
 
 A removed worker whose /health answers again is brought up to date (``resync``: its requests aborted,
 the current weights pushed and their version checked) and rejoins the pool (behind a router: added back).
@@ -130,7 +131,10 @@ class Failover:
         self._probes[url] = asyncio.create_task(probe())
 
     async def _cut_silent_streams(self, now: float) -> None:
-        unanswering = any(now - self._last_seen.get(u, now) > 2 * self.interval_s for u in self._workers.live())
+        # A removed worker counts until it is back: the router deletes it in the background, so a request
+        # (e.g. a resumed partial) opened after the removal may still have been routed to it.
+        unanswering = bool(self._workers.removed) or any(now - self._last_seen.get(u, now) > 2 * self.interval_s
+                                                         for u in self._workers.live())
         silent = [s for s in self._inflight.values() if not s.done.is_set() and now - s.last_event >= self.timeout_s
                   and (unanswering or any(at >= s.opened for at in self._removed_at.values()))]
         if silent:

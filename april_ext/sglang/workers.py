@@ -51,6 +51,7 @@ class WorkerPool:
         self._listed: list[str] = list(config.worker_urls)
         self._gone: dict[str, asyncio.Event] = {}
         self._listeners: list[Callable[[str], None]] = []
+        self._forgotten: set[str] = set()
 
     @property
     def failover(self) -> bool:
@@ -111,7 +112,7 @@ class WorkerPool:
     def remove(self, url: str, reason: str) -> bool:
         """Takes the worker out of the pool (no requests, no calls; the calls waiting on it end); False
         when it already was. Behind a router, ``detach`` deletes it there."""
-        if url in self.removed:
+        if url in self.removed or url in self._forgotten:
             return False
         self.removed[url] = Removal(reason, time.time())
         self.removals += 1
@@ -147,6 +148,15 @@ class WorkerPool:
         del self.removed[url]
         self._gone[url] = asyncio.Event()
         self.rejoins += 1
+
+    def forget(self, url: str) -> None:
+        """Drops a removed worker for good: its server is gone and a replacement serves elsewhere (a Ray
+        engine restarts on a new url), so it is neither awaited back nor reported removed any more, and a
+        late failure of a call to it removes nothing."""
+        self._forgotten.add(url)
+        self.removed.pop(url, None)
+        self._gone.pop(url, None)
+        self._listed = [u for u in self._listed if u != url]
 
     def only(self, url: str) -> WorkerPool:
         """A pool of this one worker, without failover (a call to it fails if it fails): for bringing a

@@ -127,11 +127,11 @@ class TrainConfig:
     sglang_stream: bool = True
     """engine=sglang: stream responses (tokens as they come) or one non-streaming request per sample."""
     sglang_worker_timeout_s: float | None = 60.0
-    """engine=sglang: failover. A server that refuses connections, or sends nothing (no token, no /health
+    """engine=sglang or ray: failover. A server that refuses connections, or sends nothing (no token, no /health
     answer) for this many seconds, is removed; its requests are resumed on the others, and it rejoins with
     the current weights when it answers again (docs/sglang.md). None: no failover."""
     weight_sync: WeightSync = "disk"
-    """engine=sglang: how new weights reach the servers: "disk" (written to sglang_weight_sync_dir and loaded
+    """engine=sglang or ray: how new weights reach the servers: "disk" (written to sglang_weight_sync_dir and loaded
     with /update_weights_from_disk; any SGLang release, needs a shared file system), "tensor" (in
     /update_weights_from_tensor requests; the embedded server only) or "broadcast" (SGLang's collective update:
     this process broadcasts to every server through a process group; docs/weight_sync.md)."""
@@ -404,8 +404,8 @@ class TrainConfig:
                  "same weights); or sglang_launch=true, which starts servers on the run's initial weights")
         if self.weight_sync not in typing.get_args(WeightSync):
             _bad("weight_sync", self.weight_sync, f"one of {typing.get_args(WeightSync)}")
-        if self.weight_sync != "disk" and self.engine != "sglang":
-            _bad("weight_sync", self.weight_sync, "'disk' (the default) unless engine='sglang'")
+        if self.weight_sync != "disk" and self.engine != "sglang" and not self.ray:
+            _bad("weight_sync", self.weight_sync, "'disk' (the default) unless engine='sglang' or ray")
         if not math.isfinite(self.weight_sync_bucket_mb) or self.weight_sync_bucket_mb <= 0:
             _bad("weight_sync_bucket_mb", self.weight_sync_bucket_mb, "a finite number > 0")
         if self.sglang_num_servers < 1:
