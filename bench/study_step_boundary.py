@@ -186,7 +186,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/counting_tiny.toml")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=["baseline", "abort", "carry"], choices=list(MODES))
     parser.add_argument("--natural-prompts", type=int, default=64)
     parser.add_argument("--natural-samples", type=int, default=8)
     parser.add_argument("--out", default="april_runs/study_step_boundary")
