@@ -13,7 +13,9 @@ Per run (reported as mean +- std over seeds per mode):
   over K/V of older weights, abort re-prefilled them);
 - the length bias: the Wasserstein-1 distance between the response lengths trained on in the last quarter
   and the natural lengths of the final policy (held-out prompts answered to completion, no step boundary);
-- rollout throughput, off-policy token share, carried and re-prefilled tokens per step.
+- rollout throughput, off-policy token share, carried and re-prefilled tokens per step;
+- the step at which the run "went long" (``long_response_step``: trained responses averaging over 40 tokens
+  over 10 steps, the collapse of docs/loop.md's study), and how many runs of a mode did.
 Writes ``<out>/study.json`` (every run) and prints the markdown table of docs/loop.md.
 """
 
@@ -39,7 +41,12 @@ from april_ext.training import TrainConfig, TrainingRun
 from april_ext.training.trainers import build_trainer
 
 MODES = {"baseline": dict(partial_rollout=False), "abort": dict(partial_rollout=True, step_boundary="abort"),
-         "carry": dict(partial_rollout=True, step_boundary="carry")}
+         "carry": dict(partial_rollout=True, step_boundary="carry"),
+         # AReaL's decoupled PPO replaces TIS (the two do not combine).
+         "carry_decoupled": dict(partial_rollout=True, step_boundary="carry", use_decoupled_loss=True, tis_cap=None)}
+LONG_WINDOW, LONG_MEAN = 10, 40.0
+"""A run "goes long" at the first window of LONG_WINDOW steps whose trained responses average over LONG_MEAN
+tokens (the main job's cap is 65; its policies that learned the task answer in 5-15)."""
 
 
 def wasserstein_1(a: np.ndarray, b: np.ndarray) -> float:
@@ -49,6 +56,16 @@ def wasserstein_1(a: np.ndarray, b: np.ndarray) -> float:
     cdf_a = np.searchsorted(a, grid[:-1], side="right") / len(a)
     cdf_b = np.searchsorted(b, grid[:-1], side="right") / len(b)
     return float(np.sum(np.abs(cdf_a - cdf_b) * np.diff(grid)))
+
+
+def long_response_step(history: list[dict[str, Any]]) -> int | None:
+    """The first step of the first LONG_WINDOW-step window whose mean trained response length exceeds LONG_MEAN;
+    None if none does."""
+    lens = [float(np.mean(r["rollout/response_lens"])) for r in history]
+    for start in range(0, len(lens), LONG_WINDOW):
+        if np.mean(lens[start:start + LONG_WINDOW]) > LONG_MEAN:
+            return start + 1
+    return None
 
 
 def _k3(lp_train: np.ndarray, lp_behavior: np.ndarray, where: np.ndarray) -> tuple[float, int]:
@@ -136,6 +153,7 @@ async def one_run(config: TrainConfig, natural_prompts: int, natural_samples: in
         "after_stale_kl": float(np.mean(after)) if after else 0.0,
         "offpolicy_token_ratio": float(np.mean([r["rollout/off_policy_token_ratio"] for r in history])),
         "length_w1": wasserstein_1(trained, natural),
+        "long_response_step": long_response_step(history),
         "trained_len_mean": float(trained.mean()), "natural_len_mean": float(natural.mean()),
         "rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "carried_tokens_per_step": float(np.mean([r["rollout/carried_kv_tokens"] for r in history])),
@@ -151,14 +169,15 @@ COLUMNS = [("reward_last_quarter", "reward (last 1/4)", 3), ("offpolicy_kl", "KL
 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
-    lines = ["| mode | seeds | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
-             "|---|---:|" + "---:|" * len(COLUMNS)]
+    lines = ["| mode | seeds | " + " | ".join(title for _, title, _ in COLUMNS) + " | runs that went long |",
+             "|---|---:|" + "---:|" * (len(COLUMNS) + 1)]
     for mode, runs in results.items():
         cells = []
         for key, _, digits in COLUMNS:
             values = np.array([r[key] for r in runs])
             cells.append(f"{values.mean():.{digits}f} ± {values.std():.{digits}f}")
-        lines.append(f"| {mode} | {len(runs)} | " + " | ".join(cells) + " |")
+        long = sum(r["long_response_step"] is not None for r in runs)
+        lines.append(f"| {mode} | {len(runs)} | " + " | ".join(cells) + f" | {long} |")
     return "\n".join(lines)
 
 
@@ -167,7 +186,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/counting_tiny.toml")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=["baseline", "abort", "carry"], choices=list(MODES))
     parser.add_argument("--natural-prompts", type=int, default=64)
     parser.add_argument("--natural-samples", type=int, default=8)
     parser.add_argument("--out", default="april_runs/study_step_boundary")

@@ -107,3 +107,75 @@ def test_an_engine_without_pause_still_runs_the_loop(one_thread, boundary):
 
     results = asyncio.run(main())
     assert all(r.batch.n_groups == 2 for r in results)
+
+
+def test_carried_samples_reach_the_batch_as_the_engine_generated_them(one_thread):
+    """Records what the engine streamed (and returned from aborts) per request and checks every sample of every
+    batch against it: the tokens, behavior logprobs, per-token versions and finish reason of carried samples
+    across the boundary, the loss mask, and the reward of the assembled response."""
+    from types import SimpleNamespace
+
+    from april_ext.batch import FinishReason
+
+    model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, max_position_embeddings=96))
+    model.init_weights(0)
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=6,
+                                      max_response_len=40, step_boundary="carry"), TASK)
+    core = EngineCore(model, EngineConfig(num_blocks=256, max_num_seqs=64,
+                                          memory_tag_prefix=f"carry-loop-{next(_prefixes)}-"))
+    generated: dict[int, list[dict]] = {}  # sample id -> its requests, in order
+
+    async def main() -> list:
+        async with AsyncEngine(core) as engine:
+            generate, abort = engine.generate, engine.abort
+
+            async def recorded(input_ids, params=None, request_id=None):
+                record = {"id": request_id, "tokens": [], "logprobs": [], "versions": [], "finish": None}
+                generated.setdefault(int(request_id.split("-")[1]), []).append(record)
+                async for chunk in generate(input_ids, params, request_id):
+                    record["tokens"] += chunk.token_ids
+                    record["logprobs"] += chunk.logprobs
+                    record["versions"] += [chunk.weight_version] * len(chunk.token_ids)
+                    if chunk.finish_reason is not None:
+                        record["finish"] = FinishReason(chunk.finish_reason)
+                    yield chunk
+
+            async def recorded_abort(request_ids=None):
+                outputs = await abort(request_ids)
+                for output in outputs:
+                    for record in generated[int(output.request_id.split("-")[1])]:
+                        if record["id"] == output.request_id:
+                            record.update(tokens=list(output.token_ids), logprobs=list(output.logprobs),
+                                          versions=list(output.versions), finish=FinishReason.ABORT)
+                return outputs
+
+            engine.generate, engine.abort = recorded, recorded_abort
+            loop = RolloutLoop(engine, sched, TASK.reward, sampling=SamplingParams(stop_token_ids=(TASK.eos_id,)),
+                               seed=3, engine_capacity=64)
+            batches = []
+            for version in range(5):
+                batches.append((await loop.run_step(version)).batch)
+                await engine.update_weights({}, version + 1)
+            await loop.abort_carried()
+            return batches
+
+    batches = asyncio.run(main())
+    spanning = 0
+    for batch in batches:
+        for i in range(batch.n_samples):
+            start, end = batch.offsets[i], batch.offsets[i + 1]
+            response = slice(start + batch.prompt_lens[i], end)
+            requests = generated[int(batch.sample_ids[i])]
+            tokens = [t for r in requests for t in r["tokens"]]
+            assert batch.tokens[response].tolist() == tokens
+            assert batch.behavior_logprobs[response].tolist() == pytest.approx(
+                [lp for r in requests for lp in r["logprobs"]], abs=1e-6)
+            assert batch.versions[response].tolist() == [v for r in requests for v in r["versions"]]
+            assert batch.loss_mask[response].all() and not batch.loss_mask[start:response.start].any()
+            finish = FinishReason(int(batch.finish_reasons[i]))
+            assert finish == requests[-1]["finish"] != FinishReason.ABORT
+            assert (tokens[-1] == TASK.eos_id) == (finish == FinishReason.STOP)
+            prompt = SimpleNamespace(metadata=batch.metadata[batch.group_index[i]])
+            assert batch.rewards[i] == pytest.approx(TASK.reward(prompt, tokens))
+            spanning += len(set(batch.versions[response].tolist())) > 1
+    assert spanning > 0  # some samples were carried across a weight update
