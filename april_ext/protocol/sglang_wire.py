@@ -205,6 +205,16 @@ def _check_keys(body: Mapping[str, Any], allowed: tuple[str, ...], what: str) ->
         raise InvalidArgumentError(f"{what}: unknown fields {unknown} (allowed: {sorted(allowed)})")
 
 
+def _update_options(body: Mapping[str, Any], what: str) -> None:
+    """The fields a tensor or distributed weight update shares: checked, with nothing to do here."""
+    # The embedded engine has one model: "target" or "all" of it; "draft" names a speculative model it lacks.
+    if body.get("selector") not in (None, "all", "target"):
+        raise InvalidArgumentError(f"{what}: selector must be null, 'all' or 'target' (no draft model here), "
+                                   f"got {_show(body['selector'])}")
+    _bool(body, "flush_cache", True, what)
+    _bool(body, "torch_empty_cache", False, what)
+
+
 def _bool(body: Mapping[str, Any], key: str, default: bool, what: str) -> bool:
     """A JSON boolean (null: the default). Strings and numbers are refused: "false" is not false."""
     value = body.get(key)
@@ -520,12 +530,7 @@ def parse_weights_from_tensor(body: Any, dialect: SGLangDialect = CURRENT) -> We
         raise InvalidArgumentError(f"{what}: load_format must be null or 'safetensors' (base64 of a safetensors "
                                    f"blob); SGLang's own serializer formats are not readable here, got "
                                    f"{_show(body['load_format'])}")
-    # The embedded engine has one model: "target" or "all" of it; "draft" names a speculative model it lacks.
-    if body.get("selector") not in (None, "all", "target"):
-        raise InvalidArgumentError(f"{what}: selector must be null, 'all' or 'target' (no draft model here), "
-                                   f"got {_show(body['selector'])}")
-    _bool(body, "flush_cache", True, what)
-    _bool(body, "torch_empty_cache", False, what)
+    _update_options(body, what)
     return WeightsFromTensor(blobs, _opt_str(body, "weight_version", what),
                              _bool(body, "abort_all_requests", False, what))
 
@@ -628,11 +633,7 @@ def parse_weights_from_distributed(body: Any) -> WeightsFromDistributed:
     if body.get("load_format") is not None:
         raise InvalidArgumentError(f"{what}: load_format must be null here (one broadcast per tensor), got "
                                    f"{_show(body['load_format'])}")
-    if body.get("selector") not in (None, "all", "target"):
-        raise InvalidArgumentError(f"{what}: selector must be null, 'all' or 'target' (no draft model here), "
-                                   f"got {_show(body['selector'])}")
-    _bool(body, "flush_cache", True, what)
-    _bool(body, "torch_empty_cache", False, what)
+    _update_options(body, what)
     return WeightsFromDistributed(names, dtypes, shapes, _group_name(body, what),
                                   _opt_str(body, "weight_version", what),
                                   _bool(body, "abort_all_requests", False, what))

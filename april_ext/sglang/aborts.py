@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from april_ext.batch import FinishReason
-from april_ext.errors import AprilError
 from april_ext.protocol.outputs import GenerationChunk
+from april_ext.sglang.background import spawn_logged
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.requests import RequestState, wire_rid
 from april_ext.sglang.workers import WorkerPool
@@ -80,15 +80,7 @@ class Aborter:
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Runs a fire-and-forget abort (of an abandoned stream); a failure is logged, since nobody awaits it."""
-        async def quietly() -> None:
-            try:
-                await coro
-            except AprilError as exc:
-                logger.warning("SGLang background abort failed: %s", exc)
-
-        task = asyncio.ensure_future(quietly())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        spawn_logged(self._background, coro, logger, "SGLang background abort failed")
 
     async def drain(self) -> None:
         """Waits for the background aborts."""

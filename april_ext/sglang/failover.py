@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from april_ext.errors import AprilError, InternalError
+from april_ext.sglang.background import spawn_logged
 from april_ext.sglang.client import HTTPClient, refused
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangHTTPError, SGLangNoWorkerError
@@ -170,15 +171,7 @@ class Failover:
         logger.warning("SGLang failover: worker %s rejoined with the current weights", url)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        async def logged() -> None:
-            try:
-                await coro
-            except AprilError as exc:
-                logger.warning("SGLang failover: %s", exc)
-
-        task = asyncio.create_task(logged())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        spawn_logged(self._tasks, coro, logger, "SGLang failover")
 
 
 def _now() -> float:
