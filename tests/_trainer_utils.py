@@ -24,3 +24,15 @@ def make_batch(model: LlamaForCausalLM, version: int, *, seed: int = 0, groups: 
                                eos_ids=[TASK.eos_id], generator=torch.Generator().manual_seed(seed))
     rewards = [[TASK.reward(p, r.tokens) for r in g] for p, g in zip(prompts, sampled)]
     return pack_batch(prompts, sampled, rewards, version)
+
+
+def cli_flags(settings: dict) -> list[str]:
+    """TrainConfig settings as `april-ext train` flags (booleans as --name / --no-name)."""
+    out = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out

@@ -15,6 +15,7 @@ import pytest
 import torch
 from _sglang_utils import counting_checkpoint, live_server
 from _torch_threads import one_thread  # noqa: F401 (fixture)
+from _trainer_utils import cli_flags
 
 from april_ext import ConfigError, cli, memory
 from april_ext.model import LlamaForCausalLM, iter_safetensors, load_pretrained
@@ -30,17 +31,6 @@ TINY = dict(counting_median=3.0, counting_sigma=0.8, counting_max_count=12, coun
             num_layers=1, rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=4,
             max_num_seqs=64, num_blocks=256, lr=0.003, progress=False, plots=False)
 SERVER_ARGS = "--num-blocks 256 --max-running-requests 64 --seed 0"
-
-
-def _flags(settings: dict) -> list[str]:
-    out = []
-    for key, value in settings.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        else:
-            out += [flag, str(value)]
-    return out
 
 
 def _rows(path) -> list[dict]:
@@ -76,7 +66,7 @@ def _check_rows(rows: list[dict], steps: int, *, sglang: bool) -> None:
 
 def test_cli_train_launches_sglang_servers_and_syncs_weights_every_step(tmp_path, capsys):
     out = tmp_path / "run"
-    code = cli.main(["train", *_flags({**TINY, "num_steps": 3, "output_dir": str(out), "engine": "sglang",
+    code = cli.main(["train", *cli_flags({**TINY, "num_steps": 3, "output_dir": str(out), "engine": "sglang",
                                        "sglang_launch": True, "sglang_num_servers": 2,
                                        "sglang_module": "april_ext.server", "sglang_args": SERVER_ARGS,
                                        "sglang_launch_timeout_s": 120.0})])
@@ -106,7 +96,7 @@ def test_cli_train_launches_sglang_servers_and_syncs_weights_every_step(tmp_path
         assert not _reachable(url)
     assert "rollout tokens/s" in capsys.readouterr().out
     # Resumed onto a fresh server: it starts on the checkpoint's weights, labelled with its version.
-    assert cli.main(["train", *_flags({**TINY, "num_steps": 4, "output_dir": str(out), "engine": "sglang",
+    assert cli.main(["train", *cli_flags({**TINY, "num_steps": 4, "output_dir": str(out), "engine": "sglang",
                                        "sglang_launch": True, "sglang_module": "april_ext.server",
                                        "sglang_args": SERVER_ARGS, "resume": True})]) == 0
     rows = _rows(out / "metrics.jsonl")
@@ -134,7 +124,7 @@ def test_megatron_trainer_with_the_embedded_engine(tmp_path):
     from april_ext.trainer.megatron import MegatronTrainer
 
     out = tmp_path / "run"
-    assert cli.main(["train", *_flags({**TINY, "num_steps": 2, "output_dir": str(out), "trainer": "megatron",
+    assert cli.main(["train", *cli_flags({**TINY, "num_steps": 2, "output_dir": str(out), "trainer": "megatron",
                                        "over_sampling": "adaptive", "target_inflight_samples": 12})]) == 0
     _check_rows(_rows(out / "metrics.jsonl"), 2, sglang=False)
     state = torch.load(out / "checkpoints" / "step_000002" / "trainer" / "trainer_state.pt", weights_only=False)
@@ -239,11 +229,11 @@ def test_compare_launches_servers_per_run_and_refuses_shared_ones(tmp_path, caps
     settings = {**TINY, "num_steps": 1, "output_dir": str(out), "engine": "sglang", "sglang_launch": True,
                 "sglang_module": "april_ext.server", "sglang_args": SERVER_ARGS,
                 "sglang_weight_sync_dir": str(tmp_path / "sync")}
-    assert cli.main(["train", "--compare", *_flags(settings)]) == 0
+    assert cli.main(["train", "--compare", *cli_flags(settings)]) == 0
     for name in ("baseline", "april"):
         assert _rows(out / name / "metrics.jsonl")[0]["engine/server_weight_versions"] == ["1"]
         assert (tmp_path / "sync" / name / "model.safetensors").is_file()
     capsys.readouterr()
     shared = {**TINY, "output_dir": str(out), "engine": "sglang", "sglang_urls": "http://127.0.0.1:1", "model": "m"}
-    assert cli.main(["train", "--compare", *_flags(shared)]) == 2
+    assert cli.main(["train", "--compare", *cli_flags(shared)]) == 2
     assert "--compare with engine='sglang' needs sglang_launch=true" in capsys.readouterr().err

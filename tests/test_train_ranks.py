@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from _torch_threads import one_thread  # noqa: F401 (fixture)
+from _trainer_utils import cli_flags
 
 from april_ext import cli
 from april_ext.errors import ConfigError
@@ -33,23 +34,12 @@ UNTIMED = ("rollout/mean_inflight_samples", "rollout/occupancy")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _flags(settings: dict) -> list[str]:
-    out = []
-    for key, value in settings.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        else:
-            out += [flag, str(value)]
-    return out
-
-
 def _launch(nproc: int, settings: dict, *, pythonpath: tuple[Path, ...] = (),
             timeout_s: float = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """`april-ext train --nproc-per-node N ...` in a subprocess (it starts torchrun itself)."""
     path = os.pathsep.join([*map(str, pythonpath), str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    command = [sys.executable, "-m", "april_ext.cli", "train", "--nproc-per-node", str(nproc), *_flags(settings)]
+    command = [sys.executable, "-m", "april_ext.cli", "train", "--nproc-per-node", str(nproc), *cli_flags(settings)]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
                           check=False)
 
@@ -92,7 +82,7 @@ def _two_ranks_with_a_resume(tmp_path: Path, settings: dict) -> Path:
 
 def _one_process(tmp_path: Path, settings: dict) -> Path:
     out = tmp_path / "one"
-    assert cli.main(["train", *_flags({**settings, "num_steps": 3, "output_dir": out})]) == 0
+    assert cli.main(["train", *cli_flags({**settings, "num_steps": 3, "output_dir": out})]) == 0
     return out
 
 
@@ -258,6 +248,6 @@ def test_a_split_model_in_one_process_says_how_to_launch(tmp_path: Path, capsys:
                      str(tmp_path / "c")]) == 2
     assert "use_distributed_optimizer=True needs a run across ranks" in capsys.readouterr().err
     # One rank is this process: a run of its own, no launch.
-    assert cli.main(["train", *_flags({**TINY, "num_steps": 1, "output_dir": tmp_path / "one"}), "--nproc-per-node",
+    assert cli.main(["train", *cli_flags({**TINY, "num_steps": 1, "output_dir": tmp_path / "one"}), "--nproc-per-node",
                      "1"]) == 0
     assert [r["step"] for r in _rows(tmp_path / "one")] == [1]

@@ -17,7 +17,7 @@ from april_ext.algorithms import (
     token_advantages,
 )
 from april_ext.batch import TrainingBatch
-from april_ext.errors import InvalidArgumentError
+from april_ext.errors import InvalidArgumentError, InvalidStateError
 
 
 def split_by_token_budget(lengths: list[int], budget: int,
@@ -64,6 +64,14 @@ def validate_batch(batch: TrainingBatch) -> None:
     if bool((np.diff(batch.group_index) < 0).any()):
         raise InvalidArgumentError("batch.group_index must be non-decreasing (samples of a group contiguous)")
 
+
+
+def validate_step_batch(batch: TrainingBatch, version: int) -> None:
+    """validate_batch, and the batch must be built for the trainer's current policy version."""
+    validate_batch(batch)
+    if batch.policy_version != version:
+        raise InvalidStateError(f"batch.policy_version is {batch.policy_version} but the trainer holds "
+                                f"version {version}; the batch must be built for the current version")
 
 @dataclass
 class StepInputs:
@@ -117,4 +125,4 @@ def apply_kl_shaping(inputs: StepInputs, algo: AlgorithmConfig, logprobs: torch.
 
 
 __all__ = ["StepInputs", "apply_kl_shaping", "minibatch_bounds", "prepare_inputs", "split_by_token_budget",
-           "validate_batch"]
+           "validate_batch", "validate_step_batch"]

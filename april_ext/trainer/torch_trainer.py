@@ -28,7 +28,13 @@ from april_ext.model import LlamaForCausalLM, iter_safetensors, save_pretrained
 from april_ext.model.checkpoint import iter_safetensors_file, save_safetensors
 from april_ext.protocol.trainer import ExportedWeights
 from april_ext.trainer import checkpoint, colocation, distributed
-from april_ext.trainer.batching import apply_kl_shaping, minibatch_bounds, prepare_inputs, validate_batch
+from april_ext.trainer.batching import (
+    apply_kl_shaping,
+    minibatch_bounds,
+    prepare_inputs,
+    validate_batch,
+    validate_step_batch,
+)
 from april_ext.trainer.config import TrainerConfig
 from april_ext.trainer.logprobs import PolicyLogprobs
 from april_ext.trainer.loss_step import LossStep, step_metrics
@@ -106,10 +112,7 @@ class TorchTrainer:
 
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
         self._require_onloaded("train_step")
-        validate_batch(batch)
-        if batch.policy_version != self._version:
-            raise InvalidStateError(f"batch.policy_version is {batch.policy_version} but the trainer holds "
-                                    f"version {self._version}; the batch must be built for the current version")
+        validate_step_batch(batch, self._version)
         start = time.perf_counter()
         algo = self.config.algorithm
         inputs = prepare_inputs(batch, algo, self.device)

@@ -57,6 +57,7 @@ from april_ext.trainer.batching import (
     prepare_inputs,
     split_by_token_budget,
     validate_batch,
+    validate_step_batch,
 )
 from april_ext.trainer.logprobs import use_bf16_autocast
 from april_ext.trainer.loss_step import step_metrics
@@ -211,10 +212,7 @@ class DistributedMegatronTrainer:
     # ----- the step ---------------------------------------------------------------------------------------
 
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
-        validate_batch(batch)
-        if batch.policy_version != self._version:
-            raise InvalidStateError(f"batch.policy_version is {batch.policy_version} but the trainer holds "
-                                    f"version {self._version}; the batch must be built for the current version")
+        validate_step_batch(batch, self._version)
         start = time.perf_counter()
         algo = self.settings.algorithm
         inputs = prepare_inputs(batch, algo, self.device)
