@@ -31,7 +31,7 @@ import torch.distributed as dist
 from april_ext.errors import AprilError, InvalidArgumentError
 from april_ext.protocol import sglang_wire
 from april_ext.protocol.weight_group import broadcast_tensors, destroy_weight_group, dtype_name, join_weight_group
-from april_ext.sglang.client import HTTPClient
+from april_ext.sglang.client import HTTPClient, refused
 from april_ext.sglang.errors import SGLangHTTPError
 from april_ext.sglang.workers import WorkerPool
 
@@ -43,6 +43,10 @@ Named = Sequence[tuple[str, torch.Tensor]]
 class WeightBroadcastError(AprilError, RuntimeError):
     """A weight broadcast failed: a worker did not join the group, refused an update, or died or stalled
     during one. The group is dropped; the next update builds a new one."""
+
+    worker_gone: bool = False
+    """With failover: the failure was a worker that is gone (nothing listens on its port), which failover
+    has removed from the pool, so the update can go to the workers left."""
 
 
 @dataclass
@@ -67,7 +71,16 @@ class WeightBroadcaster:
 
     async def push(self, tensors: Named, version: int, *, flush_cache: bool = True) -> None:
         """Loads the tensors on every worker, labelled str(version); flush_cache as SGLang's field (False while
-        requests are held by an in_place pause)."""
+        requests are held by an in_place pause). With failover, a worker found gone during the update leaves
+        the pool as on every other call, and the update goes again to the workers left (a new group)."""
+        while True:
+            try:
+                return await self._push_once(tensors, version, flush_cache)
+            except WeightBroadcastError as exc:
+                if not exc.worker_gone:
+                    raise
+
+    async def _push_once(self, tensors: Named, version: int, flush_cache: bool) -> None:
         if not tensors:
             raise InvalidArgumentError("a weight broadcast needs at least one tensor")
         backend = "nccl" if tensors[0][1].is_cuda else "gloo"
@@ -151,11 +164,22 @@ class WeightBroadcaster:
         for task in [*tasks, local]:
             if task in done and task.exception() is not None:
                 exc = task.exception()
-                who = f"worker {tasks[task]}" if task in tasks else "the trainer's side"
-                raise WeightBroadcastError(f"{what}: {who} failed: {exc}") from exc
+                if task in tasks:
+                    raise self._failure(tasks[task], f"{what}: worker {tasks[task]} failed: {exc}", exc)
+                raise WeightBroadcastError(f"{what}: the trainer's side failed: {exc}") from exc
         if pending:
             late = [tasks.get(t, "the trainer's side") for t in pending]
             raise WeightBroadcastError(f"{what}: no answer from {', '.join(late)} within {2 * self.timeout_s} s")
+
+    def _failure(self, url: str, message: str, cause: BaseException) -> WeightBroadcastError:
+        """The error for a worker's failed call; with failover, a worker that is gone is removed from the pool
+        (whose listeners cut its requests and take it off the router) and the error says so."""
+        error = WeightBroadcastError(message)
+        error.__cause__ = cause
+        if self._workers.failover and refused(cause):
+            self._workers.remove(url, f"refused connections ({cause})")
+            error.worker_gone = True
+        return error
 
     async def _end_sessions(self, urls: Sequence[str]) -> None:
         """After a failed update: closes the sessions of the workers that still answer, so that the next
@@ -166,7 +190,7 @@ class WeightBroadcaster:
         """The call on every worker; any failure, or no answer within timeout_s, raises."""
         for url, answer in (await self._post_all(urls, endpoint, body)).items():
             if isinstance(answer, BaseException):
-                raise WeightBroadcastError(f"{url}{endpoint} failed: {answer}") from answer
+                raise self._failure(url, f"{url}{endpoint} failed: {answer}", answer)
 
     async def _post_all(self, urls: Sequence[str], endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         """POSTs to every worker at once; each url's answer, or the exception it raised (TimeoutError when
