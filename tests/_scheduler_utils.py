@@ -74,9 +74,28 @@ def state_payload(core: bytes) -> bytes:
     return core[20:-8]
 
 
-def frame_state(payload: bytes, version: int = 3) -> bytes:
+STATE_FORMAT = 5  # the format version the core writes
+_COUNTERS_AT = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # n, max_len, next group id, prompts, flags, version, step
+_V3_COUNTERS = 35
+_TAIL_COUNTERS = 4  # long_round, long_queue_groups, tail_restarted_samples, tail_tokens_discarded
+_NO_TAIL = bytes(1 + 8 + 8)  # short round, empty long queue, no pending restart
+
+
+def frame_state(payload: bytes, version: int = STATE_FORMAT) -> bytes:
     """Frames a payload as the core writes it: magic, format version, length, payload, FNV-1a checksum."""
     return b"APRILSCH" + struct.pack("<IQ", version, len(payload)) + payload + struct.pack("<Q", _fnv1a(payload))
+
+
+def as_version_3(core: bytes) -> bytes:
+    """Rewrite a state of a scheduler without tail batching as version 3 wrote it: no tail counters, no tail
+    fields at the end."""
+    payload = state_payload(core)
+    (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)
+    assert count == _V3_COUNTERS + _TAIL_COUNTERS and payload.endswith(_NO_TAIL)
+    last = _COUNTERS_AT + 8 + _V3_COUNTERS * 8
+    payload = (payload[:_COUNTERS_AT] + struct.pack("<Q", _V3_COUNTERS) + payload[_COUNTERS_AT + 8:last]
+               + payload[last + 8 * _TAIL_COUNTERS:-len(_NO_TAIL)])
+    return frame_state(payload, version=3)
 
 
 def long_tail_length(sample_id: int, cap: int, seed: int = 0) -> int:

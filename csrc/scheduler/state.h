@@ -68,9 +68,18 @@ struct Group {
   GroupState state = GroupState::Active;
   bool popped = false;               // handed out by pop_completed, reward not reported yet
   bool stale_check_pending = false;  // staleness to apply once no sample is in flight
+  // Tail batching: the group is in the long queue (runs and counts only in long rounds), and with
+  // tail_batching_restart its restart waits for its samples in flight (stale_check_pending is set with it).
+  bool long_queue = false;
+  bool tail_restart = false;
   int64_t n_done = 0;
   int64_t n_in_flight = 0;
 };
+
+// Tail batching: what the step is. Short: the configured step, over the groups outside the long queue. Long: only
+// long-queue groups run and count, no over-sampling. Drain: a long round begun with the data exhausted, which
+// takes every group left (long-queue groups first).
+enum class Round : uint8_t { Short = 0, Long = 1, Drain = 2 };
 
 // Everything that changes while the scheduler runs; persisted as a whole by state_io.
 struct State {
@@ -90,6 +99,7 @@ struct State {
   // Adaptive over-sampling (persisted from format version 2).
   double live_fraction = 1.0;    // running mean of the live share of active groups' samples at step ends
   int64_t adaptive_groups = 0;   // N'_t: most groups generating at a time this step (0 before the first step)
+  Round round = Round::Short;    // tail batching (persisted from format version 5)
   StepStats stats;
 
   bool data_exhausted() const { return data_size >= 0 && prompts_consumed >= data_size; }

@@ -11,8 +11,9 @@
 namespace april::sched {
 
 // Version 2 adds the adaptive over-sampling state and the over_sampling_groups counter, version 3 the
-// carried_samples and carried_kv_tokens counters; versions 1 and 2 still load.
-constexpr uint32_t kStateFormatVersion = 3;
+// carried_samples and carried_kv_tokens counters, version 5 tail batching (the round, the long queue, pending
+// restarts, four counters); older versions still load.
+constexpr uint32_t kStateFormatVersion = 5;
 
 // The framed bytes of a state (header, payload, checksum).
 std::string encode_state(const Config& config, const State& state);
