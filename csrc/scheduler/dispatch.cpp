@@ -117,8 +117,8 @@ Dispatch Scheduler::dispatch() {
 }
 
 // Queued samples of dispatchable groups in dispatch order. resume_priority: buffered partials (continuations
-// too), then fresh samples, each class sorted by dispatch_order; otherwise one list. Among partials,
-// resume_order breaks the ties the order leaves.
+// too), then fresh samples, each class sorted by dispatch_order, ties among partials by resume_order and among
+// fresh samples by creation order; otherwise one list, ties by creation order.
 std::vector<Scheduler::Pick> Scheduler::queued_in_dispatch_order() const {
   std::vector<Pick> partials, fresh;
   for (const auto& [gid, g] : s_.groups) {
@@ -130,7 +130,7 @@ std::vector<Scheduler::Pick> Scheduler::queued_in_dispatch_order() const {
       if (predicted < 0) predicted = group_length_prediction(s_, g, config_.max_response_len);
       const auto len = static_cast<int64_t>(smp.tokens.size());
       (len == 0 ? fresh : partials)
-          .push_back({gid, i, len, sample_length_prediction(predicted, len, config_.max_response_len)});
+          .push_back({gid, i, len, sample_length_prediction(predicted, len)});
     }
   }
   switch (config_.resume_order) {
@@ -142,9 +142,11 @@ std::vector<Scheduler::Pick> Scheduler::queued_in_dispatch_order() const {
       std::stable_sort(partials.begin(), partials.end(), [](const Pick& a, const Pick& b) { return a.len > b.len; });
       break;
   }
+  const auto by_age = [](const Pick& a, const Pick& b) { return a.gid < b.gid; };
   if (!config_.resume_priority) {
     partials.insert(partials.end(), fresh.begin(), fresh.end());
     fresh.clear();
+    std::stable_sort(partials.begin(), partials.end(), by_age);  // one list: ties in creation order
   }
   sort_by_dispatch_order(partials);
   sort_by_dispatch_order(fresh);
@@ -152,29 +154,20 @@ std::vector<Scheduler::Pick> Scheduler::queued_in_dispatch_order() const {
   return partials;
 }
 
-// Stable: the ties keep the order they came in (creation order, or resume_order among partials).
+// Stable: ties keep the order they come in (resume_order among partials, creation order otherwise).
 void Scheduler::sort_by_dispatch_order(std::vector<Pick>& picks) const {
-  const auto by_age = [](const Pick& a, const Pick& b) { return a.gid < b.gid; };
   switch (config_.dispatch_order) {
-    case DispatchOrder::Fifo:
-      // With resume priority the classes already are in queue order (partials by resume_order, fresh as
-      // launched); one list is in launch order of the groups.
-      if (!config_.resume_priority) std::stable_sort(picks.begin(), picks.end(), by_age);
-      break;
+    case DispatchOrder::Fifo: break;  // partials in resume_order, fresh samples as launched; one list by age
     case DispatchOrder::OldestFirst:
-      std::stable_sort(picks.begin(), picks.end(), by_age);
+      std::stable_sort(picks.begin(), picks.end(), [](const Pick& a, const Pick& b) { return a.gid < b.gid; });
       break;
     case DispatchOrder::LongestPredictedFirst:
-      std::stable_sort(picks.begin(), picks.end(), [](const Pick& a, const Pick& b) {
-        const int64_t ra = a.predicted - a.len, rb = b.predicted - b.len;
-        return ra != rb ? ra > rb : a.gid < b.gid;
-      });
+      std::stable_sort(picks.begin(), picks.end(),
+                       [](const Pick& a, const Pick& b) { return a.predicted - a.len > b.predicted - b.len; });
       break;
     case DispatchOrder::ShortestFirst:
-      std::stable_sort(picks.begin(), picks.end(), [](const Pick& a, const Pick& b) {
-        const int64_t ra = a.predicted - a.len, rb = b.predicted - b.len;
-        return ra != rb ? ra < rb : a.gid < b.gid;
-      });
+      std::stable_sort(picks.begin(), picks.end(),
+                       [](const Pick& a, const Pick& b) { return a.predicted - a.len < b.predicted - b.len; });
       break;
   }
 }

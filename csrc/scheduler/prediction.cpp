@@ -43,9 +43,8 @@ double group_length_prediction(const State& s, const Group& g, int64_t max_respo
   return static_cast<double>(max_response_len) / 2.0;
 }
 
-int64_t sample_length_prediction(double group_prediction, int64_t length, int64_t max_response_len) {
-  const auto rounded = static_cast<int64_t>(std::llround(group_prediction));
-  return std::min(std::max(rounded, length + 1), max_response_len);
+int64_t sample_length_prediction(double group_prediction, int64_t length) {
+  return std::max(static_cast<int64_t>(std::llround(group_prediction)), length + 1);
 }
 
 void record_final_length(State& s, const Group& g, const Sample& smp) {

@@ -15,8 +15,8 @@ namespace april::sched {
 double group_length_prediction(const State& s, const Group& g, int64_t max_response_len);
 
 // A sample's predicted final length: the group's prediction rounded, never below its length + 1 (it has not
-// finished) nor above the cap.
-int64_t sample_length_prediction(double group_prediction, int64_t length, int64_t max_response_len);
+// finished). Neither exceeds the cap: means of final lengths, half the cap, and a queued sample is below it.
+int64_t sample_length_prediction(double group_prediction, int64_t length);
 
 // A sample reached its final length: into the prompt's history, the global mean, and this step's pairs of
 // (prediction at its last dispatch, final length) when it was dispatched since the state was loaded.
