@@ -77,6 +77,7 @@ def state_payload(core: bytes) -> bytes:
 STATE_FORMAT = 5  # the format version the core writes
 _COUNTERS_AT = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # n, max_len, next group id, prompts, flags, version, step
 _V3_COUNTERS = 35
+_V4_COUNTERS = 39  # chunk_returns, continuation_requests, continuation_tokens, prediction_samples
 _TAIL_COUNTERS = 4  # long_round, long_queue_groups, tail_restarted_samples, tail_tokens_discarded
 _NO_TAIL = bytes(1 + 8 + 8)  # short round, empty long queue, no pending restart
 
@@ -86,15 +87,41 @@ def frame_state(payload: bytes, version: int = STATE_FORMAT) -> bytes:
     return b"APRILSCH" + struct.pack("<IQ", version, len(payload)) + payload + struct.pack("<Q", _fnv1a(payload))
 
 
-def as_version_3(core: bytes) -> bytes:
-    """Rewrite a state of a scheduler without tail batching as version 3 wrote it: no tail counters, no tail
-    fields at the end."""
+def as_version_4(core: bytes) -> bytes:
+    """Rewrite a state of a scheduler without tail batching as version 4 wrote it: no tail counters, no tail
+    section at the end."""
     payload = state_payload(core)
     (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)
-    assert count == _V3_COUNTERS + _TAIL_COUNTERS and payload.endswith(_NO_TAIL)
+    assert count == _V4_COUNTERS + _TAIL_COUNTERS and payload.endswith(_NO_TAIL)
+    last = _COUNTERS_AT + 8 + _V4_COUNTERS * 8
+    payload = (payload[:_COUNTERS_AT] + struct.pack("<Q", _V4_COUNTERS) + payload[_COUNTERS_AT + 8:last]
+               + payload[last + 8 * _TAIL_COUNTERS:-len(_NO_TAIL)])
+    return frame_state(payload, version=4)
+
+
+def as_version_3(core: bytes) -> bytes:
+    """Rewrite a state as version 3 wrote it: 35 counters (none of chunk_returns .. prediction_samples, nor the
+    tail counters) and nothing after the adaptive fields (no length prediction, no tail section)."""
+    payload = state_payload(core)
+    n = struct.unpack_from("<q", payload, 0)[0]
+    (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)
+    assert count == _V4_COUNTERS + _TAIL_COUNTERS
+    pos = _COUNTERS_AT + 8 + count * 8
+
+    def skip_vec(pos: int, item: int) -> int:
+        return pos + 8 + struct.unpack_from("<Q", payload, pos)[0] * item
+
+    pos = skip_vec(pos, 8)  # staleness histogram
+    (groups,) = struct.unpack_from("<Q", payload, pos)
+    pos += 8
+    for _ in range(groups):
+        pos = skip_vec(skip_vec(pos + 18, 4), 4)  # id, prompt index, state, flag; prompt, rewards
+        for _ in range(n):
+            pos = skip_vec(skip_vec(skip_vec(pos + 26, 4), 4), 8)  # state, finish, 3 ints; tokens, logprobs, segments
+    pos = skip_vec(skip_vec(pos, 8), 8) + 16  # completed, accepted queues; adaptive state
     last = _COUNTERS_AT + 8 + _V3_COUNTERS * 8
     payload = (payload[:_COUNTERS_AT] + struct.pack("<Q", _V3_COUNTERS) + payload[_COUNTERS_AT + 8:last]
-               + payload[last + 8 * _TAIL_COUNTERS:-len(_NO_TAIL)])
+               + payload[last + 8 * (count - _V3_COUNTERS):pos])
     return frame_state(payload, version=3)
 
 

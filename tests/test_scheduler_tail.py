@@ -10,6 +10,7 @@ import pytest
 from _scheduler_utils import (
     FakeEngine,
     as_version_3,
+    as_version_4,
     check_batch_layout,
     feed,
     finish_group,
@@ -385,17 +386,19 @@ def test_a_restart_waiting_for_aborts_survives_save_and_load():
     assert sorted(r.sample_id for r in requests) == samples_of(2, 3) and not any(r.is_resume for r in requests)
 
 
-def test_version_3_states_load_with_no_long_queue():
+@pytest.mark.parametrize("older", [as_version_3, as_version_4])
+def test_version_3_and_4_states_load_with_no_long_queue(older):
     sched = tail()
-    sched.begin_step(0)
-    sched.dispatch()
+    step_zero(sched)
     plain = make()
     plain.begin_step(0)
     plain.dispatch()
-    old = dict(plain.state_dict(), core=as_version_3(plain.state_dict()["core"]))
-    sched.load_state_dict(old)
+    finish_group(plain, 0, N_SAMPLES)
+    sched.load_state_dict(dict(plain.state_dict(), core=older(plain.state_dict()["core"])))
     assert sched.stats()["long_queue_groups"] == 0 and sched.stats()["long_round"] == 0
-    assert sched.sample_ids("queued") == samples_of(0, 1, 2, 3)
+    assert sched.sample_ids("queued") == samples_of(1, 2, 3)
+    if older is as_version_4:  # everything else of a version 4 state is kept
+        assert sched.state_dict() == plain.state_dict()
 
 
 @pytest.mark.parametrize("where", ["round", "long", "restart"])
