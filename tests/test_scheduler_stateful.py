@@ -219,9 +219,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def pop_completed(self):
         for g in self.sched.pop_completed_groups():
-            assert g.group_id not in self.pending and g.group_id not in self.trained_groups
+            assert g.group_id not in self.trained_groups
             for sid, resp in zip(g.sample_ids, g.responses):
                 assert np.array_equal(resp, token_at(int(sid), np.arange(self.fed.get(int(sid), 0))))
+            if g.group_id in self.pending:  # popped, restarted for staleness unrewarded, and completed again
+                assert self.enforced and self.cfg.staleness_policy == "restart", "a group handed out twice"
+                event("restarted group completed again")
+                continue
             self.pending.append(g.group_id)
 
     @rule(data=st.data(), equal=st.booleans(), accepted=st.booleans())
