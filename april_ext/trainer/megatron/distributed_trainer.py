@@ -408,7 +408,9 @@ class DistributedMegatronTrainer:
         return sharded.iter_hf_weights(self.gpt, self.config.model)
 
     def export_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
-        tensors = [(name, t.to("cpu", copy=True) if to_cpu else t) for name, t in self.iter_hf_weights()]
+        """The current weights as a stream gathered while it is read (see ``iter_hf_weights``: every rank
+        reads its export to the end, and no rank holds more than one gathered parameter at a time)."""
+        tensors = ((name, t.to("cpu", copy=True) if to_cpu else t) for name, t in self.iter_hf_weights())
         return ExportedWeights(version=self._version, tensors=tensors)
 
     # ----- checkpoints ------------------------------------------------------------------------------------
