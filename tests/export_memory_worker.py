@@ -11,7 +11,12 @@ Modes:
   worker pool that only answers) into OUT/sync with BUCKET_MB shards, the other ranks take part in the
   gather; rank 0 then reads the directory back and records whether it equals the HF weights bit for bit.
 
-Usage: torchrun --nproc-per-node 2 tests/export_memory_worker.py OUT stream|disk
+- ``load``: the same model's HF checkpoint (one safetensors file, written by rank 0 into OUT/hf) loaded
+  into each rank's tensor-parallel GPTModel (``sharded.load_hf_weights``, the load the trainer makes);
+  the rank records the size of its model and of one decoder layer, and after the peak is taken, the
+  model is exported again (gathered) and rank 0 records whether that equals the checkpoint bit for bit.
+
+Usage: torchrun --nproc-per-node 2 tests/export_memory_worker.py OUT stream|disk|load
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ class _AnsweringWorkers:
         return [("http://worker", {"success": True})]
 
 
-def _stream(world: int) -> dict[str, Any]:
+def _stream(world: int, out: str) -> dict[str, Any]:
     model = ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     trainer = DistributedMegatronTrainer(MegatronTrainerConfig(
@@ -104,10 +109,9 @@ def _disk(world: int, out: str) -> dict[str, Any]:
     def export() -> None:
         if dist.get_rank() == 0:
             workers: Any = _AnsweringWorkers()
-            broadcaster = WeightBroadcaster(workers, None, bucket_bytes=BUCKET_MB * 2**20,  # type: ignore[arg-type]
-                                            timeout_s=60.0)
-            asyncio.run(push_weights(workers, None, trainer.export_weights(), 1, "disk", sync_dir,  # type: ignore[arg-type]
-                                     broadcaster))
+            http: Any = None  # the disk sync makes no HTTP call of its own
+            broadcaster = WeightBroadcaster(workers, http, bucket_bytes=BUCKET_MB * 2**20, timeout_s=60.0)
+            asyncio.run(push_weights(workers, http, trainer.export_weights(), 1, "disk", sync_dir, broadcaster))
         else:
             collections.deque(trainer.iter_hf_weights(), maxlen=0)
 
@@ -122,13 +126,41 @@ def _disk(world: int, out: str) -> dict[str, Any]:
     return seen
 
 
+def _load(world: int, out: str) -> dict[str, Any]:
+    from april_ext.model import save_pretrained
+    from april_ext.trainer.megatron import sharded
+    from april_ext.trainer.megatron.model import build_gpt_model
+
+    directory = os.path.join(out, "hf")
+    parallel.initialize(MegatronParallelConfig(tensor_model_parallel_size=world, timeout_s=120.0))
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        save_pretrained(LlamaForCausalLM(DISK_MODEL), directory)
+        gc.collect()
+    dist.barrier()
+    gpt = build_gpt_model(DISK_MODEL, packed=True, tensor_model_parallel_size=world,
+                          vocab_size=sharded.padded_vocab_size(DISK_MODEL.vocab_size, world))
+    layer = sum(p.numel() * p.element_size() for n, p in LlamaForCausalLM(DISK_MODEL.replace(num_hidden_layers=1))
+                .named_parameters() if n.startswith("model.layers.0."))
+    seen: dict[str, Any] = {
+        "peak_extra_bytes": _peak_extra_bytes(lambda: sharded.load_hf_weights(gpt, directory, DISK_MODEL)),
+        "layer_bytes": layer, "rank_model_bytes": sum(p.numel() * p.element_size() for p in gpt.parameters())}
+    exported = sharded.iter_hf_weights(gpt, DISK_MODEL)
+    if dist.get_rank() == 0:
+        saved = dict(iter_safetensors(directory))
+        seen["bit_exact"] = all(torch.equal(saved.pop(n), t) for n, t in exported) and not saved
+    else:
+        collections.deque(exported, maxlen=0)
+    return seen
+
+
 def main(out: str, mode: str) -> None:
     # glibc's allocator raises its mmap threshold as large blocks are freed, and then keeps later freed
     # blocks of up to 32 MiB on its heap: a fixed threshold returns them at once, so that the resident
     # memory measures what lives (M_MMAP_THRESHOLD is -3).
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
     world = int(os.environ["WORLD_SIZE"])
-    seen = _stream(world) if mode == "stream" else _disk(world, out)
+    seen = {"stream": _stream, "disk": _disk, "load": _load}[mode](world, out)
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w", encoding="ascii") as handle:
         json.dump(seen, handle)
     parallel.shutdown()

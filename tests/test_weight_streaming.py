@@ -113,3 +113,29 @@ def test_the_embedded_engine_copies_a_stream_tensor_by_tensor() -> None:
         core.update_weights(stream(), 1)
     assert all(torch.equal(params[n], t) for n, t in new.items())
     assert core.weight_version == 0
+
+
+def test_a_ray_trainer_rank_hands_its_export_out_bucket_by_bucket(tmp_path) -> None:
+    from april_ext.cluster.trainer_actor import TrainerRank
+    from april_ext.training.config import TrainConfig
+
+    model = tiny_model(seed=2)
+    want = {name: p.detach().clone() for name, p in model.named_parameters()}
+    bucket_bytes = 3 * max(t.numel() * t.element_size() for t in want.values())
+    config = TrainConfig(hidden_size=16, num_layers=1, output_dir=str(tmp_path), progress=False, plots=False,
+                         weight_sync_bucket_mb=bucket_bytes / 2**20)
+    rank = TrainerRank(config, 0, 1)
+    rank.setup(("127.0.0.1", 0), model, "")
+    try:
+        assert rank.begin_export(False, True) == 0
+        buckets = []
+        while (bucket := rank.next_bucket()) is not None:
+            buckets.append(bucket)
+        with pytest.raises(InvalidStateError, match="no export is being read"):
+            rank.next_bucket()
+    finally:
+        rank.close()
+    assert len(buckets) > 2
+    assert all(sum(t.numel() * t.element_size() for _, t in b) <= bucket_bytes for b in buckets)
+    got = [(name, t) for b in buckets for name, t in b]
+    assert [n for n, _ in got] == list(want) and all(torch.equal(t, want[n]) for n, t in got)

@@ -3,10 +3,10 @@
 A checkpoint directory (which the servers must see at the same path) is loaded with
 /update_weights_from_disk, unless the sync is "broadcast", which reads it here and broadcasts it. Named
 tensors go the way SGLangEngineConfig.weight_sync says:
-- "disk": written to ``weight_sync_dir`` and loaded with /update_weights_from_disk (any SGLang release;
-  the servers need a shared file system);
-- "tensor": /update_weights_from_tensor with a base64 safetensors blob, which only the embedded server
-  reads (SGLang's own serializer passes CUDA IPC handles between processes of one machine);
+- "disk": written to ``weight_sync_dir`` as Hugging Face's sharded safetensors (one shard per bucket) and
+  loaded with /update_weights_from_disk (any SGLang release; the servers need a shared file system);
+- "tensor": one /update_weights_from_tensor per bucket, each a base64 safetensors blob, which only the
+  embedded server reads (SGLang's own serializer passes CUDA IPC handles between processes of one machine);
 - "broadcast": SGLang's collective update from this process (april_ext.sglang.broadcast).
 The current release runs tensor and collective updates inside a weight-update session
 (/begin_weight_update ... /end_weight_update), which is opened on the workers of that release.
@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from april_ext.errors import InvalidArgumentError
 from april_ext.model.checkpoint import iter_safetensors, safetensors_files, save_safetensors_sharded
 from april_ext.protocol import sglang_wire
 from april_ext.protocol.sglang_wire import encode_named_tensors
@@ -72,9 +71,8 @@ async def _from_tensors(workers: WorkerPool, tensors: Iterable[tuple[str, torch.
             await _send_bucket(workers, pending, None, False)
         names.extend(name for name, _ in bucket)
         pending = bucket
-    if pending is None:
-        raise InvalidArgumentError("a tensor weight update needs at least one tensor")
-    await _send_bucket(workers, pending, version, flush_cache)
+    # No tensors at all: one empty call still sets the version (and flushes).
+    await _send_bucket(workers, pending or [], version, flush_cache)
 
 
 async def _send_bucket(workers: WorkerPool, bucket: list[tuple[str, torch.Tensor]], version: int | None,
