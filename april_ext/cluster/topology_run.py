@@ -54,7 +54,8 @@ class RayTopologyRun:
         leaves the router, its requests return to the scheduler as partials."""
         assert self._session is not None, "TrainingRun enters the trainer factory first"
         root = os.path.abspath(os.path.join(config.output_dir, SGLANG_DIR))
-        initial = write_hf_checkpoint(trainer, model_config, os.path.join(root, "initial_model"))
+        initial = write_hf_checkpoint(trainer, model_config, os.path.join(root, "initial_model"),
+                                      shard_bytes=int(config.weight_sync_bucket_mb * 2**20))
         pool = await EnginePool.start(self._session, config, initial, trainer.version)
         try:
             async with SGLangEngine(SGLangEngineConfig(

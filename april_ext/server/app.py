@@ -413,20 +413,24 @@ class EngineServer:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """Accepts base64 of a safetensors blob per TP rank; the embedded engine has one rank and loads
-        the first blob (every rank's blob holds the same full tensors)."""
+        the first blob (every rank's blob holds the same full tensors). Where the release labels weights, a
+        call without weight_version is part of an update: its tensors load under the current version, and
+        the call that carries weight_version commits the new one (the adapter sends a large update in buckets
+        so, and tokens keep the old version until the last bucket is in)."""
         req = sglang_wire.parse_weights_from_tensor(await self._body(request), self.dialect)
         tensors = sglang_wire.decode_named_tensors(req.serialized[0])
         ok, message = await self._update_weights(tensors, req.weight_version, req.abort_all_requests,
-                                                 "serialized_named_tensors[0]")
+                                                 "serialized_named_tensors[0]",
+                                                 partial=req.weight_version is None and self.dialect.weight_versions)
         return _json_response({"success": ok, "message": message}, 200 if ok else 400)
 
     async def _update_weights(self, weights: Any, label: str | None, abort_all: bool,
-                              source: str) -> tuple[bool, str]:
+                              source: str, *, partial: bool = False) -> tuple[bool, str]:
         """A failed update leaves the engine's weights and version as they were (it validates every
-        tensor before copying any)."""
+        tensor before copying any). ``partial``: the weights load under the current version."""
         if abort_all:
             await self.engine.abort()
-        version = self._versions.current + 1
+        version = self._versions.current + (0 if partial else 1)
         new_label = label if label is not None else self._versions.label()
         try:
             await self.engine.update_weights(weights, version)

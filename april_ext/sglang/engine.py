@@ -239,9 +239,12 @@ class SGLangEngine:
     async def update_weights(self, weights: WeightsSource, version: int) -> list[str]:
         """Loads weights on every worker with weight_version str(version); returns the names loaded.
         A checkpoint directory or named tensors; see april_ext.sglang.weights for the transports
-        (SGLangEngineConfig.weight_sync)."""
+        (SGLangEngineConfig.weight_sync). A stream of named tensors (an ExportedWeights) is read once:
+        the disk sync and the tensor sync without failover hold one bucket of it at a time; the tensor sync
+        with failover keeps the whole of it for a rejoining worker, as the broadcast does for its retry."""
         check_weight_version(version)
-        if not isinstance(weights, (str, os.PathLike, Mapping)):
+        streamed = self.config.weight_sync == "disk" or (self.config.weight_sync == "tensor" and self._failover is None)
+        if not isinstance(weights, (str, os.PathLike, Mapping)) and not streamed:
             weights = dict(weights)
         async with self._weights_lock:
             # Requests held in place keep their KV: SGLang would fail the flush (it flushes only when idle).
