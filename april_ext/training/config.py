@@ -22,6 +22,7 @@ from april_ext.algorithms import KL_SHAPED_ADVANTAGES
 from april_ext.errors import ConfigError
 from april_ext.scheduler import SchedulerConfig
 from april_ext.settings import adopt, settings
+from april_ext.strategies import STRATEGIES, apply_strategy
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 
 if sys.version_info >= (3, 11):
@@ -87,6 +88,10 @@ class TrainConfig:
     # --- rollout (the other scheduler settings are adopted from SchedulerConfig)
     max_response_len: int | None = None
     """Response token cap per sample; None: the counting task's longest answer, or 1024 with data."""
+    strategy: str | None = None
+    """A named long-tail strategy (april_ext.strategies.STRATEGIES: april, april_carry, seer, april_seer,
+    rollpacker, april_tail, sortedrl; docs/strategies.md): the scheduler settings it stands for, applied to the
+    run's; a scheduler setting given with a value other than its default wins over the strategy's."""
     partial_rollout: bool = True
     """APRIL (over-sample, abort when N groups are done, resume partials) vs the synchronous baseline (N' = N,
     batch refill, fixed over-sampling)."""
@@ -278,6 +283,8 @@ class TrainConfig:
         for f in fields(self):
             if f.name not in SCHEDULER_SETTINGS and f.name not in PARALLEL_SETTINGS:
                 _check_type(f.name, getattr(self, f.name))
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            _bad("strategy", self.strategy, f"None or one of {', '.join(repr(n) for n in STRATEGIES)}")
         self.scheduler_config()
         self._check_parallel()
         if self.task is not None and self.task not in TASKS:
@@ -436,7 +443,12 @@ class TrainConfig:
             del values["max_response_len"]
         else:
             values["max_response_len"] = cap
-        return SchedulerConfig(**values)
+        config = SchedulerConfig(**values)
+        if self.strategy is None:
+            return config
+        # The settings given (not at their defaults) win over the strategy's.
+        given = {name: values[name] for name in values if values[name] != _SCHEDULER_DEFAULTS[name]}
+        return dataclasses.replace(apply_strategy(config, self.strategy), **given)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -500,6 +512,9 @@ class TrainConfig:
                               f"loss weight it named before is kl_loss_coef (slime's k1 by default, kl_loss_type = "
                               f"'k3' for the former loss): rename the key")
         return config
+
+
+_SCHEDULER_DEFAULTS = {f.name: f.default for f in fields(TrainConfig) if f.name in SCHEDULER_SETTINGS}
 
 
 def _bad(name: str, value: Any, allowed: str) -> None:

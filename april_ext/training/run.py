@@ -304,9 +304,10 @@ class TrainingRun:
 
     @property
     def resolved_config(self) -> dict[str, Any]:
-        """Every setting of the run as it runs (the defaults filled in), logged at the start."""
+        """Every setting of the run as it runs (the defaults filled in), logged at the start; "scheduler": the
+        scheduler's settings as it runs them (the strategy applied, the baseline's N' = N)."""
         return {**dataclasses.asdict(self.config), "checkpoint_dir": self.config.checkpoint_dir,
-                "mode": self.mode}
+                "mode": self.mode, "scheduler": dataclasses.asdict(self.scheduler.config)}
 
     def _open_sinks(self) -> list[MetricsSink]:
         """The TensorBoard / W&B sinks the config asks for, closed with the run."""

@@ -1,0 +1,61 @@
+"""Long-tail strategies in training runs: ``TrainConfig.strategy`` / ``april-ext train --strategy`` (the preset's
+scheduler settings, explicit settings winning) and the synchronous baseline that --compare measures them against."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from april_ext import cli
+from april_ext.errors import ConfigError
+from april_ext.rollout import scheduler_config_for
+from april_ext.strategies import STRATEGIES
+from april_ext.training import TrainConfig
+from april_ext.training.command import config_from_args
+
+
+def test_a_strategy_sets_its_scheduler_settings_for_the_task_cap() -> None:
+    seer = TrainConfig(strategy="seer").scheduler_config(max_response_len=40)
+    # The chunk follows the task's response cap, known only when the run builds its task.
+    assert (seer.over_sampling_batch_size, seer.dispatch_order, seer.chunk_tokens) == (8, "longest_predicted_first", 5)
+    rollpacker = TrainConfig(strategy="rollpacker").scheduler_config(40)
+    assert rollpacker.tail_batching and rollpacker.tail_batching_restart and rollpacker.over_sampling_batch_size == 16
+    assert TrainConfig(strategy="april").scheduler_config(40) == TrainConfig().scheduler_config(40)
+
+
+def test_explicit_scheduler_settings_win_over_the_strategy() -> None:
+    config = TrainConfig(strategy="seer", over_sampling_batch_size=12, chunk_tokens=7, dispatch_order="shortest_first")
+    seer = config.scheduler_config(40)
+    assert (seer.over_sampling_batch_size, seer.chunk_tokens, seer.dispatch_order) == (12, 7, "shortest_first")
+    assert TrainConfig(strategy="april_tail", refill="continuous").scheduler_config(40).refill == "continuous"
+
+
+def test_an_unknown_strategy_is_refused_with_the_names() -> None:
+    with pytest.raises(ConfigError, match="TrainConfig.strategy='fast' is not allowed: None or one of 'april'"):
+        TrainConfig(strategy="fast")
+    assert all(f"'{name}'" in str(pytest.raises(ConfigError, TrainConfig, strategy="x").value) for name in STRATEGIES)
+
+
+def test_strategy_flag_and_config_key(tmp_path, capsys) -> None:
+    parser = cli.build_parser()
+    config = config_from_args(parser.parse_args(["train", "--strategy", "sortedrl", "--max-response-len", "32"]))
+    assert config.strategy == "sortedrl" and config.scheduler_config().dispatch_order == "shortest_first"
+    path = tmp_path / "run.toml"
+    path.write_text('strategy = "april_seer"\nchunk_tokens = 3\n')
+    from_file = config_from_args(parser.parse_args(["train", "--config", str(path)]))
+    assert from_file.scheduler_config(40).chunk_tokens == 3
+    assert from_file.scheduler_config(40).dispatch_order == "longest_predicted_first"
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "--strategy" in capsys.readouterr().out
+    assert cli.main(["train", "--strategy", "nope"]) == 2
+    assert "TrainConfig.strategy='nope' is not allowed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_the_baseline_is_the_plain_synchronous_one_whatever_the_strategy(name) -> None:
+    baseline = scheduler_config_for(TrainConfig(strategy=name).scheduler_config(40), partial_rollout=False)
+    plain = scheduler_config_for(TrainConfig().scheduler_config(40), partial_rollout=False)
+    # Carry changes nothing in the baseline (nothing runs when its batch is taken).
+    assert replace(baseline, step_boundary="abort") == plain
