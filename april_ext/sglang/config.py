@@ -16,8 +16,10 @@ WEIGHT_SYNC = ("disk", "tensor", "broadcast")
 class SGLangEngineConfig:
     """Where the servers are and how to talk to them.
 
-    worker_urls: SGLang servers; requests go to the least-loaded (fewest requests in flight from this
-    client) or round-robin. router_url instead: requests go to the router, and the workers it lists
+    worker_urls: SGLang servers; requests go to the least-loaded or round-robin. Least loaded: the fewest KV
+    tokens as the server reports them (SGLang's /v1/loads, /get_load before; read every load_interval_s) plus
+    the input tokens this client sent it since; ties, and without reports (load_interval_s None), the fewest
+    requests in flight from this client. router_url instead: requests go to the router, and the workers it lists
     (GET /workers, or /list_workers on older routers) receive aborts, weight updates and memory calls.
     timeout_s bounds a control call and the silence between two events of a stream. retries with
     exponential backoff from backoff_s apply to connection failures of idempotent calls only.
@@ -64,6 +66,7 @@ class SGLangEngineConfig:
     weight_sync_master_address: str | None = None
     stream: bool = True
     worker_timeout_s: float | None = None
+    load_interval_s: float | None = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.worker_urls, str):
@@ -98,6 +101,10 @@ class SGLangEngineConfig:
                                                   or not 0 < self.worker_timeout_s < float("inf")):
             raise ConfigError(f"SGLangEngineConfig.worker_timeout_s must be None (no failover) or a finite "
                               f"number of seconds > 0, got {self.worker_timeout_s!r}")
+        if self.load_interval_s is not None and (isinstance(self.load_interval_s, bool) or not isinstance(
+                self.load_interval_s, (int, float)) or not 0 < self.load_interval_s < float("inf")):
+            raise ConfigError(f"SGLangEngineConfig.load_interval_s must be None (no load readings) or a finite "
+                              f"number of seconds > 0, got {self.load_interval_s!r}")
         if self.weight_sync is None:
             object.__setattr__(self, "weight_sync", "tensor" if self.weight_sync_dir is None else "disk")
         if self.weight_sync not in WEIGHT_SYNC:
