@@ -10,7 +10,7 @@ import base64
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from safetensors.torch import load as _load_safetensors
@@ -297,15 +297,16 @@ def _opt_str(body: Mapping[str, Any], key: str, what: str) -> str | None:
     return str(value)
 
 
-# GenerateReqInput (SGLang SGLANG_RELEASE), field by field. Honoured: what parse_generate reads.
-_GENERATE_HONOURED = ("rid", "text", "input_ids", "sampling_params", "return_logprob", "stream")
-# Hints for SGLang's logging, tracing, routing, scheduling priority and prefill-decode disaggregation: a value
+# GenerateReqInput (SGLang SGLANG_RELEASE), field by field. Honoured: what parse_generate reads (priority: the
+# engine's waiting queue admits higher values first, as SGLang under --enable-priority-scheduling).
+_GENERATE_HONOURED = ("rid", "text", "input_ids", "sampling_params", "return_logprob", "stream", "priority")
+# Hints for SGLang's logging, tracing, routing and prefill-decode disaggregation: a value
 # of the right JSON type changes nothing a single embedded engine does. Kind: "bool", "int", "number", "str",
 # "object" (a JSON object) or "any".
 _GENERATE_HINTS: dict[str, str] = {
     "log_metrics": "bool", "no_logs": "bool", "return_text_in_logprobs": "bool", "logprob_start_len": "int",
     "custom_labels": "object", "external_trace_header": "object", "received_time": "number",
-    "routing_key": "str", "conversation_id": "str", "priority": "int", "extra_key": "any", "cache_salt": "any",
+    "routing_key": "str", "conversation_id": "str", "extra_key": "any", "cache_salt": "any",
     "http_worker_ipc": "str", "bootstrap_host": "str", "bootstrap_port": "int", "bootstrap_room": "int",
     "bootstrap_pair_key": "str", "decode_tp_size": "int", "routed_dp_rank": "int", "data_parallel_rank": "int",
     "disagg_prefill_dp_rank": "int", "kv_hints": "any",
@@ -396,7 +397,13 @@ def parse_generate(body: Any) -> GenerateRequest:
     if interval is not None and interval < 1:
         raise InvalidArgumentError(f"{what} sampling_params: stream_interval must be an integer >= 1 or null, "
                                    f"got {interval}")
-    return GenerateRequest(rid=rid, input_ids=ids, params=parse_sampling_params(raw),
+    params = parse_sampling_params(raw)
+    priority = _int(body, "priority", what)
+    if priority is not None:
+        if not -2**63 <= priority < 2**63:
+            raise InvalidArgumentError(f"{what}: priority must be a signed 64-bit integer or null, got {priority}")
+        params = replace(params, priority=priority)
+    return GenerateRequest(rid=rid, input_ids=ids, params=params,
                            return_logprob=_bool(body, "return_logprob", False, what),
                            stream=_bool(body, "stream", False, what), text=text, stream_interval=interval,
                            skip_special_tokens=_bool(raw, "skip_special_tokens", True, f"{what} sampling_params"))

@@ -16,6 +16,10 @@ WEIGHT_SYNC = ("disk", "tensor", "broadcast")
 class SGLangEngineConfig:
     """Where the servers are and how to talk to them.
 
+    priority: send each request's SamplingParams.priority (the rollout loop's predicted remaining length when
+    dispatch_order sorts by it) as SGLang's request priority; the servers must run with
+    --enable-priority-scheduling (higher values first, SGLang's default; without the flag a server may refuse
+    requests that carry one).
     worker_urls: SGLang servers; requests go to the least-loaded or round-robin. Least loaded: the fewest KV
     tokens as the server reports them (SGLang's /v1/loads, /get_load before; read every load_interval_s) plus
     the input tokens this client sent it since; ties, and without reports (load_interval_s None), the fewest
@@ -67,6 +71,7 @@ class SGLangEngineConfig:
     stream: bool = True
     worker_timeout_s: float | None = None
     load_interval_s: float | None = 0.5
+    priority: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.worker_urls, str):
@@ -89,8 +94,9 @@ class SGLangEngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"SGLangEngineConfig.{name} must be an integer >= 0, got {value!r}")
-        if not isinstance(self.stream, bool):
-            raise ConfigError(f"SGLangEngineConfig.stream must be True or False, got {self.stream!r}")
+        for name in ("stream", "priority"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"SGLangEngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.weight_sync_dir is not None:
             if not isinstance(self.weight_sync_dir, (str, os.PathLike)) or not os.fspath(self.weight_sync_dir):
                 raise ConfigError(f"SGLangEngineConfig.weight_sync_dir must be None or a directory path, "

@@ -155,7 +155,7 @@ class SGLangEngine:
         state.opened = state.last_event = asyncio.get_running_loop().time()
         self._inflight[rid] = state
         self._requests += 1
-        state.task = asyncio.create_task(self._read(state, generate_payload(rid, ids, params)))
+        state.task = asyncio.create_task(self._read(state, generate_payload(rid, ids, params, self.config.priority)))
 
         async def receive() -> GenerationChunk:
             item = await state.queue.get()

@@ -21,7 +21,7 @@ _GROUPS = {
                          "engine"),
     "SGLang engine": ("sglang_urls", "sglang_router_url", "sglang_launch", "sglang_num_servers", "sglang_module",
                       "sglang_args", "sglang_launch_timeout_s", "sglang_weight_sync_dir", "sglang_stream",
-                      "sglang_worker_timeout_s", "weight_sync", "weight_sync_bucket_mb"),
+                      "sglang_worker_timeout_s", "sglang_priority", "weight_sync", "weight_sync_bucket_mb"),
     "Ray cluster": ("ray", "ray_address", "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus",
                     "rollout_num_gpus_per_engine", "num_gpus_per_node", "colocate", "ray_num_cpus_per_actor",
                     "ray_router_url", "ray_timeout_s", "ray_engine_max_restarts", "ray_engine_check_interval_s"),

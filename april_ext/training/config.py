@@ -135,6 +135,11 @@ class TrainConfig:
     """engine=sglang or ray: failover. A server that refuses connections, or sends nothing (no token, no /health
     answer) for this many seconds, is removed; its requests are resumed on the others, and it rejoins with
     the current weights when it answers again (docs/sglang.md). None: no failover."""
+    sglang_priority: bool = False
+    """engine=sglang or ray: send each request's predicted remaining length as its SGLang priority when
+    dispatch_order sorts by it (longest_predicted_first: longer first; shortest_first: shorter first). SGLang
+    servers must run with --enable-priority-scheduling (put it in sglang_args); the embedded server always orders
+    its waiting requests by priority."""
     weight_sync: WeightSync = "disk"
     """engine=sglang or ray: how new weights reach the servers: "disk" (written to sglang_weight_sync_dir and loaded
     with /update_weights_from_disk; any SGLang release, needs a shared file system), "tensor" (in
