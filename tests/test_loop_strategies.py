@@ -3,13 +3,15 @@ scheduler settings, explicit settings winning) and the synchronous baseline that
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
+from _loop_utils import ScriptedEngine
 
-from april_ext import cli
+from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig, cli
 from april_ext.errors import ConfigError
-from april_ext.rollout import scheduler_config_for
+from april_ext.rollout import RolloutLoop, scheduler_config_for
 from april_ext.strategies import STRATEGIES
 from april_ext.training import TrainConfig
 from april_ext.training.command import config_from_args
@@ -59,3 +61,17 @@ def test_the_baseline_is_the_plain_synchronous_one_whatever_the_strategy(name) -
     plain = scheduler_config_for(TrainConfig().scheduler_config(40), partial_rollout=False)
     # Carry changes nothing in the baseline (nothing runs when its batch is taken).
     assert replace(baseline, step_boundary="abort") == plain
+
+
+def _tail_share(lengths: list[int]) -> float:
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=len(lengths), n_samples_per_prompt=1,
+                                      over_sampling_batch_size=len(lengths), max_response_len=100),
+                      ListDataSource([Prompt(f"p{i}", [1, 5, n, 3]) for i, n in enumerate(lengths)]))
+    loop = RolloutLoop(ScriptedEngine(lambda ids: int(ids[2])), sched, lambda prompt, response: 1.0)
+    return asyncio.run(loop.run_step(0)).metrics.tail_share
+
+
+def test_tail_share_is_the_time_spent_on_the_last_tenth_of_the_samples() -> None:
+    # Nine samples of 4 tokens and one of 60: most of the step waits on that one.
+    assert _tail_share([4] * 9 + [60]) > 0.8
+    assert _tail_share([10] * 10) < 0.05

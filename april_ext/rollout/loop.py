@@ -71,6 +71,9 @@ class RolloutMetrics:
     engine_steps: int
     """Model steps (iterations) the engine ran during the step, when its stats() count them (EngineStats.steps);
     else 0. generated_tokens / engine_steps is the mean batch: a throughput figure that no machine load moves."""
+    tail_share: float
+    """The long tail: the share of time_to_done_s spent after 90% of the samples that finished during it had
+    finished (stop, or the response cap; not a chunk boundary); 0 when fewer than two finished."""
     scheduler: dict[str, Any] = field(default_factory=dict)
     """Scheduler.stats() after the step (partial / off-policy ratios, buffered and surplus groups, the samples
     carried into the step and their tokens, the re-prefilled tokens, ...)."""
@@ -162,6 +165,8 @@ class RolloutLoop:
         self._area = 0.0
         self._last_change = 0.0
         self._generated = 0
+        self._finished_at: list[float] = []
+        self._max_response_len = cfg.max_response_len
 
     # ------------------------------------------------------------------ public
 
@@ -183,6 +188,7 @@ class RolloutLoop:
         engine_steps = self._engine_steps()
         start = self._last_change = self.clock()
         requests = resumed = aborted = 0
+        self._finished_at = []
         if self._carry:
             # Carried samples past the staleness bound come back (restart / drop); the rest continue.
             stale = sched.samples_to_abort()
@@ -225,7 +231,7 @@ class RolloutLoop:
             batch_groups=batch.n_groups,
             reward_mean=float(batch.rewards.mean()) if batch.n_samples else math.nan,
             response_lens=batch.response_lens.tolist(), engine_steps=self._engine_steps() - engine_steps,
-            scheduler=sched.stats())
+            tail_share=_tail_share(self._finished_at, start, done_at), scheduler=sched.stats())
         return RolloutResult(batch, metrics)
 
     @property
@@ -293,6 +299,9 @@ class RolloutLoop:
                 self._generated += len(chunk.token_ids)
             if chunk.finish_reason is not None:
                 stream.ended = FinishReason(chunk.finish_reason)
+                total = len(request.input_ids) - request.prompt_len + stream.received
+                if stream.ended == FinishReason.STOP or total >= self._max_response_len:
+                    self._finished_at.append(self.clock())
                 break
             self._notify()
         if stream.ended is None:
@@ -433,6 +442,14 @@ class RolloutLoop:
             failure = self._failures[0]
             self._failures.clear()
             raise failure
+
+
+def _tail_share(finished_at: list[float], start: float, done_at: float) -> float:
+    """(done_at - the time 90% of the samples finished by done_at had finished) / (done_at - start)."""
+    times = sorted(t for t in finished_at if t <= done_at)
+    if len(times) < 2 or done_at <= start:
+        return 0.0
+    return (done_at - times[math.ceil(0.9 * len(times)) - 1]) / (done_at - start)
 
 
 def _split(events: list[_E], held: set[int]) -> tuple[list[_E], list[_E]]:

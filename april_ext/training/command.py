@@ -226,6 +226,7 @@ def _print_summary(summaries: dict[str, dict[str, float]]) -> None:
             ("off-policy tokens", "off_policy_token_ratio", "{:.1%}"), ("engine occupancy", "occupancy", "{:.1%}"),
             ("carried tokens/step", "carried_tokens_per_step", "{:.0f}"),
             ("re-prefilled tok/step", "re_prefilled_tokens_per_step", "{:.0f}"),
+            ("tail (last 10%)", "tail_share", "{:.1%}"),
             ("tokens / engine step", "tokens_per_engine_step", "{:.1f}"), ("engine bubble", "bubble", "{:.1%}"))
     names = list(summaries)
     print(f"{'':22s}" + "".join(f"{n:>14s}" for n in names))

@@ -49,6 +49,8 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, float]:
         # Rows of runs older than the carry step boundary lack carried_kv_tokens: they carried nothing.
         "carried_tokens_per_step": float(np.mean([r.get("rollout/carried_kv_tokens", 0) for r in history])),
         "re_prefilled_tokens_per_step": float(np.mean([r["rollout/re_prefill_tokens"] for r in history])),
+        # Rows of runs older than the long-tail strategies lack tail_share.
+        "tail_share": float(np.mean([r.get("rollout/tail_share", 0.0) for r in history])),
     }
 
 
