@@ -4,15 +4,22 @@ scheduler settings, explicit settings winning) and the synchronous baseline that
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from _loop_utils import ScriptedEngine
+from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig, cli
+from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.errors import ConfigError
+from april_ext.model import LlamaForCausalLM
+from april_ext.protocol import SamplingParams
 from april_ext.rollout import RolloutLoop, scheduler_config_for
 from april_ext.strategies import STRATEGIES
+from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.training import TrainConfig
 from april_ext.training.command import config_from_args
 
@@ -75,3 +82,70 @@ def test_tail_share_is_the_time_spent_on_the_last_tenth_of_the_samples() -> None
     # Nine samples of 4 tokens and one of 60: most of the step waits on that one.
     assert _tail_share([4] * 9 + [60]) > 0.8
     assert _tail_share([10] * 10) < 0.05
+
+
+TASK = CountingTask(CountingTaskConfig(n_symbols=2, max_count=24, median_count=3, sigma=1.0, seed=2))
+_prefixes = itertools.count()
+
+
+async def _chunked_step(**scheduler: object) -> tuple[Any, Any, Any]:
+    """One rollout step of the counting task on the embedded engine (KV blocks of 4 tokens); returns the
+    step's metrics and the engine's stats before and after it."""
+    model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, max_position_embeddings=96))
+    model.init_weights(0)
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=4, max_response_len=40,
+                                      **scheduler), TASK)  # type: ignore[arg-type]
+    core = EngineCore(model, EngineConfig(block_size=4, num_blocks=512, max_num_seqs=64,
+                                          memory_tag_prefix=f"strategies-loop-{next(_prefixes)}-"))
+    async with AsyncEngine(core) as engine:
+        loop = RolloutLoop(engine, sched, TASK.reward, sampling=SamplingParams(stop_token_ids=(TASK.eos_id,)),
+                           seed=3, engine_capacity=64)
+        before = core.stats()
+        result = await loop.run_step(0)
+        return result.metrics, before, core.stats()
+
+
+def test_a_divided_rollout_continues_its_chunks_from_the_engines_prefix_cache(one_thread) -> None:
+    metrics, before, after = asyncio.run(_chunked_step(over_sampling_batch_size=2, chunk_tokens=5))
+    stats = metrics.scheduler
+    assert stats["chunk_returns"] > 0 and stats["continuation_requests"] == stats["chunk_returns"]
+    assert stats["re_prefill_tokens"] == 0
+    hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+    # Every continuation finds all its full blocks but the one holding its last token (blocks of 4).
+    assert hits >= stats["continuation_tokens"] - 4 * stats["continuation_requests"]
+    # The engine prefilled the new prompts (the scheduler's prefill_tokens) and at most a block per continuation.
+    prefilled = after.prefill_tokens - before.prefill_tokens
+    assert prefilled <= stats["prefill_tokens"] + 4 * stats["continuation_requests"]
+
+
+class _Recording(ScriptedEngine):
+    def __init__(self) -> None:
+        super().__init__(lambda ids: int(ids[2]))
+        self.priorities: list[int | None] = []
+
+    def generate(self, input_ids, params=None, request_id=None):
+        self.priorities.append(params.priority)
+        return super().generate(input_ids, params, request_id)
+
+
+@pytest.mark.parametrize("order, sign", [("longest_predicted_first", 1), ("shortest_first", -1), ("fifo", None)])
+def test_requests_carry_the_predicted_remaining_length_as_their_priority(order, sign) -> None:
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=3,
+                                      max_response_len=40, chunk_tokens=6, dispatch_order=order),
+                      ListDataSource([Prompt(f"p{i}", [1, 5, n, 3]) for i, n in enumerate([3, 20, 30, 8])]))
+    requests = []
+    dispatch = sched.dispatch
+
+    def recorded():
+        out = dispatch()
+        requests.extend(out)
+        return out
+
+    sched.dispatch = recorded
+    engine = _Recording()
+    asyncio.run(RolloutLoop(engine, sched, lambda prompt, response: 1.0).run_step(0))
+    assert len(engine.priorities) == len(requests) > 6
+    expected = [None if sign is None else sign * (r.predicted_len - (len(r.input_ids) - r.prompt_len))
+                for r in requests]
+    assert engine.priorities == expected
+    assert sign is None or len(set(engine.priorities)) > 1

@@ -291,7 +291,8 @@ class RolloutLoop:
     async def _run_stream(self, stream: _Stream) -> None:
         request = stream.request
         sid = request.sample_id
-        params = replace(self.sampling, max_new_tokens=request.max_new_tokens, seed=self._seed_of(sid))
+        params = replace(self.sampling, max_new_tokens=request.max_new_tokens, seed=self._seed_of(sid),
+                         priority=self._priority(request))
         async for chunk in self.engine.generate(request.input_ids.tolist(), params, stream.request_id):
             if chunk.token_ids:
                 self._token_events.append((sid, list(chunk.token_ids), list(chunk.logprobs), chunk.weight_version))
@@ -311,6 +312,16 @@ class RolloutLoop:
             self._finish_events.append((sid, stream.ended))
             del self._streams[sid]
         self._notify()
+
+    def _priority(self, request: GenerationRequest) -> int | None:
+        """The request's engine priority when the scheduler dispatches by predicted length, so that an engine
+        with a waiting queue keeps that order: the predicted remaining tokens (longest_predicted_first), their
+        negative (shortest_first); else None (arrival order)."""
+        order = self.scheduler.config.dispatch_order
+        if order not in ("longest_predicted_first", "shortest_first"):
+            return None
+        remaining = request.predicted_len - (len(request.input_ids) - request.prompt_len)
+        return remaining if order == "longest_predicted_first" else -remaining
 
     async def _abort(self, sample_ids: Sequence[int] | None) -> set[int]:
         """Aborts the requests of the given samples (None: every request of the loop, which owns the engine

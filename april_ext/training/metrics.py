@@ -65,7 +65,8 @@ def step_row(step: int, mode: str, rm: RolloutMetrics, tm: dict[str, float], tra
     sched = rm.scheduler
     for key in ("off_policy_token_ratio", "carried_token_ratio", "batch_max_staleness", "buffered_groups",
                 "surplus_groups", "aborts", "resume_requests", "re_prefill_tokens", "groups_filtered",
-                "batch_response_tokens", "prompts_consumed", "carried_samples", "carried_kv_tokens"):
+                "batch_response_tokens", "prompts_consumed", "carried_samples", "carried_kv_tokens",
+                "chunk_returns", "continuation_requests", "continuation_tokens", "prediction_rank_corr"):
         row[f"rollout/{key}"] = sched[key]
     row["rollout/staleness_histogram"] = sched["staleness_histogram"]
     for key, value in tm.items():
