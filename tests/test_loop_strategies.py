@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -149,3 +150,21 @@ def test_requests_carry_the_predicted_remaining_length_as_their_priority(order, 
                 for r in requests]
     assert engine.priorities == expected
     assert sign is None or len(set(engine.priorities)) > 1
+
+
+def test_compare_runs_the_strategy_against_the_plain_baseline(tmp_path, capsys, one_thread) -> None:
+    path = tmp_path / "tiny.toml"
+    path.write_text("\n".join([
+        "counting_median = 3.0", "counting_max_count = 12", "counting_symbols = 2", "hidden_size = 16",
+        "num_layers = 1", "rollout_batch_size = 2", "n_samples_per_prompt = 4", "num_steps = 2",
+        "max_num_seqs = 64", "num_blocks = 256", "progress = false", "plots = false",
+        f'output_dir = "{tmp_path / "cmp"}"']))
+    assert cli.main(["train", "--config", str(path), "--compare", "--strategy", "april_seer"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy april_seer rollout throughput vs baseline:" in out and "tail (last 10%)" in out
+    ran = {name: json.loads((tmp_path / "cmp" / name / "config.json").read_text())["scheduler"]
+           for name in ("baseline", "april_seer")}
+    assert ran["april_seer"]["dispatch_order"] == "longest_predicted_first" and ran["april_seer"]["chunk_tokens"] >= 1
+    assert ran["baseline"]["dispatch_order"] == "fifo" and ran["baseline"]["chunk_tokens"] is None
+    rows = [json.loads(line) for line in (tmp_path / "cmp" / "april_seer" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["rollout/continuation_requests"] for r in rows) > 0
