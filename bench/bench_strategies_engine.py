@@ -14,7 +14,7 @@ otherwise turn Seer's on-policy N' = N into N' = 10). For each seed the runs ste
 - off-policy token share (mean over steps) and the largest staleness of a trained token;
 - reward at equal steps: the mean batch reward of the last quarter of the steps;
 - tail share: the share of a step's rollout time spent after 90% of its finished samples had finished;
-- continuations per step and the length prediction's rank correlation (mean over steps).
+- continuations per step, long rounds (tail batching) and the length prediction's rank correlation.
 Writes <out>/runs.json and prints the markdown table of docs/strategies.md ("Embedded engine"): mean +- std
 over the seeds.
 """
@@ -78,6 +78,7 @@ def _figures(history: list[dict[str, Any]]) -> dict[str, float]:
         "tail_share": float(np.mean([r["rollout/tail_share"] for r in history])),
         "continuations_per_step": float(np.mean([r["rollout/continuation_requests"] for r in history])),
         "prediction_rank_corr": _nanmean([r["rollout/prediction_rank_corr"] for r in history]),
+        "long_rounds": sum(r["rollout/long_round"] for r in history),
     }
 
 
@@ -99,8 +100,8 @@ def _table(runs: dict[int, dict[str, dict[str, float]]], names: list[str]) -> st
         return f"{fmt.format(float(np.mean(values)))} ± {fmt.format(float(np.std(values)))}"
 
     rows = ["| strategy | tokens/s vs baseline | tokens / engine step vs baseline | off-policy tokens | max staleness "
-            "| reward (last 1/4) | tail share | continuations / step | prediction rank corr |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| reward (last 1/4) | tail share | continuations / step | long rounds | prediction rank corr |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name in ["baseline", *names]:
         per_seed = [seed_runs[name] for seed_runs in runs.values()]
         base = [seed_runs["baseline"] for seed_runs in runs.values()]
@@ -113,6 +114,7 @@ def _table(runs: dict[int, dict[str, dict[str, float]]], names: list[str]) -> st
             cell([r["reward_last_quarter"] for r in per_seed], "{:.3f}"),
             cell([r["tail_share"] for r in per_seed], "{:.1%}"),
             cell([r["continuations_per_step"] for r in per_seed], "{:.0f}"),
+            cell([float(r["long_rounds"]) for r in per_seed], "{:.0f}"),
             cell([r["prediction_rank_corr"] for r in per_seed], "{:.2f}")]) + " |")
     return "\n".join(rows)
 

@@ -66,7 +66,8 @@ def step_row(step: int, mode: str, rm: RolloutMetrics, tm: dict[str, float], tra
     for key in ("off_policy_token_ratio", "carried_token_ratio", "batch_max_staleness", "buffered_groups",
                 "surplus_groups", "aborts", "resume_requests", "re_prefill_tokens", "groups_filtered",
                 "batch_response_tokens", "prompts_consumed", "carried_samples", "carried_kv_tokens",
-                "chunk_returns", "continuation_requests", "continuation_tokens", "prediction_rank_corr"):
+                "chunk_returns", "continuation_requests", "continuation_tokens", "prediction_rank_corr",
+                "long_round", "long_queue_groups"):
         row[f"rollout/{key}"] = sched[key]
     row["rollout/staleness_histogram"] = sched["staleness_histogram"]
     for key, value in tm.items():
