@@ -19,7 +19,7 @@ from april_ext.errors import ConfigError
 from april_ext.model import LlamaForCausalLM
 from april_ext.protocol import SamplingParams
 from april_ext.rollout import RolloutLoop, scheduler_config_for
-from april_ext.strategies import STRATEGIES
+from april_ext.strategies import STRATEGIES, apply_strategy
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.training import TrainConfig
 from april_ext.training.command import config_from_args
@@ -168,3 +168,43 @@ def test_compare_runs_the_strategy_against_the_plain_baseline(tmp_path, capsys, 
     assert ran["baseline"]["dispatch_order"] == "fifo" and ran["baseline"]["chunk_tokens"] is None
     rows = [json.loads(line) for line in (tmp_path / "cmp" / "april_seer" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["rollout/continuation_requests"] for r in rows) > 0
+
+
+async def _steps(steps: int, slots: int = 64, **scheduler: object) -> list[Any]:
+    """Steps of the counting task on the embedded engine with ``slots`` sequences running at once (few: the
+    groups run in waves, so a tail of started groups is left when the batch is taken)."""
+    model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, max_position_embeddings=96))
+    model.init_weights(0)
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=3, max_response_len=30,
+                                      **scheduler), TASK)  # type: ignore[arg-type]
+    core = EngineCore(model, EngineConfig(block_size=4, num_blocks=512, max_num_seqs=slots,
+                                          memory_tag_prefix=f"strategies-loop-{next(_prefixes)}-"))
+    results = []
+    async with AsyncEngine(core) as engine:
+        loop = RolloutLoop(engine, sched, TASK.reward, sampling=SamplingParams(stop_token_ids=(TASK.eos_id,)),
+                           seed=5, engine_capacity=64)
+        for version in range(steps):
+            results.append(await asyncio.wait_for(loop.run_step(version), 120))
+            await engine.update_weights({}, version + 1)
+        await loop.abort_carried()
+        await loop.drain_rewards()
+    return results
+
+
+@pytest.mark.parametrize("boundary", ["abort", "carry"])
+@pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "april_carry"])
+def test_every_strategy_runs_the_loop_on_the_embedded_engine(name, boundary, one_thread) -> None:
+    base = SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=3, over_sampling_batch_size=4,
+                           max_response_len=30, step_boundary=boundary)
+    config = apply_strategy(base, name)
+    settings = {f: getattr(config, f) for f in ("over_sampling_batch_size", "dispatch_order", "resume_priority",
+                                                "chunk_tokens", "tail_batching", "tail_batching_restart",
+                                                "step_boundary")}
+    results = asyncio.run(_steps(6, slots=4, **settings))
+    assert [r.batch.n_groups for r in results] == [2] * 6
+    for r in results:
+        assert r.batch.n_samples == 6 and r.batch.versions.max() <= r.batch.policy_version
+    if config.chunk_tokens is not None:
+        assert sum(r.metrics.scheduler["continuation_requests"] for r in results) > 0
+    if config.tail_batching:
+        assert sum(r.metrics.scheduler["long_round"] for r in results) > 0
