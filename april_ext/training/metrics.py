@@ -66,9 +66,11 @@ def step_row(step: int, mode: str, rm: RolloutMetrics, tm: dict[str, float], tra
     for key in ("off_policy_token_ratio", "carried_token_ratio", "batch_max_staleness", "buffered_groups",
                 "surplus_groups", "aborts", "resume_requests", "re_prefill_tokens", "groups_filtered",
                 "batch_response_tokens", "prompts_consumed", "carried_samples", "carried_kv_tokens",
-                "chunk_returns", "continuation_requests", "continuation_tokens", "prediction_rank_corr",
-                "long_round", "long_queue_groups"):
+                "chunk_returns", "continuation_requests", "continuation_tokens", "long_round", "long_queue_groups"):
         row[f"rollout/{key}"] = sched[key]
+    # NaN (fewer than two samples) is null: a row read back from metrics.jsonl equals the one written.
+    corr = sched["prediction_rank_corr"]
+    row["rollout/prediction_rank_corr"] = None if math.isnan(corr) else corr
     row["rollout/staleness_histogram"] = sched["staleness_histogram"]
     for key, value in tm.items():
         row[f"train/{key}"] = value
