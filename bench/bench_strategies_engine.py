@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from april_ext.persistence import atomic_write_json
 from april_ext.data_source import ListDataSource
+from april_ext.persistence import atomic_write_json
 from april_ext.scheduler import Scheduler, SchedulerConfig
 from april_ext.strategies import STRATEGIES, apply_strategy
 from april_ext.training import TrainConfig
@@ -45,8 +45,8 @@ STRATEGY_ORDER = ("april", "seer", "april_seer", "rollpacker", "april_tail", "so
 
 def _config(base: TrainConfig, name: str, seed: int, steps: int, out: str) -> TrainConfig:
     """The main job's config for one run: the baseline, or the strategy's preset over the file's settings."""
-    common = dict(seed=seed, num_steps=steps, output_dir=os.path.join(out, f"seed{seed}", name), progress=False,
-                  plots=False, save_interval=0, save=None)
+    common = {"seed": seed, "num_steps": steps, "output_dir": os.path.join(out, f"seed{seed}", name),
+              "progress": False, "plots": False, "save_interval": 0, "save": None}
     if name == "baseline":
         return base.replace(partial_rollout=False, **common)
     cap = 1024  # any response cap: only which settings the preset changes matters here
@@ -99,9 +99,9 @@ def _table(runs: dict[int, dict[str, dict[str, float]]], names: list[str]) -> st
             return fmt.format(values[0])
         return f"{fmt.format(float(np.mean(values)))} ± {fmt.format(float(np.std(values)))}"
 
-    rows = ["| strategy | tokens/s vs baseline | tokens / engine step vs baseline | off-policy tokens | max staleness "
-            "| reward (last 1/4) | tail share | continuations / step | long rounds | prediction rank corr |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    header = ("| strategy | tokens/s vs baseline | tokens / engine step vs baseline | off-policy tokens | max staleness "
+              "| reward (last 1/4) | tail share | continuations / step | long rounds | prediction rank corr |")
+    rows = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for name in ["baseline", *names]:
         per_seed = [seed_runs[name] for seed_runs in runs.values()]
         base = [seed_runs["baseline"] for seed_runs in runs.values()]
