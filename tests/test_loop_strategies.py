@@ -21,7 +21,7 @@ from april_ext.protocol import SamplingParams
 from april_ext.rollout import RolloutLoop, scheduler_config_for
 from april_ext.strategies import STRATEGIES, apply_strategy
 from april_ext.tasks import CountingTask, CountingTaskConfig
-from april_ext.training import TrainConfig
+from april_ext.training import TrainConfig, TrainingRun
 from april_ext.training.command import config_from_args
 
 
@@ -208,3 +208,21 @@ def test_every_strategy_runs_the_loop_on_the_embedded_engine(name, boundary, one
         assert sum(r.metrics.scheduler["continuation_requests"] for r in results) > 0
     if config.tail_batching:
         assert sum(r.metrics.scheduler["long_round"] for r in results) > 0
+
+
+def _tiny_run(tmp_path, **changes) -> TrainConfig:
+    return TrainConfig(counting_median=3.0, counting_max_count=12, counting_symbols=2, hidden_size=16, num_layers=1,
+                       rollout_batch_size=2, n_samples_per_prompt=4, max_num_seqs=64, num_blocks=256, num_steps=1,
+                       progress=False, plots=False, output_dir=str(tmp_path / "run"), **changes)
+
+
+def test_a_strategy_that_carries_sets_up_the_run_for_carry(tmp_path, one_thread) -> None:
+    async def backup() -> bool:
+        async with TrainingRun(_tiny_run(tmp_path, strategy="april_carry", colocate=True)) as run:
+            return run.engine.core.config.kv_cache_cpu_backup  # type: ignore[attr-defined]
+
+    # Colocated carry keeps the carried samples' KV in a host copy while the trainer has the device.
+    assert asyncio.run(backup())
+    with pytest.raises(ConfigError, match="step_boundary='carry' with colocate needs the embedded engine"):
+        asyncio.run(TrainingRun(_tiny_run(tmp_path, strategy="april_carry", colocate=True, engine="sglang",
+                                          sglang_urls=("http://127.0.0.1:1",), model=str(tmp_path))).__aenter__())

@@ -85,7 +85,7 @@ async def _embedded_engine(config: TrainConfig, trainer: Trainer, model_config: 
         num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         device=config.device, seed=config.seed, memory_tag_prefix=memory_tag_prefix,
         # Colocated carry: the carried samples' K/V survive the trainer's turn on the device in a host copy.
-        kv_cache_cpu_backup=config.colocate and config.step_boundary == "carry"),
+        kv_cache_cpu_backup=config.colocate and config.scheduler_config().step_boundary == "carry"),
         weight_version=trainer.version)
     async with AsyncEngine(core) as engine:
         yield engine

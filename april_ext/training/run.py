@@ -243,7 +243,8 @@ class TrainingRun:
 
     async def _open(self) -> TrainingRun:
         config = self.config
-        if config.step_boundary == "carry" and config.colocate and config.engine == "sglang":
+        # The step boundary as run: a strategy (april_carry) may set it.
+        if config.scheduler_config().step_boundary == "carry" and config.colocate and config.engine == "sglang":
             raise ConfigError("step_boundary='carry' with colocate needs the embedded engine: an SGLang server "
                               "releases its KV cache only when idle (use step_boundary='abort', or no colocate)")
         if config.num_threads is not None:
