@@ -62,7 +62,8 @@ class RayTopologyRun:
                     router_url=pool.router.url, initial_weight_version=trainer.version,
                     weight_sync=config.weight_sync, weight_bucket_mb=config.weight_sync_bucket_mb,
                     weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
-                    stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s)) as inner, RayEngine(inner, pool) as engine:
+                    stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s,
+                    priority=config.sglang_priority)) as inner, RayEngine(inner, pool) as engine:
                 self.engine = engine
                 yield engine
         finally:

@@ -217,6 +217,7 @@ class EngineServer:
             ("POST", "/update_weights_from_tensor", self.update_weights_from_tensor),
             ("GET", "/flush_cache", self.flush_cache), ("POST", "/flush_cache", self.flush_cache),
             ("GET", "/health", self.health), ("GET", "/health_generate", self.health_generate),
+            ("GET", self.dialect.load_path, self.load),
         ]
         # The info endpoints of the release line the server mimics (their names moved between releases).
         routes += [("GET", path, self.server_info) for path in self.dialect.server_info]
@@ -492,6 +493,17 @@ class EngineServer:
         if self.dialect.weight_versions:
             info["weight_version"] = self._versions.label()
         return _json_response(info)
+
+    async def load(self, request: web.Request) -> web.Response:
+        """The release's load report: KV tokens in use, and those of the requests in flight beyond them (queued
+        or still to prefill), which a client balancing over several servers reads."""
+        stats, capacity = self.engine.stats(), self.engine.capacity()
+        used = (stats.total_blocks - stats.free_blocks) * capacity["page_size"]
+        held = sum(o.prompt_tokens + len(o.output_ids) for o in self._active.values())
+        return _json_response(sglang_wire.load_json(
+            self.dialect, used_tokens=used, waiting_tokens=max(0, held - used), running=stats.running,
+            waiting=stats.waiting, capacity_tokens=capacity["max_total_num_tokens"],
+            max_running=capacity["max_running_requests"]))
 
     async def model_info(self, request: web.Request) -> web.Response:
         info = {"model_path": self.config.model_path, "tokenizer_path": self.config.tokenizer_path,

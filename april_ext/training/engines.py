@@ -85,7 +85,7 @@ async def _embedded_engine(config: TrainConfig, trainer: Trainer, model_config: 
         num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         device=config.device, seed=config.seed, memory_tag_prefix=memory_tag_prefix,
         # Colocated carry: the carried samples' K/V survive the trainer's turn on the device in a host copy.
-        kv_cache_cpu_backup=config.colocate and config.step_boundary == "carry"),
+        kv_cache_cpu_backup=config.colocate and config.scheduler_config().step_boundary == "carry"),
         weight_version=trainer.version)
     async with AsyncEngine(core) as engine:
         yield engine
@@ -144,7 +144,8 @@ async def _sglang_engine(config: TrainConfig, trainer: Trainer, model_config: Mo
             worker_urls=urls, router_url=config.sglang_router_url, initial_weight_version=trainer.version,
             weight_sync=config.weight_sync, weight_bucket_mb=config.weight_sync_bucket_mb,
             weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
-            stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s)))
+            stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s,
+            priority=config.sglang_priority)))
         if not config.sglang_launch:
             await sync_weights(trainer, engine)
         yield engine
