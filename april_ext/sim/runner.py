@@ -213,6 +213,8 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
     durations = [s.rollout_s for s in steady]
     batch_tokens = [float(s.trained_tokens) for s in steady]
     tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+    hits = sum(s.prefix_hit_tokens for s in steady)
+    misses = sum(s.continuation_prefill_tokens for s in steady)
     return {
         "tokens_per_s": tokens_per_s,
         "useful_tokens_per_s": (tokens - discarded) / seconds if seconds > 0 else 0.0,
@@ -226,6 +228,11 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
         "offpolicy_token_ratio": _weighted([s.offpolicy_token_ratio for s in steady], batch_tokens),
         "re_prefill_time_fraction": _weighted([s.re_prefill_time_fraction for s in steady], durations),
         "kv_copy_time_fraction": _weighted([s.kv_copy_time_fraction for s in steady], durations),
+        "tail_latency": _weighted([s.tail_latency for s in steady], durations),
+        "continuations_per_step": float(np.mean([s.continuations for s in steady])),
+        "prefix_hit_token_ratio": hits / (hits + misses) if hits + misses > 0 else 0.0,
+        "continuation_prefill_time_fraction": _weighted([s.continuation_prefill_time_fraction for s in steady],
+                                                        durations),
         "max_staleness": float(max((len(s.staleness_histogram) - 1 for s in steps), default=0)),
         "rollout_s": seconds / len(steady),
         "length_mean_ratio": bias["mean_ratio"],
@@ -256,7 +263,11 @@ async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None)
             before = engine.counters()
             result = await loop.run_step(step)
             after = engine.counters()
-            reports.append(step_report(step, result.metrics, after.minus(before), bound, natural, cluster.cost))
+            batch = result.batch
+            finished = np.array([engine.finish_time(batch.tokens[batch.offsets[i]:batch.offsets[i + 1]])
+                                 for i in range(batch.n_samples)], np.float64)
+            reports.append(step_report(step, result.metrics, after.minus(before), bound, natural, cluster.cost,
+                                       finished, after.now))
             await engine.update_weights({}, step + 1)
         await loop.drain_rewards()
     out = SimResult(config, bound, reports, float(natural.mean()))
