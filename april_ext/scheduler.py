@@ -24,6 +24,7 @@ OverSamplingMode = Literal["fixed", "adaptive"]
 StalenessPolicy = Literal["keep", "mask", "restart", "drop"]
 ResumeOrder = Literal["oldest_first", "newest_first", "longest_first"]
 StepBoundary = Literal["abort", "carry"]
+DispatchOrder = Literal["fifo", "oldest_first", "longest_predicted_first", "shortest_first"]
 SampleState = Literal["queued", "running", "aborting", "done"]
 
 # The names the core accepts for each enum-valued field; settings cross to C++ by name.
@@ -84,6 +85,21 @@ class SchedulerConfig:
     """What running samples do when a step's batch is taken: "abort" (paper: aborted, resumed next step with a
     re-prefill) or "carry" (keep generating across the weight update with their KV; the staleness policy applies
     to them at the next begin_step)."""
+    dispatch_order: DispatchOrder = "fifo"
+    """Order of dispatch: "fifo" (paper: buffered partials in resume_order, then new samples as launched),
+    "oldest_first" (by group launch order), "longest_predicted_first" (Seer: the longest predicted remaining length
+    first, so likely-long samples start early), "shortest_first" (SortedRL). See docs/strategies.md."""
+    resume_priority: bool = True
+    """Buffered partials are dispatched before new samples (the paper); dispatch_order sorts within each. False:
+    all queued work in one dispatch_order."""
+    chunk_tokens: int | None = None
+    """Divided rollout (Seer): at most this many new tokens per dispatch; a sample that reaches it comes back to the
+    scheduler and is re-dispatched (to the least-loaded engine) as a continuation. None: the whole budget."""
+    tail_batching: bool = False
+    """Tail batching (RollPacker, partials kept): groups still running when a short round's batch is taken move to a
+    long queue; once it holds rollout_batch_size groups, a long round runs them with no over-sampling."""
+    tail_batching_restart: bool = False
+    """Strict on-policy tail batching: a long-queue group restarts from its prompt when its long round runs it."""
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len"):
@@ -120,6 +136,14 @@ class SchedulerConfig:
             raise _bad("target_inflight_samples", self.target_inflight_samples,
                        "None unless over_sampling='adaptive'")
         _check_choice("step_boundary", self.step_boundary)
+        _check_choice("dispatch_order", self.dispatch_order)
+        for name in ("resume_priority", "tail_batching", "tail_batching_restart"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "True or False")
+        if self.chunk_tokens is not None and (not _is_int(self.chunk_tokens) or self.chunk_tokens < 1):
+            raise _bad("chunk_tokens", self.chunk_tokens, "an int >= 1, or None for no chunking")
+        if self.tail_batching_restart and not self.tail_batching:
+            raise _bad("tail_batching_restart", self.tail_batching_restart, "False unless tail_batching=True")
 
 
 @dataclass(frozen=True)
@@ -231,6 +255,11 @@ class Scheduler:
             over_sampling=config.over_sampling,
             target_inflight_samples=config.target_inflight_samples or 0,
             step_boundary=config.step_boundary,
+            dispatch_order=config.dispatch_order,
+            resume_priority=config.resume_priority,
+            chunk_tokens=config.chunk_tokens or 0,
+            tail_batching=config.tail_batching,
+            tail_batching_restart=config.tail_batching_restart,
         )
         self._core.set_data_size(len(data))
 

@@ -63,6 +63,7 @@ _CORE_ARGS = dict(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_ba
     ("refill", "'batch', 'continuous'"), ("staleness_policy", "'keep', 'mask', 'restart', 'drop'"),
     ("resume_order", "'oldest_first', 'newest_first', 'longest_first'"), ("over_sampling", "'fixed', 'adaptive'"),
     ("step_boundary", "'abort', 'carry'"),
+    ("dispatch_order", "'fifo', 'oldest_first', 'longest_predicted_first', 'shortest_first'"),
 ])
 @pytest.mark.parametrize("bad", ["greedy", "Batch", ""])
 def test_the_core_takes_enum_settings_by_name_and_rejects_other_values(field, allowed, bad):
@@ -78,6 +79,25 @@ def test_python_config_accepts_exactly_the_names_the_core_knows():
             kw = dict(target_inflight_samples=4) if (field, name) == ("over_sampling", "adaptive") else {}
             Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=2, **{field: name}, **kw), prompts(4))
     assert _C.scheduler_config_choices()["resume_order"] == ("oldest_first", "newest_first", "longest_first")
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("chunk_tokens", 0, "an int >= 1, or None for no chunking"),
+    ("chunk_tokens", 2.5, "an int >= 1, or None for no chunking"),
+    ("resume_priority", 1, "True or False"),
+    ("tail_batching", "yes", "True or False"),
+    ("tail_batching_restart", True, "False unless tail_batching=True"),
+])
+def test_strategy_settings_are_validated(field, value, allowed):
+    with pytest.raises(ConfigError, match=re.escape(f"SchedulerConfig.{field}={value!r} is not allowed: {allowed}")):
+        SchedulerConfig(**{field: value})
+
+
+def test_the_core_refuses_strategy_settings_python_would_refuse():
+    with pytest.raises(ConfigError, match=r"SchedulerConfig.chunk_tokens=-1 is not allowed"):
+        _C.SchedulerCore(**dict(_CORE_ARGS, chunk_tokens=-1))
+    with pytest.raises(ConfigError, match=r"SchedulerConfig.tail_batching_restart=1 is not allowed: needs tail_batching"):
+        _C.SchedulerCore(**dict(_CORE_ARGS, tail_batching_restart=True))
 
 
 def test_sample_states_cross_by_name():

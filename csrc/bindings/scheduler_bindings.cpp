@@ -79,7 +79,9 @@ void bind_scheduler(py::module_& m) {
                        int64_t max_response_len, const std::string& refill, int64_t max_staleness,
                        const std::string& staleness_policy, bool mask_offpolicy, const std::string& resume_order,
                        bool keep_surplus, int64_t max_inflight_samples, const std::string& over_sampling,
-                       int64_t target_inflight_samples, const std::string& step_boundary) {
+                       int64_t target_inflight_samples, const std::string& step_boundary,
+                       const std::string& dispatch_order, bool resume_priority, int64_t chunk_tokens,
+                       bool tail_batching, bool tail_batching_restart) {
              sched::Config c;
              c.rollout_batch_size = rollout_batch_size;
              c.n_samples_per_prompt = n_samples_per_prompt;
@@ -95,13 +97,19 @@ void bind_scheduler(py::module_& m) {
              c.over_sampling = sched::parse_over_sampling(over_sampling);
              c.target_inflight_samples = target_inflight_samples;
              c.step_boundary = sched::parse_step_boundary(step_boundary);
+             c.dispatch_order = sched::parse_dispatch_order(dispatch_order);
+             c.resume_priority = resume_priority;
+             c.chunk_tokens = chunk_tokens;
+             c.tail_batching = tail_batching;
+             c.tail_batching_restart = tail_batching_restart;
              return new Scheduler(c);
            }),
            py::arg("rollout_batch_size"), py::arg("n_samples_per_prompt"), py::arg("over_sampling_batch_size"),
            py::arg("max_response_len"), py::arg("refill"), py::arg("max_staleness"), py::arg("staleness_policy"),
            py::arg("mask_offpolicy"), py::arg("resume_order"), py::arg("keep_surplus"),
            py::arg("max_inflight_samples"), py::arg("over_sampling") = "fixed", py::arg("target_inflight_samples") = 0,
-           py::arg("step_boundary") = "abort")
+           py::arg("step_boundary") = "abort", py::arg("dispatch_order") = "fifo", py::arg("resume_priority") = true,
+           py::arg("chunk_tokens") = 0, py::arg("tail_batching") = false, py::arg("tail_batching_restart") = false)
       .def("set_data_size", &Scheduler::set_data_size)
       .def("prompts_consumed", &Scheduler::prompts_consumed)
       .def("policy_version", &Scheduler::policy_version)

@@ -14,6 +14,9 @@ enum class ResumeOrder : int32_t { OldestFirst, NewestFirst, LongestFirst };
 // What happens to running samples when a step's batch is taken: aborted (the paper) or kept generating
 // across the weight update with their KV (carried).
 enum class StepBoundary : int32_t { Abort, Carry };
+// Order in which queued work is dispatched: the paper's (fifo), by group age, or by predicted remaining length
+// (longest first: Seer's context-aware scheduling; shortest first: SortedRL).
+enum class DispatchOrder : int32_t { Fifo, OldestFirst, LongestPredictedFirst, ShortestFirst };
 // Also the codes of the finish_reasons arrays (april_ext.batch.FinishReason), so the numbers are fixed.
 enum class FinishReason : uint8_t { Stop = 0, Length = 1, Abort = 2 };
 
@@ -34,6 +37,12 @@ struct Config {
   OverSampling over_sampling = OverSampling::Fixed;
   int64_t target_inflight_samples = 0;  // adaptive only; 0 in fixed mode
   StepBoundary step_boundary = StepBoundary::Abort;
+  // Long-tail strategies (docs/strategies.md).
+  DispatchOrder dispatch_order = DispatchOrder::Fifo;
+  bool resume_priority = true;  // buffered partials before new samples; within each, dispatch_order
+  int64_t chunk_tokens = 0;     // divided rollout: most new tokens per dispatch; 0: the whole remaining budget
+  bool tail_batching = false;   // short rounds send still-running groups to a long queue, run as a long round
+  bool tail_batching_restart = false;  // a long-queue group restarts from its prompt (strict on-policy)
 
   // Throws ConfigError naming the first field that is not allowed.
   void validate() const;

@@ -27,6 +27,11 @@ constexpr std::array<Named<ResumeOrder>, 3> kResume{{{"oldest_first", ResumeOrde
                                                      {"longest_first", ResumeOrder::LongestFirst}}};
 constexpr std::array<Named<StepBoundary>, 2> kStepBoundary{
     {{"abort", StepBoundary::Abort}, {"carry", StepBoundary::Carry}}};
+constexpr std::array<Named<DispatchOrder>, 4> kDispatchOrder{
+    {{"fifo", DispatchOrder::Fifo},
+     {"oldest_first", DispatchOrder::OldestFirst},
+     {"longest_predicted_first", DispatchOrder::LongestPredictedFirst},
+     {"shortest_first", DispatchOrder::ShortestFirst}}};
 constexpr std::array<Named<SampleState>, 4> kSampleState{{{"queued", SampleState::Queued},
                                                           {"running", SampleState::Running},
                                                           {"aborting", SampleState::Aborting},
@@ -79,6 +84,10 @@ StepBoundary parse_step_boundary(const std::string& name) {
   return parse(kStepBoundary, name, ErrorKind::Config, "SchedulerConfig.step_boundary");
 }
 
+DispatchOrder parse_dispatch_order(const std::string& name) {
+  return parse(kDispatchOrder, name, ErrorKind::Config, "SchedulerConfig.dispatch_order");
+}
+
 SampleState parse_sample_state(const std::string& name) {
   return parse(kSampleState, name, ErrorKind::InvalidArgument, "sample state");
 }
@@ -88,6 +97,7 @@ const char* name_of(OverSampling value) { return find_name(kOverSampling, value)
 const char* name_of(StalenessPolicy value) { return find_name(kStaleness, value); }
 const char* name_of(ResumeOrder value) { return find_name(kResume, value); }
 const char* name_of(StepBoundary value) { return find_name(kStepBoundary, value); }
+const char* name_of(DispatchOrder value) { return find_name(kDispatchOrder, value); }
 const char* name_of(SampleState value) { return find_name(kSampleState, value); }
 
 std::vector<std::pair<std::string, std::vector<std::string>>> config_choices() {
@@ -95,7 +105,8 @@ std::vector<std::pair<std::string, std::vector<std::string>>> config_choices() {
           {"staleness_policy", names(kStaleness)},
           {"resume_order", names(kResume)},
           {"over_sampling", names(kOverSampling)},
-          {"step_boundary", names(kStepBoundary)}};
+          {"step_boundary", names(kStepBoundary)},
+          {"dispatch_order", names(kDispatchOrder)}};
 }
 
 }  // namespace april::sched

@@ -17,6 +17,7 @@ OverSampling parse_over_sampling(const std::string& name);
 StalenessPolicy parse_staleness_policy(const std::string& name);
 ResumeOrder parse_resume_order(const std::string& name);
 StepBoundary parse_step_boundary(const std::string& name);
+DispatchOrder parse_dispatch_order(const std::string& name);
 // Throws InvalidArgumentError naming the allowed states.
 SampleState parse_sample_state(const std::string& name);
 
@@ -26,6 +27,7 @@ const char* name_of(OverSampling value);
 const char* name_of(StalenessPolicy value);
 const char* name_of(ResumeOrder value);
 const char* name_of(StepBoundary value);
+const char* name_of(DispatchOrder value);
 const char* name_of(SampleState value);
 
 // Each enum-valued SchedulerConfig field with its allowed names, in declaration order.
