@@ -7,6 +7,7 @@ dataclasses, and the step's output as a :class:`~april_ext.batch.TrainingBatch`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from dataclasses import dataclass
@@ -156,8 +157,10 @@ class GenerationRequest:
     prompt_id: Any
     input_ids: np.ndarray  # int32, prompt_len + already generated tokens
     prompt_len: int
-    max_new_tokens: int  # max_response_len - already generated
-    is_resume: bool
+    max_new_tokens: int  # max_response_len - already generated, at most chunk_tokens
+    is_resume: bool  # input_ids hold a partial response
+    is_continuation: bool  # a chunk continued at the policy version it came back at: the engine may hold its KV
+    predicted_len: int  # predicted final response length (tokens): docs/scheduler.md, "Long-tail strategies"
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,13 @@ def _reason_code(reason: str | FinishReason, name: str) -> int:
     if isinstance(reason, str) and reason in _REASONS:
         return int(_REASONS[reason])
     raise InvalidArgumentError(f"{name}={reason!r} is not allowed: 'stop', 'length', 'abort' or a FinishReason")
+
+
+def history_key(prompt_id: Any) -> int:
+    """The prompt's identity across epochs for length prediction: a 64-bit hash of repr(prompt_id), the same in
+    every process for ids such as str, int or tuples of them."""
+    digest = hashlib.blake2b(repr(prompt_id).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def _describe(state: Any) -> str:
@@ -314,22 +324,25 @@ class Scheduler:
     # ------------------------------------------------------------------ dispatch
 
     def dispatch(self) -> list[GenerationRequest]:
-        """Requests to start now: buffered partials first (resume_order), then new groups from the data source."""
+        """Requests to start now, in dispatch_order (buffered partials first with resume_priority), new groups
+        pulled from the data source as refill allows; each with its predicted final length."""
         with self._lock:
             wanted = self._core.groups_to_launch()
             start = self._core.prompts_consumed()
             # Every new prompt is fetched and checked before any is added: a bad one launches nothing.
-            new = [prompt_token_array(self._data[index], index)
-                   for index in range(start, min(start + wanted, len(self._data)))]
+            fetched = [self._data[index] for index in range(start, min(start + wanted, len(self._data)))]
+            new = [prompt_token_array(p, start + i) for i, p in enumerate(fetched)]
             if new:
                 offsets = np.zeros(len(new) + 1, np.int64)
                 np.cumsum([p.size for p in new], out=offsets[1:])
-                self._core.add_groups(start, np.concatenate(new), offsets)
+                keys = np.array([history_key(p.id) for p in fetched], np.int64)
+                self._core.add_groups(start, np.concatenate(new), offsets, keys)
             d = self._core.dispatch()
         # Plain lists first: indexing numpy arrays element by element costs more than the requests themselves.
         offsets = d["offsets"].tolist()
         ids, gids, indices = d["sample_ids"].tolist(), d["group_ids"].tolist(), d["prompt_indices"].tolist()
         prompt_lens, budgets, resumes = d["prompt_lens"].tolist(), d["max_new_tokens"].tolist(), d["is_resume"].tolist()
+        continuations, predicted = d["is_continuation"].tolist(), d["predicted_lens"].tolist()
         input_ids = d["input_ids"]
         prompt_ids: dict[int, Any] = {}
         requests = []
@@ -339,7 +352,8 @@ class Scheduler:
             requests.append(GenerationRequest(
                 sample_id=ids[r], group_id=gids[r], prompt_index=index, prompt_id=prompt_ids[index],
                 input_ids=input_ids[offsets[r]:offsets[r + 1]], prompt_len=prompt_lens[r],
-                max_new_tokens=budgets[r], is_resume=bool(resumes[r])))
+                max_new_tokens=budgets[r], is_resume=bool(resumes[r]), is_continuation=bool(continuations[r]),
+                predicted_len=predicted[r]))
         return requests
 
     # ------------------------------------------------------------------ engine events
@@ -411,8 +425,9 @@ class Scheduler:
 
     def stats(self) -> dict[str, Any]:
         """Counters of the current (or last) step; see docs/scheduler.md for every key."""
-        counters, histogram = self._core.stats()
+        counters, histogram, rank_corr = self._core.stats()
         out: dict[str, Any] = dict(counters)
+        out["prediction_rank_corr"] = float(rank_corr)
         out["data_exhausted"] = bool(out["data_exhausted"])
         out["staleness_histogram"] = list(histogram)
         tokens = out["batch_response_tokens"]
@@ -471,4 +486,4 @@ class Scheduler:
         self._core.load(os.fspath(path))
 
 
-__all__ = ["CompletedGroup", "GenerationRequest", "SampleView", "Scheduler", "SchedulerConfig"]
+__all__ = ["CompletedGroup", "GenerationRequest", "SampleView", "Scheduler", "SchedulerConfig", "history_key"]

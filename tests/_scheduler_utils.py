@@ -74,9 +74,37 @@ def state_payload(core: bytes) -> bytes:
     return core[20:-8]
 
 
-def frame_state(payload: bytes, version: int = 3) -> bytes:
+def frame_state(payload: bytes, version: int = 4) -> bytes:
     """Frames a payload as the core writes it: magic, format version, length, payload, FNV-1a checksum."""
     return b"APRILSCH" + struct.pack("<IQ", version, len(payload)) + payload + struct.pack("<Q", _fnv1a(payload))
+
+
+_COUNTERS_AT = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # n, max_len, next group id, prompts, flags, version, step
+
+
+def as_version_3(core: bytes) -> bytes:
+    """Rewrite a version 4 state as version 3 wrote it: 35 counters (no chunk_returns, continuation_requests,
+    continuation_tokens, prediction_samples) and no length prediction section after the adaptive fields."""
+    payload = state_payload(core)
+    n = struct.unpack_from("<q", payload, 0)[0]
+    (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)
+    assert count == 39
+    pos = _COUNTERS_AT + 8 + count * 8
+
+    def skip_vec(pos: int, item: int) -> int:
+        return pos + 8 + struct.unpack_from("<Q", payload, pos)[0] * item
+
+    pos = skip_vec(pos, 8)  # staleness histogram
+    (groups,) = struct.unpack_from("<Q", payload, pos)
+    pos += 8
+    for _ in range(groups):
+        pos = skip_vec(skip_vec(pos + 18, 4), 4)  # id, prompt index, state, flag; prompt, rewards
+        for _ in range(n):
+            pos = skip_vec(skip_vec(skip_vec(pos + 26, 4), 4), 8)  # state, finish, 3 ints; tokens, logprobs, segments
+    pos = skip_vec(skip_vec(pos, 8), 8) + 16  # completed, accepted queues; adaptive state
+    last = _COUNTERS_AT + 8 + 35 * 8
+    payload = payload[:_COUNTERS_AT] + struct.pack("<Q", 35) + payload[_COUNTERS_AT + 8:last] + payload[last + 32:pos]
+    return frame_state(payload, version=3)
 
 
 def long_tail_length(sample_id: int, cap: int, seed: int = 0) -> int:

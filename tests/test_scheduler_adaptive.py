@@ -9,6 +9,7 @@ import pytest
 
 from _scheduler_utils import (
     FakeEngine,
+    as_version_3,
     check_batch_layout,
     frame_state,
     long_tail_length,
@@ -156,8 +157,8 @@ _COUNTERS_AT = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # n, max_len, next group id, promp
 
 
 def _as_version_2(core: bytes) -> bytes:
-    """Rewrite a version 3 state as version 2 wrote it: 33 counters (no carried_samples, carried_kv_tokens)."""
-    payload = state_payload(core)
+    """Rewrite a version 4 state as version 2 wrote it: 33 counters (no carried_samples, carried_kv_tokens)."""
+    payload = state_payload(as_version_3(core))
     (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)
     assert count == 35
     last = _COUNTERS_AT + 8 + 33 * 8  # carried_samples, carried_kv_tokens: the counters version 3 added
@@ -166,8 +167,8 @@ def _as_version_2(core: bytes) -> bytes:
 
 
 def _as_version_1(core: bytes) -> bytes:
-    """Rewrite a version 3 state as version 1 wrote it: 32 counters, no adaptive fields at the end."""
-    payload = state_payload(core)
+    """Rewrite a version 4 state as version 1 wrote it: 32 counters, no adaptive fields at the end."""
+    payload = state_payload(as_version_3(core))
     last = _COUNTERS_AT + 8 + 32 * 8  # over_sampling_groups, the counter version 2 added
     payload = (payload[:_COUNTERS_AT] + struct.pack("<Q", 32) + payload[_COUNTERS_AT + 8:last] + payload[last + 24:-16])
     return frame_state(payload, version=1)
@@ -181,7 +182,7 @@ def test_version_1_state_files_still_load_into_fixed_and_adaptive_schedulers():
     fixed.begin_step(1)
     fixed.dispatch()
     state = fixed.state_dict()
-    assert struct.unpack_from("<I", state["core"], 8)[0] == 3
+    assert struct.unpack_from("<I", state["core"], 8)[0] == 4
     old = dict(state, core=_as_version_1(state["core"]))
     again = Scheduler(fixed.config, prompts(50))
     again.load_state_dict(old)
@@ -192,8 +193,8 @@ def test_version_1_state_files_still_load_into_fixed_and_adaptive_schedulers():
     adaptive.load_state_dict(old)  # the group ceiling is derived on load
     assert len(adaptive.dispatch()) == 6
     bad = bytearray(old["core"])
-    bad[8] = 4
-    with pytest.raises(CorruptStateError, match="format version 4"):
+    bad[8] = 5
+    with pytest.raises(CorruptStateError, match="format version 5"):
         again.load_state_dict(dict(old, core=bytes(bad)))
 
 
@@ -218,4 +219,4 @@ def test_version_2_state_files_load_with_the_carried_counters_at_zero():
     assert again.sample_ids("queued") == sorted(sched.sample_ids("queued") + sched.sample_ids("running"))
     assert again.stats()["over_sampling_groups"] == sched.stats()["over_sampling_groups"]
     assert again.stats()["carried_samples"] == 0 and again.stats()["groups_launched"] == 2
-    assert again.state_dict()["core"][8] == 3  # saved again in the current format
+    assert again.state_dict()["core"][8] == 4  # saved again in the current format

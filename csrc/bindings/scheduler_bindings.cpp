@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -119,7 +120,8 @@ void bind_scheduler(py::module_& m) {
       .def("samples_to_abort", [](Scheduler& s) { return to_numpy(s.samples_to_abort()); })
       .def("groups_to_launch", &Scheduler::groups_to_launch)
       .def("add_groups",
-           [](Scheduler& s, int64_t first_index, const Array<int32_t>& tokens, const Array<int64_t>& offsets) {
+           [](Scheduler& s, int64_t first_index, const Array<int32_t>& tokens, const Array<int64_t>& offsets,
+              const std::optional<Array<int64_t>>& history_keys) {
              require_1d(tokens, "prompt tokens");
              require_1d(offsets, "prompt offsets");
              check(offsets.size() >= 1, ErrorKind::InvalidArgument, "prompt offsets need at least one entry (0)");
@@ -129,8 +131,16 @@ void bind_scheduler(py::module_& m) {
              p.n_tokens = static_cast<size_t>(tokens.size());
              p.offsets = offsets.data();
              p.n_groups = static_cast<size_t>(offsets.size() - 1);
+             if (history_keys) {
+               require_1d(*history_keys, "history keys");
+               check(static_cast<size_t>(history_keys->size()) == p.n_groups, ErrorKind::InvalidArgument,
+                     "history keys has " + std::to_string(history_keys->size()) + " entries for " +
+                         std::to_string(p.n_groups) + " prompts: one key per prompt");
+               p.history_keys = history_keys->data();
+             }
              s.add_groups(p);
-           })
+           },
+           py::arg("first_index"), py::arg("tokens"), py::arg("offsets"), py::arg("history_keys") = py::none())
       .def("dispatch",
            [](Scheduler& s) {
              sched::Dispatch d;
@@ -147,6 +157,8 @@ void bind_scheduler(py::module_& m) {
              out["prompt_lens"] = to_numpy(std::move(d.prompt_lens));
              out["max_new_tokens"] = to_numpy(std::move(d.max_new_tokens));
              out["is_resume"] = to_numpy(std::move(d.is_resume));
+             out["is_continuation"] = to_numpy(std::move(d.is_continuation));
+             out["predicted_lens"] = to_numpy(std::move(d.predicted_lens));
              return out;
            })
       // Event calls return False, having done nothing, unless every array is exact (see exact()).
@@ -214,7 +226,7 @@ void bind_scheduler(py::module_& m) {
       .def("stats",
            [](const Scheduler& s) {
              const sched::StepStats st = s.stats();
-             return py::make_tuple(st.counters(), st.staleness_histogram);
+             return py::make_tuple(st.counters(), st.staleness_histogram, st.prediction_rank_corr);
            })
       .def("buffered_memory",
            [](const Scheduler& s) {

@@ -1,11 +1,13 @@
-// Dispatch and refill: how many new groups to launch, adding them, and picking the queued samples
-// (buffered partials first, in resume order) to send to the engine.
+// Dispatch and refill: how many new groups to launch, adding them, and picking the queued samples to send to
+// the engine in dispatch_order (buffered partials first with resume_priority), each with its length budget
+// (chunk_tokens) and predicted final length.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
 
 #include "common/error.h"
+#include "scheduler/prediction.h"
 #include "scheduler/scheduler.h"
 
 namespace april::sched {
@@ -85,6 +87,10 @@ void Scheduler::add_groups(const PromptBatch& p) {
     Group& g = s_.groups[gid];
     g.prompt_index = p.first_index + static_cast<int64_t>(i);
     g.prompt.assign(p.tokens + p.offsets[i], p.tokens + p.offsets[i + 1]);
+    if (p.history_keys != nullptr) {
+      g.has_history_key = true;
+      g.history_key = p.history_keys[i];
+    }
     g.samples.resize(config_.n_samples_per_prompt);
     index_.add(gid, g);
   }
@@ -104,42 +110,79 @@ Dispatch Scheduler::dispatch() {
   const int64_t slots =
       cap == std::numeric_limits<int64_t>::max() ? cap : cap - s_.running_samples - s_.aborting_samples;
   if (slots <= 0) return d;
-  const std::vector<Pick> picks = queued_in_resume_order();
+  const std::vector<Pick> picks = queued_in_dispatch_order();
   const size_t count = static_cast<size_t>(std::min<int64_t>(slots, static_cast<int64_t>(picks.size())));
   for (size_t r = 0; r < count; ++r) launch(d, picks[r]);
   return d;
 }
 
-// Queued samples of dispatchable groups: buffered partials in resume_order, then fresh samples.
-std::vector<Scheduler::Pick> Scheduler::queued_in_resume_order() const {
-  std::vector<Pick> resumes, fresh;
+// Queued samples of dispatchable groups in dispatch order. resume_priority: buffered partials (continuations
+// too), then fresh samples, each class sorted by dispatch_order, ties among partials by resume_order and among
+// fresh samples by creation order; otherwise one list, ties by creation order.
+std::vector<Scheduler::Pick> Scheduler::queued_in_dispatch_order() const {
+  std::vector<Pick> partials, fresh;
   for (const auto& [gid, g] : s_.groups) {
     if (g.state != GroupState::Active || g.stale_check_pending) continue;
+    double predicted = -1.0;  // the group's, computed once it has a queued sample
     for (int64_t i = 0; i < config_.n_samples_per_prompt; ++i) {
       const Sample& smp = g.samples[i];
       if (smp.state != SampleState::Queued) continue;
-      (smp.tokens.empty() ? fresh : resumes).push_back({gid, i, static_cast<int64_t>(smp.tokens.size())});
+      if (predicted < 0) predicted = group_length_prediction(s_, g, config_.max_response_len);
+      const auto len = static_cast<int64_t>(smp.tokens.size());
+      (len == 0 ? fresh : partials)
+          .push_back({gid, i, len, sample_length_prediction(predicted, len)});
     }
   }
   switch (config_.resume_order) {
     case ResumeOrder::OldestFirst: break;  // map order is creation order
     case ResumeOrder::NewestFirst:
-      std::stable_sort(resumes.begin(), resumes.end(), [](const Pick& a, const Pick& b) { return a.gid > b.gid; });
+      std::stable_sort(partials.begin(), partials.end(), [](const Pick& a, const Pick& b) { return a.gid > b.gid; });
       break;
     case ResumeOrder::LongestFirst:
-      std::stable_sort(resumes.begin(), resumes.end(), [](const Pick& a, const Pick& b) { return a.len > b.len; });
+      std::stable_sort(partials.begin(), partials.end(), [](const Pick& a, const Pick& b) { return a.len > b.len; });
       break;
   }
-  resumes.insert(resumes.end(), fresh.begin(), fresh.end());
-  return resumes;
+  const auto by_age = [](const Pick& a, const Pick& b) { return a.gid < b.gid; };
+  if (!config_.resume_priority) {
+    partials.insert(partials.end(), fresh.begin(), fresh.end());
+    fresh.clear();
+    std::stable_sort(partials.begin(), partials.end(), by_age);  // one list: ties in creation order
+  }
+  sort_by_dispatch_order(partials);
+  sort_by_dispatch_order(fresh);
+  partials.insert(partials.end(), fresh.begin(), fresh.end());
+  return partials;
 }
 
-// Sends one queued sample: its request (prompt + partial response, the remaining budget) goes into d.
+// Stable: ties keep the order they come in (resume_order among partials, creation order otherwise).
+void Scheduler::sort_by_dispatch_order(std::vector<Pick>& picks) const {
+  switch (config_.dispatch_order) {
+    case DispatchOrder::Fifo: break;  // partials in resume_order, fresh samples as launched; one list by age
+    case DispatchOrder::OldestFirst:
+      std::stable_sort(picks.begin(), picks.end(), [](const Pick& a, const Pick& b) { return a.gid < b.gid; });
+      break;
+    case DispatchOrder::LongestPredictedFirst:
+      std::stable_sort(picks.begin(), picks.end(),
+                       [](const Pick& a, const Pick& b) { return a.predicted - a.len > b.predicted - b.len; });
+      break;
+    case DispatchOrder::ShortestFirst:
+      std::stable_sort(picks.begin(), picks.end(),
+                       [](const Pick& a, const Pick& b) { return a.predicted - a.len < b.predicted - b.len; });
+      break;
+  }
+}
+
+// Sends one queued sample: its request (prompt + partial response, the remaining budget or one chunk of it)
+// goes into d. A partial that came back at a chunk boundary at this policy version is a continuation: the
+// engine still holds its KV, so it is no re-prefill.
 void Scheduler::launch(Dispatch& d, const Pick& pick) {
   const int64_t n = config_.n_samples_per_prompt;
   Group& g = s_.groups.at(pick.gid);
   Sample& smp = g.samples[pick.index];
-  const bool is_resume = !smp.tokens.empty();
+  const bool is_resume = pick.len > 0;
+  const bool is_continuation = is_resume && smp.chunk_version >= 0 && smp.chunk_version == s_.policy_version;
+  int64_t budget = config_.max_response_len - pick.len;
+  if (config_.chunk_tokens > 0) budget = std::min(budget, config_.chunk_tokens);
   d.sample_ids.push_back(pick.gid * n + pick.index);
   d.group_ids.push_back(pick.gid);
   d.prompt_indices.push_back(g.prompt_index);
@@ -147,18 +190,28 @@ void Scheduler::launch(Dispatch& d, const Pick& pick) {
   d.input_ids.insert(d.input_ids.end(), smp.tokens.begin(), smp.tokens.end());
   d.offsets.push_back(static_cast<int64_t>(d.input_ids.size()));
   d.prompt_lens.push_back(static_cast<int32_t>(g.prompt.size()));
-  d.max_new_tokens.push_back(config_.max_response_len - static_cast<int64_t>(smp.tokens.size()));
+  d.max_new_tokens.push_back(budget);
   d.is_resume.push_back(is_resume ? 1 : 0);
+  d.is_continuation.push_back(is_continuation ? 1 : 0);
+  d.predicted_lens.push_back(pick.predicted);
   smp.state = SampleState::Running;
   smp.dispatch_version = s_.policy_version;
-  smp.resumed = is_resume;
+  smp.resumed = is_resume && !is_continuation;
+  smp.dispatch_len = static_cast<int32_t>(pick.len);
+  smp.dispatch_budget = static_cast<int32_t>(budget);
+  smp.predicted_len = static_cast<int32_t>(pick.predicted);
+  smp.chunk_version = -1;
   g.n_in_flight += 1;
   s_.queued_samples -= 1;
   s_.running_samples += 1;
-  if (is_resume) {
+  const auto input_len = static_cast<int64_t>(g.prompt.size()) + pick.len;
+  if (is_continuation) {
+    s_.stats.continuation_requests += 1;
+    s_.stats.continuation_tokens += input_len;
+  } else if (is_resume) {
     smp.resumes += 1;
     s_.stats.resume_requests += 1;
-    s_.stats.re_prefill_tokens += static_cast<int64_t>(g.prompt.size() + smp.tokens.size());
+    s_.stats.re_prefill_tokens += input_len;
   } else {
     s_.stats.new_requests += 1;
     s_.stats.prefill_tokens += static_cast<int64_t>(g.prompt.size());

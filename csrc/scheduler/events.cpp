@@ -4,6 +4,7 @@
 
 #include "common/error.h"
 #include "scheduler/names.h"
+#include "scheduler/prediction.h"
 #include "scheduler/scheduler.h"
 
 namespace april::sched {
@@ -165,24 +166,39 @@ void Scheduler::on_finish(const EventBatch& ev) {
   }
 }
 
-// A sample's request ended: an abort below the length cap queues it for a resume, anything else is done.
+// A sample's request ended: an abort below the length cap queues it for a resume, and so does a chunk
+// boundary (divided rollout: a length finish below the cap after exactly the request's budget); anything else
+// is done.
 void Scheduler::finish(Sample& smp, Group& g, int64_t gid, FinishReason reason) {
-  (smp.state == SampleState::Running ? s_.running_samples : s_.aborting_samples) -= 1;
+  const bool was_aborting = smp.state == SampleState::Aborting;
+  (was_aborting ? s_.aborting_samples : s_.running_samples) -= 1;
   g.n_in_flight -= 1;
-  const bool at_cap = static_cast<int64_t>(smp.tokens.size()) >= config_.max_response_len;
-  if (reason == FinishReason::Abort && !at_cap) {
+  const auto len = static_cast<int64_t>(smp.tokens.size());
+  const bool at_cap = len >= config_.max_response_len;
+  const bool chunk_end = config_.chunk_tokens > 0 && reason == FinishReason::Length && !at_cap &&
+                         len - smp.dispatch_len == smp.dispatch_budget;
+  if ((reason == FinishReason::Abort || chunk_end) && !at_cap) {
     // Recycled: every token, logprob and version segment stays for the resume.
     smp.state = SampleState::Queued;
-    smp.tokens.shrink_to_fit();
-    smp.logprobs.shrink_to_fit();
-    smp.segments.shrink_to_fit();
     s_.queued_samples += 1;
-    s_.stats.aborts += 1;
+    // A chunk continues where the engine keeps its KV; one back once the batch is due (the step's aborts
+    // asked for or under way) waits as any buffered partial.
+    const bool continues = chunk_end && !was_aborting &&
+                           !(config_.step_boundary == StepBoundary::Abort && step_done_locked());
+    if (continues) {
+      smp.chunk_version = static_cast<int32_t>(s_.policy_version);
+    } else {
+      smp.tokens.shrink_to_fit();
+      smp.logprobs.shrink_to_fit();
+      smp.segments.shrink_to_fit();
+    }
+    (chunk_end ? s_.stats.chunk_returns : s_.stats.aborts) += 1;
   } else {
     smp.state = SampleState::Done;
     smp.finish = reason == FinishReason::Abort ? FinishReason::Length : reason;
     g.n_done += 1;
     s_.stats.finished_samples += 1;
+    record_final_length(s_, g, smp);
   }
   if (g.stale_check_pending && g.n_in_flight == 0) {
     g.stale_check_pending = false;

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "scheduler/prediction.h"
 #include "scheduler/state_file.h"
 #include "scheduler/state_io.h"
 
@@ -68,6 +69,7 @@ StepStats Scheduler::stats() const {
   }
   st.data_exhausted = s_.data_exhausted() ? 1 : 0;
   st.prompts_consumed = s_.prompts_consumed;
+  st.prediction_rank_corr = rank_correlation(st.predicted_lens, st.final_lens);
   return st;
 }
 
@@ -147,6 +149,7 @@ void Scheduler::settle_after_load() {
       smp.finish = FinishReason::Length;
       g.n_done += 1;
       s_.queued_samples -= 1;
+      record_final_length(s_, g, smp);
       capped = true;
     }
     if (capped || g.stale_check_pending || staleness_enforced()) touched.push_back(gid);

@@ -23,7 +23,9 @@ struct Dispatch {
   std::vector<int64_t> offsets{0};
   std::vector<int32_t> prompt_lens;
   std::vector<int64_t> max_new_tokens;
-  std::vector<uint8_t> is_resume;
+  std::vector<uint8_t> is_resume;        // input_ids hold a partial response
+  std::vector<uint8_t> is_continuation;  // of a chunk that came back at this policy version (KV still held)
+  std::vector<int64_t> predicted_lens;   // predicted final response length
 };
 
 struct CompletedGroup {
@@ -73,6 +75,8 @@ struct PromptBatch {
   size_t n_tokens = 0;
   const int64_t* offsets = nullptr;  // n_groups + 1 entries
   size_t n_groups = 0;
+  // Optional, n_groups entries: each prompt's identity across epochs (length prediction from its history).
+  const int64_t* history_keys = nullptr;
 };
 
 struct MemoryUsage {
@@ -132,11 +136,12 @@ class Scheduler {
   void load(const std::string& path);
 
  private:
-  // A queued sample picked for dispatch; len is its partial response's length.
+  // A queued sample picked for dispatch; len is its partial response's length, predicted its predicted final one.
   struct Pick {
     int64_t gid;
     int64_t index;
     int64_t len;
+    int64_t predicted;
   };
 
   // Records (scheduler.cpp)
@@ -155,7 +160,8 @@ class Scheduler {
   int64_t groups_to_launch_locked() const;
   int64_t inflight_cap() const;  // most samples dispatched at once; INT64_MAX when uncapped
   void retune_over_sampling();
-  std::vector<Pick> queued_in_resume_order() const;
+  std::vector<Pick> queued_in_dispatch_order() const;
+  void sort_by_dispatch_order(std::vector<Pick>& picks) const;
   void launch(Dispatch& d, const Pick& pick);
   // Staleness (staleness.cpp)
   bool staleness_enforced() const;  // restart or drop with a bound

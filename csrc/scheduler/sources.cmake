@@ -5,6 +5,7 @@ target_sources(april_core PRIVATE
   csrc/scheduler/events.cpp
   csrc/scheduler/groups.cpp
   csrc/scheduler/names.cpp
+  csrc/scheduler/prediction.cpp
   csrc/scheduler/sample_index.cpp
   csrc/scheduler/scheduler.cpp
   csrc/scheduler/staleness.cpp

@@ -35,7 +35,14 @@ struct Sample {
   int64_t dispatch_version = -1;      // policy version at the last dispatch
   int64_t tokens_at_step_start = 0;   // response length when the current step began
   int64_t resumes = 0;
-  bool resumed = false;  // the last dispatch continued a partial response
+  bool resumed = false;  // the last dispatch resumed an aborted partial (a re-prefill; not a continuation)
+  // Set at dispatch (not persisted: nothing is in flight after a load).
+  int32_t dispatch_len = 0;     // response length when the last request was sent
+  int32_t dispatch_budget = 0;  // that request's max_new_tokens
+  int32_t predicted_len = 0;    // predicted final length at the last dispatch; 0: none since a load
+  // Policy version at which the sample came back at a chunk boundary: its next dispatch at that version is a
+  // continuation (the engine still holds its KV). -1: none.
+  int32_t chunk_version = -1;
   // Scratch of the batch calls' validation pass (not persisted).
   uint64_t scratch_epoch = 0;
   int64_t scratch_len = 0;
@@ -62,6 +69,8 @@ enum class GroupState : uint8_t {
 
 struct Group {
   int64_t prompt_index = 0;
+  bool has_history_key = false;  // the prompt's identity across epochs, for length prediction
+  int64_t history_key = 0;
   std::vector<int32_t> prompt;
   std::vector<Sample> samples;
   std::vector<float> rewards;
@@ -70,6 +79,18 @@ struct Group {
   bool stale_check_pending = false;  // staleness to apply once no sample is in flight
   int64_t n_done = 0;
   int64_t n_in_flight = 0;
+};
+
+// Final response lengths seen: their sum and count.
+struct LengthStats {
+  int64_t sum = 0;
+  int64_t count = 0;
+
+  void add(int64_t len) {
+    sum += len;
+    count += 1;
+  }
+  double mean() const { return static_cast<double>(sum) / static_cast<double>(count); }
 };
 
 // Everything that changes while the scheduler runs; persisted as a whole by state_io.
@@ -90,6 +111,9 @@ struct State {
   // Adaptive over-sampling (persisted from format version 2).
   double live_fraction = 1.0;    // running mean of the live share of active groups' samples at step ends
   int64_t adaptive_groups = 0;   // N'_t: most groups generating at a time this step (0 before the first step)
+  // Length prediction (persisted from format version 4): final lengths per prompt history key, and of all.
+  std::map<int64_t, LengthStats> length_history;
+  LengthStats final_lengths;
   StepStats stats;
 
   bool data_exhausted() const { return data_size >= 0 && prompts_consumed >= data_size; }

@@ -172,8 +172,10 @@ void decode_step(Reader& r, uint32_t version, int64_t n, State& s) {
                      s.step_index >= 0 && s.step_index < std::numeric_limits<int64_t>::max(),
                  "counters out of range");
   const auto n_counters = r.get<uint64_t>();
-  const size_t expected_counters =
-      version == 1 ? kV1CounterCount : version == 2 ? kV2CounterCount : s.stats.counters().size();
+  const size_t expected_counters = version == 1   ? kV1CounterCount
+                                   : version == 2 ? kV2CounterCount
+                                   : version == 3 ? kV3CounterCount
+                                                  : s.stats.counters().size();
   corrupt_unless(n_counters == expected_counters, "stats has " + std::to_string(n_counters) + " counters, expected " +
                                                  std::to_string(expected_counters));
   std::vector<int64_t> values(s.stats.counters().size(), 0);  // counters an older file lacks stay 0
@@ -285,6 +287,74 @@ void decode_adaptive(Reader& r, State& s) {
                  "adaptive over-sampling state out of range");
 }
 
+// Length prediction: the prompts' history keys of the groups that have one, the final lengths per key and
+// of all, and this step's (prediction, final length) pairs.
+void encode_prediction(Writer& w, const State& s) {
+  std::vector<int64_t> gids, keys;
+  for (const auto& [gid, g] : s.groups) {
+    if (!g.has_history_key) continue;
+    gids.push_back(gid);
+    keys.push_back(g.history_key);
+  }
+  w.put_vec(gids);
+  w.put_vec(keys);
+  std::vector<int64_t> hist_keys, sums, counts;
+  for (const auto& [key, h] : s.length_history) {
+    hist_keys.push_back(key);
+    sums.push_back(h.sum);
+    counts.push_back(h.count);
+  }
+  w.put_vec(hist_keys);
+  w.put_vec(sums);
+  w.put_vec(counts);
+  w.put<int64_t>(s.final_lengths.sum);
+  w.put<int64_t>(s.final_lengths.count);
+  w.put_vec(s.stats.predicted_lens);
+  w.put_vec(s.stats.final_lens);
+}
+
+// Sums of final lengths: each length within [0, max_len].
+bool lengths_valid(const LengthStats& h, int64_t max_len) {
+  return h.count >= 0 && h.sum >= 0 && (h.count == 0 ? h.sum == 0 : h.sum / h.count <= max_len);
+}
+
+void decode_prediction(Reader& r, const Config& config, State& s) {
+  const auto limit = static_cast<uint64_t>(r.size());
+  const auto gids = r.get_vec<int64_t>(s.groups.size());
+  const auto keys = r.get_vec<int64_t>(s.groups.size());
+  corrupt_unless(gids.size() == keys.size(), "history keys do not match their groups");
+  for (size_t i = 0; i < gids.size(); ++i) {
+    auto it = s.groups.find(gids[i]);
+    corrupt_unless(it != s.groups.end() && (i == 0 || gids[i] > gids[i - 1]),
+                   "a history key's group is unknown or repeated");
+    it->second.has_history_key = true;
+    it->second.history_key = keys[i];
+  }
+  const auto hist_keys = r.get_vec<int64_t>(limit);
+  const auto sums = r.get_vec<int64_t>(limit);
+  const auto counts = r.get_vec<int64_t>(limit);
+  corrupt_unless(sums.size() == hist_keys.size() && counts.size() == hist_keys.size(),
+                 "length history arrays of different sizes");
+  const int64_t max_len = config.max_response_len;
+  for (size_t i = 0; i < hist_keys.size(); ++i) {
+    const LengthStats h{sums[i], counts[i]};
+    corrupt_unless((i == 0 || hist_keys[i] > hist_keys[i - 1]) && h.count > 0 && lengths_valid(h, max_len),
+                   "a length history entry is repeated or out of range");
+    s.length_history.emplace(hist_keys[i], h);
+  }
+  s.final_lengths.sum = r.get<int64_t>();
+  s.final_lengths.count = r.get<int64_t>();
+  corrupt_unless(lengths_valid(s.final_lengths, max_len), "the final length totals are out of range");
+  s.stats.predicted_lens = r.get_vec<int64_t>(limit);
+  s.stats.final_lens = r.get_vec<int64_t>(limit);
+  const auto out_of_range = [&](int64_t v) { return v < 0 || v > max_len; };
+  corrupt_unless(s.stats.final_lens.size() == s.stats.predicted_lens.size() &&
+                     static_cast<int64_t>(s.stats.predicted_lens.size()) == s.stats.prediction_samples &&
+                     std::none_of(s.stats.predicted_lens.begin(), s.stats.predicted_lens.end(), out_of_range) &&
+                     std::none_of(s.stats.final_lens.begin(), s.stats.final_lens.end(), out_of_range),
+                 "the step's length predictions do not match prediction_samples or are out of range");
+}
+
 }  // namespace
 
 std::string encode_state(const Config& config, const State& s) {
@@ -320,6 +390,7 @@ std::string encode_state(const Config& config, const State& s) {
   w.put_vec(std::vector<int64_t>(s.accepted.begin(), s.accepted.end()));
   w.put<double>(s.live_fraction);
   w.put<int64_t>(s.adaptive_groups);
+  encode_prediction(w, s);
   return frame(w.bytes());
 }
 
@@ -334,6 +405,7 @@ State decode_state(const Config& config, const std::string& bytes) {
   for (uint64_t gi = 0; gi < n_groups; ++gi) decode_group(r, config, s);
   decode_queues(r, n_groups, s);
   if (f.version >= 2) decode_adaptive(r, s);
+  if (f.version >= 4) decode_prediction(r, config, s);
   corrupt_unless(r.at_end(), "trailing bytes after the state");
   return s;
 }

@@ -11,8 +11,10 @@
 namespace april::sched {
 
 // Version 2 adds the adaptive over-sampling state and the over_sampling_groups counter, version 3 the
-// carried_samples and carried_kv_tokens counters; versions 1 and 2 still load.
-constexpr uint32_t kStateFormatVersion = 3;
+// carried_samples and carried_kv_tokens counters, version 4 the length prediction (history keys of groups,
+// final lengths per key and of all, the step's prediction pairs) and the chunk, continuation and
+// prediction_samples counters; versions 1 to 3 still load.
+constexpr uint32_t kStateFormatVersion = 4;
 
 // The framed bytes of a state (header, payload, checksum).
 std::string encode_state(const Config& config, const State& state);

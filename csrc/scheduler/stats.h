@@ -17,12 +17,13 @@ namespace april::sched {
   X(batch_carried_tokens) X(batch_offpolicy_tokens) X(batch_masked_tokens)                       \
   X(batch_max_staleness) X(buffered_groups) X(buffered_samples) X(buffered_tokens)               \
   X(surplus_groups) X(data_exhausted) X(prompts_consumed) X(over_sampling_groups) X(carried_samples)         \
-  X(carried_kv_tokens)
+  X(carried_kv_tokens) X(chunk_returns) X(continuation_requests) X(continuation_tokens) X(prediction_samples)
 
 // Format version 1 files hold every counter before over_sampling_groups, version 2 those before
-// carried_samples.
+// carried_samples, version 3 those before chunk_returns.
 constexpr size_t kV1CounterCount = 32;
 constexpr size_t kV2CounterCount = 33;
+constexpr size_t kV3CounterCount = 35;
 
 struct StepStats {
 #define APRIL_DECLARE(name) int64_t name = 0;
@@ -30,6 +31,11 @@ struct StepStats {
 #undef APRIL_DECLARE
   // staleness_histogram[s] = batch samples whose oldest token is s versions behind the batch.
   std::vector<int64_t> staleness_histogram;
+  // The samples that finished this step: predicted final length at their last dispatch, and final length.
+  std::vector<int64_t> predicted_lens;
+  std::vector<int64_t> final_lens;
+  // Spearman rank correlation of the two (computed by Scheduler::stats(); not persisted).
+  double prediction_rank_corr = 0.0;
 
   std::vector<std::pair<std::string, int64_t>> counters() const {
     std::vector<std::pair<std::string, int64_t>> out;
