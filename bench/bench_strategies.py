@@ -31,8 +31,8 @@ from april_ext.persistence import atomic_write_json
 from april_ext.sim.runner import SimConfig, simulate
 from bench_sim_report import ABORT_LATENCY_S, WEIGHT_SYNC_S
 
-PAPER_STEPS, PAPER_WARMUP = 6, 2
-SEER_STEPS, SEER_WARMUP = 5, 1
+PAPER_STEPS, PAPER_WARMUP = 4, 1
+SEER_STEPS, SEER_WARMUP = 4, 1
 
 
 def _paper(gpu: str, model: str, algorithm: str) -> dict[str, object]:

@@ -122,6 +122,25 @@ def test_a_weight_update_empties_the_prefix_cache():
     assert (counters.prefix_hit_tokens, counters.continuation_prefill_tokens) == (0, 8)
 
 
+def test_a_divided_rollout_run_continues_each_chunk_on_its_cached_prefix():
+    from april_ext.sim.runner import simulate
+
+    # One engine, no prefill cost, one group of 10 and 3 tokens in 4-token chunks: the long sample comes back at 4
+    # and 8 tokens and continues twice on its cached prefix (contexts 4 + 4 and 4 + 8), ending at t = 10 as one
+    # request would.
+    config = SimConfig(cluster=ClusterConfig(cost=replace(COST, prefill_per_token_s=0.0), num_engines=1),
+                       lengths=TraceLengths([[10, 3]]), rollout_batch_size=1, n_samples_per_prompt=2,
+                       over_sampling_batch_size=1, chunk_tokens=4, max_response_len=16, steps=1, warmup_steps=0,
+                       prompt_len=4, dataset_size=10)
+    [step] = simulate(config).steps
+    assert (step.rollout_s, sorted(step.response_lens)) == (10.0, [3, 10])
+    assert (step.chunk_returns, step.continuations, step.continuation_tokens) == (2, 2, 8 + 12)
+    assert (step.prefix_hit_tokens, step.continuation_prefill_tokens, step.re_prefill_tokens) == (20, 0, 0)
+    # Predictions at each sample's last dispatch: the short one at its first (no history: the cap / 2 = 8), the
+    # long one at its last chunk from its finished sibling (3, raised to its length + 1 = 9): the ranks agree.
+    assert (step.prediction_samples, step.prediction_rank_corr) == (2, pytest.approx(1.0))
+
+
 def test_the_prefix_cache_lives_in_free_kv_and_evicts_the_oldest():
     replica = Replica(0, replace(COST, kv_capacity_tokens=100))
     replica.cache_prefix(b"a", 60)

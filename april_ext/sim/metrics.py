@@ -21,6 +21,8 @@ Definitions (docs/sim.md has the reasoning):
   step began counts at its start) to the step's end, as a share of the step's rollout time: the last 10%.
 - continuations (divided rollout): requests continuing a sample past a chunk boundary; those placed on a replica
   without their cached prefix pay its prefill (continuation_prefill_time_fraction), the others hit the cache.
+- prediction rank correlation (scheduler): Spearman's between each finished sample's predicted final length at
+  its last dispatch and its final length, per step; the run's is the mean weighted by the samples.
 """
 
 from __future__ import annotations
@@ -177,6 +179,10 @@ class StepReport:
     prefix_hit_tokens: int  # their context tokens found in the replica's prefix cache (no prefill)
     continuation_prefill_tokens: int  # their context tokens prefilled (placed away from their cached prefix)
     continuation_prefill_time_fraction: float  # replica time prefilling continuations away from their prefix
+    chunk_returns: int  # samples the scheduler got back at a chunk boundary (divided rollout)
+    continuation_tokens: int  # prompt + partial tokens the continuations sent
+    prediction_rank_corr: float  # Spearman: prediction at each sample's last dispatch vs its final length
+    prediction_samples: int  # the samples that correlation is over
     response_lens: list[int] = field(default_factory=list, repr=False)
 
 
@@ -215,6 +221,9 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
         length_w1_rel=bias["w1_rel"], tail_latency=tail_latency(finish_times, end - wall, end),
         continuations=counters.continuations, prefix_hit_tokens=counters.prefix_hit_tokens,
         continuation_prefill_tokens=counters.continuation_prefill_tokens,
+        chunk_returns=int(sched["chunk_returns"]), continuation_tokens=int(sched["continuation_tokens"]),
+        prediction_rank_corr=float(sched["prediction_rank_corr"]),
+        prediction_samples=int(sched["prediction_samples"]),
         continuation_prefill_time_fraction=(counters.continuation_prefill_time / replica_time
                                             if replica_time > 0 else 0.0),
         response_lens=lens.tolist())

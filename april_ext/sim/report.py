@@ -16,7 +16,7 @@ _COLUMNS = (
     ("mode", "{}"), ("tok/s", "{:,.0f}"), ("gain", "{}"), ("useful tok/s", "{:,.0f}"), ("bound", "{:,.0f}"),
     ("eff", "{:.2f}"), ("ceil eff", "{:.2f}"), ("bubble", "{:.2f}"),
     ("partial", "{:.2f}"), ("offpol", "{:.2f}"), ("stale<=", "{:.0f}"), ("reprefill", "{:.3f}"), ("kvcopy", "{:.3f}"),
-    ("step s", "{:.1f}"), ("tail", "{:.2f}"), ("cont/step", "{:.0f}"), ("len ratio", "{:.2f}"),
+    ("step s", "{:.1f}"), ("tail", "{:.2f}"), ("rank corr", "{:.2f}"), ("cont/step", "{:.0f}"), ("len ratio", "{:.2f}"),
     ("W1 first->last", "{}"),
 )
 
@@ -34,7 +34,7 @@ def summary_rows(results: dict[str, SimResult]) -> list[dict[str, Any]]:
             "bubble": s["bubble_fraction"], "partial": s["partial_token_ratio"],
             "offpol": s["offpolicy_token_ratio"], "stale<=": s["max_staleness"],
             "reprefill": s["re_prefill_time_fraction"], "kvcopy": s["kv_copy_time_fraction"], "step s": s["rollout_s"],
-            "tail": s["tail_latency"], "cont/step": s["continuations_per_step"],
+            "tail": s["tail_latency"], "rank corr": s["prediction_rank_corr"], "cont/step": s["continuations_per_step"],
             "len ratio": s["length_mean_ratio"],
             "W1 first->last": f"{s['first_step_length_w1_rel']:.2f}->{s['last_step_length_w1_rel']:.2f}",
         })

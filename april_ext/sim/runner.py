@@ -237,6 +237,7 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
     batch_tokens = [float(s.trained_tokens) for s in steady]
     tokens_per_s = tokens / seconds if seconds > 0 else 0.0
     timed = [s for s in steady if not math.isnan(s.tail_latency)]  # a step with no time (batch in the buffer)
+    predicted = [s for s in steady if not math.isnan(s.prediction_rank_corr)]  # NaN below 2 samples
     hits = sum(s.prefix_hit_tokens for s in steady)
     misses = sum(s.continuation_prefill_tokens for s in steady)
     return {
@@ -257,6 +258,9 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
         "prefix_hit_token_ratio": hits / (hits + misses) if hits + misses > 0 else 0.0,
         "continuation_prefill_time_fraction": _weighted([s.continuation_prefill_time_fraction for s in steady],
                                                         durations),
+        "chunk_returns_per_step": float(np.mean([s.chunk_returns for s in steady])),
+        "prediction_rank_corr": _weighted([s.prediction_rank_corr for s in predicted],
+                                          [float(s.prediction_samples) for s in predicted]) if predicted else math.nan,
         "max_staleness": float(max((len(s.staleness_histogram) - 1 for s in steps), default=0)),
         "rollout_s": seconds / len(steady),
         "length_mean_ratio": bias["mean_ratio"],
