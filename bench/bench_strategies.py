@@ -1,7 +1,11 @@
 """The long-tail strategy table from the calibrated simulator (docs/strategies.md, issue 16).
 
     python bench/bench_strategies.py [--seeds 5] [--jobs 2] [--markdown out.md] [--json out.json]
-        [--presets seer-h200-qwen3-8b] [--rows baseline,april,seer]
+        [--presets seer-h200-qwen3-8b] [--rows baseline,april,seer] [--base earlier.json]
+
+``--base``: the runs of an earlier --json output are kept for the rows not run now (same presets and seeds), so a
+table can be extended row by row (runs are deterministic: the baseline recomputed is the same); ``--tables-only``
+prints the tables of --base. --json is rewritten after every finished preset x seed.
 
 Every preset runs every row on the same seeds; a row is a strategy (april_ext.strategies) in an APRIL mode, or
 the synchronous baseline that each row's rollout throughput is measured against (same seed, same bound). Per row:
@@ -11,16 +15,20 @@ natural mean), tail latency (the last 10% of each step's batch samples as a shar
 prediction rank correlation (scheduler) and continuations per step (divided rollout): mean and spread (standard
 deviation) over the seeds.
 
-Presets: the APRIL paper's engines (bench_sim_report: 4 SGLang engines x TP 2, mem 0.6, 32 prompts x 8, N' = 64, a
-16K cap, dapo-math-17k lengths) for Qwen3-4B / 8B x GRPO / DAPO on H100 and H200 (GSPO rolls out as GRPO does:
-every complete group is trained; only its loss differs, which the simulator does not run), and a Seer-shaped one:
-8 H200 engines of Qwen3-8B, 16 prompts x 16 samples, a 64K cap, the seer-long-cot lengths (docs/sim.md).
+Presets, at half the scale of the setups they follow (half the engines and half the prompts: the same load per
+engine; the full table then fits in 25 minutes of the shared 2-core build machine): the APRIL paper's engines
+(bench_sim_report: SGLang engines x TP 2, mem 0.6, 8 samples per prompt, N' = 2N, a 16K cap, dapo-math-17k
+lengths; here 2 engines and 16 prompts instead of 4 and 32) for Qwen3-4B / 8B x GRPO / DAPO on H100 and H200 (GSPO
+rolls out as GRPO does: every complete group is trained; only its loss differs, which the simulator does not run),
+and a Seer-shaped one: 4 H200 engines of Qwen3-8B, 8 prompts x 16 samples, a 64K cap, the seer-long-cot lengths
+(docs/sim.md). 4 steps, the first left out of the summaries.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -36,9 +44,9 @@ SEER_STEPS, SEER_WARMUP = 4, 1
 
 
 def _paper(gpu: str, model: str, algorithm: str) -> dict[str, object]:
-    return dict(cluster=f"{gpu}-{model}", lengths="dapo-math-17k", algorithm=algorithm, num_engines=4,
+    return dict(cluster=f"{gpu}-{model}", lengths="dapo-math-17k", algorithm=algorithm, num_engines=2,
                 tensor_parallel=2, mem_fraction_static=0.6, abort_latency_s=ABORT_LATENCY_S,
-                weight_sync_s=WEIGHT_SYNC_S, rollout_batch_size=32, n_samples_per_prompt=8,
+                weight_sync_s=WEIGHT_SYNC_S, rollout_batch_size=16, n_samples_per_prompt=8,
                 over_sampling_batch_size=None, max_response_len=16384, steps=PAPER_STEPS, warmup_steps=PAPER_WARMUP)
 
 
@@ -47,8 +55,8 @@ PRESETS: dict[str, dict[str, object]] = {
     for gpu, model, algorithm in itertools.product(("h100", "h200"), ("qwen3-4b", "qwen3-8b"), ("grpo", "dapo"))
 }
 PRESETS["seer-h200-qwen3-8b"] = dict(
-    cluster="h200-qwen3-8b", lengths="seer-long-cot", algorithm="grpo", num_engines=8, abort_latency_s=ABORT_LATENCY_S,
-    weight_sync_s=WEIGHT_SYNC_S, rollout_batch_size=16, n_samples_per_prompt=16, over_sampling_batch_size=None,
+    cluster="h200-qwen3-8b", lengths="seer-long-cot", algorithm="grpo", num_engines=4, abort_latency_s=ABORT_LATENCY_S,
+    weight_sync_s=WEIGHT_SYNC_S, rollout_batch_size=8, n_samples_per_prompt=16, over_sampling_batch_size=None,
     max_response_len=65536, steps=SEER_STEPS, warmup_steps=SEER_WARMUP)
 
 # Row label -> (mode, strategy). APRIL's N' is the preset's (2N); the on-policy strategies set N' = N themselves.
@@ -127,6 +135,11 @@ def tables(results: list[dict[str, object]], rows: tuple[str, ...]) -> tuple[str
     return "\n".join(lines), summary
 
 
+def _write(path: str, results: list[dict[str, object]], rows: tuple[str, ...], wall: float) -> None:
+    atomic_write_json(path, {"runs": results, "summary": tables(results, rows)[1] if results else {},
+                             "wall_seconds": wall}, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=5)
@@ -134,26 +147,46 @@ def main() -> None:
     parser.add_argument("--presets", type=lambda t: tuple(t.split(",")), default=tuple(PRESETS))
     parser.add_argument("--rows", type=lambda t: tuple(t.split(",")), default=tuple(ROWS))
     parser.add_argument("--markdown", default=None, help="write the tables here")
-    parser.add_argument("--json", default=None, help="write every figure (per seed and summarized) here")
+    parser.add_argument("--json", default=None,
+                        help="write every figure (per seed and summarized) here, after every finished preset x seed")
+    parser.add_argument("--base", default=None, help="an earlier --json output whose other rows are kept")
+    parser.add_argument("--tables-only", action="store_true", help="run nothing: the tables of --base")
     args = parser.parse_args()
     unknown = [p for p in args.presets if p not in PRESETS] + [r for r in args.rows if r not in ROWS]
     if unknown:
         parser.error(f"unknown presets or rows {unknown}: presets {list(PRESETS)}, rows {list(ROWS)}")
     rows = ("baseline", *(r for r in args.rows if r != "baseline"))
+    earlier: dict[tuple[str, int], dict[str, object]] = {}
+    if args.base:
+        with open(args.base, encoding="utf-8") as f:
+            earlier = {(r["preset"], r["seed"]): r for r in json.load(f)["runs"]}
     # The Seer preset's runs take the longest: first, so the pool ends evenly.
-    jobs = sorted(((p, s, rows) for p in args.presets for s in range(args.seeds)), key=lambda j: not j[0].startswith("seer"))
+    jobs = [] if args.tables_only else sorted(
+        ((p, s, rows) for p in args.presets for s in range(args.seeds)), key=lambda j: not j[0].startswith("seer"))
     started = time.perf_counter()
+    results: list[dict[str, object]] = []
     with ProcessPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(_run, jobs))
+        for result in pool.map(_run, jobs):
+            old = earlier.pop((result["preset"], result["seed"]), None)  # type: ignore[arg-type]
+            if old is not None:
+                result["rows"] = {**old["rows"], **result["rows"]}  # type: ignore[dict-item]
+                result["seconds"] += old["seconds"]  # type: ignore[operator]
+            results.append(result)
+            print(f"{result['preset']} seed {result['seed']}: {result['seconds']:.0f} s", flush=True)
+            if args.json:
+                _write(args.json, results, rows, time.perf_counter() - started)
+    if args.tables_only:
+        results = list(earlier.values())
+    rows = tuple(row for row in ROWS if results and all(row in r["rows"] for r in results))  # type: ignore[operator]
     markdown, summary = tables(results, rows)
     wall = time.perf_counter() - started
     print(markdown)
-    print(f"{len(jobs)} jobs ({len(rows)} rows each) in {wall:.0f} s with {args.jobs} processes")
+    print(f"{len(jobs)} jobs ({len(rows)} rows) in {wall:.0f} s with {args.jobs} processes")
     if args.markdown:
         with open(args.markdown, "w", encoding="utf-8") as f:
             f.write(markdown + "\n")
-    if args.json:
-        atomic_write_json(args.json, {"runs": results, "summary": summary, "wall_seconds": wall}, indent=1)
+    if args.json and not args.tables_only:
+        _write(args.json, results, rows, wall)
 
 
 if __name__ == "__main__":
