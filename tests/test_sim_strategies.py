@@ -119,7 +119,9 @@ def test_a_weight_update_empties_the_prefix_cache():
 
     elapsed, counters = asyncio.run(run())
     assert elapsed == pytest.approx(0.5 * 8 + 6)  # the prefix of version 0 is no hit under version 1
-    assert (counters.prefix_hit_tokens, counters.continuation_prefill_tokens) == (0, 8)
+    # Continued under other weights it is a resume, as the scheduler counts it (re-prefill, in the ceiling bound).
+    assert (counters.continuations, counters.prefix_hit_tokens, counters.continuation_prefill_tokens) == (0, 0, 0)
+    assert counters.resume_prefill_tokens == 8
 
 
 def test_a_divided_rollout_run_continues_each_chunk_on_its_cached_prefix():

@@ -19,7 +19,8 @@ the clock moves on by the copy (every replica copies its own KV; the slowest set
 
 A request that ends at its token budget below the sample's natural length (finish reason "length") may be
 continued (a divided rollout's chunk boundary): a request whose ids are exactly its prompt + response so far
-continues the same sample. A continuation goes to the replica with the fewest KV tokens in use or waiting, and
+continues the same sample. Under the weight version it ended at, it is a continuation; later, a resume (as the
+scheduler counts it: its prefix is no cache hit under other weights). A continuation goes to the replica with the fewest KV tokens in use or waiting, and
 is prefilled there unless that replica still caches its prefix under the current weight version (replica.py);
 landing elsewhere it pays the prefill of prompt + partial response (the price of balancing the load by moving it).
 The engine remembers when each request finished, keyed by its full ids (``finish_time``), for the tail latency.
@@ -132,7 +133,8 @@ class SimulatedEngine(LoopTaskEngine):
         self._waiting = 0  # open streams whose consumer waits for a chunk
         self._activity = 0  # bumped by every call and every consumer wait
         self._resumable: dict[bytes, deque[SimSample]] = {}
-        self._budget_ends: defaultdict[bytes, int] = defaultdict(int)  # resumable ids that ended at their budget
+        # Resumable ids that ended at their budget -> the weight versions they ended under.
+        self._budget_ends: dict[bytes, deque[int]] = {}
         self._finish_times: dict[bytes, float] = {}  # digest of prompt + response -> virtual time of its finish
         self._ordinals: defaultdict[int, int] = defaultdict(int)
         self._uids = itertools.count()
@@ -325,12 +327,14 @@ class SimulatedEngine(LoopTaskEngine):
             if not known:
                 del self._resumable[digest]
             is_resume = ids.size > sample.prompt_len
-            if self._budget_ends.get(digest):
-                self._budget_ends[digest] -= 1
-                if not self._budget_ends[digest]:
+            ended = self._budget_ends.get(digest)
+            if ended:
+                version = ended.popleft()
+                if not ended:
                     del self._budget_ends[digest]
                 self._finish_times.pop(digest, None)  # a chunk boundary, not the sample's finish
-                prefix_key = digest
+                # Under other weights its prefix is no cache hit: a resume like an aborted partial's.
+                prefix_key = digest if version == self.weight_version else None
         else:
             key = prompt_key(ids)
             ordinal = self._ordinals[key]
@@ -404,7 +408,7 @@ class SimulatedEngine(LoopTaskEngine):
         if request.finish == FinishReason.LENGTH:
             # The sample may go on from here (a chunk boundary): its ids are known and its KV stays cached.
             self._resumable.setdefault(digest, deque()).append(s)
-            self._budget_ends[digest] += 1
+            self._budget_ends.setdefault(digest, deque()).append(self.weight_version)
             self.replicas[request.replica].cache_prefix(digest, request.context)
 
     def _abort_now(self, ids: list[str]) -> list[GenerationOutput]:
