@@ -60,6 +60,8 @@ PRESETS["seer-h200-qwen3-8b"] = dict(
     max_response_len=65536, steps=SEER_STEPS, warmup_steps=SEER_WARMUP)
 
 # Row label -> (mode, strategy). APRIL's N' is the preset's (2N); the on-policy strategies set N' = N themselves.
+# Seer runs with continuous refill: with N' = N and DAPO's filter, batch refill would wait for a whole wave before
+# replacing a rejected group, which slime's baseline does not (with GRPO the two are the same).
 ROWS: dict[str, tuple[str, str | None]] = {
     "baseline": ("baseline", None),
     "april": ("april-batch", "april"),
@@ -67,7 +69,7 @@ ROWS: dict[str, tuple[str, str | None]] = {
     "april_seer": ("april-batch", "april_seer"),
     "april_tail": ("april-batch", "april_tail"),
     "sortedrl": ("april-batch", "sortedrl"),
-    "seer": ("april-batch", "seer"),
+    "seer": ("april-continuous", "seer"),
     "rollpacker": ("april-batch", "rollpacker"),
 }
 
