@@ -19,6 +19,7 @@ from april_ext import (
 
 MAX_LEN = 6
 STATES = ("queued", "running", "aborting", "done")
+DISPATCH_ORDERS = ["fifo", "oldest_first", "longest_predicted_first", "shortest_first"]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -28,20 +29,24 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_staleness=st.sampled_from([None, 0, 1, 2]), mask_offpolicy=st.booleans(),
                 order=st.sampled_from(["oldest_first", "newest_first", "longest_first"]),
                 keep_surplus=st.booleans(), cap=st.sampled_from([None, 3, 5]), n_prompts=st.integers(2, 12),
-                live_target=st.sampled_from([None, 0, 1, 4]), boundary=st.sampled_from(["abort", "carry"]))
+                live_target=st.sampled_from([None, 0, 1, 4]), boundary=st.sampled_from(["abort", "carry"]),
+                dispatch_order=st.sampled_from(DISPATCH_ORDERS), resume_priority=st.booleans(),
+                chunk=st.sampled_from([None, 1, 2, 4]))
     def setup(self, n, big_n, extra, refill, policy, max_staleness, mask_offpolicy, order, keep_surplus, cap,
-              n_prompts, live_target, boundary):
+              n_prompts, live_target, boundary, dispatch_order, resume_priority, chunk):
         self.cfg = SchedulerConfig(
             rollout_batch_size=big_n, n_samples_per_prompt=n, over_sampling_batch_size=big_n + extra,
             max_response_len=MAX_LEN, refill=refill, max_staleness=max_staleness, staleness_policy=policy,
             mask_offpolicy=mask_offpolicy, resume_order=order, keep_surplus=keep_surplus,
             max_inflight_samples=None if cap is None else max(cap, n),
             over_sampling="fixed" if live_target is None else "adaptive",
-            target_inflight_samples=None if live_target is None else n + live_target, step_boundary=boundary)
+            target_inflight_samples=None if live_target is None else n + live_target, step_boundary=boundary,
+            dispatch_order=dispatch_order, resume_priority=resume_priority, chunk_tokens=chunk)
         self.data = prompts(n_prompts)
         self.sched = Scheduler(self.cfg, self.data)
         self.version = -1
         self.engine: dict[int, int] = {}  # sample id -> dispatch version, for requests the engine holds
+        self.budget_end: dict[int, int] = {}  # sample id -> response length at which its request's budget ends
         self.to_abort: set[int] = set()
         self.fed: dict[int, int] = {}  # response tokens the engine produced per sample
         self.last_version: dict[int, int] = {}
@@ -51,6 +56,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.trained_groups: set[int] = set()
         event(f"over_sampling={self.cfg.over_sampling}")
         event(f"step_boundary={boundary}")
+        event(f"chunk_tokens={chunk}")
 
     @property
     def carry(self) -> bool:
@@ -86,12 +92,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._reconcile(r.sample_id, done)
             assert np.array_equal(r.input_ids[:r.prompt_len], np.asarray(self.data[r.prompt_index].token_ids))
             assert np.array_equal(r.input_ids[r.prompt_len:], token_at(r.sample_id, np.arange(done)))
-            assert r.max_new_tokens == MAX_LEN - done and r.is_resume == (done > 0)
+            chunk = self.cfg.chunk_tokens
+            assert r.max_new_tokens == (MAX_LEN - done if chunk is None else min(MAX_LEN - done, chunk))
+            assert r.is_resume == (done > 0) and (r.is_resume or not r.is_continuation)
+            assert done < r.predicted_len <= MAX_LEN
             self.engine[r.sample_id] = self.version
+            self.budget_end[r.sample_id] = done + r.max_new_tokens
 
     def _chunk(self, sid: int, count: int, use_current: bool):
         start = self.fed.get(sid, 0)
-        count = min(count, MAX_LEN - start)
+        count = min(count, self.budget_end[sid] - start)
         floor = max(self.engine[sid], self.last_version.get(sid, -1))
         version = self.version if use_current else floor
         return np.arange(start, start + count), version
@@ -121,6 +131,33 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._fed(sid, pos, version)
         del self.engine[sid]
         self.to_abort.discard(sid)
+        self._check_chunk_boundary(sid, reason)
+
+    @rule(data=st.data())
+    def finish_chunk(self, data):
+        """A request generates its whole budget and ends with a length finish: a chunk boundary below the cap."""
+        if not (self.engine):
+            return
+        sid = data.draw(st.sampled_from(sorted(self.engine)))
+        pos, version = self._chunk(sid, MAX_LEN, True)
+        self.sched.on_finish(sid, "length", token_at(sid, pos), logprob_at(pos), version)
+        self._fed(sid, pos, version)
+        del self.engine[sid]
+        self.to_abort.discard(sid)
+        self._check_chunk_boundary(sid, "length")
+
+    def _check_chunk_boundary(self, sid: int, reason: str) -> None:
+        """A length finish after exactly a chunk's budget, below the cap, queues the sample again (unless a
+        staleness drop took its group)."""
+        if reason != "length" or self.cfg.chunk_tokens is None:
+            return
+        if not self.fed.get(sid, 0) == self.budget_end[sid] < MAX_LEN:
+            return
+        event("chunk boundary")
+        try:
+            assert self.sched.sample(sid).state == "queued", "a chunk boundary finished the sample"
+        except UnknownIdError:
+            assert self.enforced and self.cfg.staleness_policy == "drop"
 
     @rule(count=st.integers(0, 2), stop=st.booleans())
     def finish_all(self, count, stop):
@@ -425,7 +462,8 @@ class CarryMachine(SchedulerMachine):
                 max_staleness=st.sampled_from([None, 0, 1]), mask_offpolicy=st.booleans(),
                 order=st.sampled_from(["oldest_first", "newest_first", "longest_first"]),
                 keep_surplus=st.booleans(), cap=st.sampled_from([None, 5]), n_prompts=st.integers(12, 40),
-                live_target=st.sampled_from([None, 4]))
+                live_target=st.sampled_from([None, 4]), dispatch_order=st.sampled_from(DISPATCH_ORDERS),
+                resume_priority=st.booleans(), chunk=st.sampled_from([None, 2]))
     def setup(self, **kw):
         super().setup(boundary="carry", **kw)
 

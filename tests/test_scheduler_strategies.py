@@ -70,19 +70,18 @@ def test_ties_among_partials_follow_resume_order():
 
 
 def test_prediction_falls_back_to_half_the_cap_then_siblings_and_never_below_length_plus_one():
-    sched = make(n_prompts=2, rollout_batch_size=1, over_sampling_batch_size=1, n_samples_per_prompt=3)
+    """Two groups of three (ids 0-2, 3-5): group 0's samples are predicted from their own finished siblings, not
+    from the mean of all final lengths (which group 1's 40 raises)."""
+    sched = make(n_prompts=2, rollout_batch_size=1, over_sampling_batch_size=2, n_samples_per_prompt=3)
     sched.begin_step(0)
-    assert [r.predicted_len for r in sched.dispatch()] == [32, 32, 32]  # nothing finished yet: 64 / 2
-    feed(sched, 0, 4, 0)
-    sched.on_finish(0, "stop")
-    feed(sched, 1, 9, 0)
-    sched.on_finish(1, "abort")
-    feed(sched, 2, 2, 0)
-    sched.on_finish(2, "abort")
+    assert [r.predicted_len for r in sched.dispatch()] == [32] * 6  # nothing finished yet: 64 / 2
+    for sid, length, reason in [(3, 40, "stop"), (0, 4, "stop"), (1, 9, "abort"), (2, 2, "abort")]:
+        feed(sched, sid, length, 0)
+        sched.on_finish(sid, reason)
     requests = {r.sample_id: r.predicted_len for r in sched.dispatch()}
     assert requests == {1: 10, 2: 4}  # the sibling's 4, but sample 1 already has 9 tokens
     feed(sched, 1, 3, 0)
-    sched.on_finish(1, "stop")  # siblings' mean is now (4 + 12) / 2 = 8
+    sched.on_finish(1, "stop")  # siblings' mean is now (4 + 12) / 2 = 8; of all, (40 + 4 + 12) / 3
     sched.on_finish(2, "abort")
     assert [r.predicted_len for r in sched.dispatch()] == [8]
 
