@@ -74,21 +74,38 @@ def state_payload(core: bytes) -> bytes:
     return core[20:-8]
 
 
-def frame_state(payload: bytes, version: int = 4) -> bytes:
+STATE_FORMAT = 5  # the format version the core writes
+_COUNTERS_AT = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # n, max_len, next group id, prompts, flags, version, step
+_V3_COUNTERS = 35
+_V4_COUNTERS = 39  # chunk_returns, continuation_requests, continuation_tokens, prediction_samples
+_TAIL_COUNTERS = 4  # long_round, long_queue_groups, tail_restarted_samples, tail_tokens_discarded
+_NO_TAIL = bytes(1 + 8 + 8)  # short round, empty long queue, no pending restart
+
+
+def frame_state(payload: bytes, version: int = STATE_FORMAT) -> bytes:
     """Frames a payload as the core writes it: magic, format version, length, payload, FNV-1a checksum."""
     return b"APRILSCH" + struct.pack("<IQ", version, len(payload)) + payload + struct.pack("<Q", _fnv1a(payload))
 
 
-_COUNTERS_AT = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # n, max_len, next group id, prompts, flags, version, step
+def as_version_4(core: bytes) -> bytes:
+    """Rewrite a state of a scheduler without tail batching as version 4 wrote it: no tail counters, no tail
+    section at the end."""
+    payload = state_payload(core)
+    (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)
+    assert count == _V4_COUNTERS + _TAIL_COUNTERS and payload.endswith(_NO_TAIL)
+    last = _COUNTERS_AT + 8 + _V4_COUNTERS * 8
+    payload = (payload[:_COUNTERS_AT] + struct.pack("<Q", _V4_COUNTERS) + payload[_COUNTERS_AT + 8:last]
+               + payload[last + 8 * _TAIL_COUNTERS:-len(_NO_TAIL)])
+    return frame_state(payload, version=4)
 
 
 def as_version_3(core: bytes) -> bytes:
-    """Rewrite a version 4 state as version 3 wrote it: 35 counters (no chunk_returns, continuation_requests,
-    continuation_tokens, prediction_samples) and no length prediction section after the adaptive fields."""
+    """Rewrite a state as version 3 wrote it: 35 counters (none of chunk_returns .. prediction_samples, nor the
+    tail counters) and nothing after the adaptive fields (no length prediction, no tail section)."""
     payload = state_payload(core)
     n = struct.unpack_from("<q", payload, 0)[0]
     (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)
-    assert count == 39
+    assert count == _V4_COUNTERS + _TAIL_COUNTERS
     pos = _COUNTERS_AT + 8 + count * 8
 
     def skip_vec(pos: int, item: int) -> int:
@@ -102,8 +119,9 @@ def as_version_3(core: bytes) -> bytes:
         for _ in range(n):
             pos = skip_vec(skip_vec(skip_vec(pos + 26, 4), 4), 8)  # state, finish, 3 ints; tokens, logprobs, segments
     pos = skip_vec(skip_vec(pos, 8), 8) + 16  # completed, accepted queues; adaptive state
-    last = _COUNTERS_AT + 8 + 35 * 8
-    payload = payload[:_COUNTERS_AT] + struct.pack("<Q", 35) + payload[_COUNTERS_AT + 8:last] + payload[last + 32:pos]
+    last = _COUNTERS_AT + 8 + _V3_COUNTERS * 8
+    payload = (payload[:_COUNTERS_AT] + struct.pack("<Q", _V3_COUNTERS) + payload[_COUNTERS_AT + 8:last]
+               + payload[last + 8 * (count - _V3_COUNTERS):pos])
     return frame_state(payload, version=3)
 
 

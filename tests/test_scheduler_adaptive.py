@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from _scheduler_utils import (
+    STATE_FORMAT,
     FakeEngine,
     as_version_3,
     check_batch_layout,
@@ -157,7 +158,7 @@ _COUNTERS_AT = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # n, max_len, next group id, promp
 
 
 def _as_version_2(core: bytes) -> bytes:
-    """Rewrite a version 4 state as version 2 wrote it: 33 counters (no carried_samples, carried_kv_tokens)."""
+    """Rewrite a state as version 2 wrote it: 33 counters (no carried_samples, carried_kv_tokens)."""
     payload = state_payload(as_version_3(core))
     (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)
     assert count == 35
@@ -167,7 +168,7 @@ def _as_version_2(core: bytes) -> bytes:
 
 
 def _as_version_1(core: bytes) -> bytes:
-    """Rewrite a version 4 state as version 1 wrote it: 32 counters, no adaptive fields at the end."""
+    """Rewrite a state as version 1 wrote it: 32 counters, no adaptive fields at the end."""
     payload = state_payload(as_version_3(core))
     last = _COUNTERS_AT + 8 + 32 * 8  # over_sampling_groups, the counter version 2 added
     payload = (payload[:_COUNTERS_AT] + struct.pack("<Q", 32) + payload[_COUNTERS_AT + 8:last] + payload[last + 24:-16])
@@ -182,7 +183,7 @@ def test_version_1_state_files_still_load_into_fixed_and_adaptive_schedulers():
     fixed.begin_step(1)
     fixed.dispatch()
     state = fixed.state_dict()
-    assert struct.unpack_from("<I", state["core"], 8)[0] == 4
+    assert struct.unpack_from("<I", state["core"], 8)[0] == STATE_FORMAT
     old = dict(state, core=_as_version_1(state["core"]))
     again = Scheduler(fixed.config, prompts(50))
     again.load_state_dict(old)
@@ -193,8 +194,8 @@ def test_version_1_state_files_still_load_into_fixed_and_adaptive_schedulers():
     adaptive.load_state_dict(old)  # the group ceiling is derived on load
     assert len(adaptive.dispatch()) == 6
     bad = bytearray(old["core"])
-    bad[8] = 5
-    with pytest.raises(CorruptStateError, match="format version 5"):
+    bad[8] = STATE_FORMAT + 1
+    with pytest.raises(CorruptStateError, match=f"format version {STATE_FORMAT + 1}"):
         again.load_state_dict(dict(old, core=bytes(bad)))
 
 
@@ -219,4 +220,4 @@ def test_version_2_state_files_load_with_the_carried_counters_at_zero():
     assert again.sample_ids("queued") == sorted(sched.sample_ids("queued") + sched.sample_ids("running"))
     assert again.stats()["over_sampling_groups"] == sched.stats()["over_sampling_groups"]
     assert again.stats()["carried_samples"] == 0 and again.stats()["groups_launched"] == 2
-    assert again.state_dict()["core"][8] == 4  # saved again in the current format
+    assert again.state_dict()["core"][8] == STATE_FORMAT  # saved again in the current format

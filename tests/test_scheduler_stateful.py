@@ -19,6 +19,7 @@ from april_ext import (
 
 MAX_LEN = 6
 STATES = ("queued", "running", "aborting", "done")
+TAILS = ("off", "on", "restart")  # tail_batching off, on, on with tail_batching_restart
 DISPATCH_ORDERS = ["fifo", "oldest_first", "longest_predicted_first", "shortest_first"]
 
 
@@ -31,9 +32,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 keep_surplus=st.booleans(), cap=st.sampled_from([None, 3, 5]), n_prompts=st.integers(2, 12),
                 live_target=st.sampled_from([None, 0, 1, 4]), boundary=st.sampled_from(["abort", "carry"]),
                 dispatch_order=st.sampled_from(DISPATCH_ORDERS), resume_priority=st.booleans(),
-                chunk=st.sampled_from([None, 1, 2, 4]))
+                chunk=st.sampled_from([None, 1, 2, 4]), tail=st.sampled_from(TAILS))
     def setup(self, n, big_n, extra, refill, policy, max_staleness, mask_offpolicy, order, keep_surplus, cap,
-              n_prompts, live_target, boundary, dispatch_order, resume_priority, chunk):
+              n_prompts, live_target, boundary, dispatch_order, resume_priority, chunk, tail):
         self.cfg = SchedulerConfig(
             rollout_batch_size=big_n, n_samples_per_prompt=n, over_sampling_batch_size=big_n + extra,
             max_response_len=MAX_LEN, refill=refill, max_staleness=max_staleness, staleness_policy=policy,
@@ -41,7 +42,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_inflight_samples=None if cap is None else max(cap, n),
             over_sampling="fixed" if live_target is None else "adaptive",
             target_inflight_samples=None if live_target is None else n + live_target, step_boundary=boundary,
-            dispatch_order=dispatch_order, resume_priority=resume_priority, chunk_tokens=chunk)
+            dispatch_order=dispatch_order, resume_priority=resume_priority, chunk_tokens=chunk,
+            tail_batching=tail != "off", tail_batching_restart=tail == "restart")
         self.data = prompts(n_prompts)
         self.sched = Scheduler(self.cfg, self.data)
         self.version = -1
@@ -57,6 +59,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"over_sampling={self.cfg.over_sampling}")
         event(f"step_boundary={boundary}")
         event(f"chunk_tokens={chunk}")
+        event(f"tail_batching={tail}")
 
     @property
     def carry(self) -> bool:
@@ -65,6 +68,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     @property
     def enforced(self) -> bool:
         return self.cfg.max_staleness is not None and self.cfg.staleness_policy in ("restart", "drop")
+
+    @property
+    def restarts(self) -> bool:
+        """Whether the scheduler may discard tokens: the staleness restart or tail batching's restart."""
+        return (self.enforced and self.cfg.staleness_policy == "restart") or self.cfg.tail_batching_restart
+
+    @property
+    def takes_back(self) -> bool:
+        """Whether a popped group may be taken back before its reward (restarted or dropped)."""
+        return self.enforced or self.cfg.tail_batching_restart
 
     # ------------------------------------------------------------------ rules
 
@@ -188,7 +201,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             try:
                 self.sched.report_rewards(gid, [float(i % 2) for i in range(n)], True)
             except (UnknownIdError, InvalidStateError):
-                assert self.enforced, "only a staleness restart / drop may take a popped group back"
+                assert self.takes_back, "only a restart or a staleness drop may take a popped group back"
 
     @rule()
     def request_aborts(self):
@@ -197,9 +210,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         ids = self.sched.samples_to_abort()
         if ids and not self.carry:
             assert self.sched.step_done
-        if ids and self.carry:  # only stale carried samples are aborted
-            assert self.enforced
-            event("stale carried samples aborted")
+        if ids and self.carry:  # only stale carried samples, or long-queue samples restarting, are aborted
+            assert self.takes_back
+            event("carried samples aborted")
         for sid in ids:
             assert sid in self.engine and sid not in self.to_abort
             assert self.sched.sample(sid).state == "aborting"
@@ -219,9 +232,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def pop_completed(self):
         for g in self.sched.pop_completed_groups():
-            assert g.group_id not in self.pending and g.group_id not in self.trained_groups
+            assert g.group_id not in self.trained_groups
             for sid, resp in zip(g.sample_ids, g.responses):
                 assert np.array_equal(resp, token_at(int(sid), np.arange(self.fed.get(int(sid), 0))))
+            if g.group_id in self.pending:  # restarted while it waited for its reward, completed again
+                assert self.takes_back, "a group is handed out twice"
+                continue
             self.pending.append(g.group_id)
 
     @rule(data=st.data(), equal=st.booleans(), accepted=st.booleans())
@@ -235,7 +251,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         try:
             self.sched.report_rewards(gid, rewards, accepted and not equal)
         except (UnknownIdError, InvalidStateError):
-            assert self.enforced, "only a staleness restart / drop may take a popped group back"
+            assert self.takes_back, "only a restart or a staleness drop may take a popped group back"
             return
         if not (accepted and not equal):
             self.gone.update(range(gid * n, gid * n + n))
@@ -385,10 +401,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _reconcile(self, sid: int, length: int) -> None:
         """The scheduler holds ``length`` response tokens of ``sid``: all the engine sent, or none after a restart."""
         if length < self.fed.get(sid, 0):
-            assert length == 0 and self.enforced and self.cfg.staleness_policy == "restart", "tokens lost"
+            assert length == 0 and self.restarts, "tokens lost"
             self.fed[sid] = 0
             self.last_version.pop(sid, None)
-            event("sample restarted for staleness")
+            event("sample restarted")
         assert length == self.fed.get(sid, 0)
 
     @invariant()
@@ -446,6 +462,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             oldest = int(versions[0]) if versions.size else self.engine[sid]
             assert self.version - oldest <= self.cfg.max_staleness, "a stale sample keeps running"
 
+    @invariant()
+    def long_rounds_do_not_over_sample(self):
+        """A long round launches only replacements of long-queue groups the filter rejected (or staleness
+        dropped); tail_batching_restart leaves no older token in a long round's running or queued work."""
+        if not hasattr(self, "sched"):
+            return
+        stats = self.sched.stats()
+        if not self.cfg.tail_batching:
+            assert stats["long_round"] == 0 and stats["long_queue_groups"] == 0
+            return
+        if stats["long_round"]:
+            event("long round")
+            assert stats["groups_launched"] <= stats["groups_filtered"] + stats["groups_dropped_stale"]
+            if self.cfg.tail_batching_restart:
+                for sid in self.sched.sample_ids("running"):
+                    assert np.all(self.sched.sample(sid).versions == self.version), "an older token runs on"
+
 
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
                                               suppress_health_check=[HealthCheck.too_slow])
@@ -463,7 +496,7 @@ class CarryMachine(SchedulerMachine):
                 order=st.sampled_from(["oldest_first", "newest_first", "longest_first"]),
                 keep_surplus=st.booleans(), cap=st.sampled_from([None, 5]), n_prompts=st.integers(12, 40),
                 live_target=st.sampled_from([None, 4]), dispatch_order=st.sampled_from(DISPATCH_ORDERS),
-                resume_priority=st.booleans(), chunk=st.sampled_from([None, 2]))
+                resume_priority=st.booleans(), chunk=st.sampled_from([None, 2]), tail=st.sampled_from(TAILS))
     def setup(self, **kw):
         super().setup(boundary="carry", **kw)
 
@@ -488,3 +521,25 @@ class CarryMachine(SchedulerMachine):
 CarryMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 TestCarry = CarryMachine.TestCase
+
+
+class TailMachine(CarryMachine):
+    """The same rules with tail batching on (partials kept, or restarted), either boundary, and shapes whose steps
+    end with groups still generating, so that the long queue fills and long rounds run."""
+
+    @initialize(n=st.integers(1, 3), big_n=st.integers(1, 2), extra=st.integers(1, 3),
+                refill=st.sampled_from(["batch", "continuous"]),
+                policy=st.sampled_from(["keep", "mask", "restart", "drop"]),
+                max_staleness=st.sampled_from([None, 0, 1]), mask_offpolicy=st.booleans(),
+                order=st.sampled_from(["oldest_first", "newest_first", "longest_first"]),
+                keep_surplus=st.booleans(), cap=st.sampled_from([None, 5]), n_prompts=st.integers(8, 30),
+                live_target=st.sampled_from([None, 4]), boundary=st.sampled_from(["abort", "carry"]),
+                dispatch_order=st.sampled_from(DISPATCH_ORDERS), resume_priority=st.booleans(),
+                chunk=st.sampled_from([None, 2]), tail=st.sampled_from(TAILS[1:]))
+    def setup(self, **kw):
+        SchedulerMachine.setup(self, **kw)
+
+
+TailMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+TestTail = TailMachine.TestCase

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from _scheduler_utils import as_version_3, feed, make, reward_all, token_at
+from _scheduler_utils import STATE_FORMAT, as_version_3, feed, make, reward_all, token_at
 
 from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig
 from april_ext.batch import FinishReason
@@ -141,7 +141,7 @@ def test_prediction_history_survives_save_and_load_and_older_formats_load_withou
     _epoch(sched, 0, {"a": [10, 12], "b": [40, 42]})
     sched.save(tmp_path / "state")
     state = sched.state_dict()
-    assert struct.unpack_from("<I", state["core"], 8)[0] == 4
+    assert struct.unpack_from("<I", state["core"], 8)[0] == STATE_FORMAT
     restored = Scheduler(_EPOCH_CFG, _epochs())
     restored.load(tmp_path / "state")
     assert restored.state_dict() == state

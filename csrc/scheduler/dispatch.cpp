@@ -14,23 +14,32 @@ namespace april::sched {
 
 int64_t Scheduler::groups_to_launch_locked() const {
   if (!s_.step_open || step_done_locked()) return 0;
+  // Only the round's groups count (all of them without tail batching); queued samples of the others cannot
+  // be dispatched now, so they hold no slot.
   int64_t active = 0, pending = 0;
+  int64_t queued = config_.tail_batching ? 0 : s_.queued_samples;
   for (const auto& [gid, g] : s_.groups) {
+    if (!in_round(g)) continue;
     if (g.state == GroupState::Active) active += 1;
     if (g.state == GroupState::Completed) pending += 1;
+    if (!config_.tail_batching || g.state != GroupState::Active) continue;
+    for (const auto& smp : g.samples) queued += smp.state == SampleState::Queued ? 1 : 0;
   }
-  const int64_t accepted = static_cast<int64_t>(s_.accepted.size());
+  const int64_t accepted = round_accepted();
   // Pending groups may still be accepted: launching for them would overshoot N.
   const int64_t needed = config_.rollout_batch_size - accepted - pending;
   if (needed <= 0) return 0;
   if (config_.refill == Refill::Batch && s_.wave_launched && active > 0) return 0;  // the wave still generates
   const int64_t n = config_.n_samples_per_prompt;
   const int64_t n_prime = config_.over_sampling_batch_size;
+  // A long round does not over-sample: it launches only to replace long-queue groups the filter rejected.
+  const bool long_round = config_.tail_batching && s_.round != Round::Short;
   int64_t k = 0;
-  if (config_.over_sampling == OverSampling::Adaptive) {
+  if (long_round) {
+    k = needed - active;
+  } else if (config_.over_sampling == OverSampling::Adaptive) {
     // Enough new groups to bring the live samples up to the target, within the step's group ceiling.
-    const int64_t deficit = config_.target_inflight_samples - s_.queued_samples - s_.running_samples -
-                            s_.aborting_samples;
+    const int64_t deficit = config_.target_inflight_samples - queued - s_.running_samples - s_.aborting_samples;
     k = std::min(deficit > 0 ? (deficit + n - 1) / n : 0, s_.adaptive_groups - active);
   } else if (config_.refill == Refill::Batch || n_prime == config_.rollout_batch_size) {
     // Groups in hand (generating, completed, accepted) up to N'. With N' = N (no over-sampling) continuous
@@ -41,8 +50,7 @@ int64_t Scheduler::groups_to_launch_locked() const {
   }
   if (s_.data_size >= 0) k = std::min(k, s_.data_size - s_.prompts_consumed);
   if (config_.max_inflight_samples > 0) {
-    const int64_t free_slots =
-        config_.max_inflight_samples - s_.running_samples - s_.aborting_samples - s_.queued_samples;
+    const int64_t free_slots = config_.max_inflight_samples - s_.running_samples - s_.aborting_samples - queued;
     // Round up: a group that only partly fits still fills the free slots; the rest of it waits queued.
     k = std::min(k, free_slots > 0 ? (free_slots + n - 1) / n : 0);
   }
@@ -92,6 +100,7 @@ void Scheduler::add_groups(const PromptBatch& p) {
       g.history_key = p.history_keys[i];
     }
     g.samples.resize(config_.n_samples_per_prompt);
+    g.long_queue = config_.tail_batching && s_.round != Round::Short;  // a long round's replacements join it
     index_.add(gid, g);
   }
   s_.queued_samples += n_groups * config_.n_samples_per_prompt;
@@ -122,7 +131,7 @@ Dispatch Scheduler::dispatch() {
 std::vector<Scheduler::Pick> Scheduler::queued_in_dispatch_order() const {
   std::vector<Pick> partials, fresh;
   for (const auto& [gid, g] : s_.groups) {
-    if (g.state != GroupState::Active || g.stale_check_pending) continue;
+    if (!dispatchable(g)) continue;
     double predicted = -1.0;  // the group's, computed once it has a queued sample
     for (int64_t i = 0; i < config_.n_samples_per_prompt; ++i) {
       const Sample& smp = g.samples[i];

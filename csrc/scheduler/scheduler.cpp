@@ -60,6 +60,7 @@ StepStats Scheduler::stats() const {
     } else {
       st.surplus_groups += 1;
     }
+    st.long_queue_groups += config_.tail_batching && g.long_queue ? 1 : 0;
     for (const auto& smp : g.samples) {
       if (smp.state == SampleState::Aborting || (smp.state == SampleState::Queued && !smp.tokens.empty())) {
         st.buffered_samples += 1;

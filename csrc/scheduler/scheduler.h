@@ -163,9 +163,20 @@ class Scheduler {
   std::vector<Pick> queued_in_dispatch_order() const;
   void sort_by_dispatch_order(std::vector<Pick>& picks) const;
   void launch(Dispatch& d, const Pick& pick);
+  // Tail batching: rounds and the long queue (tail.cpp)
+  bool in_round(const Group& g) const;      // runs in the current round and counts toward its batch
+  bool dispatchable(const Group& g) const;  // its queued samples may be dispatched now
+  int64_t round_accepted() const;           // accepted groups that count toward the current batch
+  std::vector<int64_t> batch_group_ids() const;
+  void begin_round();
+  void end_round();
+  void restart_long_group(int64_t group_id);
   // Staleness (staleness.cpp)
   bool staleness_enforced() const;  // restart or drop with a bound
   bool is_stale(const Sample& smp) const;
+  // Back to the prompt: the response, its logprobs and versions go (the caller counts them).
+  void restart_sample(Group& g, Sample& smp);
+  void reopen_group(int64_t group_id, Group& g);  // a completed or accepted group generates again
   void apply_staleness(int64_t group_id);
   void apply_staleness_carried(int64_t group_id);
   // Token and finish events (events.cpp)

@@ -12,4 +12,5 @@ target_sources(april_core PRIVATE
   csrc/scheduler/state_file.cpp
   csrc/scheduler/state_io.cpp
   csrc/scheduler/step.cpp
+  csrc/scheduler/tail.cpp
 )

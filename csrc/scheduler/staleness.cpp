@@ -15,11 +15,38 @@ bool Scheduler::is_stale(const Sample& smp) const {
   return oldest >= 0 && s_.policy_version - oldest > config_.max_staleness;
 }
 
+void Scheduler::restart_sample(Group& g, Sample& smp) {
+  if (smp.state == SampleState::Done) {
+    g.n_done -= 1;
+    smp.state = SampleState::Queued;
+    s_.queued_samples += 1;
+  }
+  smp.finish = FinishReason::Stop;
+  smp.tokens = {};
+  smp.logprobs = {};
+  smp.segments = {};
+  smp.tail_version = -1;
+  smp.tokens_at_step_start = 0;
+}
+
+void Scheduler::reopen_group(int64_t group_id, Group& g) {
+  if (g.state == GroupState::Active) return;
+  unlist(group_id);
+  g.state = GroupState::Active;
+  g.rewards.clear();
+  g.popped = false;
+}
+
 // Restarts the stale samples that are not in flight, or drops the group (callers make sure none of its
-// samples is in flight then).
+// samples is in flight then). A tail-batching restart waits for the same moment and goes first: it discards
+// every token, so nothing is stale after it.
 void Scheduler::apply_staleness(int64_t group_id) {
-  if (!staleness_enforced()) return;
   Group& g = s_.groups.at(group_id);
+  if (g.tail_restart && g.n_in_flight == 0) {
+    restart_long_group(group_id);
+    return;
+  }
+  if (!staleness_enforced()) return;
   auto stale = [&](const Sample& smp) { return is_stale(smp); };
   if (std::none_of(g.samples.begin(), g.samples.end(), stale)) return;
   if (config_.staleness_policy == StalenessPolicy::Drop) {
@@ -32,24 +59,9 @@ void Scheduler::apply_staleness(int64_t group_id) {
     if (smp.in_flight() || !is_stale(smp)) continue;
     s_.stats.samples_restarted_stale += 1;
     s_.stats.stale_tokens_discarded += static_cast<int64_t>(smp.tokens.size());
-    if (smp.state == SampleState::Done) {
-      g.n_done -= 1;
-      smp.state = SampleState::Queued;
-      s_.queued_samples += 1;
-    }
-    smp.finish = FinishReason::Stop;
-    smp.tokens = {};
-    smp.logprobs = {};
-    smp.segments = {};
-    smp.tail_version = -1;
-    smp.tokens_at_step_start = 0;
+    restart_sample(g, smp);
   }
-  if (g.state != GroupState::Active) {
-    unlist(group_id);
-    g.state = GroupState::Active;
-    g.rewards.clear();
-    g.popped = false;
-  }
+  reopen_group(group_id, g);
 }
 
 // step_boundary=carry, at begin_step: a group's running samples keep generating unless the policy needs

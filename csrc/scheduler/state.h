@@ -77,9 +77,18 @@ struct Group {
   GroupState state = GroupState::Active;
   bool popped = false;               // handed out by pop_completed, reward not reported yet
   bool stale_check_pending = false;  // staleness to apply once no sample is in flight
+  // Tail batching: the group is in the long queue (runs and counts only in long rounds), and with
+  // tail_batching_restart its restart waits for its samples in flight (stale_check_pending is set with it).
+  bool long_queue = false;
+  bool tail_restart = false;
   int64_t n_done = 0;
   int64_t n_in_flight = 0;
 };
+
+// Tail batching: what the step is. Short: the configured step, over the groups outside the long queue. Long: only
+// long-queue groups run and count, no over-sampling. Drain: a long round begun with the data exhausted, which
+// takes every group left (long-queue groups first).
+enum class Round : uint8_t { Short = 0, Long = 1, Drain = 2 };
 
 // Final response lengths seen: their sum and count.
 struct LengthStats {
@@ -114,6 +123,7 @@ struct State {
   // Length prediction (persisted from format version 4): final lengths per prompt history key, and of all.
   std::map<int64_t, LengthStats> length_history;
   LengthStats final_lengths;
+  Round round = Round::Short;    // tail batching (persisted from format version 5)
   StepStats stats;
 
   bool data_exhausted() const { return data_size >= 0 && prompts_consumed >= data_size; }

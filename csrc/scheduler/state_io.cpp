@@ -175,6 +175,7 @@ void decode_step(Reader& r, uint32_t version, int64_t n, State& s) {
   const size_t expected_counters = version == 1   ? kV1CounterCount
                                    : version == 2 ? kV2CounterCount
                                    : version == 3 ? kV3CounterCount
+                                   : version == 4 ? kV4CounterCount
                                                   : s.stats.counters().size();
   corrupt_unless(n_counters == expected_counters, "stats has " + std::to_string(n_counters) + " counters, expected " +
                                                  std::to_string(expected_counters));
@@ -355,6 +356,27 @@ void decode_prediction(Reader& r, const Config& config, State& s) {
                  "the step's length predictions do not match prediction_samples or are out of range");
 }
 
+// Tail batching: the round, the long queue and the restarts waiting for samples in flight.
+void decode_tail(Reader& r, uint64_t n_groups, State& s) {
+  const auto round = r.get<uint8_t>();
+  corrupt_unless(round <= static_cast<uint8_t>(Round::Drain), "round " + std::to_string(round));
+  s.round = static_cast<Round>(round);
+  for (int64_t gid : r.get_vec<int64_t>(n_groups)) {
+    auto it = s.groups.find(gid);
+    corrupt_unless(it != s.groups.end() && !it->second.long_queue,
+                   "long-queue group " + std::to_string(gid) + " is unknown or repeated");
+    it->second.long_queue = true;
+  }
+  for (int64_t gid : r.get_vec<int64_t>(n_groups)) {
+    auto it = s.groups.find(gid);
+    corrupt_unless(it != s.groups.end() && it->second.long_queue && it->second.stale_check_pending &&
+                       it->second.state == GroupState::Active && !it->second.tail_restart,
+                   "tail restart of group " + std::to_string(gid) + ": unknown, repeated, or not a pending "
+                   "long-queue group");
+    it->second.tail_restart = true;
+  }
+}
+
 }  // namespace
 
 std::string encode_state(const Config& config, const State& s) {
@@ -391,6 +413,14 @@ std::string encode_state(const Config& config, const State& s) {
   w.put<double>(s.live_fraction);
   w.put<int64_t>(s.adaptive_groups);
   encode_prediction(w, s);
+  w.put<uint8_t>(static_cast<uint8_t>(s.round));
+  std::vector<int64_t> long_queue, tail_restart;
+  for (const auto& [gid, g] : s.groups) {
+    if (g.long_queue) long_queue.push_back(gid);
+    if (g.tail_restart) tail_restart.push_back(gid);
+  }
+  w.put_vec(long_queue);
+  w.put_vec(tail_restart);
   return frame(w.bytes());
 }
 
@@ -406,6 +436,7 @@ State decode_state(const Config& config, const std::string& bytes) {
   decode_queues(r, n_groups, s);
   if (f.version >= 2) decode_adaptive(r, s);
   if (f.version >= 4) decode_prediction(r, config, s);
+  if (f.version >= 5) decode_tail(r, n_groups, s);
   corrupt_unless(r.at_end(), "trailing bytes after the state");
   return s;
 }

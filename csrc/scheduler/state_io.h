@@ -13,8 +13,9 @@ namespace april::sched {
 // Version 2 adds the adaptive over-sampling state and the over_sampling_groups counter, version 3 the
 // carried_samples and carried_kv_tokens counters, version 4 the length prediction (history keys of groups,
 // final lengths per key and of all, the step's prediction pairs) and the chunk, continuation and
-// prediction_samples counters; versions 1 to 3 still load.
-constexpr uint32_t kStateFormatVersion = 4;
+// prediction_samples counters, version 5 tail batching (the round, the long queue, pending restarts, four
+// counters); versions 1 to 4 still load.
+constexpr uint32_t kStateFormatVersion = 5;
 
 // The framed bytes of a state (header, payload, checksum).
 std::string encode_state(const Config& config, const State& state);

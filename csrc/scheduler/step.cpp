@@ -50,6 +50,7 @@ void Scheduler::begin_step(int64_t policy_version) {
       apply_staleness(gid);
     }
   }
+  begin_round();
   // Samples still running here were carried across the boundary with their KV (none with abort).
   for (const auto& [gid, g] : s_.groups) {
     for (const auto& smp : g.samples) {
@@ -67,11 +68,11 @@ bool Scheduler::step_open() const {
 
 bool Scheduler::step_done_locked() const {
   if (!s_.step_open) return false;
-  if (static_cast<int64_t>(s_.accepted.size()) >= config_.rollout_batch_size) return true;
+  if (round_accepted() >= config_.rollout_batch_size) return true;
   if (!s_.data_exhausted()) return false;
-  // Out of prompts: done once nothing left could still be accepted.
+  // Out of prompts: done once nothing left in the round could still be accepted.
   for (const auto& [gid, g] : s_.groups) {
-    if (g.state != GroupState::Accepted) return false;
+    if (g.state != GroupState::Accepted && in_round(g)) return false;
   }
   return true;
 }
@@ -114,19 +115,20 @@ Batch Scheduler::take_batch() {
   std::lock_guard<std::mutex> lock(mu_);
   check(s_.step_open, ErrorKind::InvalidState, "take_batch: no step is open; call begin_step() first");
   check(step_done_locked(), ErrorKind::InvalidState,
-        "take_batch: the step is not done: " + std::to_string(s_.accepted.size()) + " of " +
+        "take_batch: the step is not done: " + std::to_string(round_accepted()) + " of " +
             std::to_string(config_.rollout_batch_size) + " groups accepted and prompts remain");
   check(s_.running_samples == 0 || config_.step_boundary == StepBoundary::Carry, ErrorKind::InvalidState,
         "take_batch: " + std::to_string(s_.running_samples) +
             " samples are still running; call samples_to_abort() and abort them in the engine first "
             "(or carry them with step_boundary='carry')");
   const int64_t n = config_.n_samples_per_prompt;
-  const int64_t n_groups = std::min<int64_t>(config_.rollout_batch_size, static_cast<int64_t>(s_.accepted.size()));
+  const std::vector<int64_t> ids = batch_group_ids();
+  const auto n_groups = static_cast<int64_t>(ids.size());
   Batch b;
   b.policy_version = s_.policy_version;
   int64_t total = 0;
-  for (int64_t j = 0; j < n_groups; ++j) {
-    const Group& g = s_.groups.at(s_.accepted[j]);
+  for (int64_t gid : ids) {
+    const Group& g = s_.groups.at(gid);
     total += n * static_cast<int64_t>(g.prompt.size());
     for (const auto& smp : g.samples) total += static_cast<int64_t>(smp.tokens.size());
   }
@@ -134,11 +136,12 @@ Batch Scheduler::take_batch() {
   b.loss_mask.reserve(total);
   b.behavior_logprobs.reserve(total);
   b.versions.reserve(total);
-  for (int64_t j = 0; j < n_groups; ++j) pack_group(b, s_.accepted[j], static_cast<int32_t>(j));
-  for (int64_t gid : b.group_ids) erase_group(gid);
+  for (int64_t j = 0; j < n_groups; ++j) pack_group(b, ids[j], static_cast<int32_t>(j));
+  for (int64_t gid : ids) erase_group(gid);
   s_.stats.batch_groups = n_groups;
   s_.stats.batch_samples = n_groups * n;
   if (!config_.keep_surplus) drop_surplus();
+  end_round();
   s_.step_open = false;
   return b;
 }
@@ -189,11 +192,12 @@ void Scheduler::pack_group(Batch& b, int64_t group_id, int32_t index_in_batch) {
   }
 }
 
-// keep_surplus=false: completed groups beyond the batch (accepted or awaiting reward) go.
+// keep_surplus=false: completed groups beyond the batch (accepted or awaiting reward) go; with tail batching
+// those of the round, not the long queue's after a short round (nor the others' after a long round).
 void Scheduler::drop_surplus() {
   std::vector<int64_t> surplus;
   for (const auto& [gid, g] : s_.groups) {
-    if (g.state != GroupState::Active) surplus.push_back(gid);
+    if (g.state != GroupState::Active && in_round(g)) surplus.push_back(gid);
   }
   for (int64_t gid : surplus) erase_group(gid);
   s_.stats.surplus_dropped += static_cast<int64_t>(surplus.size());

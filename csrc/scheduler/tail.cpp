@@ -1,0 +1,108 @@
+// Tail batching (RollPacker's schedule, partial responses kept): short rounds train the first N groups and
+// send the groups still generating to a long queue; a long round runs the long queue alone once it holds N
+// groups (or the data is used up), with no over-sampling. Semantics: docs/scheduler.md, "Tail batching".
+#include <algorithm>
+
+#include "scheduler/scheduler.h"
+
+namespace april::sched {
+
+bool Scheduler::in_round(const Group& g) const {
+  if (!config_.tail_batching) return true;
+  switch (s_.round) {
+    case Round::Short: return !g.long_queue;
+    case Round::Long: return g.long_queue;
+    case Round::Drain: return true;
+  }
+  return true;
+}
+
+bool Scheduler::dispatchable(const Group& g) const {
+  return g.state == GroupState::Active && !g.stale_check_pending && in_round(g);
+}
+
+int64_t Scheduler::round_accepted() const {
+  if (!config_.tail_batching) return static_cast<int64_t>(s_.accepted.size());
+  return std::count_if(s_.accepted.begin(), s_.accepted.end(),
+                       [&](int64_t gid) { return in_round(s_.groups.at(gid)); });
+}
+
+// The first N accepted groups of the round in acceptance order; a drain round takes long-queue groups first.
+std::vector<int64_t> Scheduler::batch_group_ids() const {
+  const auto n_groups = static_cast<size_t>(config_.rollout_batch_size);
+  std::vector<int64_t> ids;
+  const bool long_first = config_.tail_batching && s_.round != Round::Short;
+  for (bool first_pass : {true, false}) {
+    for (int64_t gid : s_.accepted) {
+      const Group& g = s_.groups.at(gid);
+      if (ids.size() < n_groups && in_round(g) && (g.long_queue == long_first) == first_pass) ids.push_back(gid);
+    }
+  }
+  return ids;
+}
+
+// At begin_step, after the staleness policy: what the step is. A long round begins once the long queue holds N
+// groups; with the data used up, any long-queue group left makes the step a drain round.
+void Scheduler::begin_round() {
+  s_.round = Round::Short;
+  if (!config_.tail_batching) return;
+  const auto long_groups = std::count_if(s_.groups.begin(), s_.groups.end(),
+                                         [](const auto& kv) { return kv.second.long_queue; });
+  if (long_groups == 0) return;
+  if (s_.data_exhausted()) {
+    s_.round = Round::Drain;
+  } else if (long_groups >= config_.rollout_batch_size) {
+    s_.round = Round::Long;
+  } else {
+    return;
+  }
+  s_.stats.long_round = 1;
+  if (!config_.tail_batching_restart) return;
+  // Strict on-policy: every long-queue group starts again from its prompt. A group with samples in flight
+  // (aborts on their way back, or carried samples, aborted now) restarts when the last one is back.
+  const int64_t n = config_.n_samples_per_prompt;
+  for (auto& [gid, g] : s_.groups) {
+    if (!g.long_queue) continue;
+    if (g.n_in_flight == 0) {
+      restart_long_group(gid);
+      continue;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      Sample& smp = g.samples[i];
+      if (smp.state != SampleState::Running) continue;
+      smp.state = SampleState::Aborting;
+      s_.running_samples -= 1;
+      s_.aborting_samples += 1;
+      stale_aborts_.push_back(gid * n + i);
+    }
+    g.stale_check_pending = true;
+    g.tail_restart = true;
+  }
+}
+
+// At take_batch, once the batch is out: every group still generating goes to (or stays in) the long queue. A
+// group none of whose samples produced anything or is in flight has not started: it stays where it is.
+void Scheduler::end_round() {
+  if (!config_.tail_batching) return;
+  for (auto& [gid, g] : s_.groups) {
+    if (g.state != GroupState::Active || g.long_queue) continue;
+    g.long_queue = std::any_of(g.samples.begin(), g.samples.end(), [](const Sample& smp) {
+      return smp.in_flight() || smp.state == SampleState::Done || !smp.tokens.empty();
+    });
+  }
+}
+
+// tail_batching_restart: nothing of the group is in flight; every sample that generated anything starts again.
+void Scheduler::restart_long_group(int64_t group_id) {
+  Group& g = s_.groups.at(group_id);
+  g.tail_restart = false;
+  for (auto& smp : g.samples) {
+    if (smp.state != SampleState::Done && smp.tokens.empty()) continue;
+    s_.stats.tail_restarted_samples += 1;
+    s_.stats.tail_tokens_discarded += static_cast<int64_t>(smp.tokens.size());
+    restart_sample(g, smp);
+  }
+  reopen_group(group_id, g);
+}
+
+}  // namespace april::sched
