@@ -143,6 +143,26 @@ def test_a_divided_rollout_run_continues_each_chunk_on_its_cached_prefix():
     assert (step.prediction_samples, step.prediction_rank_corr) == (2, pytest.approx(1.0))
 
 
+@pytest.mark.parametrize("restart", [False, True])
+def test_tail_batching_runs_are_reported_round_by_round(restart):
+    from april_ext.sim.runner import simulate
+
+    # Groups alternate [2, 2] and [10, 10]; N = 1, N' = 2. Short round 0 takes the short group at t = 2 and sends
+    # the long one (2 tokens each) to the long queue; round 1 is a long round of that group alone: 8 tokens each
+    # left with partials kept (april_tail), all 10 again from the prompt (rollpacker).
+    config = SimConfig(cluster=ClusterConfig(cost=replace(COST, prefill_per_token_s=0.0), num_engines=1),
+                       lengths=TraceLengths([[2, 2], [10, 10]]), rollout_batch_size=1, n_samples_per_prompt=2,
+                       over_sampling_batch_size=2, max_response_len=16, steps=3, warmup_steps=0, prompt_len=4,
+                       dataset_size=10, strategy="rollpacker" if restart else "april_tail")
+    result = simulate(config)
+    s0, s1, s2 = result.steps
+    assert [(s.long_round, s.long_queue_groups) for s in result.steps] == [(False, 1), (True, 0), (False, 1)]
+    assert (s0.rollout_s, s0.response_lens) == (2.0, [2, 2])
+    assert (s1.rollout_s, s1.response_lens) == ((10.0, [10, 10]) if restart else (8.0, [10, 10]))
+    assert s1.offpolicy_token_ratio == (0.0 if restart else pytest.approx(0.2))
+    assert result.summary["long_round_share"] == pytest.approx(1 / 3)
+
+
 def test_the_prefix_cache_lives_in_free_kv_and_evicts_the_oldest():
     replica = Replica(0, replace(COST, kv_capacity_tokens=100))
     replica.cache_prefix(b"a", 60)

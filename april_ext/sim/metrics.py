@@ -183,6 +183,8 @@ class StepReport:
     continuation_tokens: int  # prompt + partial tokens the continuations sent
     prediction_rank_corr: float  # Spearman: prediction at each sample's last dispatch vs its final length
     prediction_samples: int  # the samples that correlation is over
+    long_round: bool  # tail batching: the step ran long-queue groups only
+    long_queue_groups: int  # tail batching: groups waiting in the long queue after the step
     response_lens: list[int] = field(default_factory=list, repr=False)
 
 
@@ -224,6 +226,7 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
         chunk_returns=int(sched["chunk_returns"]), continuation_tokens=int(sched["continuation_tokens"]),
         prediction_rank_corr=float(sched["prediction_rank_corr"]),
         prediction_samples=int(sched["prediction_samples"]),
+        long_round=bool(sched["long_round"]), long_queue_groups=int(sched["long_queue_groups"]),
         continuation_prefill_time_fraction=(counters.continuation_prefill_time / replica_time
                                             if replica_time > 0 else 0.0),
         response_lens=lens.tolist())

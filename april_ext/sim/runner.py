@@ -259,6 +259,7 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
         "continuation_prefill_time_fraction": _weighted([s.continuation_prefill_time_fraction for s in steady],
                                                         durations),
         "chunk_returns_per_step": float(np.mean([s.chunk_returns for s in steady])),
+        "long_round_share": float(np.mean([s.long_round for s in steady])),
         "prediction_rank_corr": _weighted([s.prediction_rank_corr for s in predicted],
                                           [float(s.prediction_samples) for s in predicted]) if predicted else math.nan,
         "max_staleness": float(max((len(s.staleness_histogram) - 1 for s in steps), default=0)),
