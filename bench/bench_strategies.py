@@ -9,7 +9,8 @@ prints the tables of --base. --json is rewritten after every finished preset x s
 
 Every preset runs every row on the same seeds; a row is a strategy (april_ext.strategies) in an APRIL mode, or
 the synchronous baseline that each row's rollout throughput is measured against (same seed, same bound). Per row:
-rollout throughput vs the baseline, efficiency vs the bound (the least time of the row's own work on the same
+rollout throughput vs the baseline (all tokens generated, and the useful ones: less those thrown away by the DAPO
+baseline's drops and tail batching's restarts), efficiency vs the bound (the least time of the row's own work on the same
 engines, docs/sim.md), off-policy token share, largest staleness, trained-vs-natural length distance (W1 over the
 natural mean), tail latency (the last 10% of each step's batch samples as a share of its rollout time),
 prediction rank correlation (scheduler) and continuations per step (divided rollout): mean and spread (standard
@@ -76,6 +77,7 @@ ROWS: dict[str, tuple[str, str | None]] = {
 METRICS = (
     # (key, summary key, format)
     ("gain", None, "{:+.1%}"),
+    ("useful gain", None, "{:+.1%}"),
     ("eff", "efficiency", "{:.2f}"),
     ("offpol", "offpolicy_token_ratio", "{:.2f}"),
     ("stale max", "max_staleness", "{:.0f}"),
@@ -98,8 +100,10 @@ def _run(job: tuple[str, int, tuple[str, ...]]) -> dict[str, object]:
         summary = simulate(SimConfig(**settings, mode=mode, strategy=strategy), bound).summary  # type: ignore[arg-type]
         out[row] = {name: float(summary.get(key, math.nan)) for name, key, _ in METRICS if key is not None}
         out[row]["tokens_per_s"] = summary["tokens_per_s"]
+        out[row]["useful_tokens_per_s"] = summary["useful_tokens_per_s"]
     for row in rows:
         out[row]["gain"] = out[row]["tokens_per_s"] / out["baseline"]["tokens_per_s"] - 1
+        out[row]["useful gain"] = out[row]["useful_tokens_per_s"] / out["baseline"]["useful_tokens_per_s"] - 1
     return {"preset": preset, "seed": seed, "rows": out, "seconds": time.perf_counter() - started}
 
 
@@ -126,11 +130,11 @@ def tables(results: list[dict[str, object]], rows: tuple[str, ...]) -> tuple[str
             values = {name: [r["rows"][row][name] for r in runs] for name, _, _ in METRICS}  # type: ignore[index]
             per_row[row] = values
             lines.append(f"| {row} | " + " | ".join(_cell(values[name], fmt) for name, _, fmt in METRICS) + " |")
-        gains = {row: float(np.mean(v["gain"])) for row, v in per_row.items()}
+        gains = {row: float(np.nanmean(v["useful gain"])) for row, v in per_row.items()}
         best = max(gains, key=gains.__getitem__)
         on_policy = {row: g for row, g in gains.items() if row in ("seer", "rollpacker")}
         best_on_policy = max(on_policy, key=on_policy.__getitem__) if on_policy else None
-        lines += ["", f"best throughput: {best} ({gains[best]:+.1%})"
+        lines += ["", f"best useful throughput: {best} ({gains[best]:+.1%})"
                   + (f"; best on-policy: {best_on_policy} ({gains[best_on_policy]:+.1%})" if best_on_policy else ""),
                   ""]
         summary[preset] = {"seeds": seeds, "rows": per_row, "best": best, "best_on_policy": best_on_policy}

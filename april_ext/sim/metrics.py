@@ -2,7 +2,8 @@
 
 Definitions (docs/sim.md has the reasoning):
 - throughput: response tokens generated in the step / rollout time (virtual seconds, begin_step to batch).
-  Useful throughput leaves out tokens a discarding baseline throws away (DAPO over-sampling without recycling).
+  Useful throughput leaves out tokens thrown away: by a discarding baseline (DAPO over-sampling without recycling)
+  and by tail batching's restart from the prompt (RollPacker).
 - headline bound (per step and per run): the best any schedule could do on the same engines and work. The work
   is what the engines decoded (tokens and the KV tokens their steps read) plus the prompt prefill of the new
   samples; CostModel.least_busy_time is the least engine time for it, spread evenly over the engines (never
@@ -149,7 +150,7 @@ class StepReport:
     time_to_done_s: float
     generated_tokens: int
     trained_tokens: int
-    discarded_tokens: int  # thrown away by a discarding baseline (stale groups dropped at this step's start)
+    discarded_tokens: int  # thrown away: stale groups dropped (a discarding baseline), tail-batching restarts
     tokens_per_s: float
     efficiency: float  # against the headline bound: least_time_s / rollout_s
     ceiling_efficiency: float  # against the ceiling: ceiling_time_s / rollout_s
@@ -203,7 +204,7 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
     replica_time = counters.num_engines * wall
     return StepReport(
         step=step, rollout_s=wall, time_to_done_s=metrics.time_to_done_s, generated_tokens=metrics.generated_tokens,
-        trained_tokens=int(sched["batch_response_tokens"]), discarded_tokens=int(sched["stale_tokens_discarded"]),
+        trained_tokens=int(sched["batch_response_tokens"]), discarded_tokens=int(sched["stale_tokens_discarded"]) + int(sched["tail_tokens_discarded"]),
         tokens_per_s=metrics.tokens_per_s,
         efficiency=least / wall if wall > 0 else 0.0, ceiling_efficiency=ceiling / wall if wall > 0 else 0.0,
         bound_tokens_per_s=metrics.generated_tokens / least if least > 0 else 0.0,
