@@ -160,6 +160,7 @@ def test_tail_batching_runs_are_reported_round_by_round(restart):
     assert (s0.rollout_s, s0.response_lens) == (2.0, [2, 2])
     assert (s1.rollout_s, s1.response_lens) == ((10.0, [10, 10]) if restart else (8.0, [10, 10]))
     assert s1.offpolicy_token_ratio == (0.0 if restart else pytest.approx(0.2))
+    assert s1.discarded_tokens == (2 * 2 if restart else 0)  # the restart throws the short round's tokens away
     assert result.summary["long_round_share"] == pytest.approx(1 / 3)
 
 
