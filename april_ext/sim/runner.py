@@ -253,7 +253,7 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
         "offpolicy_token_ratio": _weighted([s.offpolicy_token_ratio for s in steady], batch_tokens),
         "re_prefill_time_fraction": _weighted([s.re_prefill_time_fraction for s in steady], durations),
         "kv_copy_time_fraction": _weighted([s.kv_copy_time_fraction for s in steady], durations),
-        "tail_latency": _weighted([s.tail_latency for s in timed], [s.rollout_s for s in timed]),
+        "tail_latency": _weighted([s.tail_latency for s in timed], [s.rollout_s for s in timed]) if timed else math.nan,
         "continuations_per_step": float(np.mean([s.continuations for s in steady])),
         "prefix_hit_token_ratio": hits / (hits + misses) if hits + misses > 0 else 0.0,
         "continuation_prefill_time_fraction": _weighted([s.continuation_prefill_time_fraction for s in steady],
