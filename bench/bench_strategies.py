@@ -10,9 +10,9 @@ prints the tables of --base. --json is rewritten after every finished preset x s
 Every preset runs every row on the same seeds; a row is a strategy (april_ext.strategies) in an APRIL mode, or
 the synchronous baseline that each row's rollout throughput is measured against (same seed, same bound). Per row:
 rollout throughput vs the baseline (all tokens generated, and the useful ones: less those thrown away by the DAPO
-baseline's drops and tail batching's restarts), efficiency vs the bound (the least time of the row's own work on the same
-engines, docs/sim.md), off-policy token share, largest staleness, trained-vs-natural length distance (W1 over the
-natural mean), tail latency (the last 10% of each step's batch samples as a share of its rollout time),
+baseline's drops and tail batching's restarts), efficiency vs the bound (the least time of the row's own work on
+the same engines, docs/sim.md), off-policy token share, largest staleness, trained-vs-natural length distance (W1
+over the natural mean), tail latency (the last 10% of each step's batch samples as a share of its rollout time),
 prediction rank correlation (scheduler) and continuations per step (divided rollout): mean and spread (standard
 deviation) over the seeds.
 
@@ -35,10 +35,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
+from bench_sim_report import ABORT_LATENCY_S, WEIGHT_SYNC_S
 
 from april_ext.persistence import atomic_write_json
 from april_ext.sim.runner import SimConfig, simulate
-from bench_sim_report import ABORT_LATENCY_S, WEIGHT_SYNC_S
 
 PAPER_STEPS, PAPER_WARMUP = 4, 1
 SEER_STEPS, SEER_WARMUP = 4, 1
@@ -184,7 +184,7 @@ def main() -> None:
     if args.tables_only:
         results = list(earlier.values())
     rows = tuple(row for row in ROWS if results and all(row in r["rows"] for r in results))  # type: ignore[operator]
-    markdown, summary = tables(results, rows)
+    markdown = tables(results, rows)[0]
     wall = time.perf_counter() - started
     print(markdown)
     print(f"{len(jobs)} jobs ({len(rows)} rows) in {wall:.0f} s with {args.jobs} processes")

@@ -15,7 +15,13 @@ from april_ext.batch import FinishReason
 from april_ext.cli import main
 from april_ext.errors import ConfigError
 from april_ext.protocol import SamplingParams
-from april_ext.sim import ClusterConfig, CostModel, SimulatedEngine, TraceLengths, length_preset
+from april_ext.sim import (
+    ClusterConfig,
+    CostModel,
+    SimulatedEngine,
+    TraceLengths,
+    length_preset,
+)
 from april_ext.sim.metrics import tail_latency
 from april_ext.sim.replica import Replica
 from april_ext.sim.runner import SimConfig, compare_strategies
@@ -93,7 +99,7 @@ def test_a_continuation_goes_to_the_replica_with_the_least_kv_and_pays_the_prefi
                                    TraceLengths([[10], [50], [50]])) as engine:
             long = asyncio.ensure_future(_tokens(engine, synthetic_prompt(1, 4), "b", 100))
             first, _ = await _tokens(engine, prompt, "a", 4)
-            c, cont = await asyncio.gather(_tokens(engine, synthetic_prompt(2, 40), "c", 100),
+            _, cont = await asyncio.gather(_tokens(engine, synthetic_prompt(2, 40), "c", 100),
                                            _tokens(engine, list(prompt) + first, "a2", 6))
             await long
             return first, cont, engine
@@ -155,7 +161,7 @@ def test_tail_batching_runs_are_reported_round_by_round(restart):
                        over_sampling_batch_size=2, max_response_len=16, steps=3, warmup_steps=0, prompt_len=4,
                        dataset_size=10, strategy="rollpacker" if restart else "april_tail")
     result = simulate(config)
-    s0, s1, s2 = result.steps
+    s0, s1, _ = result.steps
     assert [(s.long_round, s.long_queue_groups) for s in result.steps] == [(False, 1), (True, 0), (False, 1)]
     assert (s0.rollout_s, s0.response_lens) == (2.0, [2, 2])
     assert (s1.rollout_s, s1.response_lens) == ((10.0, [10, 10]) if restart else (8.0, [10, 10]))

@@ -15,7 +15,15 @@ from april_ext.settings import add_flag, settings
 from april_ext.sim.cost import CLUSTER_PRESETS
 from april_ext.sim.lengths import LENGTH_PRESETS
 from april_ext.sim.report import describe, write_json, write_plots
-from april_ext.sim.runner import ALGORITHMS, MODE_SETTINGS, MODES, SimConfig, SimResult, compare, compare_strategies
+from april_ext.sim.runner import (
+    ALGORITHMS,
+    MODE_SETTINGS,
+    MODES,
+    SimConfig,
+    SimResult,
+    compare,
+    compare_strategies,
+)
 from april_ext.strategies import STRATEGIES
 
 SCHEDULER_FLAGS = tuple(f.name for f in fields(SchedulerConfig) if f.name not in MODE_SETTINGS)
@@ -83,7 +91,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--lengths", default="dapo-math-17k",
                         help=f"length preset ({', '.join(LENGTH_PRESETS)}) or a .csv / .jsonl trace path")
     parser.add_argument("--modes", type=_modes, default=None,
-                        help=f"comma-separated: {','.join(MODES)} (default: all; with --strategies baseline,april-batch)")
+                        help=f"comma-separated: {','.join(MODES)} "
+                             "(default: all; with --strategies baseline,april-batch)")
     parser.add_argument("--strategy", choices=tuple(STRATEGIES), default=None,
                         help="a long-tail strategy (docs/strategies.md) run by the APRIL modes; it sets the scheduler "
                              "settings not given as flags (a flag given its default value is taken as not given)")

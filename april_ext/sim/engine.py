@@ -20,10 +20,11 @@ the clock moves on by the copy (every replica copies its own KV; the slowest set
 A request that ends at its token budget below the sample's natural length (finish reason "length") may be
 continued (a divided rollout's chunk boundary): a request whose ids are exactly its prompt + response so far
 continues the same sample. Under the weight version it ended at, it is a continuation; later, a resume (as the
-scheduler counts it: its prefix is no cache hit under other weights). A continuation goes to the replica with the fewest KV tokens in use or waiting, and
-is prefilled there unless that replica still caches its prefix under the current weight version (replica.py);
-landing elsewhere it pays the prefill of prompt + partial response (the price of balancing the load by moving it).
-The engine remembers when each request finished, keyed by its full ids (``finish_time``), for the tail latency.
+scheduler counts it: its prefix is no cache hit under other weights). A continuation goes to the replica with the
+fewest KV tokens in use or waiting, and is prefilled there unless that replica still caches its prefix
+(replica.py); landing elsewhere it pays the prefill of prompt + partial response (the price of balancing the load
+by moving it). The engine remembers when each request finished, keyed by its full ids (``finish_time``), for the
+tail latency.
 """
 
 from __future__ import annotations

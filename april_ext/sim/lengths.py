@@ -239,4 +239,5 @@ class TraceLengths:
                    name=os.path.basename(path))
 
 
-__all__ = ["LENGTH_PRESETS", "PAPER_LENGTH_PRESETS", "LengthModel", "LogNormalLengths", "SampleDraw", "TraceLengths", "length_preset"]
+__all__ = ["LENGTH_PRESETS", "PAPER_LENGTH_PRESETS", "LengthModel", "LogNormalLengths", "SampleDraw", "TraceLengths",
+           "length_preset"]

@@ -204,7 +204,8 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
     replica_time = counters.num_engines * wall
     return StepReport(
         step=step, rollout_s=wall, time_to_done_s=metrics.time_to_done_s, generated_tokens=metrics.generated_tokens,
-        trained_tokens=int(sched["batch_response_tokens"]), discarded_tokens=int(sched["stale_tokens_discarded"]) + int(sched["tail_tokens_discarded"]),
+        trained_tokens=int(sched["batch_response_tokens"]),
+        discarded_tokens=int(sched["stale_tokens_discarded"]) + int(sched["tail_tokens_discarded"]),
         tokens_per_s=metrics.tokens_per_s,
         efficiency=least / wall if wall > 0 else 0.0, ceiling_efficiency=ceiling / wall if wall > 0 else 0.0,
         bound_tokens_per_s=metrics.generated_tokens / least if least > 0 else 0.0,

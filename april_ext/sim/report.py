@@ -63,8 +63,8 @@ def describe(results: dict[str, SimResult]) -> str:
               else "separate prefill")
     head = (f"cluster {cluster.name} {cluster.num_engines} engines x {cluster.gpus_per_engine} GPU ({engine}) | "
             f"lengths {name} | {c.algorithm} | N={c.rollout_batch_size} x n={c.n_samples_per_prompt}, "
-            f"N'={first.scheduler.over_sampling_batch_size}, cap {c.max_response_len} | {c.steps} steps (summary over steps "
-            f"{c.warmup_steps}..)\n"
+            f"N'={first.scheduler.over_sampling_batch_size}, cap {c.max_response_len} | {c.steps} steps "
+            f"(summary over steps {c.warmup_steps}..)\n"
             f"bound: the best schedule of each mode's own work (eff: without re-prefill, ceil eff: with it); "
             f"steady-state rate {first.bound.tokens_per_s:,.0f} tok/s (B_sat {first.bound.mean_batch:.1f} per engine)"
             f", natural mean length {first.natural_mean:,.0f}")

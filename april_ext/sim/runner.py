@@ -18,7 +18,6 @@ from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.rollout import RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler, SchedulerConfig
 from april_ext.settings import adopt
-from april_ext.strategies import STRATEGIES, apply_strategy
 from april_ext.sim.cost import ClusterConfig, cluster_preset
 from april_ext.sim.engine import SimulatedEngine
 from april_ext.sim.lengths import (
@@ -35,6 +34,7 @@ from april_ext.sim.metrics import (
     step_report,
 )
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
+from april_ext.strategies import STRATEGIES, apply_strategy
 
 Mode = Literal["baseline", "april-batch", "april-continuous", "april-adaptive"]
 MODES: tuple[str, ...] = ("baseline", "april-batch", "april-continuous", "april-adaptive")
