@@ -306,7 +306,8 @@ class Scheduler:
     def samples_to_abort(self) -> list[int]:
         """The samples the engine must abort, each returned once. step_boundary="abort": once the step is done,
         every running sample. "carry": none at the boundary; right after begin_step, the carried samples past
-        max_staleness under the restart and drop policies."""
+        max_staleness under the restart and drop policies, and with tail_batching_restart those of long-queue
+        groups restarting."""
         return self._core.samples_to_abort().tolist()
 
     def take_batch(self) -> TrainingBatch:

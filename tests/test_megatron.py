@@ -136,8 +136,9 @@ def test_train_step_matches_the_torch_trainer(minibatches: int, algorithm: Algor
     assert megatron.version == torch_trainer.version == 2
     ours = dict(torch_trainer.export_weights(to_cpu=True).tensors)
     exported = megatron.export_weights(to_cpu=True)
-    assert exported.version == 2 and [n for n, _ in exported] == list(ours)
-    for key, tensor in exported:
+    theirs = list(exported)  # an export streams once
+    assert exported.version == 2 and [n for n, _ in theirs] == list(ours)
+    for key, tensor in theirs:
         torch.testing.assert_close(tensor, ours[key], rtol=1e-4, atol=1e-5)
 
 
@@ -148,8 +149,9 @@ def test_exported_weights_load_into_the_engine() -> None:
     megatron.train_step(make_batch(model, 0))
     core = EngineCore(make_model(9), EngineConfig(num_blocks=16, block_size=8, memory_tag_prefix="megatron-test-"))
     exported = megatron.export_weights(to_cpu=True)
-    loaded = core.update_weights(exported.tensors, version=exported.version)
-    assert sorted(loaded) == sorted(n for n, _ in exported)
+    tensors = list(exported)  # an export streams once
+    loaded = core.update_weights(tensors, version=exported.version)
+    assert sorted(loaded) == sorted(n for n, _ in tensors)
     prompt = [1, 2, 3, 4]
     out = core.generate([prompt], SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True))[0]
     assert out.versions == [1] * 6

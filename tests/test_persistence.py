@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from april_ext import AprilError, PersistenceError
-from april_ext.model.checkpoint import save_safetensors
+from april_ext.model.checkpoint import save_safetensors, save_safetensors_sharded
 from april_ext.persistence import (
     atomic_directory,
     atomic_write,
@@ -108,10 +108,13 @@ def test_files_and_directories_get_the_umask_permissions(tmp_path, mask, file_mo
     """A weight file synced to an inference server running as another user must be readable by it."""
     with _umask(mask):
         save_safetensors({"w": torch.ones(3)}, tmp_path / "sync")
+        save_safetensors_sharded([("w", torch.ones(3))], tmp_path / "sharded", 2**20)
         atomic_write_text(tmp_path / "a.txt", "x")
         with atomic_directory(tmp_path / "ckpt") as temp:
             atomic_write_json(os.path.join(temp, "run.json"), {"step": 1})
     assert _mode(tmp_path / "sync" / "model.safetensors") == file_mode
+    assert _mode(tmp_path / "sharded" / "model-00001-of-00001.safetensors") == file_mode
+    assert _mode(tmp_path / "sharded" / "model.safetensors.index.json") == file_mode
     assert _mode(tmp_path / "a.txt") == file_mode
     assert _mode(tmp_path / "ckpt") == dir_mode
     assert _mode(tmp_path / "ckpt" / "run.json") == file_mode

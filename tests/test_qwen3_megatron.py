@@ -109,7 +109,7 @@ def test_moe_train_steps_match_the_torch_trainer() -> None:
         for key in ("loss", "grad_norm", "entropy", "n_loss_tokens"):
             assert got[key] == pytest.approx(expected[key], rel=TOL["rtol"], abs=TOL["atol"] / 10), (step, key)
     ours = dict(reference.export_weights(to_cpu=True).tensors)
-    exported = megatron.export_weights(to_cpu=True)
+    exported = list(megatron.export_weights(to_cpu=True))
     assert sorted(n for n, _ in exported) == sorted(ours)
     for key, tensor in exported:
         torch.testing.assert_close(tensor, ours[key], rtol=1e-4, atol=1e-5)

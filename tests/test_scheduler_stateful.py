@@ -237,6 +237,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert np.array_equal(resp, token_at(int(sid), np.arange(self.fed.get(int(sid), 0))))
             if g.group_id in self.pending:  # restarted while it waited for its reward, completed again
                 assert self.takes_back, "a group is handed out twice"
+                event("restarted group completed again")
                 continue
             self.pending.append(g.group_id)
 

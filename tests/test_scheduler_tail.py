@@ -273,6 +273,22 @@ def test_continuous_refill_tops_up_only_short_rounds():
     assert ids == samples_of(4, 5, 6, 7)  # group 4 again, and three new groups: N' = 4 generating
 
 
+def test_adaptive_target_counts_only_the_short_rounds_live_samples():
+    sched = tail(rollout_batch_size=3, over_sampling_batch_size=3, over_sampling="adaptive",
+                 target_inflight_samples=8)
+    sched.begin_step(0)
+    assert len(sched.dispatch()) == 8  # four groups
+    for gid in (0, 1, 2):
+        finish_group(sched, gid, N_SAMPLES)
+    reward_all(sched)
+    feed(sched, 6, 2, 0)
+    assert take_groups(sched) == [0, 1, 2]
+    sched.begin_step(1)  # group 3 waits in the long queue (1 < N) with two queued samples
+    assert sched.stats()["long_round"] == 0
+    ids = sorted(r.sample_id for r in sched.dispatch())
+    assert ids == samples_of(4, 5, 6, 7)  # the whole target of new work, none of the long queue's
+
+
 def test_data_exhaustion_drains_the_long_queue():
     sched = tail(n_prompts=4, rollout_batch_size=3)
     sched.begin_step(0)

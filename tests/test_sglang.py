@@ -280,7 +280,7 @@ def test_named_tensors_travel_through_a_weight_sync_dir(tmp_path) -> None:
 
     with one_torch_thread(), live_server() as s:
         names, chunks = run(body(s.url))
-    assert names == sorted(fresh) and (tmp_path / "sync" / "model.safetensors").is_file()
+    assert names == sorted(fresh) and (tmp_path / "sync" / "model.safetensors.index.json").is_file()
     assert tokens(chunks) == want and {c.weight_version for c in chunks} == {9}
 
 

@@ -232,7 +232,7 @@ def test_compare_launches_servers_per_run_and_refuses_shared_ones(tmp_path, caps
     assert cli.main(["train", "--compare", *cli_flags(settings)]) == 0
     for name in ("baseline", "april"):
         assert _rows(out / name / "metrics.jsonl")[0]["engine/server_weight_versions"] == ["1"]
-        assert (tmp_path / "sync" / name / "model.safetensors").is_file()
+        assert (tmp_path / "sync" / name / "model.safetensors.index.json").is_file()
     capsys.readouterr()
     shared = {**TINY, "output_dir": str(out), "engine": "sglang", "sglang_urls": "http://127.0.0.1:1", "model": "m"}
     assert cli.main(["train", "--compare", *cli_flags(shared)]) == 2

@@ -48,9 +48,10 @@ def test_train_step_updates_weights_and_version():
     before = params_of(trainer)
     metrics = trainer.train_step(make_batch(trainer.model, 0))
     after = trainer.export_weights()
+    tensors = list(after)  # an export streams once
     assert after.version == trainer.version == 1
-    assert [n for n, _ in after] == trainer.model.weight_names()
-    assert any(not torch.equal(before[n], t) for n, t in after)
+    assert [n for n, _ in tensors] == trainer.model.weight_names()
+    assert any(not torch.equal(before[n], t) for n, t in tensors)
     for key in ("loss", "pg_loss", "entropy", "clip_frac_high", "grad_norm", "reward_mean", "n_loss_tokens"):
         assert np.isfinite(metrics[key]), key
     assert metrics["version"] == 1.0 and metrics["grad_norm"] > 0

@@ -168,7 +168,7 @@ def test_workers_of_an_older_release_are_refused_naming_them() -> None:
 
 def test_buckets_keep_the_order_and_the_size_limit() -> None:
     tensors = [("a", torch.zeros(10)), ("b", torch.zeros(20)), ("c", torch.zeros(100)), ("d", torch.zeros(5))]
-    grouped = buckets(tensors, bucket_bytes=120)
+    grouped = list(buckets(tensors, bucket_bytes=120))
     assert [[n for n, _ in b] for b in grouped] == [["a", "b"], ["c"], ["d"]]
     assert [n for b in grouped for n, _ in b] == ["a", "b", "c", "d"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ class RayEngine:
         self.inner = inner
         self.pool = pool
         self._lock = asyncio.Lock()  # one weight push at a time: an update, or a rejoining engine's
-        self._weights: tuple[list[tuple[str, Any]], int] | None = None
+        self._weights: tuple[Any, int] | None = None
         self._released: set[str] = set()  # memory tags released on every engine now
         self._watch: asyncio.Task[None] | None = None
         self.rejoins = 0
@@ -50,11 +51,19 @@ class RayEngine:
         return await self.inner.abort(request_ids)
 
     async def update_weights(self, weights: Any, version: int) -> list[str]:
-        """New weights on every registered engine; kept on the driver for engines that rejoin later."""
+        """New weights on every registered engine; kept for engines that rejoin later: with weight_sync "disk"
+        as the weight-sync directory the update wrote (the trainer's export streams through), otherwise as
+        the tensors themselves, on the driver."""
         async with self._lock:
-            tensors = list(weights.items() if isinstance(weights, dict) else weights)
-            names = await self.inner.update_weights(tensors, version)
-            self._weights = (tensors, version)
+            config = self.inner.config
+            kept: Any = weights
+            if config.weight_sync == "disk" and not isinstance(weights, (str, os.PathLike)):
+                assert config.weight_sync_dir is not None  # SGLangEngineConfig requires it for "disk"
+                kept = config.weight_sync_dir
+            elif not isinstance(weights, (str, os.PathLike)):
+                weights = kept = list(weights.items() if isinstance(weights, dict) else weights)
+            names = await self.inner.update_weights(weights, version)
+            self._weights = (kept, version)
             return names
 
     async def release_memory(self, tags: Iterable[str] | None = None) -> None:

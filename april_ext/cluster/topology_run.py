@@ -54,14 +54,16 @@ class RayTopologyRun:
         leaves the router, its requests return to the scheduler as partials."""
         assert self._session is not None, "TrainingRun enters the trainer factory first"
         root = os.path.abspath(os.path.join(config.output_dir, SGLANG_DIR))
-        initial = write_hf_checkpoint(trainer, model_config, os.path.join(root, "initial_model"))
+        initial = write_hf_checkpoint(trainer, model_config, os.path.join(root, "initial_model"),
+                                      shard_bytes=int(config.weight_sync_bucket_mb * 2**20))
         pool = await EnginePool.start(self._session, config, initial, trainer.version)
         try:
             async with SGLangEngine(SGLangEngineConfig(
                     router_url=pool.router.url, initial_weight_version=trainer.version,
                     weight_sync=config.weight_sync, weight_bucket_mb=config.weight_sync_bucket_mb,
                     weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
-                    stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s)) as inner, RayEngine(inner, pool) as engine:
+                    stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s,
+                    priority=config.sglang_priority)) as inner, RayEngine(inner, pool) as engine:
                 self.engine = engine
                 yield engine
         finally:

@@ -10,9 +10,11 @@ actor its own GPU (CUDA_VISIBLE_DEVICES), hence LOCAL_RANK 0.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,7 +22,9 @@ import torch
 from april_ext.batch import TrainingBatch
 from april_ext.cluster.process_memory import rss_bytes
 from april_ext.model import LlamaForCausalLM, load_pretrained
-from april_ext.protocol.trainer import ExportedWeights, Trainer
+from april_ext.errors import InvalidStateError
+from april_ext.protocol.trainer import Trainer
+from april_ext.sglang.broadcast import buckets
 from april_ext.trainer import distributed
 from april_ext.training.config import TrainConfig
 from april_ext.training.trainers import build_trainer
@@ -33,6 +37,7 @@ class TrainerRank:
         self.world_size = world_size
         self._stack = contextlib.ExitStack()
         self._trainer: Trainer | None = None
+        self._export: Iterator[list[tuple[str, torch.Tensor]]] | None = None
 
     def rendezvous(self) -> tuple[str, int]:
         """(this node's address, a free port): where the other ranks meet this one (rank 0)."""
@@ -73,10 +78,26 @@ class TrainerRank:
         metrics = self.trainer.train_step(copy.deepcopy(batch))
         return metrics, self.trainer.version
 
-    def export_weights(self, to_cpu: bool, send: bool) -> ExportedWeights | None:
-        """Every rank exports (with model parallelism a collective); ``send``: this rank's result is wanted."""
+    def begin_export(self, to_cpu: bool, send: bool) -> int | None:
+        """Every rank exports (with model parallelism a collective, gathered while the export is read).
+        ``send``: this rank's export is wanted, and ``next_bucket`` hands it out (returns its version);
+        otherwise this rank reads it to the end here, taking part in the gather, and keeps nothing."""
         weights = self.trainer.export_weights(to_cpu=to_cpu or send)
-        return weights if send else None
+        if not send:
+            collections.deque(weights, maxlen=0)
+            return None
+        self._export = buckets(weights, int(self.config.weight_sync_bucket_mb * 2**20))
+        return weights.version
+
+    def next_bucket(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The next bucket (up to weight_sync_bucket_mb) of the export ``begin_export`` began; None after the
+        last."""
+        if self._export is None:
+            raise InvalidStateError("next_bucket: no export is being read (begin_export first)")
+        bucket = next(self._export, None)
+        if bucket is None:
+            self._export = None
+        return bucket
 
     def save_checkpoint(self, path: str, extra: dict[str, Any] | None) -> None:
         self.trainer.save_checkpoint(path, extra)

@@ -10,6 +10,7 @@ continues from.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -44,15 +45,23 @@ class TrainerGroup:
         self.pids = pids
         self.timeout_s = timeout_s
         self._version = version
+        # An export whose stream the driver has not read to the end (see export_weights).
+        self._unread: Iterator[tuple[str, Any]] | None = None
 
     @property
     def version(self) -> int:
         return self._version
 
     def _all(self, what: str, calls: list[Any]) -> list[Any]:
-        """The results of one call per rank (``calls[r]`` is rank r's ObjectRef), in rank order. When a rank
+        """The results of one call per rank (``calls[r]`` is rank r's ObjectRef), in rank order, after an
+        export left unread is read to the end (its ranks are busy in the gather until then). When a rank
         fails, the others get a few seconds to fail too (a rank that died makes the others' collectives fail
         at once), so that the error names the rank that died rather than one that lost it."""
+        if self._unread is not None:
+            collections.deque(self._unread, maxlen=0)
+        return self._wait(what, calls)
+
+    def _wait(self, what: str, calls: list[Any]) -> list[Any]:
         import ray
 
         pending = {ref: rank for rank, ref in enumerate(calls)}
@@ -101,10 +110,22 @@ class TrainerGroup:
         return metrics
 
     def export_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
-        weights = self._all("export_weights", [a.export_weights.remote(to_cpu, r == 0)
-                                               for r, a in enumerate(self.actors)])[0]
-        assert weights is not None
-        return weights
+        """Rank 0's export as a stream the driver pulls bucket by bucket (weight_sync_bucket_mb each), while
+        every rank gathers it: the driver and rank 0 hold about one bucket at a time, not the model."""
+        calls = [a.begin_export.remote(to_cpu, r == 0) for r, a in enumerate(self.actors)]
+        version = self._all("export_weights", calls[:1])[0]
+        self._unread = self._reading(calls)
+        return ExportedWeights(version, self._unread)
+
+    def _reading(self, calls: list[Any]) -> Iterator[tuple[str, Any]]:
+        while True:
+            calls[0] = self.actors[0].next_bucket.remote()
+            bucket = self._wait("export_weights", calls[:1])[0]
+            if bucket is None:
+                break
+            yield from bucket
+        self._unread = None
+        self._wait("export_weights", calls)  # the other ranks' part of the gather ended too
 
     def save_checkpoint(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         self._all("save_checkpoint", [a.save_checkpoint.remote(os.fspath(path), extra) for a in self.actors])

@@ -29,7 +29,8 @@ class BatchScheduler:
     Each step first serves the running sequences in arrival order (one token for a decoding sequence,
     the next chunk for one still prefilling); when the KV blocks run out it preempts from the tail of
     the running queue: the victim frees its blocks, keeps its tokens and returns to the front of the
-    waiting queue to be recomputed later. Remaining budget admits waiting sequences in order.
+    waiting queue to be recomputed later. Remaining budget admits waiting sequences in order (by priority,
+    see ``add``).
     """
 
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -42,7 +43,15 @@ class BatchScheduler:
         self.prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queues `seq` behind the waiting sequences of its priority or higher (SamplingParams.priority; None
+        after every number), so that equal priorities keep their arrival order."""
         seq.status = SequenceStatus.WAITING
+        priority = seq.params.priority
+        if priority is not None:
+            for i, other in enumerate(self.waiting):
+                if other.params.priority is None or other.params.priority < priority:
+                    self.waiting.insert(i, seq)
+                    return
         self.waiting.append(seq)
 
     def has_work(self) -> bool:

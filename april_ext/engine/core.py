@@ -194,15 +194,18 @@ class EngineCore:
         and continue: their later tokens carry the new version (PipelineRL's in-flight update, SGLang's
         `in_place` pause). The prefix cache starts a new epoch, so no new request reuses older K/V; to
         recompute the running requests instead, `flush_cache` first. Bad names or shapes raise
-        InvalidArgumentError and change nothing."""
+        InvalidArgumentError and change nothing, except in a stream: named tensors that are not a Mapping
+        (a trainer's ExportedWeights) are copied as they are read, one held at a time, and an error leaves
+        those before it copied (the version stays)."""
         check_weight_version(version)
         if self.memory.is_paused("weights"):
             raise InvalidStateError("update_weights needs the 'weights' memory resumed first")
         if isinstance(weights, (str, os.PathLike)):
             loaded = self.model.load_weights(iter_safetensors(weights), require_all=True)
         else:
-            items = weights.items() if isinstance(weights, Mapping) else weights
-            loaded = self.model.load_weights(items, require_all=False)
+            streamed = not isinstance(weights, Mapping)
+            loaded = self.model.load_weights(weights if streamed else weights.items(), require_all=False,
+                                             atomic=not streamed)
         self.blocks.reset_prefix_cache()
         self.weight_version = version
         return loaded

@@ -212,27 +212,42 @@ class LlamaForCausalLM(nn.Module):
         return [name for name, _ in self.named_parameters()]
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, require_all: bool = True) -> list[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, require_all: bool = True,
+                     atomic: bool = True) -> list[str]:
         """Copies named tensors into the existing parameters in place (their storage, e.g. an allocator
-        region, is kept). Validates every name and shape before copying anything; a tied model ignores
-        `lm_head.weight`. Returns the names loaded."""
+        region, is kept); a tied model ignores `lm_head.weight`. Returns the names loaded. ``atomic``:
+        validates every name and shape before copying anything (holding every tensor of ``weights`` until
+        then); otherwise each tensor is validated and copied as it is read, so a stream is held one tensor at
+        a time, and an error leaves the tensors before it copied (the message says how many)."""
         params = dict(self.named_parameters())
         staged: dict[str, torch.Tensor] = {}
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            if name not in params:
-                raise InvalidArgumentError(
-                    f"weight {name!r} is not a parameter of this model (expected names like "
-                    f"'model.layers.0.self_attn.q_proj.weight')")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise InvalidArgumentError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}")
-            staged[name] = tensor
-        if require_all:
-            missing = sorted(set(params) - set(staged))
-            if missing:
-                raise InvalidArgumentError(f"weights lack {len(missing)} parameters, e.g. {missing[:3]}")
+        copied: list[str] = []
+        try:
+            for name, tensor in weights:
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue
+                if name not in params:
+                    raise InvalidArgumentError(
+                        f"weight {name!r} is not a parameter of this model (expected names like "
+                        f"'model.layers.0.self_attn.q_proj.weight')")
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise InvalidArgumentError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model "
+                                               f"expects {tuple(params[name].shape)}")
+                if atomic:
+                    staged[name] = tensor
+                else:
+                    params[name].copy_(tensor)
+                    copied.append(name)
+                del tensor
+            if require_all:
+                missing = sorted(set(params) - set(staged) - set(copied))
+                if missing:
+                    raise InvalidArgumentError(f"weights lack {len(missing)} parameters, e.g. {missing[:3]}")
+        except InvalidArgumentError as err:
+            if copied:
+                raise InvalidArgumentError(f"{err} (a streamed load: the {len(copied)} tensors before it are "
+                                           f"already copied)") from None
+            raise
         for name, tensor in staged.items():
             params[name].copy_(tensor)
-        return sorted(staged)
+        return sorted(staged.keys() | set(copied))

@@ -17,7 +17,10 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k <= 0 and top_p 1.0 disable those filters. seed None lets the engine
     pick one (from its own seed and the request's arrival order). stop_token_ids end the request when
-    sampled (the stop token is kept in the output); the model's eos ids do too unless ignore_eos.
+    sampled (the stop token is kept in the output); the model's eos ids do too unless ignore_eos. priority: a
+    scheduling hint (SGLang's request priority): an engine that orders its waiting requests admits higher values
+    first, None after every number; the rollout loop sets it from the scheduler's predicted remaining length
+    when dispatch_order sorts by it.
     """
 
     max_new_tokens: int = 128
@@ -27,6 +30,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    priority: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -47,6 +51,10 @@ class SamplingParams:
                                       or not 0 <= self.seed <= MAX_SEED):
             raise InvalidArgumentError(
                 f"SamplingParams.seed must be None or an integer in [0, 2**64 - 1], got {self.seed!r}")
+        if self.priority is not None and (not isinstance(self.priority, int) or isinstance(self.priority, bool)
+                                          or not -2**63 <= self.priority < 2**63):
+            raise InvalidArgumentError(
+                f"SamplingParams.priority must be None or a signed 64-bit integer, got {self.priority!r}")
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or isinstance(t, bool) or t < 0]
         if bad:
             raise InvalidArgumentError(f"SamplingParams.stop_token_ids must be integers >= 0, got {bad}")

@@ -10,7 +10,7 @@ import base64
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from safetensors.torch import load as _load_safetensors
@@ -60,7 +60,8 @@ class SGLangDialect:
     exists (deprecated, then removed). weight_versions: weights carry a version label (in /generate's
     meta_info, /model_info or /get_weight_version, and the weight_version field of the updates).
     pause_modes: the modes /pause_generation takes (an older server reads no body and always aborts).
-    disk_fields / tensor_fields: the fields of update_weights_from_disk / _from_tensor."""
+    disk_fields / tensor_fields: the fields of update_weights_from_disk / _from_tensor. load_path: the GET
+    path of the server's load report (KV tokens in use and queued; load_tokens reads each release's answer)."""
 
     name: str
     version: str
@@ -71,6 +72,7 @@ class SGLangDialect:
     pause_modes: tuple[str, ...]
     disk_fields: tuple[str, ...]
     tensor_fields: tuple[str, ...]
+    load_path: str
 
     @property
     def version_tuple(self) -> tuple[int, ...]:
@@ -88,13 +90,13 @@ _DISK_053 = (*_DISK_04, "weight_version", "is_async", "torch_empty_cache", "keep
 _TENSOR_053 = (*_TENSOR_04, "weight_version")
 DIALECTS: dict[str, SGLangDialect] = {d.name: d for d in (
     SGLangDialect("0.4", "0.4.10.post2", ("/get_server_info",), ("/get_model_info",), False, False, ("abort",),
-                  _DISK_04, _TENSOR_04),
+                  _DISK_04, _TENSOR_04, "/get_load"),
     SGLangDialect("0.5.3", "0.5.3", ("/get_server_info",), ("/get_model_info",), True, True, ("abort",),
-                  _DISK_053, _TENSOR_053),
+                  _DISK_053, _TENSOR_053, "/get_load"),
     SGLangDialect("current", SGLANG_RELEASE, ("/server_info", "/get_server_info"), ("/model_info", "/get_model_info"),
                   False, True, PAUSE_MODES,
                   (*_DISK_053, "recapture_cuda_graph", "token_step", "flush_cache", "manifest"),
-                  (*_TENSOR_053, "selector", "torch_empty_cache")),
+                  (*_TENSOR_053, "selector", "torch_empty_cache"), "/v1/loads"),
 )}
 CURRENT = DIALECTS["current"]
 # Fields every request class of the current release inherits (BaseReq): an id for its logs and the IPC
@@ -131,6 +133,41 @@ def dialect_for(version: str | None) -> SGLangDialect:
         if row.version_tuple <= wanted:
             chosen = row
     return chosen
+def load_tokens(answer: Any) -> int | None:
+    """The KV tokens a server reports in use or waiting for prefill, summed over its data-parallel ranks, from
+    any release's load report: /v1/loads (0.5.23: {"loads": [{"num_total_tokens", "num_used_tokens", ...}]}),
+    /get_load (0.5.x: [{"num_tokens", ...}], 0.4: {"load": N}). None for an answer of none of these shapes."""
+    if isinstance(answer, dict) and isinstance(answer.get("loads"), list):
+        ranks, keys = answer["loads"], ("num_total_tokens", "num_used_tokens")
+    elif isinstance(answer, list):
+        ranks, keys = answer, ("num_tokens",)
+    elif isinstance(answer, dict) and "load" in answer:
+        ranks, keys = [answer], ("load",)
+    else:
+        return None
+    total = 0
+    for rank in ranks:
+        value = next((rank[k] for k in keys if isinstance(rank, dict) and k in rank), None)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return None
+        total += value
+    return total
+
+
+def load_json(dialect: SGLangDialect, *, used_tokens: int, waiting_tokens: int, running: int, waiting: int,
+              capacity_tokens: int, max_running: int) -> Any:
+    """The load report of one engine (one data-parallel rank) in the shape of the dialect's release."""
+    total = used_tokens + waiting_tokens
+    if dialect.version_tuple < (0, 5):
+        return {"load": total}
+    if dialect.load_path == "/get_load":
+        return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": total}]
+    return {"version": dialect.version, "loads": [{
+        "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting, "num_used_tokens": used_tokens,
+        "num_total_tokens": total, "max_total_num_tokens": capacity_tokens, "max_running_requests": max_running,
+        "token_usage": used_tokens / capacity_tokens if capacity_tokens else 0.0}]}
+
+
 ABORT_MESSAGE = "Aborted"
 ABORT_QUEUED_MESSAGE = "Abort in waiting queue"
 # SGLang bodies nest a few levels; a deeper one is refused before any field is read.
@@ -260,15 +297,16 @@ def _opt_str(body: Mapping[str, Any], key: str, what: str) -> str | None:
     return str(value)
 
 
-# GenerateReqInput (SGLang SGLANG_RELEASE), field by field. Honoured: what parse_generate reads.
-_GENERATE_HONOURED = ("rid", "text", "input_ids", "sampling_params", "return_logprob", "stream")
-# Hints for SGLang's logging, tracing, routing, scheduling priority and prefill-decode disaggregation: a value
+# GenerateReqInput (SGLang SGLANG_RELEASE), field by field. Honoured: what parse_generate reads (priority: the
+# engine's waiting queue admits higher values first, as SGLang under --enable-priority-scheduling).
+_GENERATE_HONOURED = ("rid", "text", "input_ids", "sampling_params", "return_logprob", "stream", "priority")
+# Hints for SGLang's logging, tracing, routing and prefill-decode disaggregation: a value
 # of the right JSON type changes nothing a single embedded engine does. Kind: "bool", "int", "number", "str",
 # "object" (a JSON object) or "any".
 _GENERATE_HINTS: dict[str, str] = {
     "log_metrics": "bool", "no_logs": "bool", "return_text_in_logprobs": "bool", "logprob_start_len": "int",
     "custom_labels": "object", "external_trace_header": "object", "received_time": "number",
-    "routing_key": "str", "conversation_id": "str", "priority": "int", "extra_key": "any", "cache_salt": "any",
+    "routing_key": "str", "conversation_id": "str", "extra_key": "any", "cache_salt": "any",
     "http_worker_ipc": "str", "bootstrap_host": "str", "bootstrap_port": "int", "bootstrap_room": "int",
     "bootstrap_pair_key": "str", "decode_tp_size": "int", "routed_dp_rank": "int", "data_parallel_rank": "int",
     "disagg_prefill_dp_rank": "int", "kv_hints": "any",
@@ -359,7 +397,13 @@ def parse_generate(body: Any) -> GenerateRequest:
     if interval is not None and interval < 1:
         raise InvalidArgumentError(f"{what} sampling_params: stream_interval must be an integer >= 1 or null, "
                                    f"got {interval}")
-    return GenerateRequest(rid=rid, input_ids=ids, params=parse_sampling_params(raw),
+    params = parse_sampling_params(raw)
+    priority = _int(body, "priority", what)
+    if priority is not None:
+        if not -2**63 <= priority < 2**63:
+            raise InvalidArgumentError(f"{what}: priority must be a signed 64-bit integer or null, got {priority}")
+        params = replace(params, priority=priority)
+    return GenerateRequest(rid=rid, input_ids=ids, params=params,
                            return_logprob=_bool(body, "return_logprob", False, what),
                            stream=_bool(body, "stream", False, what), text=text, stream_interval=interval,
                            skip_special_tokens=_bool(raw, "skip_special_tokens", True, f"{what} sampling_params"))

@@ -3,24 +3,37 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from april_ext.batch import TrainingBatch
+from april_ext.errors import InvalidStateError
 
 
-@dataclass
 class ExportedWeights:
-    """The policy after an update, in Hugging Face parameter names, tagged with its version."""
+    """The policy after an update, in Hugging Face parameter names, tagged with its version: a one-pass
+    stream of (name, tensor). A sharded trainer gathers each tensor while the stream is read (a collective
+    its other ranks take part in), so no rank holds the whole model; read it once, to the end, before the
+    trainer's next update (the tensors may be views of the live parameters). ``tensors`` and iteration
+    hand out the same stream: a second read raises InvalidStateError."""
 
-    version: int
-    tensors: list[tuple[str, torch.Tensor]]
+    def __init__(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.version = version
+        self._source: Iterable[tuple[str, torch.Tensor]] | None = tensors
+
+    @property
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream of (name, tensor); only once."""
+        if self._source is None:
+            raise InvalidStateError(f"the exported weights of version {self.version} were already read: an export "
+                                    f"streams its tensors once; call export_weights() again for another pass")
+        source, self._source = self._source, None
+        return iter(source)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.tensors)
+        return self.tensors
 
 
 @runtime_checkable

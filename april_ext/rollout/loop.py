@@ -71,6 +71,9 @@ class RolloutMetrics:
     engine_steps: int
     """Model steps (iterations) the engine ran during the step, when its stats() count them (EngineStats.steps);
     else 0. generated_tokens / engine_steps is the mean batch: a throughput figure that no machine load moves."""
+    tail_share: float
+    """The long tail: the share of time_to_done_s spent after 90% of the samples that finished during it had
+    finished (stop, or the response cap; not a chunk boundary); 0 when fewer than two finished."""
     scheduler: dict[str, Any] = field(default_factory=dict)
     """Scheduler.stats() after the step (partial / off-policy ratios, buffered and surplus groups, the samples
     carried into the step and their tokens, the re-prefilled tokens, ...)."""
@@ -162,6 +165,8 @@ class RolloutLoop:
         self._area = 0.0
         self._last_change = 0.0
         self._generated = 0
+        self._finished_at: list[float] = []
+        self._max_response_len = cfg.max_response_len
 
     # ------------------------------------------------------------------ public
 
@@ -183,6 +188,7 @@ class RolloutLoop:
         engine_steps = self._engine_steps()
         start = self._last_change = self.clock()
         requests = resumed = aborted = 0
+        self._finished_at = []
         if self._carry:
             # Carried samples past the staleness bound come back (restart / drop); the rest continue.
             stale = sched.samples_to_abort()
@@ -225,7 +231,7 @@ class RolloutLoop:
             batch_groups=batch.n_groups,
             reward_mean=float(batch.rewards.mean()) if batch.n_samples else math.nan,
             response_lens=batch.response_lens.tolist(), engine_steps=self._engine_steps() - engine_steps,
-            scheduler=sched.stats())
+            tail_share=_tail_share(self._finished_at, start, done_at), scheduler=sched.stats())
         return RolloutResult(batch, metrics)
 
     @property
@@ -285,7 +291,8 @@ class RolloutLoop:
     async def _run_stream(self, stream: _Stream) -> None:
         request = stream.request
         sid = request.sample_id
-        params = replace(self.sampling, max_new_tokens=request.max_new_tokens, seed=self._seed_of(sid))
+        params = replace(self.sampling, max_new_tokens=request.max_new_tokens, seed=self._seed_of(sid),
+                         priority=self._priority(request))
         async for chunk in self.engine.generate(request.input_ids.tolist(), params, stream.request_id):
             if chunk.token_ids:
                 self._token_events.append((sid, list(chunk.token_ids), list(chunk.logprobs), chunk.weight_version))
@@ -293,6 +300,9 @@ class RolloutLoop:
                 self._generated += len(chunk.token_ids)
             if chunk.finish_reason is not None:
                 stream.ended = FinishReason(chunk.finish_reason)
+                total = len(request.input_ids) - request.prompt_len + stream.received
+                if stream.ended == FinishReason.STOP or total >= self._max_response_len:
+                    self._finished_at.append(self.clock())
                 break
             self._notify()
         if stream.ended is None:
@@ -302,6 +312,16 @@ class RolloutLoop:
             self._finish_events.append((sid, stream.ended))
             del self._streams[sid]
         self._notify()
+
+    def _priority(self, request: GenerationRequest) -> int | None:
+        """The request's engine priority when the scheduler dispatches by predicted length, so that an engine
+        with a waiting queue keeps that order: the predicted remaining tokens (longest_predicted_first), their
+        negative (shortest_first); else None (arrival order)."""
+        order = self.scheduler.config.dispatch_order
+        if order not in ("longest_predicted_first", "shortest_first"):
+            return None
+        remaining = request.predicted_len - (len(request.input_ids) - request.prompt_len)
+        return remaining if order == "longest_predicted_first" else -remaining
 
     async def _abort(self, sample_ids: Sequence[int] | None) -> set[int]:
         """Aborts the requests of the given samples (None: every request of the loop, which owns the engine
@@ -435,21 +455,31 @@ class RolloutLoop:
             raise failure
 
 
+def _tail_share(finished_at: list[float], start: float, done_at: float) -> float:
+    """(done_at - the time 90% of the samples finished by done_at had finished) / (done_at - start)."""
+    times = sorted(t for t in finished_at if t <= done_at)
+    if len(times) < 2 or done_at <= start:
+        return 0.0
+    return (done_at - times[math.ceil(0.9 * len(times)) - 1]) / (done_at - start)
+
+
 def _split(events: list[_E], held: set[int]) -> tuple[list[_E], list[_E]]:
     """(events of the held samples, the others), each in order."""
     return [e for e in events if e[0] in held], [e for e in events if e[0] not in held]
 
 
 def scheduler_config_for(config: SchedulerConfig, partial_rollout: bool) -> SchedulerConfig:
-    """The scheduler settings of a run: APRIL as configured, or the synchronous baseline (N' = N with
-    batch refill: every launched group runs to completion, nothing is aborted or carried over)."""
+    """The scheduler settings of a run: APRIL (or a long-tail strategy) as configured, or the synchronous
+    baseline (N' = N with batch refill: every launched group runs to completion, nothing is aborted or carried
+    over; dispatched in the paper's order, whole, without tail batching)."""
     if not isinstance(partial_rollout, bool):
         raise InvalidArgumentError(f"partial_rollout={partial_rollout!r} is not allowed: True or False")
     if partial_rollout:
         return config
     # Batch refill: a wave of N groups, no top-ups, so nothing is still running when N are accepted.
     return replace(config, over_sampling_batch_size=config.rollout_batch_size, refill="batch", over_sampling="fixed",
-                   target_inflight_samples=None)
+                   target_inflight_samples=None, dispatch_order="fifo", resume_priority=True, chunk_tokens=None,
+                   tail_batching=False, tail_batching_restart=False)
 
 
 __all__ = ["GroupFilter", "RewardFn", "RolloutLoop", "RolloutMetrics", "RolloutResult", "scheduler_config_for"]

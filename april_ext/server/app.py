@@ -217,6 +217,7 @@ class EngineServer:
             ("POST", "/update_weights_from_tensor", self.update_weights_from_tensor),
             ("GET", "/flush_cache", self.flush_cache), ("POST", "/flush_cache", self.flush_cache),
             ("GET", "/health", self.health), ("GET", "/health_generate", self.health_generate),
+            ("GET", self.dialect.load_path, self.load),
         ]
         # The info endpoints of the release line the server mimics (their names moved between releases).
         routes += [("GET", path, self.server_info) for path in self.dialect.server_info]
@@ -413,20 +414,24 @@ class EngineServer:
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         """Accepts base64 of a safetensors blob per TP rank; the embedded engine has one rank and loads
-        the first blob (every rank's blob holds the same full tensors)."""
+        the first blob (every rank's blob holds the same full tensors). Where the release labels weights, a
+        call without weight_version is part of an update: its tensors load under the current version, and
+        the call that carries weight_version commits the new one (the adapter sends a large update in buckets
+        so, and tokens keep the old version until the last bucket is in)."""
         req = sglang_wire.parse_weights_from_tensor(await self._body(request), self.dialect)
         tensors = sglang_wire.decode_named_tensors(req.serialized[0])
         ok, message = await self._update_weights(tensors, req.weight_version, req.abort_all_requests,
-                                                 "serialized_named_tensors[0]")
+                                                 "serialized_named_tensors[0]",
+                                                 partial=req.weight_version is None and self.dialect.weight_versions)
         return _json_response({"success": ok, "message": message}, 200 if ok else 400)
 
     async def _update_weights(self, weights: Any, label: str | None, abort_all: bool,
-                              source: str) -> tuple[bool, str]:
+                              source: str, *, partial: bool = False) -> tuple[bool, str]:
         """A failed update leaves the engine's weights and version as they were (it validates every
-        tensor before copying any)."""
+        tensor before copying any). ``partial``: the weights load under the current version."""
         if abort_all:
             await self.engine.abort()
-        version = self._versions.current + 1
+        version = self._versions.current + (0 if partial else 1)
         new_label = label if label is not None else self._versions.label()
         try:
             await self.engine.update_weights(weights, version)
@@ -488,6 +493,17 @@ class EngineServer:
         if self.dialect.weight_versions:
             info["weight_version"] = self._versions.label()
         return _json_response(info)
+
+    async def load(self, request: web.Request) -> web.Response:
+        """The release's load report: KV tokens in use, and those of the requests in flight beyond them (queued
+        or still to prefill), which a client balancing over several servers reads."""
+        stats, capacity = self.engine.stats(), self.engine.capacity()
+        used = (stats.total_blocks - stats.free_blocks) * capacity["page_size"]
+        held = sum(o.prompt_tokens + len(o.output_ids) for o in self._active.values())
+        return _json_response(sglang_wire.load_json(
+            self.dialect, used_tokens=used, waiting_tokens=max(0, held - used), running=stats.running,
+            waiting=stats.waiting, capacity_tokens=capacity["max_total_num_tokens"],
+            max_running=capacity["max_running_requests"]))
 
     async def model_info(self, request: web.Request) -> web.Response:
         info = {"model_path": self.config.model_path, "tokenizer_path": self.config.tokenizer_path,

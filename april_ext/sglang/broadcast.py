@@ -20,7 +20,7 @@ import asyncio
 import logging
 import socket
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -72,7 +72,9 @@ class WeightBroadcaster:
     async def push(self, tensors: Named, version: int, *, flush_cache: bool = True) -> None:
         """Loads the tensors on every worker, labelled str(version); flush_cache as SGLang's field (False while
         requests are held by an in_place pause). With failover, a worker found gone during the update leaves
-        the pool as on every other call, and the update goes again to the workers left (a new group)."""
+        the pool as on every other call, and the update goes again to the workers left (a new group).
+        Memory: ``tensors`` is a sequence held for the whole update, since that retry sends it again; so this
+        process holds the whole model where the tensors live (the disk and tensor syncs stream instead)."""
         while True:
             try:
                 return await self._push_once(tensors, version, flush_cache)
@@ -204,19 +206,21 @@ class WeightBroadcaster:
         return {u: (late if t in pending else t.exception() or t.result()) for t, u in tasks.items()}
 
 
-def buckets(tensors: Named, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+def buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive tensors, in order, grouped while a group stays within bucket_bytes (a larger tensor
-    is a bucket of its own)."""
-    out: list[list[tuple[str, torch.Tensor]]] = []
+    is a bucket of its own). Lazy: a bucket is yielded as soon as the next tensor does not fit, so reading a
+    stream holds one bucket and the next tensor."""
+    bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if not out or size + nbytes > bucket_bytes:
-            out.append([])
-            size = 0
-        out[-1].append((name, tensor))
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
         size += nbytes
-    return out
+    if bucket:
+        yield bucket
 
 
 def master_address_for(urls: Sequence[str]) -> str:

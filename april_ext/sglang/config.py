@@ -16,8 +16,14 @@ WEIGHT_SYNC = ("disk", "tensor", "broadcast")
 class SGLangEngineConfig:
     """Where the servers are and how to talk to them.
 
-    worker_urls: SGLang servers; requests go to the least-loaded (fewest requests in flight from this
-    client) or round-robin. router_url instead: requests go to the router, and the workers it lists
+    priority: send each request's SamplingParams.priority (the rollout loop's predicted remaining length when
+    dispatch_order sorts by it) as SGLang's request priority; the servers must run with
+    --enable-priority-scheduling (higher values first, SGLang's default; without the flag a server may refuse
+    requests that carry one).
+    worker_urls: SGLang servers; requests go to the least-loaded or round-robin. Least loaded: the fewest KV
+    tokens as the server reports them (SGLang's /v1/loads, /get_load before; read every load_interval_s) plus
+    the input tokens this client sent it since; ties, and without reports (load_interval_s None), the fewest
+    requests in flight from this client. router_url instead: requests go to the router, and the workers it lists
     (GET /workers, or /list_workers on older routers) receive aborts, weight updates and memory calls.
     timeout_s bounds a control call and the silence between two events of a stream. retries with
     exponential backoff from backoff_s apply to connection failures of idempotent calls only.
@@ -64,6 +70,8 @@ class SGLangEngineConfig:
     weight_sync_master_address: str | None = None
     stream: bool = True
     worker_timeout_s: float | None = None
+    load_interval_s: float | None = 0.5
+    priority: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.worker_urls, str):
@@ -86,8 +94,9 @@ class SGLangEngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"SGLangEngineConfig.{name} must be an integer >= 0, got {value!r}")
-        if not isinstance(self.stream, bool):
-            raise ConfigError(f"SGLangEngineConfig.stream must be True or False, got {self.stream!r}")
+        for name in ("stream", "priority"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"SGLangEngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.weight_sync_dir is not None:
             if not isinstance(self.weight_sync_dir, (str, os.PathLike)) or not os.fspath(self.weight_sync_dir):
                 raise ConfigError(f"SGLangEngineConfig.weight_sync_dir must be None or a directory path, "
@@ -98,6 +107,10 @@ class SGLangEngineConfig:
                                                   or not 0 < self.worker_timeout_s < float("inf")):
             raise ConfigError(f"SGLangEngineConfig.worker_timeout_s must be None (no failover) or a finite "
                               f"number of seconds > 0, got {self.worker_timeout_s!r}")
+        if self.load_interval_s is not None and (isinstance(self.load_interval_s, bool) or not isinstance(
+                self.load_interval_s, (int, float)) or not 0 < self.load_interval_s < float("inf")):
+            raise ConfigError(f"SGLangEngineConfig.load_interval_s must be None (no load readings) or a finite "
+                              f"number of seconds > 0, got {self.load_interval_s!r}")
         if self.weight_sync is None:
             object.__setattr__(self, "weight_sync", "tensor" if self.weight_sync_dir is None else "disk")
         if self.weight_sync not in WEIGHT_SYNC:

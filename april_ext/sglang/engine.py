@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from april_ext.batch import FinishReason
-from april_ext.errors import ConfigError, InvalidArgumentError
+from april_ext.errors import AprilError, ConfigError, InvalidArgumentError
 from april_ext.protocol.engine_base import RequestStream, check_weight_version, generate_args, stream_until_finish
 from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import GenerationChunk, GenerationOutput
@@ -78,6 +78,7 @@ class SGLangEngine:
         # The last weights pushed, for a worker that rejoins; the lock keeps a rejoin and an update apart.
         self._weights: WeightsSource | None = None
         self._weights_lock = asyncio.Lock()
+        self._load_reader: asyncio.Task[None] | None = None
         self._failover = None if config.worker_timeout_s is None else Failover(
             config, self._http, self._workers, self._inflight,
             lambda states: self._aborter.cut(states, self._weight_version), self._resync)
@@ -96,6 +97,18 @@ class SGLangEngine:
         await self.check_health()
         if self._failover is not None:
             self._failover.start()
+        config = self.config
+        if config.balance == "least_loaded" and len(config.worker_urls) > 1 and config.load_interval_s is not None:
+            self._load_reader = asyncio.create_task(self._read_loads(config.load_interval_s))
+
+    async def _read_loads(self, interval_s: float) -> None:
+        """The workers' load reports, read every interval_s for least-loaded routing."""
+        while True:
+            try:
+                await self._workers.read_loads()
+            except AprilError as exc:  # a worker's answer the adapter cannot read: route by requests in flight
+                logger.warning("SGLang load readings: %s", exc)
+            await asyncio.sleep(interval_s)
 
     async def close(self) -> None:
         """Aborts this client's requests in flight (on their servers) and closes the connections. A
@@ -113,6 +126,10 @@ class SGLangEngine:
             await self._aborter.drain()
             await self._broadcaster.close()
         finally:
+            if self._load_reader is not None:
+                self._load_reader.cancel()
+                await asyncio.gather(self._load_reader, return_exceptions=True)
+                self._load_reader = None
             if self._failover is not None:
                 await self._failover.close()
             await self._http.close()
@@ -134,11 +151,11 @@ class SGLangEngine:
         checked, params = generate_args(input_ids, params)
         ids = checked if isinstance(checked, list) else checked.tolist()
         rid = self._ids.claim(request_id, self._inflight)
-        state = RequestState(rid, ids, self._workers.pick())
+        state = RequestState(rid, ids, self._workers.pick(len(ids)))
         state.opened = state.last_event = asyncio.get_running_loop().time()
         self._inflight[rid] = state
         self._requests += 1
-        state.task = asyncio.create_task(self._read(state, generate_payload(rid, ids, params)))
+        state.task = asyncio.create_task(self._read(state, generate_payload(rid, ids, params, self.config.priority)))
 
         async def receive() -> GenerationChunk:
             item = await state.queue.get()
@@ -188,7 +205,7 @@ class SGLangEngine:
         direct = self.config.router_url is None
         if direct and refused(exc) and not state.token_ids:
             self._workers.remove(state.url, f"refused connections ({exc})")
-            url = self._workers.pick()  # raises when none is left: then the request settles on its old url
+            url = self._workers.pick(len(state.prompt_ids))  # raises when none is left: then the request settles on its old url
             self._workers.release(state.url)
             state.url = url
             return True
@@ -239,9 +256,12 @@ class SGLangEngine:
     async def update_weights(self, weights: WeightsSource, version: int) -> list[str]:
         """Loads weights on every worker with weight_version str(version); returns the names loaded.
         A checkpoint directory or named tensors; see april_ext.sglang.weights for the transports
-        (SGLangEngineConfig.weight_sync)."""
+        (SGLangEngineConfig.weight_sync). A stream of named tensors (an ExportedWeights) is read once:
+        the disk sync and the tensor sync without failover hold one bucket of it at a time; the tensor sync
+        with failover keeps the whole of it for a rejoining worker, as the broadcast does for its retry."""
         check_weight_version(version)
-        if not isinstance(weights, (str, os.PathLike, Mapping)):
+        streamed = self.config.weight_sync == "disk" or (self.config.weight_sync == "tensor" and self._failover is None)
+        if not isinstance(weights, (str, os.PathLike, Mapping)) and not streamed:
             weights = dict(weights)
         async with self._weights_lock:
             # Requests held in place keep their KV: SGLang would fail the flush (it flushes only when idle).

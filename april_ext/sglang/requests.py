@@ -21,8 +21,10 @@ def wire_rid(request_id: str) -> str:
     return f"{len(request_id)}:{request_id}"
 
 
-def generate_payload(rid: str, ids: list[int], params: SamplingParams) -> dict[str, Any]:
-    """The /generate body of a request (streaming; the non-streaming mode overrides "stream")."""
+def generate_payload(rid: str, ids: list[int], params: SamplingParams, priority: bool = False) -> dict[str, Any]:
+    """The /generate body of a request (streaming; the non-streaming mode overrides "stream"); with
+    ``priority``, the request's SamplingParams.priority as SGLang's (a server without
+    --enable-priority-scheduling may refuse a request that carries one)."""
     # top_k <= 0 disables the filter here; SGLang refuses 0 and takes -1 for "disabled".
     sampling: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                                 "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else -1,
@@ -30,8 +32,11 @@ def generate_payload(rid: str, ids: list[int], params: SamplingParams) -> dict[s
                                 "stop_token_ids": list(params.stop_token_ids), "no_stop_trim": True}
     if params.seed is not None:
         sampling["sampling_seed"] = params.seed
-    return {"rid": wire_rid(rid), "input_ids": ids, "sampling_params": sampling, "return_logprob": True,
-            "stream": True}
+    payload = {"rid": wire_rid(rid), "input_ids": ids, "sampling_params": sampling, "return_logprob": True,
+               "stream": True}
+    if priority and params.priority is not None:
+        payload["priority"] = params.priority
+    return payload
 
 
 def weight_version_of(label: Any, initial: int) -> int:

@@ -1,8 +1,10 @@
 """WorkerPool: the SGLang servers behind the adapter, how requests are routed to them, how a call
 reaches every one of them (aborts, weights, memory, health), and which of them are in the pool.
 
-Requests go to the least-loaded live worker url (fewest requests in flight from this client) or
-round-robin, or to the router; calls that must reach each worker go to the configured urls, or to those
+Requests go to the least-loaded live worker url or round-robin, or to the router. Least loaded: the fewest KV
+tokens, as the worker last reported them (its release's load report, read every config.load_interval_s by
+``read_loads``) plus the input tokens of the requests this client sent it since; ties, and workers without a
+report, by the fewest requests in flight from this client. calls that must reach each worker go to the configured urls, or to those
 the router lists (GET /workers, or /list_workers on older routers). Each worker is probed once
 (profiles.py), so every call reaches it in the dialect of its SGLang release.
 
@@ -21,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from april_ext.protocol.sglang_wire import load_tokens
 from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangConnectionError, SGLangHTTPError, SGLangNoWorkerError
@@ -43,6 +46,9 @@ class WorkerPool:
         self.config = config
         self._http = http
         self.load = {url: 0 for url in (config.worker_urls or (config.router_url,))}
+        self.reported: dict[str, int] = {}
+        """KV tokens (in use and queued) each worker reported at its last reading."""
+        self._sent: dict[str, int] = {}
         self._round_robin = itertools.cycle(list(self.load))
         self._profiles: dict[str, ServerProfile] = {}
         self.removed: dict[str, Removal] = {}
@@ -57,9 +63,9 @@ class WorkerPool:
     def failover(self) -> bool:
         return self.config.worker_timeout_s is not None
 
-    def pick(self) -> str:
-        """The url a new request goes to; it counts as in flight there until ``release``. Raises
-        SGLangNoWorkerError when failover removed every worker."""
+    def pick(self, tokens: int = 0) -> str:
+        """The url a new request of ``tokens`` input tokens goes to; it counts as in flight there until
+        ``release``. Raises SGLangNoWorkerError when failover removed every worker."""
         if self.removed and not self.live():
             raise SGLangNoWorkerError({url: r.reason for url, r in self.removed.items()})
         if self.config.router_url is not None:
@@ -67,9 +73,34 @@ class WorkerPool:
         elif self.config.balance == "round_robin":
             url = next(u for u in self._round_robin if u not in self.removed)
         else:
-            url = min(self.live(), key=self.load.__getitem__)
+            url = min(self.live(), key=self._estimate)
         self.load[url] += 1
+        self._sent[url] = self._sent.get(url, 0) + tokens
         return url
+
+    def _estimate(self, url: str) -> tuple[int, int]:
+        """(KV tokens: reported at the last reading + sent since, requests in flight from this client). Before
+        its first reading (or a worker that reports none), the tokens sent since it joined."""
+        return self.reported.get(url, 0) + self._sent.get(url, 0), self.load[url]
+
+    async def read_loads(self) -> None:
+        """Reads every live worker's load report (a worker whose release has none, or that fails to answer,
+        keeps its last reading: failover deals with dead workers)."""
+        urls = self.live()
+        sent = {url: self._sent.get(url, 0) for url in urls}
+
+        async def read(url: str) -> int | None:
+            profile = await self.profile(url)
+            return load_tokens(await self._http.call("GET", f"{url}{profile.dialect.load_path}", idempotent=True))
+
+        answers = await asyncio.gather(*(read(u) for u in urls), return_exceptions=True)
+        for url, tokens in zip(urls, answers):
+            if isinstance(tokens, int) and url not in self.removed:
+                # The requests sent while the reading was on its way may be in it or not: counted once more.
+                self.reported[url] = tokens
+                self._sent[url] = self._sent.get(url, 0) - sent[url]
+            elif isinstance(tokens, BaseException) and not isinstance(tokens, (SGLangHTTPError, OSError)):
+                raise tokens
 
     def release(self, url: str) -> None:
         self.load[url] -= 1
@@ -116,6 +147,9 @@ class WorkerPool:
             return False
         self.removed[url] = Removal(reason, time.time())
         self.removals += 1
+        # What comes back on this url starts unread.
+        self.reported.pop(url, None)
+        self._sent.pop(url, None)
         self._gone.setdefault(url, asyncio.Event()).set()
         self._profiles.pop(url, None)  # whatever comes back on this url is probed anew
         for listener in self._listeners:

@@ -21,11 +21,11 @@ _GROUPS = {
                          "engine"),
     "SGLang engine": ("sglang_urls", "sglang_router_url", "sglang_launch", "sglang_num_servers", "sglang_module",
                       "sglang_args", "sglang_launch_timeout_s", "sglang_weight_sync_dir", "sglang_stream",
-                      "sglang_worker_timeout_s", "weight_sync", "weight_sync_bucket_mb"),
+                      "sglang_worker_timeout_s", "sglang_priority", "weight_sync", "weight_sync_bucket_mb"),
     "Ray cluster": ("ray", "ray_address", "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus",
                     "rollout_num_gpus_per_engine", "num_gpus_per_node", "colocate", "ray_num_cpus_per_actor",
                     "ray_router_url", "ray_timeout_s", "ray_engine_max_restarts", "ray_engine_check_interval_s"),
-    "rollout": (*SCHEDULER_SETTINGS, "partial_rollout", "temperature", "top_p", "top_k"),
+    "rollout": ("strategy", *SCHEDULER_SETTINGS, "partial_rollout", "temperature", "top_p", "top_k"),
     "rewards and filters": ("custom_rm_path", "custom_rm_kind", "custom_rm_text", "custom_rm_timeout_s",
                             "dynamic_sampling_filter_path"),
     "evaluation": ("eval_interval", "eval_prompt_data", "n_samples_per_eval_prompt", "eval_counting_prompts"),
@@ -57,7 +57,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "accept 'none'.")
     parser.add_argument("--config", help="TOML file whose keys are the setting names below (underscores)")
     parser.add_argument("--compare", action="store_true",
-                        help="run the baseline and APRIL on the same seed; print their rollout throughput and reward")
+                        help="run the baseline and APRIL (or --strategy) on the same seed; print their rollout throughput and "
+                             "reward")
     groups = {name: parser.add_argument_group(name) for name in (*_GROUPS, "training and outputs")}
     owner = {f: g for g, names in _GROUPS.items() for f in names}
     known = settings(TrainConfig)
@@ -166,22 +167,24 @@ def run(args: argparse.Namespace) -> int:
     from april_ext.plots import plot_compare
 
     # Side by side: the two runs take steps in turn, so both see the same machine load.
+    label = config.strategy or "april"
+    title = "APRIL" if label == "april" else f"strategy {label}"
     results = asyncio.run(train_side_by_side({
         name: config.replace(partial_rollout=partial, output_dir=os.path.join(config.output_dir, name),
                              save=None if config.save is None else os.path.join(config.save, name),
                              sglang_weight_sync_dir=None if config.sglang_weight_sync_dir is None
                              else os.path.join(config.sglang_weight_sync_dir, name))
-        for name, partial in (("baseline", False), ("april", True))}))
+        for name, partial in (("baseline", False), (label, True))}))
     _print_summary({name: {**r.summary, **_engine_figures(r.history, config.max_num_seqs)}
                     for name, r in results.items()})
-    base, april = results["baseline"].summary, results["april"].summary
+    base, ours = results["baseline"].summary, results[label].summary
     if base.get("rollout_tokens_per_s"):
-        gain = april["rollout_tokens_per_s"] / base["rollout_tokens_per_s"] - 1
-        print(f"APRIL rollout throughput vs baseline: {gain:+.1%}")
+        gain = ours["rollout_tokens_per_s"] / base["rollout_tokens_per_s"] - 1
+        print(f"{title} rollout throughput vs baseline: {gain:+.1%}")
     figures = {name: _engine_figures(r.history, config.max_num_seqs) for name, r in results.items()}
-    if figures["baseline"] and figures["april"]:
-        gain = figures["april"]["tokens_per_engine_step"] / figures["baseline"]["tokens_per_engine_step"] - 1
-        print(f"APRIL tokens per engine step vs baseline: {gain:+.1%} (independent of machine load)")
+    if figures["baseline"] and figures[label]:
+        gain = figures[label]["tokens_per_engine_step"] / figures["baseline"]["tokens_per_engine_step"] - 1
+        print(f"{title} tokens per engine step vs baseline: {gain:+.1%} (independent of machine load)")
     if config.plots:
         path = plot_compare({n: r.history for n, r in results.items()}, os.path.join(config.output_dir, "compare.png"))
         print(f"plot: {path}")
@@ -223,6 +226,7 @@ def _print_summary(summaries: dict[str, dict[str, float]]) -> None:
             ("off-policy tokens", "off_policy_token_ratio", "{:.1%}"), ("engine occupancy", "occupancy", "{:.1%}"),
             ("carried tokens/step", "carried_tokens_per_step", "{:.0f}"),
             ("re-prefilled tok/step", "re_prefilled_tokens_per_step", "{:.0f}"),
+            ("tail (last 10%)", "tail_share", "{:.1%}"),
             ("tokens / engine step", "tokens_per_engine_step", "{:.1f}"), ("engine bubble", "bubble", "{:.1%}"))
     names = list(summaries)
     print(f"{'':22s}" + "".join(f"{n:>14s}" for n in names))

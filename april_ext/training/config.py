@@ -22,6 +22,7 @@ from april_ext.algorithms import KL_SHAPED_ADVANTAGES
 from april_ext.errors import ConfigError
 from april_ext.scheduler import SchedulerConfig
 from april_ext.settings import adopt, settings
+from april_ext.strategies import STRATEGIES, apply_strategy
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 
 if sys.version_info >= (3, 11):
@@ -87,6 +88,10 @@ class TrainConfig:
     # --- rollout (the other scheduler settings are adopted from SchedulerConfig)
     max_response_len: int | None = None
     """Response token cap per sample; None: the counting task's longest answer, or 1024 with data."""
+    strategy: str | None = None
+    """A named long-tail strategy (april_ext.strategies.STRATEGIES: april, april_carry, seer, april_seer,
+    rollpacker, april_tail, sortedrl; docs/strategies.md): the scheduler settings it stands for, applied to the
+    run's; a scheduler setting given with a value other than its default wins over the strategy's."""
     partial_rollout: bool = True
     """APRIL (over-sample, abort when N groups are done, resume partials) vs the synchronous baseline (N' = N,
     batch refill, fixed over-sampling)."""
@@ -130,6 +135,11 @@ class TrainConfig:
     """engine=sglang or ray: failover. A server that refuses connections, or sends nothing (no token, no /health
     answer) for this many seconds, is removed; its requests are resumed on the others, and it rejoins with
     the current weights when it answers again (docs/sglang.md). None: no failover."""
+    sglang_priority: bool = False
+    """engine=sglang or ray: send each request's predicted remaining length as its SGLang priority when
+    dispatch_order sorts by it (longest_predicted_first: longer first; shortest_first: shorter first). SGLang
+    servers must run with --enable-priority-scheduling (put it in sglang_args); the embedded server always orders
+    its waiting requests by priority."""
     weight_sync: WeightSync = "disk"
     """engine=sglang or ray: how new weights reach the servers: "disk" (written to sglang_weight_sync_dir and loaded
     with /update_weights_from_disk; any SGLang release, needs a shared file system), "tensor" (in
@@ -278,6 +288,8 @@ class TrainConfig:
         for f in fields(self):
             if f.name not in SCHEDULER_SETTINGS and f.name not in PARALLEL_SETTINGS:
                 _check_type(f.name, getattr(self, f.name))
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            _bad("strategy", self.strategy, f"None or one of {', '.join(repr(n) for n in STRATEGIES)}")
         self.scheduler_config()
         self._check_parallel()
         if self.task is not None and self.task not in TASKS:
@@ -436,7 +448,12 @@ class TrainConfig:
             del values["max_response_len"]
         else:
             values["max_response_len"] = cap
-        return SchedulerConfig(**values)
+        config = SchedulerConfig(**values)
+        if self.strategy is None:
+            return config
+        # The settings given (not at their defaults) win over the strategy's.
+        given = {name: values[name] for name in values if values[name] != _SCHEDULER_DEFAULTS[name]}
+        return dataclasses.replace(apply_strategy(config, self.strategy), **given)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -500,6 +517,9 @@ class TrainConfig:
                               f"loss weight it named before is kl_loss_coef (slime's k1 by default, kl_loss_type = "
                               f"'k3' for the former loss): rename the key")
         return config
+
+
+_SCHEDULER_DEFAULTS = {f.name: f.default for f in fields(TrainConfig) if f.name in SCHEDULER_SETTINGS}
 
 
 def _bad(name: str, value: Any, allowed: str) -> None:

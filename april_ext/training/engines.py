@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import os
 import shlex
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,7 +28,7 @@ import torch
 from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.errors import ConfigError
 from april_ext.model import LlamaForCausalLM, ModelConfig
-from april_ext.model.checkpoint import save_safetensors
+from april_ext.model.checkpoint import save_safetensors_sharded
 from april_ext.protocol.rollout_engine import RolloutEngine
 from april_ext.protocol.trainer import Trainer
 from april_ext.training.config import TrainConfig
@@ -70,11 +70,11 @@ async def engine_metrics(engine: RolloutEngine) -> dict[str, Any]:
 
 
 def _engine_model(trainer: Trainer, model_config: ModelConfig) -> LlamaForCausalLM:
-    """The run's architecture holding the trainer's current weights."""
+    """The run's architecture holding the trainer's current weights (copied in as the export streams)."""
     # Its random initialisation is overwritten: keep it off the run's seeded global RNG stream.
     with torch.random.fork_rng(devices=[]):
         model = LlamaForCausalLM(model_config)
-    model.load_weights(trainer.export_weights())
+    model.load_weights(trainer.export_weights(), atomic=False)
     return model
 
 
@@ -85,20 +85,26 @@ async def _embedded_engine(config: TrainConfig, trainer: Trainer, model_config: 
         num_blocks=config.num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         device=config.device, seed=config.seed, memory_tag_prefix=memory_tag_prefix,
         # Colocated carry: the carried samples' K/V survive the trainer's turn on the device in a host copy.
-        kv_cache_cpu_backup=config.colocate and config.step_boundary == "carry"),
+        kv_cache_cpu_backup=config.colocate and config.scheduler_config().step_boundary == "carry"),
         weight_version=trainer.version)
     async with AsyncEngine(core) as engine:
         yield engine
 
 
-def write_hf_checkpoint(trainer: Trainer, model_config: ModelConfig, directory: str) -> str:
-    """The trainer's current weights as a Hugging Face checkpoint directory (config.json +
-    model.safetensors), the model a launched server starts from."""
-    os.makedirs(directory, exist_ok=True)
-    tensors = dict(trainer.export_weights(to_cpu=True).tensors)
-    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    model_config.replace(dtype=dtype).save_pretrained(directory)
-    save_safetensors(tensors, directory)
+def write_hf_checkpoint(trainer: Trainer, model_config: ModelConfig, directory: str, *, shard_bytes: int) -> str:
+    """The trainer's current weights as a Hugging Face checkpoint directory (config.json + safetensors
+    shards of at most ``shard_bytes`` with their index), the model a launched server starts from. The
+    export streams into the shards: one shard's tensors are held at a time."""
+    dtypes: list[torch.dtype] = []
+
+    def noting_dtype() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in trainer.export_weights(to_cpu=True):
+            if not dtypes:
+                dtypes.append(tensor.dtype)
+            yield name, tensor
+
+    save_safetensors_sharded(noting_dtype(), directory, shard_bytes)
+    model_config.replace(dtype=str(dtypes[0]).removeprefix("torch.")).save_pretrained(directory)
     return directory
 
 
@@ -108,7 +114,8 @@ async def _launch_servers(config: TrainConfig, trainer: Trainer, model_config: M
     version; the stack stops them. Returns their urls."""
     from april_ext.sglang import SGLangServerArgs, launch_sglang_server
 
-    initial = write_hf_checkpoint(trainer, model_config, os.path.join(root, "initial_model"))
+    initial = write_hf_checkpoint(trainer, model_config, os.path.join(root, "initial_model"),
+                                  shard_bytes=int(config.weight_sync_bucket_mb * 2**20))
     args = SGLangServerArgs(model_path=initial, enable_memory_saver=config.colocate,
                             extra_args=("--weight-version", str(trainer.version), *shlex.split(config.sglang_args)))
     urls = []
@@ -137,7 +144,8 @@ async def _sglang_engine(config: TrainConfig, trainer: Trainer, model_config: Mo
             worker_urls=urls, router_url=config.sglang_router_url, initial_weight_version=trainer.version,
             weight_sync=config.weight_sync, weight_bucket_mb=config.weight_sync_bucket_mb,
             weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
-            stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s)))
+            stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s,
+            priority=config.sglang_priority)))
         if not config.sglang_launch:
             await sync_weights(trainer, engine)
         yield engine

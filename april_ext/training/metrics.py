@@ -49,6 +49,8 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, float]:
         # Rows of runs older than the carry step boundary lack carried_kv_tokens: they carried nothing.
         "carried_tokens_per_step": float(np.mean([r.get("rollout/carried_kv_tokens", 0) for r in history])),
         "re_prefilled_tokens_per_step": float(np.mean([r["rollout/re_prefill_tokens"] for r in history])),
+        # Rows of runs older than the long-tail strategies lack tail_share.
+        "tail_share": float(np.mean([r.get("rollout/tail_share", 0.0) for r in history])),
     }
 
 
@@ -63,8 +65,12 @@ def step_row(step: int, mode: str, rm: RolloutMetrics, tm: dict[str, float], tra
     sched = rm.scheduler
     for key in ("off_policy_token_ratio", "carried_token_ratio", "batch_max_staleness", "buffered_groups",
                 "surplus_groups", "aborts", "resume_requests", "re_prefill_tokens", "groups_filtered",
-                "batch_response_tokens", "prompts_consumed", "carried_samples", "carried_kv_tokens"):
+                "batch_response_tokens", "prompts_consumed", "carried_samples", "carried_kv_tokens",
+                "chunk_returns", "continuation_requests", "continuation_tokens", "long_round", "long_queue_groups"):
         row[f"rollout/{key}"] = sched[key]
+    # NaN (fewer than two samples) is null: a row read back from metrics.jsonl equals the one written.
+    corr = sched["prediction_rank_corr"]
+    row["rollout/prediction_rank_corr"] = None if math.isnan(corr) else corr
     row["rollout/staleness_histogram"] = sched["staleness_histogram"]
     for key, value in tm.items():
         row[f"train/{key}"] = value

@@ -8,7 +8,8 @@ engine, the rewards, the metrics and the outputs; its TrainingRun gets a ``Leade
 broadcasts each call (name and arguments: the TrainingBatch, a checkpoint path) to the other ranks over a
 gloo group of its own before making it locally, and the other ranks ``follow``: they receive each call
 and make it on their trainer (an export only takes part in the gather and keeps nothing), until rank 0
-says stop.
+says stop. A Megatron export streams: the ranks gather each tensor while rank 0's consumer reads it, and
+an export left unread is read to the end before the next call goes out.
 
 Nothing hangs: a rank that raises exits, and torchrun stops the others (with the failing rank's error in
 the output). While rank 0 generates, a keep-alive goes out every quarter of the timeout, so a follower
@@ -109,6 +110,8 @@ class LeaderTrainer:
         self._channel = channel
         self._broken = False
         self._keepalive_error: BaseException | None = None
+        # An export whose stream rank 0 has not read to the end (the other ranks are still gathering it).
+        self._unread: Iterator[tuple[str, torch.Tensor]] | None = None
         self._stopping = threading.Event()
         self._keepalive = threading.Thread(target=self._keep_alive, args=(keepalive_s,), name="april-ranks-keepalive",
                                            daemon=True)
@@ -142,18 +145,33 @@ class LeaderTrainer:
             if self._keepalive_error is not None:
                 raise InvalidStateError(f"the other ranks stopped listening: {self._keepalive_error}")
             try:
+                if self._unread is not None:
+                    # The other ranks are still in the last export's gather: finish it so they hear this call.
+                    collections.deque(self._unread, maxlen=0)
                 self._channel.send(_Command(name, args, kwargs))
-                return getattr(self.local, name)(*args, **kwargs)
+                result = getattr(self.local, name)(*args, **kwargs)
+                if isinstance(result, ExportedWeights):
+                    self._unread = self._reading(result)
+                    result = ExportedWeights(result.version, self._unread)
+                return result
             except BaseException:
                 # The ranks may be inside the call's collective: no further command can pair up.
                 self._broken = True
                 raise
+
+    def _reading(self, exported: ExportedWeights) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rank 0's export, gathered with the other ranks as it is read (Megatron's streams)."""
+        yield from exported
+        self._unread = None
 
     def _keep_alive(self, interval_s: float) -> None:
         while not self._stopping.wait(interval_s):
             with self._channel.lock:
                 if self._stopping.is_set() or self._broken:
                     return
+                if self._unread is not None:
+                    # The other ranks are in the export's gather (bounded by its own timeout), not listening.
+                    continue
                 try:
                     self._channel.send(_Command("ping"))
                 except Exception as err:  # noqa: BLE001 - reported by the next call

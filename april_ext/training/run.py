@@ -243,7 +243,8 @@ class TrainingRun:
 
     async def _open(self) -> TrainingRun:
         config = self.config
-        if config.step_boundary == "carry" and config.colocate and config.engine == "sglang":
+        # The step boundary as run: a strategy (april_carry) may set it.
+        if config.scheduler_config().step_boundary == "carry" and config.colocate and config.engine == "sglang":
             raise ConfigError("step_boundary='carry' with colocate needs the embedded engine: an SGLang server "
                               "releases its KV cache only when idle (use step_boundary='abort', or no colocate)")
         if config.num_threads is not None:
@@ -304,9 +305,10 @@ class TrainingRun:
 
     @property
     def resolved_config(self) -> dict[str, Any]:
-        """Every setting of the run as it runs (the defaults filled in), logged at the start."""
+        """Every setting of the run as it runs (the defaults filled in), logged at the start; "scheduler": the
+        scheduler's settings as it runs them (the strategy applied, the baseline's N' = N)."""
         return {**dataclasses.asdict(self.config), "checkpoint_dir": self.config.checkpoint_dir,
-                "mode": self.mode}
+                "mode": self.mode, "scheduler": dataclasses.asdict(self.scheduler.config)}
 
     def _open_sinks(self) -> list[MetricsSink]:
         """The TensorBoard / W&B sinks the config asks for, closed with the run."""

@@ -232,11 +232,19 @@ void Scheduler::retune_over_sampling() {
   // completion thins them out; holding T samples live takes about T / (n x that share) groups. The share
   // is observed at every step start and dispatch (a running mean, so one sparse moment does not swing
   // it); the ceiling bounds the groups in hand, and with them the buffer and the staleness of partials.
+  // Tail batching: a long round does not over-sample; a short round observes its own groups, not the long
+  // queue's (their queued samples are not live for it).
+  if (config_.tail_batching && s_.round != Round::Short) return;
   const int64_t n = config_.n_samples_per_prompt;
   const int64_t target = config_.target_inflight_samples;
   int64_t active = 0;
-  for (const auto& [gid, g] : s_.groups) active += g.state == GroupState::Active ? 1 : 0;
-  const int64_t live = s_.queued_samples + s_.running_samples + s_.aborting_samples;
+  int64_t live = config_.tail_batching ? 0 : s_.queued_samples + s_.running_samples + s_.aborting_samples;
+  for (const auto& [gid, g] : s_.groups) {
+    if (g.state != GroupState::Active || !in_round(g)) continue;
+    active += 1;
+    if (!config_.tail_batching) continue;
+    for (const auto& smp : g.samples) live += smp.state != SampleState::Done ? 1 : 0;
+  }
   if (active > 0) {
     const double observed = static_cast<double>(live) / static_cast<double>(n * active);
     s_.live_fraction = 0.5 * s_.live_fraction + 0.5 * observed;

@@ -96,7 +96,8 @@ class Scheduler {
   // Step control. step_boundary=abort: once the step is done, samples_to_abort() lists the running samples
   // and take_batch() waits until none runs. step_boundary=carry: running samples stay running through
   // take_batch() and begin_step(); right after begin_step(), samples_to_abort() lists the carried samples
-  // past the staleness bound under the restart and drop policies.
+  // past the staleness bound under the restart and drop policies, and with tail_batching_restart those of
+  // long-queue groups restarting.
   void begin_step(int64_t policy_version);
   bool step_open() const;
   bool step_done() const;

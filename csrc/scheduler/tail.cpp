@@ -57,6 +57,7 @@ void Scheduler::begin_round() {
     return;
   }
   s_.stats.long_round = 1;
+  s_.stats.over_sampling_groups = config_.rollout_batch_size;  // no over-sampling
   if (!config_.tail_batching_restart) return;
   // Strict on-policy: every long-queue group starts again from its prompt. A group with samples in flight
   // (aborts on their way back, or carried samples, aborted now) restarts when the last one is back.

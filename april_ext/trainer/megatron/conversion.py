@@ -77,9 +77,13 @@ def _dims(config: ModelConfig) -> tuple[int, int, int]:
     return groups, config.num_attention_heads // groups, config.head_dim
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-    """HF q/k/v projections (weights [out, in] or biases [out]) -> Megatron's per-group interleaved linear_qkv."""
-    groups, per_group, dim = _dims(config)
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig, *,
+             groups: int | None = None) -> torch.Tensor:
+    """HF q/k/v projections (weights [out, in] or biases [out]) -> Megatron's per-group interleaved linear_qkv.
+    ``groups``: how many consecutive query groups q, k and v hold (a tensor-parallel rank's share; all
+    by default)."""
+    all_groups, per_group, dim = _dims(config)
+    groups = all_groups if groups is None else groups
     tail = q.shape[1:]
     q = q.reshape(groups, per_group * dim, *tail)
     k = k.reshape(groups, dim, *tail)
@@ -130,6 +134,21 @@ def _renamed(config: ModelConfig, moe: bool) -> list[tuple[str, str]]:
     if moe:
         pairs.append(("mlp.gate.weight", "mlp.router.weight"))
     return pairs
+
+
+def hf_names(config: ModelConfig) -> set[str]:
+    """The HF names ``hf_to_megatron`` takes for ``config`` (``lm_head.weight`` only when untied)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"} | ({"lm_head.weight"} if not config.tie_word_embeddings
+                                                                    else set())
+    for i in range(config.num_hidden_layers):
+        h, moe = f"model.layers.{i}.", config.is_moe_layer(i)
+        names |= {h + "input_layernorm.weight", h + "post_attention_layernorm.weight"}
+        names |= {h + f"self_attn.{p}_proj.{s}" for p in "qkv" for s in _suffixes(config.qkv_bias)}
+        names |= {h + hf for hf, _ in _renamed(config, moe)}
+        mlps = [h + f"mlp.experts.{e}." for e in range(config.num_experts)] if moe else [h + "mlp."]
+        bias = config.mlp_bias and not moe
+        names |= {m + f"{p}_proj.{s}" for m in mlps for p in ("gate", "up", "down") for s in _suffixes(bias)}
+    return names
 
 
 def hf_to_megatron(weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],

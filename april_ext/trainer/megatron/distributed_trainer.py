@@ -30,7 +30,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -90,10 +90,11 @@ class _MicroBatch:
 
 class DistributedMegatronTrainer:
     """Trains a megatron-core GPTModel across the ranks ``config.parallel`` describes (see the module
-    docstring). weights: HF-named (name, tensor) pairs of the whole model (every rank takes its slice), or
-    None for Megatron's seeded initialisation."""
+    docstring). weights: the whole model in HF names, as named tensors or a checkpoint directory (every
+    rank reads only its slice, parameter by parameter: sharded.load_hf_weights), or None for Megatron's
+    seeded initialisation."""
 
-    def __init__(self, config: MegatronTrainerConfig, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    def __init__(self, config: MegatronTrainerConfig, weights: sharded.HFWeights | None = None,
                  *, initial_version: int = 0) -> None:
         if not isinstance(config, MegatronTrainerConfig):
             raise ConfigError(f"config must be a MegatronTrainerConfig, got {type(config).__name__}")
@@ -131,12 +132,15 @@ class DistributedMegatronTrainer:
         # Every MoE layer is a collective over the expert-parallel group (see _row_lengths).
         self._ep_group = (ps.get_expert_model_parallel_group()
                           if model_config.num_experts and ps.get_expert_model_parallel_world_size() > 1 else None)
-        weights = list(weights) if weights is not None else None
+        if weights is not None and not isinstance(weights, (str, os.PathLike, Mapping)):
+            weights = dict(weights)  # read twice with a reference model; it holds the caller's tensors, no copy
         self.model = self._build(weights, train=True)
         self.ref_model = None
         if settings.algorithm.needs_reference:
-            self.ref_model = self._build(weights if weights is not None else list(self.iter_hf_weights()),
-                                         train=False)
+            self.ref_model = self._build(weights, train=False)
+            if weights is None:
+                # The reference starts from the policy's seeded initialisation (same layout: a local copy).
+                self.ref_gpt.load_state_dict(self.gpt.state_dict())
         if (note := settings.algorithm.unused_kl_coef_note()) is not None and dist.get_rank() == 0:
             logger.warning(note)
         self.optimizer = self._build_optimizer()
@@ -146,7 +150,7 @@ class DistributedMegatronTrainer:
 
     # ----- construction -----------------------------------------------------------------------------------
 
-    def _build(self, weights: list[tuple[str, torch.Tensor]] | None, *, train: bool) -> Any:
+    def _build(self, weights: sharded.HFWeights | None, *, train: bool) -> Any:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -408,7 +412,9 @@ class DistributedMegatronTrainer:
         return sharded.iter_hf_weights(self.gpt, self.config.model)
 
     def export_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
-        tensors = [(name, t.to("cpu", copy=True) if to_cpu else t) for name, t in self.iter_hf_weights()]
+        """The current weights as a stream gathered while it is read (see ``iter_hf_weights``: every rank
+        reads its export to the end, and no rank holds more than one gathered parameter at a time)."""
+        tensors = ((name, t.to("cpu", copy=True) if to_cpu else t) for name, t in self.iter_hf_weights())
         return ExportedWeights(version=self._version, tensors=tensors)
 
     # ----- checkpoints ------------------------------------------------------------------------------------

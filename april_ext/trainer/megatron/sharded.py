@@ -1,8 +1,10 @@
 """Weights of a GPTModel split across tensor-, pipeline- and expert-parallel ranks, in and out in HF names.
 
-In: every rank converts the HF tensors it needs (``hf_to_megatron``) and copies its own slice into its
-parameters: tensor-parallel parameters carry megatron-core's ``partition_dim`` (0: column-parallel,
-the vocabulary and output columns; 1: row-parallel, input columns); the fused SwiGLU ``linear_fc1``
+In: every rank reads, parameter by parameter, only the rows / columns of the HF tensors its own slice is
+made of (from tensors in memory, or a checkpoint directory's safetensors through ``get_slice``), converts
+them (``fuse_qkv``, [gate; up]) and copies them into its parameters: tensor-parallel parameters carry
+megatron-core's ``partition_dim`` (0: column-parallel, the vocabulary and output columns; 1: row-parallel,
+input columns); the fused SwiGLU ``linear_fc1``
 holds [gate_r; up_r] on rank r, not a plain chunk of [gate; up]. A pipeline stage holds the layers
 ``layer_number - 1`` of its decoder (global numbering), the embedding on the first stage, the final norm
 and the output layer on the last. Expert-parallel rank r holds experts [r * n_local, (r + 1) * n_local)
@@ -20,16 +22,19 @@ end.
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 
 from april_ext.errors import InvalidArgumentError
 from april_ext.model import ModelConfig
-from april_ext.trainer.megatron.conversion import hf_to_megatron, split_qkv
+from april_ext.model.checkpoint import safetensors_files
+from april_ext.trainer.megatron.conversion import fuse_qkv, hf_names, split_qkv
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -100,39 +105,121 @@ def _tp_group(name: str) -> tuple[int, int, dist.ProcessGroup]:
             ps.get_tensor_model_parallel_group())
 
 
-def _tp_slice(full: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
+HFWeights = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor] | str | os.PathLike[str]
+"""HF-named weights of the whole model: named tensors in memory, or a checkpoint directory (safetensors)."""
+
+
+class _Source:
+    """Reads an HF tensor, or rows / columns of it, by name: views of tensors in memory, or just the bytes
+    asked for from a checkpoint directory's safetensors (``get_slice``; each file is opened for one read,
+    so no more of it stays mapped)."""
+
+    def __init__(self, weights: HFWeights) -> None:
+        self._files: dict[str, str] = {}
+        self._tensors: Mapping[str, torch.Tensor] = {}
+        if isinstance(weights, (str, os.PathLike)):
+            for file in safetensors_files(weights):
+                with safe_open(file, framework="pt") as handle:
+                    self._files.update(dict.fromkeys(handle.keys(), file))
+        else:
+            self._tensors = dict(weights.items() if isinstance(weights, Mapping) else weights)
+
+    def names(self) -> set[str]:
+        return set(self._files or self._tensors)
+
+    def read(self, name: str, needed_by: str, dim: int = 0, start: int | None = None,
+             stop: int | None = None) -> torch.Tensor:
+        """Rows (``dim`` 0) or columns (``dim`` 1) [start, stop) of ``name``; all of it when start is None."""
+        if name not in self._files and name not in self._tensors:
+            raise InvalidArgumentError(f"the HF weights have nothing for {name!r} (needed for {needed_by!r})")
+        if name in self._tensors:
+            tensor = self._tensors[name]
+            return tensor if start is None else tensor.narrow(dim, start, stop - start)  # type: ignore[operator]
+        with safe_open(self._files[name], framework="pt") as handle:
+            if start is None:
+                return handle.get_tensor(name)
+            part = handle.get_slice(name)
+            return part[start:stop] if dim == 0 else part[:, start:stop]
+
+
+def _hf_parts(name: str, config: ModelConfig) -> tuple[str, list[str]]:
+    """How the Megatron parameter ``name`` (global) is made of HF tensors: ("one", [hf]), ("qkv", [q, k, v])
+    or ("fc1", [gate, up])."""
+    if name in _MODEL_NAMES:
+        hf = _MODEL_NAMES[name]
+        return "one", ["model.embed_tokens.weight" if hf == "lm_head.weight" and config.tie_word_embeddings else hf]
+    match = _LAYER.match(name)
+    if match is None:
+        raise InvalidArgumentError(f"no HF name for the Megatron parameter {name!r}")
+    prefix, suffix = f"model.layers.{match[1]}.", match[2]
+    kind = suffix.rsplit(".", 1)[1]
+    if suffix.startswith("self_attention.linear_qkv."):
+        return "qkv", [f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv"]
+    expert = _EXPERT_SUFFIX.match(suffix)
+    mlp = f"{prefix}mlp.experts.{expert[1]}." if expert else f"{prefix}mlp."
+    if expert and expert[2] == "linear_fc2":
+        return "one", [f"{mlp}down_proj.{kind}"]
+    if expert or suffix.startswith("mlp.linear_fc1."):
+        return "fc1", [f"{mlp}gate_proj.{kind}", f"{mlp}up_proj.{kind}"]
+    if suffix in _LAYER_NAMES:
+        return "one", [prefix + _LAYER_NAMES[suffix]]
+    raise InvalidArgumentError(f"no HF name for the Megatron parameter {name!r}")
+
+
+def _shard(source: _Source, param: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
+    """This rank's slice of the Megatron parameter ``name``, read from only the HF rows / columns it holds."""
+    kind, parts = _hf_parts(name, config)
     rank, size, _ = _tp_group(name)
-    if not getattr(param, "tensor_model_parallel", False) or size == 1:
-        return full
-    dim = param.partition_dim
-    if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat((gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]), dim=0)
-    return full.chunk(size, dim=dim)[rank]
+    split = getattr(param, "tensor_model_parallel", False) and size > 1
+    if kind == "qkv":
+        groups = config.num_key_value_heads // size if split else config.num_key_value_heads
+        assert config.head_dim is not None and groups is not None
+        q_rows = groups * (config.num_attention_heads // config.num_key_value_heads) * config.head_dim
+        kv_rows = groups * config.head_dim
+        q, k, v = (source.read(hf, name, 0, rank * rows, (rank + 1) * rows) if split else source.read(hf, name)
+                   for hf, rows in zip(parts, (q_rows, kv_rows, kv_rows)))
+        return fuse_qkv(q, k, v, config, groups=groups)
+    if kind == "fc1":
+        half = param.shape[0] // 2
+        gate, up = (source.read(hf, name, 0, rank * half, (rank + 1) * half) if split else source.read(hf, name)
+                    for hf in parts)
+        return torch.cat((gate, up), dim=0)
+    if not split:
+        tensor = source.read(parts[0], name)
+    else:
+        dim, n = param.partition_dim, param.shape[param.partition_dim]
+        start, stop = rank * n, (rank + 1) * n
+        rows = config.vocab_size if name in _VOCAB_ROWS else None
+        if rows is not None and stop > rows:
+            # Past the real vocabulary: zero rows (padded_vocab_size).
+            real = source.read(parts[0], name, 0, min(start, rows), rows)
+            return torch.cat((real, real.new_zeros(stop - max(start, rows), *real.shape[1:])))
+        tensor = source.read(parts[0], name, dim, start, stop)
+    if name in _VOCAB_ROWS and not split and param.shape[0] > tensor.shape[0]:
+        tensor = torch.cat((tensor, tensor.new_zeros(param.shape[0] - tensor.shape[0], *tensor.shape[1:])))
+    return tensor
 
 
 @torch.no_grad()
-def load_hf_weights(gpt: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig) -> None:
-    """Copies this rank's slice of the HF-named ``weights`` (the whole model) into ``gpt``'s parameters."""
-    from megatron.core import parallel_state
-
-    full = hf_to_megatron(weights, config)
-    if config.tie_word_embeddings:
-        # The last stage of a pipeline keeps its own copy of the shared embedding as output_layer.weight.
-        full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+def load_hf_weights(gpt: nn.Module, weights: HFWeights, config: ModelConfig) -> None:
+    """Copies this rank's slice of the HF-named ``weights`` (the whole model: named tensors, or a checkpoint
+    directory) into ``gpt``'s parameters, one parameter at a time, reading only the rows / columns this
+    rank holds (its stage's layers, its tensor-parallel slice, its experts): a rank holds about one of its
+    parameters beside the model, never a converted copy of the whole. HF names this config has no parameter
+    for are an error."""
+    source = _Source(weights)
+    unknown = sorted(source.names() - hf_names(config) - {"lm_head.weight"})
+    if unknown:
+        raise InvalidArgumentError(f"the HF weights hold {len(unknown)} names this config has no parameter for, "
+                                   f"e.g. {unknown[:3]}")
     for local, name in global_names(gpt).items():
         param = gpt.get_parameter(local)
-        if name not in full:
-            raise InvalidArgumentError(f"the HF weights have nothing for {name!r}")
-        tensor = full[name]
-        if name in _VOCAB_ROWS and param.shape[0] * tp > tensor.shape[0]:
-            tensor = torch.cat((tensor, tensor.new_zeros(param.shape[0] * tp - tensor.shape[0], *tensor.shape[1:])))
-        shard = _tp_slice(tensor, param, name)
+        shard = _shard(source, param, name, config)
         if tuple(shard.shape) != tuple(param.shape):
             raise InvalidArgumentError(f"{name!r}: this rank's slice has shape {tuple(shard.shape)}, the parameter "
                                        f"{tuple(param.shape)}")
         param.copy_(shard)
+        del shard
 
 
 def _gather_tp(param: torch.Tensor, name: str) -> torch.Tensor:
@@ -249,4 +336,4 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-__all__ = ["global_names", "is_expert", "iter_hf_weights", "load_hf_weights", "padded_vocab_size"]
+__all__ = ["HFWeights", "global_names", "is_expert", "iter_hf_weights", "load_hf_weights", "padded_vocab_size"]
