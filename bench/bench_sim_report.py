@@ -31,7 +31,7 @@ import numpy as np
 
 from april_ext.persistence import atomic_write_json
 from april_ext.sim.cost import GPUS, MODELS, ClusterConfig, derive_cost_model
-from april_ext.sim.lengths import LENGTH_PRESETS
+from april_ext.sim.lengths import PAPER_LENGTH_PRESETS
 from april_ext.sim.runner import SimConfig, simulate
 
 ABORT_LATENCY_S = 0.5
@@ -72,7 +72,7 @@ def run_all(configs: dict[tuple, SimConfig], jobs: int) -> dict[tuple, dict[str,
 def calibration_configs(steps: int) -> dict[tuple, SimConfig]:
     return {("cal", model, algo, lengths, mode): paper_config(f"h100-{model}", lengths, algo, mode, steps)
             for model, algo, lengths, mode in itertools.product(
-                ("qwen3-4b", "qwen3-8b"), ("grpo", "dapo"), LENGTH_PRESETS, ("baseline", "april-batch"))}
+                ("qwen3-4b", "qwen3-8b"), ("grpo", "dapo"), PAPER_LENGTH_PRESETS, ("baseline", "april-batch"))}
 
 
 def print_calibration(out: dict[tuple, dict], steps: int) -> list[dict[str, object]]:
@@ -81,7 +81,7 @@ def print_calibration(out: dict[tuple, dict], steps: int) -> list[dict[str, obje
     print(f"{'model':9} {'algo':5} {'dataset':14} {'base tok/s':>10} {'APRIL tok/s':>11} {'gain':>7} {'paper':>7} "
           f"{'match':>6} {'eff b/a':>9} {'ceil a':>6} {'partial':>7} {'stale<=':>7}")
     rows = []
-    for model, algo, lengths in itertools.product(("qwen3-4b", "qwen3-8b"), ("grpo", "dapo"), LENGTH_PRESETS):
+    for model, algo, lengths in itertools.product(("qwen3-4b", "qwen3-8b"), ("grpo", "dapo"), PAPER_LENGTH_PRESETS):
         b = out[("cal", model, algo, lengths, "baseline")]["summary"]
         a = out[("cal", model, algo, lengths, "april-batch")]["summary"]
         g = a["tokens_per_s"] / b["tokens_per_s"] - 1
@@ -261,7 +261,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
     parser.add_argument("--algorithms", type=lambda t: tuple(t.split(",")), default=("grpo", "dapo"),
                         help="efficiency section: comma-separated algorithms")
-    parser.add_argument("--datasets", type=lambda t: tuple(t.split(",")), default=tuple(LENGTH_PRESETS),
+    parser.add_argument("--datasets", type=lambda t: tuple(t.split(",")), default=PAPER_LENGTH_PRESETS,
                         help="efficiency section: comma-separated length presets")
     args = parser.parse_args()
     started = time.perf_counter()

@@ -14,12 +14,12 @@ import pytest
 from april_ext.protocol import SamplingParams
 from april_ext.sim import (
     CLUSTER_PRESETS,
-    LENGTH_PRESETS,
     ClusterConfig,
     CostModel,
     SampleDraw,
     SimulatedEngine,
 )
+from april_ext.sim.lengths import PAPER_LENGTH_PRESETS
 from april_ext.sim.metrics import full_occupancy_bound
 from april_ext.sim.runner import MODES, SimConfig, simulate
 
@@ -76,7 +76,7 @@ def _small(cluster: str, lengths: str, algorithm: str) -> SimConfig:
                      over_sampling_batch_size=8, target_inflight_samples=32, max_response_len=8192, steps=2)
 
 
-@pytest.mark.parametrize("cluster,lengths", list(itertools.product(CLUSTER_PRESETS, LENGTH_PRESETS)))
+@pytest.mark.parametrize("cluster,lengths", list(itertools.product(CLUSTER_PRESETS, PAPER_LENGTH_PRESETS)))
 def test_no_mode_exceeds_the_bound_in_any_step_of_any_preset(cluster, lengths):
     base = _small(cluster, lengths, "grpo")
     occupancy = full_occupancy_bound(base.cluster_config(), base.length_model(), base.max_response_len,

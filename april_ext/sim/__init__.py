@@ -7,7 +7,8 @@ from april_ext.sim.engine import ClusterCounters, SimulatedEngine
 from april_ext.sim.lengths import (LENGTH_PRESETS, LengthModel, LogNormalLengths, SampleDraw, TraceLengths,
                                    length_preset)
 from april_ext.sim.metrics import OccupancyBound, StepReport, full_occupancy_bound
-from april_ext.sim.runner import MODES, SimConfig, SimResult, compare, gain, simulate, simulate_async
+from april_ext.sim.runner import (MODES, SimConfig, SimResult, compare, compare_strategies, gain, simulate,
+                                  simulate_async)
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "answer_reward",
     "cluster_preset",
     "compare",
+    "compare_strategies",
     "full_occupancy_bound",
     "gain",
     "length_preset",

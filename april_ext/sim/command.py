@@ -9,12 +9,22 @@ from typing import Any
 
 import numpy as np
 
+from april_ext.errors import ConfigError
 from april_ext.scheduler import SchedulerConfig
 from april_ext.settings import add_flag, settings
 from april_ext.sim.cost import CLUSTER_PRESETS
 from april_ext.sim.lengths import LENGTH_PRESETS
 from april_ext.sim.report import describe, write_json, write_plots
-from april_ext.sim.runner import ALGORITHMS, MODE_SETTINGS, MODES, SimConfig, SimResult, compare
+from april_ext.sim.runner import (
+    ALGORITHMS,
+    MODE_SETTINGS,
+    MODES,
+    SimConfig,
+    SimResult,
+    compare,
+    compare_strategies,
+)
+from april_ext.strategies import STRATEGIES
 
 SCHEDULER_FLAGS = tuple(f.name for f in fields(SchedulerConfig) if f.name not in MODE_SETTINGS)
 """SimConfig's scheduler settings, each a flag (over_sampling_batch_size takes a list of N' to compare)."""
@@ -26,6 +36,14 @@ def _modes(text: str) -> tuple[str, ...]:
     if not modes or bad:
         raise argparse.ArgumentTypeError(f"--modes {text!r}: a comma-separated subset of {', '.join(MODES)}")
     return modes
+
+
+def _strategies(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in STRATEGIES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"--strategies {text!r}: a comma-separated subset of {', '.join(STRATEGIES)}")
+    return names
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -72,7 +90,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "is copied to host memory and back at every step boundary")
     parser.add_argument("--lengths", default="dapo-math-17k",
                         help=f"length preset ({', '.join(LENGTH_PRESETS)}) or a .csv / .jsonl trace path")
-    parser.add_argument("--modes", type=_modes, default=MODES, help=f"comma-separated: {','.join(MODES)}")
+    parser.add_argument("--modes", type=_modes, default=None,
+                        help=f"comma-separated: {','.join(MODES)} "
+                             "(default: all; with --strategies baseline,april-batch)")
+    parser.add_argument("--strategy", choices=tuple(STRATEGIES), default=None,
+                        help="a long-tail strategy (docs/strategies.md) run by the APRIL modes; it sets the scheduler "
+                             "settings not given as flags (a flag given its default value is taken as not given)")
+    parser.add_argument("--strategies", type=_strategies, default=None, metavar="NAME[,NAME...]",
+                        help=f"compare strategies ({', '.join(STRATEGIES)}) in one table, each in the APRIL mode(s) "
+                             "of --modes, next to the synchronous baseline")
     parser.add_argument("--algorithm", choices=ALGORITHMS, default="grpo",
                         help="dapo drops groups whose rewards are all equal (dynamic sampling)")
     parser.add_argument("--mixed-chunk", action="store_true",
@@ -104,10 +130,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """The SimConfig of parsed ``simulate`` arguments (the first N' of a list); scheduler flags not given
     keep SimConfig's defaults."""
+    return SimConfig(**settings_from_args(args), strategy=args.strategy)
+
+
+def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """SimConfig's keyword arguments of parsed ``simulate`` arguments but the mode and the strategy."""
     scheduler = {name: getattr(args, name) for name in SCHEDULER_FLAGS if hasattr(args, name)}
     if "over_sampling_batch_size" in scheduler:
         scheduler["over_sampling_batch_size"] = scheduler["over_sampling_batch_size"][0]
-    return SimConfig(
+    return dict(
         cluster=args.cluster, lengths=args.lengths, algorithm=args.algorithm, num_engines=args.num_engines,
         tensor_parallel=args.tensor_parallel, mem_fraction_static=args.mem_fraction_static,
         abort_latency_s=args.abort_latency, weight_sync_s=args.weight_sync, colocate=args.colocate,
@@ -117,9 +148,16 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    over_sampling = getattr(args, "over_sampling_batch_size", (config.over_sampling_batch_size,))
-    results = run_all(config, args.modes, over_sampling)
+    over_sampling = getattr(args, "over_sampling_batch_size", None)
+    if args.strategies is not None:
+        if args.strategy is not None or (over_sampling is not None and len(over_sampling) > 1):
+            raise ConfigError("--strategies is not allowed with --strategy or a list of N': one run per strategy")
+        config = config_from_args(args)
+        results = compare_strategies(args.strategies, args.modes or ("baseline", "april-batch"),
+                                     **settings_from_args(args))
+    else:
+        config = config_from_args(args)
+        results = run_all(config, args.modes or MODES, over_sampling or (config.over_sampling_batch_size,))
     print(describe(results))
     if args.output_dir:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -130,4 +168,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["SCHEDULER_FLAGS", "add_parser", "config_from_args", "run"]
+__all__ = ["SCHEDULER_FLAGS", "add_parser", "config_from_args", "run", "settings_from_args"]

@@ -16,6 +16,15 @@ which they continue under the new version) until ``continue_generation``; the cl
 a colocated cluster the held KV is copied to host memory at the pause and back before decoding continues, and
 the clock moves on by the copy (every replica copies its own KV; the slowest sets the time).
 ``pause_generation("retract")`` frees the KV instead: the requests are recomputed when they continue.
+
+A request that ends at its token budget below the sample's natural length (finish reason "length") may be
+continued (a divided rollout's chunk boundary): a request whose ids are exactly its prompt + response so far
+continues the same sample. Under the weight version it ended at, it is a continuation; later, a resume (as the
+scheduler counts it: its prefix is no cache hit under other weights). A continuation goes to the replica with the
+fewest KV tokens in use or waiting, and is prefilled there unless that replica still caches its prefix
+(replica.py); landing elsewhere it pays the prefill of prompt + partial response (the price of balancing the load
+by moving it). The engine remembers when each request finished, keyed by its full ids (``finish_time``), for the
+tail latency.
 """
 
 from __future__ import annotations
@@ -73,6 +82,10 @@ class ClusterCounters:
     delivered_tokens: int
     kv_copy_time: float  # virtual seconds the clock moved on for host copies of held KV (colocated pauses)
     kv_copy_tokens: int  # KV tokens copied to host and back
+    continuations: int
+    continuation_prefill_time: float
+    continuation_prefill_tokens: int
+    prefix_hit_tokens: int
 
     def minus(self, earlier: ClusterCounters) -> ClusterCounters:
         """Counters accumulated since ``earlier`` (``now`` becomes the elapsed time)."""
@@ -121,6 +134,9 @@ class SimulatedEngine(LoopTaskEngine):
         self._waiting = 0  # open streams whose consumer waits for a chunk
         self._activity = 0  # bumped by every call and every consumer wait
         self._resumable: dict[bytes, deque[SimSample]] = {}
+        # Resumable ids that ended at their budget -> the weight versions they ended under.
+        self._budget_ends: dict[bytes, deque[int]] = {}
+        self._finish_times: dict[bytes, float] = {}  # digest of prompt + response -> virtual time of its finish
         self._ordinals: defaultdict[int, int] = defaultdict(int)
         self._uids = itertools.count()
         self._ids = RequestIds("sim")
@@ -200,6 +216,9 @@ class SimulatedEngine(LoopTaskEngine):
             self._deliver_held()
         else:
             self._flush_all()
+        if version != self.weight_version:
+            for replica in self.replicas:
+                replica.clear_prefix_cache()
         self.weight_version = version
         self._stall(self.cluster.weight_sync_s)
         self._notify()
@@ -239,6 +258,8 @@ class SimulatedEngine(LoopTaskEngine):
         names = self._tags(tags)
         if "kv_cache" in names and "kv_cache" not in self.paused_tags:
             self._flush_all()
+            for replica in self.replicas:
+                replica.clear_prefix_cache()
         self.paused_tags.update(names)
         self._notify()
 
@@ -255,7 +276,7 @@ class SimulatedEngine(LoopTaskEngine):
             waiting=sum(len(r.waiting) for r in self.replicas),
             free_blocks=(cap - used) // 16, total_blocks=cap // 16, weight_version=self.weight_version,
             steps=c.decode_steps, prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
-            generated_tokens=c.decode_tokens, preemptions=c.preemptions, prefix_cache_hit_tokens=0,
+            generated_tokens=c.decode_tokens, preemptions=c.preemptions, prefix_cache_hit_tokens=c.prefix_hit_tokens,
             tokens_per_s=c.decode_tokens / c.now if c.now > 0 else 0.0, paused_tags=tuple(sorted(self.paused_tags)))
 
     def capacity(self) -> dict[str, Any]:
@@ -281,6 +302,11 @@ class SimulatedEngine(LoopTaskEngine):
                                delivered_tokens=self._delivered_tokens, kv_copy_time=self._kv_copy_time,
                                kv_copy_tokens=self._kv_copy_tokens, **asdict(total))
 
+    def finish_time(self, ids: Sequence[int] | np.ndarray) -> float:
+        """Virtual time at which the request whose prompt + response are ``ids`` finished (stop or length), taken
+        out of the record; NaN when no request ended so (unknown, aborted, or continued past a chunk boundary)."""
+        return self._finish_times.pop(_digest(as_ids(ids)), math.nan)
+
     # ------------------------------------------------------------------ requests
 
     @staticmethod
@@ -296,11 +322,20 @@ class SimulatedEngine(LoopTaskEngine):
         hasher = hashlib.blake2b(ids.tobytes(), digest_size=16)
         digest = hasher.digest()
         known = self._resumable.get(digest)
+        prefix_key = None
         if known:
             sample = known.popleft()
             if not known:
                 del self._resumable[digest]
             is_resume = ids.size > sample.prompt_len
+            ended = self._budget_ends.get(digest)
+            if ended:
+                version = ended.popleft()
+                if not ended:
+                    del self._budget_ends[digest]
+                self._finish_times.pop(digest, None)  # a chunk boundary, not the sample's finish
+                # Under other weights its prefix is no cache hit: a resume like an aborted partial's.
+                prefix_key = digest if version == self.weight_version else None
         else:
             key = prompt_key(ids)
             ordinal = self._ordinals[key]
@@ -316,10 +351,12 @@ class SimulatedEngine(LoopTaskEngine):
         else:
             new_total, finish = left, FinishReason.STOP
         return SimRequest(request_id=rid, sample=sample, base=base, input_len=int(ids.size), new_total=new_total,
-                          finish=finish, is_resume=is_resume, hasher=hasher, input_ids=ids)
+                          finish=finish, is_resume=is_resume, hasher=hasher, input_ids=ids, prefix_key=prefix_key)
 
     def _route(self, request: SimRequest) -> None:
-        if self.cluster.router == "round_robin":
+        if request.is_continuation:
+            replica = min(self.replicas, key=lambda r: (r.kv_load, r.index))
+        elif self.cluster.router == "round_robin":
             replica = self.replicas[next(self._rr)]
         else:
             replica = min(self.replicas, key=lambda r: (r.load, r.index))
@@ -362,6 +399,18 @@ class SimulatedEngine(LoopTaskEngine):
     def _finish(self, request: SimRequest) -> None:
         del self._requests[request.request_id]
         self._deliver(request, self._chunk(request, request.finish))
+        s = request.sample
+        stop_at = request.base + request.new_total if request.finish == FinishReason.STOP else None
+        hasher = request.hasher.copy()
+        hasher.update(response_tokens(s.uid, request.base, request.base + request.generated, stop_at,
+                                      s.correct).tobytes())
+        digest = hasher.digest()
+        self._finish_times[digest] = self.now
+        if request.finish == FinishReason.LENGTH:
+            # The sample may go on from here (a chunk boundary): its ids are known and its KV stays cached.
+            self._resumable.setdefault(digest, deque()).append(s)
+            self._budget_ends.setdefault(digest, deque()).append(self.weight_version)
+            self.replicas[request.replica].cache_prefix(digest, request.context)
 
     def _abort_now(self, ids: list[str]) -> list[GenerationOutput]:
         synced: set[int] = set()
@@ -480,6 +529,11 @@ class SimulatedEngine(LoopTaskEngine):
                 if stream.waiter is not None and not stream.waiter.done():
                     stream.waiter.set_exception(exc)
             raise
+
+
+def _digest(ids: np.ndarray) -> bytes:
+    """The key of a request's ids (as its hasher computes it)."""
+    return hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
 
 
 __all__ = ["ClusterCounters", "SimulatedEngine"]

@@ -145,7 +145,17 @@ LENGTH_PRESETS: dict[str, LogNormalLengths] = {
         median_tokens=2400, prompt_sigma=1.05, within_sigma=0.25, accuracy_mean=0.45, accuracy_concentration=1.5,
         incorrect_length_factor=1.5, runaway_prob=0.015, drift_per_version=0.004, name="deepmath-103k",
         description="difficulty 5-9 problems with verifiable answers; hardest, widest spread (~45% accuracy)"),
+    # Shaped like the long-CoT workloads of Seer (arXiv 2511.14617), not calibrated to them: generations of tens
+    # of thousands of tokens under a 64K cap, 8-16 samples per prompt whose lengths are strongly correlated
+    # (docs/sim.md, "Length models", lists what is assumed and the resulting statistics).
+    "seer-long-cot": LogNormalLengths(
+        median_tokens=14000, prompt_sigma=0.7, within_sigma=0.2, accuracy_mean=0.5, accuracy_concentration=2.0,
+        incorrect_length_factor=1.5, runaway_prob=0.02, drift_per_version=0.0, name="seer-long-cot",
+        description="long chain-of-thought RL (Seer-shaped): ~20K-token mean under a 64K cap, strong within-group "
+                    "length correlation"),
 }
+PAPER_LENGTH_PRESETS = ("dapo-math-17k", "deepscaler", "deepmath-103k")
+"""The presets calibrated to the APRIL paper's datasets (16K cap)."""
 
 
 def length_preset(name: str, seed: int = 0) -> LogNormalLengths:
@@ -229,4 +239,5 @@ class TraceLengths:
                    name=os.path.basename(path))
 
 
-__all__ = ["LENGTH_PRESETS", "LengthModel", "LogNormalLengths", "SampleDraw", "TraceLengths", "length_preset"]
+__all__ = ["LENGTH_PRESETS", "PAPER_LENGTH_PRESETS", "LengthModel", "LogNormalLengths", "SampleDraw", "TraceLengths",
+           "length_preset"]

@@ -2,7 +2,8 @@
 
 Definitions (docs/sim.md has the reasoning):
 - throughput: response tokens generated in the step / rollout time (virtual seconds, begin_step to batch).
-  Useful throughput leaves out tokens a discarding baseline throws away (DAPO over-sampling without recycling).
+  Useful throughput leaves out tokens thrown away: by a discarding baseline (DAPO over-sampling without recycling)
+  and by tail batching's restart from the prompt (RollPacker).
 - headline bound (per step and per run): the best any schedule could do on the same engines and work. The work
   is what the engines decoded (tokens and the KV tokens their steps read) plus the prompt prefill of the new
   samples; CostModel.least_busy_time is the least engine time for it, spread evenly over the engines (never
@@ -17,12 +18,19 @@ Definitions (docs/sim.md has the reasoning):
   to [0, 1].
 - length bias: the trained response lengths against the natural ones (the model's lengths cut at the cap):
   mean ratio and the Wasserstein-1 distance relative to the natural mean.
+- tail latency: the time from when 90% of the step's batch samples had finished (a sample finished before the
+  step began counts at its start) to the step's end, as a share of the step's rollout time: the last 10%.
+- continuations (divided rollout): requests continuing a sample past a chunk boundary; those placed on a replica
+  without their cached prefix pay its prefill (continuation_prefill_time_fraction), the others hit the cache.
+- prediction rank correlation (scheduler): Spearman's between each finished sample's predicted final length at
+  its last dispatch and its final length, per step; the run's is the mean weighted by the samples.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +130,17 @@ def length_bias(trained: np.ndarray, natural: np.ndarray) -> dict[str, float]:
     return {"mean_ratio": float(trained.mean()) / mean, "w1_rel": w1 / mean}
 
 
+def tail_latency(finish_times: np.ndarray, start: float, end: float, share: float = 0.9) -> float:
+    """(end - the time by which ``share`` of the samples had finished) / (end - start). Finish times before
+    ``start`` count as ``start``; unknown ones (NaN) are left out. NaN when no time is known or end <= start."""
+    times = np.sort(np.asarray(finish_times, np.float64))
+    times = times[~np.isnan(times)]
+    if times.size == 0 or end <= start:
+        return math.nan
+    reached = max(start, float(times[math.ceil(share * times.size) - 1]))
+    return (end - reached) / (end - start)
+
+
 @dataclass(frozen=True)
 class StepReport:
     """One simulated rollout step."""
@@ -131,7 +150,7 @@ class StepReport:
     time_to_done_s: float
     generated_tokens: int
     trained_tokens: int
-    discarded_tokens: int  # thrown away by a discarding baseline (stale groups dropped at this step's start)
+    discarded_tokens: int  # thrown away: stale groups dropped (a discarding baseline), tail-batching restarts
     tokens_per_s: float
     efficiency: float  # against the headline bound: least_time_s / rollout_s
     ceiling_efficiency: float  # against the ceiling: ceiling_time_s / rollout_s
@@ -156,13 +175,25 @@ class StepReport:
     response_mean: float
     length_mean_ratio: float
     length_w1_rel: float
+    tail_latency: float  # share of the rollout time after 90% of the batch samples had finished
+    continuations: int  # continuation requests the engines admitted (divided rollout)
+    prefix_hit_tokens: int  # their context tokens found in the replica's prefix cache (no prefill)
+    continuation_prefill_tokens: int  # their context tokens prefilled (placed away from their cached prefix)
+    continuation_prefill_time_fraction: float  # replica time prefilling continuations away from their prefix
+    chunk_returns: int  # samples the scheduler got back at a chunk boundary (divided rollout)
+    continuation_tokens: int  # prompt + partial tokens the continuations sent
+    prediction_rank_corr: float  # Spearman: prediction at each sample's last dispatch vs its final length
+    prediction_samples: int  # the samples that correlation is over
+    long_round: bool  # tail batching: the step ran long-queue groups only
+    long_queue_groups: int  # tail batching: groups waiting in the long queue after the step
     response_lens: list[int] = field(default_factory=list, repr=False)
 
 
 def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: OccupancyBound,
-                natural: np.ndarray, cost: CostModel) -> StepReport:
+                natural: np.ndarray, cost: CostModel, finish_times: np.ndarray, end: float) -> StepReport:
     """Combine the loop's RolloutMetrics, the engine's counters over the step, the bounds of its work (engines of
-    ``cost``) and the steady-state rate (B_sat for the bubble)."""
+    ``cost``), the steady-state rate (B_sat for the bubble) and the finish times of the batch samples on the
+    engine's clock, on which the step ended at ``end``."""
     sched = metrics.scheduler
     wall = metrics.wall_s
     least, ceiling = least_times(cost, counters)
@@ -173,7 +204,8 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
     replica_time = counters.num_engines * wall
     return StepReport(
         step=step, rollout_s=wall, time_to_done_s=metrics.time_to_done_s, generated_tokens=metrics.generated_tokens,
-        trained_tokens=int(sched["batch_response_tokens"]), discarded_tokens=int(sched["stale_tokens_discarded"]),
+        trained_tokens=int(sched["batch_response_tokens"]),
+        discarded_tokens=int(sched["stale_tokens_discarded"]) + int(sched["tail_tokens_discarded"]),
         tokens_per_s=metrics.tokens_per_s,
         efficiency=least / wall if wall > 0 else 0.0, ceiling_efficiency=ceiling / wall if wall > 0 else 0.0,
         bound_tokens_per_s=metrics.generated_tokens / least if least > 0 else 0.0,
@@ -190,7 +222,17 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
         surplus_groups=int(sched["surplus_groups"]), buffered_groups=int(sched["buffered_groups"]),
         filtered_groups=int(sched["groups_filtered"]), reward_mean=metrics.reward_mean,
         response_mean=float(lens.mean()) if lens.size else 0.0, length_mean_ratio=bias["mean_ratio"],
-        length_w1_rel=bias["w1_rel"], response_lens=lens.tolist())
+        length_w1_rel=bias["w1_rel"], tail_latency=tail_latency(finish_times, end - wall, end),
+        continuations=counters.continuations, prefix_hit_tokens=counters.prefix_hit_tokens,
+        continuation_prefill_tokens=counters.continuation_prefill_tokens,
+        chunk_returns=int(sched["chunk_returns"]), continuation_tokens=int(sched["continuation_tokens"]),
+        prediction_rank_corr=float(sched["prediction_rank_corr"]),
+        prediction_samples=int(sched["prediction_samples"]),
+        long_round=bool(sched["long_round"]), long_queue_groups=int(sched["long_queue_groups"]),
+        continuation_prefill_time_fraction=(counters.continuation_prefill_time / replica_time
+                                            if replica_time > 0 else 0.0),
+        response_lens=lens.tolist())
 
 
-__all__ = ["OccupancyBound", "StepReport", "full_occupancy_bound", "least_times", "length_bias", "step_report"]
+__all__ = ["OccupancyBound", "StepReport", "full_occupancy_bound", "least_times", "length_bias", "step_report",
+           "tail_latency"]

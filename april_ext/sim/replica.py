@@ -7,13 +7,18 @@ forms (CostModel.decode_time / steps_within). Events are a request finishing, th
 (admissions, aborts, weight flushes). Admission runs a prefill batch during which decoding pauses; with the
 cost model's mixed_chunk, admitted requests prefill instead in chunks that ride in the decode iterations, and
 while any is prefilling every iteration is an event (prefill progress is state between events).
+A replica keeps the KV of requests that ended at their token budget (a divided rollout's chunk boundary) in a
+prefix cache, as SGLang's radix cache keeps a finished request's KV: a continuation (prompt + partial response)
+admitted here while its entry survives needs no prefill. Entries are evictable: the cache holds at most the KV
+left free by the admitted requests, least recently stored first out, and the engine empties it when the weight
+version changes (a prefix computed by other weights is no cache hit).
 Pure bookkeeping, no asyncio: engine.py drives it.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,6 +51,7 @@ class SimRequest:
     is_resume: bool
     hasher: Any  # blake2b over the input ids, extended with the output on abort
     input_ids: np.ndarray
+    prefix_key: bytes | None = None  # a continuation: the digest of its input ids, its prefix-cache key
     generated: int = 0
     delivered: int = 0
     chunk_versions: list[tuple[int, int]] = field(default_factory=list)  # (version, count) per delivered chunk
@@ -53,7 +59,7 @@ class SimRequest:
     running: bool = False
     prefilled_once: bool = False
     prefilled: int = 0  # mixed chunk: context tokens prefilled so far in the current admission
-    prefill_kind: Literal["new", "resume", "recompute"] = "new"  # what this admission's prefill is counted as
+    prefill_kind: Literal["new", "resume", "continuation", "recompute"] = "new"  # how this admission's prefill counts
 
     @property
     def context(self) -> int:
@@ -62,6 +68,11 @@ class SimRequest:
     @property
     def remaining(self) -> int:
         return self.new_total - self.generated
+
+    @property
+    def is_continuation(self) -> bool:
+        """Continues a request that ended at its token budget (not an abort): a divided rollout's next chunk."""
+        return self.prefix_key is not None
 
 
 @dataclass
@@ -84,6 +95,10 @@ class ReplicaCounters:
     kv_reads: int = 0  # KV tokens read by decode: a step of B sequences over S cached tokens reads S
     new_prefill_work_s: float = 0.0  # prefill compute done for new requests' prompts (no batch overhead)
     resume_prefill_work_s: float = 0.0  # prefill compute done for resumed requests' prompt + partial (first time)
+    continuations: int = 0  # continuation requests admitted (first admission)
+    continuation_prefill_time: float = 0.0  # prefill of continuations whose prefix was not cached here
+    continuation_prefill_tokens: int = 0
+    prefix_hit_tokens: int = 0  # context tokens of continuations admitted on their cached prefix (no prefill)
 
 
 class Replica:
@@ -100,11 +115,18 @@ class Replica:
         self.kv = 0  # KV tokens of the running requests at seg_t0
         self.counters = ReplicaCounters()
         self.dirty = False  # waiting requests may be admissible
+        self.prefix_cache: OrderedDict[bytes, int] = OrderedDict()  # prefix key -> KV tokens, oldest first
+        self._cached_tokens = 0
         self._next: tuple[float, int] | None = None  # (time, steps) of the next own event
 
     @property
     def load(self) -> int:
         return len(self.running) + len(self.prefilling) + len(self.waiting)
+
+    @property
+    def kv_load(self) -> int:
+        """KV tokens in use or claimed here: admitted contexts (as of the last sync) and the waiting ones."""
+        return self.kv + self.pending_kv + sum(r.context for r in self.waiting)
 
     @property
     def admitted(self) -> list[SimRequest]:
@@ -258,6 +280,7 @@ class Replica:
     def admit(self) -> None:
         """Admit waiting requests that fit (running slots, KV below the headroom) and run their prefill batch."""
         self.dirty = False
+        self._evict()
         cost = self.cost
         limit = cost.kv_capacity_tokens * (1 - cost.admission_headroom)
         batch: list[SimRequest] = []
@@ -268,8 +291,17 @@ class Replica:
                 break
             self.waiting.popleft()
             r.running = True
-            r.prefill_kind = "recompute" if r.prefilled_once else "resume" if r.is_resume else "new"
+            first = not r.prefilled_once
+            r.prefill_kind = ("recompute" if not first else "continuation" if r.is_continuation
+                              else "resume" if r.is_resume else "new")
             r.prefilled_once = True
+            if first and r.is_continuation:
+                self.counters.continuations += 1
+                if self._take_prefix(r):
+                    self.counters.prefix_hit_tokens += r.context
+                    self.running.append(r)
+                    self.kv += r.context
+                    continue
             batch.append(r)
             if cost.mixed_chunk:
                 r.prefilled = 0
@@ -280,6 +312,7 @@ class Replica:
                 self.kv += r.context
         if not batch or cost.mixed_chunk:
             self._next = None
+            self._evict()
             return
         total = cost.prefill_fixed_s
         for r in batch:
@@ -290,6 +323,37 @@ class Replica:
         self.counters.prefill_time += total
         self.seg_t0 += total
         self._next = None
+        self._evict()
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def cache_prefix(self, key: bytes, tokens: int) -> None:
+        """Keep the KV of a request that ended at its budget (``tokens`` of context) for its continuation."""
+        old = self.prefix_cache.pop(key, None)
+        if old is not None:
+            self._cached_tokens -= old
+        self.prefix_cache[key] = tokens
+        self._cached_tokens += tokens
+        self._evict()
+
+    def clear_prefix_cache(self) -> None:
+        self.prefix_cache.clear()
+        self._cached_tokens = 0
+
+    def _evict(self) -> None:
+        """Cached prefixes live in the KV the admitted requests leave free: the oldest go first."""
+        free = max(0, self.cost.kv_capacity_tokens - self.kv - self.pending_kv)
+        while self._cached_tokens > free:
+            self._cached_tokens -= self.prefix_cache.popitem(last=False)[1]
+
+    def _take_prefix(self, request: SimRequest) -> bool:
+        """A continuation's cached prefix becomes its KV (admission has checked that the context fits)."""
+        assert request.prefix_key is not None
+        tokens = self.prefix_cache.pop(request.prefix_key, None)
+        if tokens is None:
+            return False
+        self._cached_tokens -= tokens
+        return True
 
     def _charge_prefill(self, request: SimRequest, seconds: float, tokens: int) -> None:
         """Count prefill work of ``request`` under the kind its admission set (the caller adds prefill_time)."""
@@ -301,9 +365,13 @@ class Replica:
         elif request.prefill_kind == "resume":
             c.resume_prefill_time += seconds
             c.resume_prefill_tokens += tokens
+        elif request.prefill_kind == "continuation":
+            c.continuation_prefill_time += seconds
+            c.continuation_prefill_tokens += tokens
 
     def _charge_work(self, request: SimRequest, seconds: float) -> None:
-        """Count prefill compute done for a new or resumed request (the work the bounds charge)."""
+        """Count prefill compute done for a new or resumed request (the work the bounds charge). A continuation's
+        prefill is in neither bound: placed where its prefix is cached, it needs none."""
         if request.prefill_kind == "new":
             self.counters.new_prefill_work_s += seconds
         elif request.prefill_kind == "resume":

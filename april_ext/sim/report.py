@@ -16,7 +16,8 @@ _COLUMNS = (
     ("mode", "{}"), ("tok/s", "{:,.0f}"), ("gain", "{}"), ("useful tok/s", "{:,.0f}"), ("bound", "{:,.0f}"),
     ("eff", "{:.2f}"), ("ceil eff", "{:.2f}"), ("bubble", "{:.2f}"),
     ("partial", "{:.2f}"), ("offpol", "{:.2f}"), ("stale<=", "{:.0f}"), ("reprefill", "{:.3f}"), ("kvcopy", "{:.3f}"),
-    ("step s", "{:.1f}"), ("len ratio", "{:.2f}"), ("W1 first->last", "{}"),
+    ("step s", "{:.1f}"), ("tail", "{:.2f}"), ("rank corr", "{:.2f}"), ("cont/step", "{:.0f}"), ("len ratio", "{:.2f}"),
+    ("W1 first->last", "{}"),
 )
 
 
@@ -33,6 +34,7 @@ def summary_rows(results: dict[str, SimResult]) -> list[dict[str, Any]]:
             "bubble": s["bubble_fraction"], "partial": s["partial_token_ratio"],
             "offpol": s["offpolicy_token_ratio"], "stale<=": s["max_staleness"],
             "reprefill": s["re_prefill_time_fraction"], "kvcopy": s["kv_copy_time_fraction"], "step s": s["rollout_s"],
+            "tail": s["tail_latency"], "rank corr": s["prediction_rank_corr"], "cont/step": s["continuations_per_step"],
             "len ratio": s["length_mean_ratio"],
             "W1 first->last": f"{s['first_step_length_w1_rel']:.2f}->{s['last_step_length_w1_rel']:.2f}",
         })
@@ -61,8 +63,8 @@ def describe(results: dict[str, SimResult]) -> str:
               else "separate prefill")
     head = (f"cluster {cluster.name} {cluster.num_engines} engines x {cluster.gpus_per_engine} GPU ({engine}) | "
             f"lengths {name} | {c.algorithm} | N={c.rollout_batch_size} x n={c.n_samples_per_prompt}, "
-            f"N'={c.over_sampling_batch_size}, cap {c.max_response_len} | {c.steps} steps (summary over steps "
-            f"{c.warmup_steps}..)\n"
+            f"N'={first.scheduler.over_sampling_batch_size}, cap {c.max_response_len} | {c.steps} steps "
+            f"(summary over steps {c.warmup_steps}..)\n"
             f"bound: the best schedule of each mode's own work (eff: without re-prefill, ceil eff: with it); "
             f"steady-state rate {first.bound.tokens_per_s:,.0f} tok/s (B_sat {first.bound.mean_batch:.1f} per engine)"
             f", natural mean length {first.natural_mean:,.0f}")

@@ -34,6 +34,7 @@ from april_ext.sim.metrics import (
     step_report,
 )
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
+from april_ext.strategies import STRATEGIES, apply_strategy
 
 Mode = Literal["baseline", "april-batch", "april-continuous", "april-adaptive"]
 MODES: tuple[str, ...] = ("baseline", "april-batch", "april-continuous", "april-adaptive")
@@ -83,12 +84,23 @@ class SimConfig:
     dataset_size: int = 100_000
     seed: int = 0
     settle_passes: int = 16
+    strategy: str | None = None
+    """A long-tail strategy of april_ext.strategies.STRATEGIES, run by the APRIL modes (the baseline stays the
+    synchronous reference): it sets the scheduler settings still at SchedulerConfig's defaults (N': None); a
+    setting given another value wins. N' resolves at construction, so give the strategy to the constructor
+    (``replace(config, strategy=...)`` keeps the N' already resolved)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"SimConfig.mode={self.mode!r} is not allowed: one of {MODES}")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"SimConfig.algorithm={self.algorithm!r} is not allowed: one of {ALGORITHMS}")
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            raise ConfigError(f"SimConfig.strategy={self.strategy!r} is not allowed: None or one of "
+                              f"{', '.join(STRATEGIES)}")
+        if self.strategy is not None and self.mode == "baseline":
+            raise ConfigError(f"SimConfig.strategy={self.strategy!r} is not allowed with mode 'baseline' (the "
+                              "synchronous reference): None, or an APRIL mode")
         for name in ("mixed_chunk", "colocate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"SimConfig.{name}={getattr(self, name)!r} is not allowed: True or False")
@@ -106,16 +118,24 @@ class SimConfig:
         shared = self._shared_scheduler_config()
         if self.target_inflight_samples is not None:  # checked as april-adaptive uses it (other modes do not)
             replace(shared, over_sampling="adaptive", target_inflight_samples=self.target_inflight_samples)
-        # None: SchedulerConfig's N' (2N), so that reports show the value run.
+        # None: SchedulerConfig's N' (2N) or the strategy's, so that reports show the value run.
         object.__setattr__(self, "over_sampling_batch_size", shared.over_sampling_batch_size)
         if isinstance(self.lengths, str) and self.lengths not in LENGTH_PRESETS and not os.path.isfile(self.lengths):
             raise ConfigError(f"SimConfig.lengths={self.lengths!r} is not allowed: one of {sorted(LENGTH_PRESETS)} "
                               f"or the path of a .csv / .jsonl length trace")
 
     def _shared_scheduler_config(self) -> SchedulerConfig:
-        """Every mode's scheduler settings but the mode's own, validated by SchedulerConfig."""
-        return SchedulerConfig(**{f.name: getattr(self, f.name) for f in fields(SchedulerConfig)
-                                  if f.name not in (*MODE_SETTINGS, "target_inflight_samples")})
+        """Every mode's scheduler settings but the mode's own, validated by SchedulerConfig; with the strategy in
+        an APRIL mode."""
+        given = {f.name: getattr(self, f.name) for f in fields(SchedulerConfig)
+                 if f.name not in (*MODE_SETTINGS, "target_inflight_samples")}
+        config = SchedulerConfig(**given)
+        if self.strategy is None or self.mode == "baseline":
+            return config
+        applied = apply_strategy(config, self.strategy)
+        defaults = {f.name: f.default for f in fields(SchedulerConfig)}
+        kept = {name: getattr(config, name) for name, value in given.items() if value != defaults[name]}
+        return replace(applied, **kept)
 
     def scheduler_config(self, engine_capacity: int | None = None) -> SchedulerConfig:
         """APRIL as configured; the baseline is what slime does without partial rollout: GRPO launches N
@@ -131,10 +151,11 @@ class SimConfig:
         if adaptive and target is None:
             raise ConfigError("SimConfig.target_inflight_samples=None is not allowed for mode 'april-adaptive' "
                               "unless the engine capacity is given: an int >= n_samples_per_prompt")
+        shared = self._shared_scheduler_config()
         base = replace(
-            self._shared_scheduler_config(),
-            max_inflight_samples=self.max_inflight_samples if self.mode != "baseline" else None,
-            step_boundary=self.step_boundary if self.mode != "baseline" else "abort",
+            shared,
+            max_inflight_samples=shared.max_inflight_samples if self.mode != "baseline" else None,
+            step_boundary=shared.step_boundary if self.mode != "baseline" else "abort",
             refill="continuous" if self.mode in ("april-continuous", "april-adaptive") else "batch",
             over_sampling="adaptive" if adaptive else "fixed",
             target_inflight_samples=target if adaptive else None)
@@ -180,6 +201,8 @@ class SimResult:
     bound: OccupancyBound
     steps: list[StepReport]
     natural_mean: float
+    scheduler: SchedulerConfig
+    """The scheduler settings run (the mode's and the strategy's applied)."""
     wall_seconds: float = 0.0
     summary: dict[str, float] = field(default_factory=dict)
 
@@ -213,6 +236,10 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
     durations = [s.rollout_s for s in steady]
     batch_tokens = [float(s.trained_tokens) for s in steady]
     tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+    timed = [s for s in steady if not math.isnan(s.tail_latency)]  # a step with no time (batch in the buffer)
+    predicted = [s for s in steady if not math.isnan(s.prediction_rank_corr)]  # NaN below 2 samples
+    hits = sum(s.prefix_hit_tokens for s in steady)
+    misses = sum(s.continuation_prefill_tokens for s in steady)
     return {
         "tokens_per_s": tokens_per_s,
         "useful_tokens_per_s": (tokens - discarded) / seconds if seconds > 0 else 0.0,
@@ -226,6 +253,15 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
         "offpolicy_token_ratio": _weighted([s.offpolicy_token_ratio for s in steady], batch_tokens),
         "re_prefill_time_fraction": _weighted([s.re_prefill_time_fraction for s in steady], durations),
         "kv_copy_time_fraction": _weighted([s.kv_copy_time_fraction for s in steady], durations),
+        "tail_latency": _weighted([s.tail_latency for s in timed], [s.rollout_s for s in timed]) if timed else math.nan,
+        "continuations_per_step": float(np.mean([s.continuations for s in steady])),
+        "prefix_hit_token_ratio": hits / (hits + misses) if hits + misses > 0 else 0.0,
+        "continuation_prefill_time_fraction": _weighted([s.continuation_prefill_time_fraction for s in steady],
+                                                        durations),
+        "chunk_returns_per_step": float(np.mean([s.chunk_returns for s in steady])),
+        "long_round_share": float(np.mean([s.long_round for s in steady])),
+        "prediction_rank_corr": _weighted([s.prediction_rank_corr for s in predicted],
+                                          [float(s.prediction_samples) for s in predicted]) if predicted else math.nan,
         "max_staleness": float(max((len(s.staleness_histogram) - 1 for s in steps), default=0)),
         "rollout_s": seconds / len(steady),
         "length_mean_ratio": bias["mean_ratio"],
@@ -246,7 +282,8 @@ async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None)
                                      config.bound_version)
     natural = np.minimum(lengths.natural_lengths(config.bound_version), config.max_response_len)
     capacity = cluster.num_engines * max(1, round(bound.mean_batch))
-    scheduler = Scheduler(config.scheduler_config(capacity), SyntheticPrompts(config.dataset_size, config.prompt_len))
+    scheduler_config = config.scheduler_config(capacity)
+    scheduler = Scheduler(scheduler_config, SyntheticPrompts(config.dataset_size, config.prompt_len))
     reports = []
     async with SimulatedEngine(cluster, lengths, settle_passes=config.settle_passes) as engine:
         loop = RolloutLoop(engine, scheduler, _reward, sampling=SamplingParams(),
@@ -256,10 +293,14 @@ async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None)
             before = engine.counters()
             result = await loop.run_step(step)
             after = engine.counters()
-            reports.append(step_report(step, result.metrics, after.minus(before), bound, natural, cluster.cost))
+            batch = result.batch
+            finished = np.array([engine.finish_time(batch.tokens[batch.offsets[i]:batch.offsets[i + 1]])
+                                 for i in range(batch.n_samples)], np.float64)
+            reports.append(step_report(step, result.metrics, after.minus(before), bound, natural, cluster.cost,
+                                       finished, after.now))
             await engine.update_weights({}, step + 1)
         await loop.drain_rewards()
-    out = SimResult(config, bound, reports, float(natural.mean()))
+    out = SimResult(config, bound, reports, float(natural.mean()), scheduler_config)
     out.summary = _summarize(reports, natural, bound, config.warmup_steps)
     out.wall_seconds = time.perf_counter() - started
     return out
@@ -271,9 +312,34 @@ def simulate(config: SimConfig, bound: OccupancyBound | None = None) -> SimResul
 
 
 def compare(config: SimConfig, modes: tuple[str, ...] = MODES) -> dict[str, SimResult]:
-    """The same configuration in several modes, measured against one shared bound."""
+    """The same configuration in several modes, measured against one shared bound (the baseline without the
+    strategy)."""
     bound = config.occupancy_bound()
-    return {mode: simulate(replace(config, mode=mode), bound) for mode in modes}  # type: ignore[arg-type]
+    return {mode: simulate(replace(config, mode=mode, strategy=None if mode == "baseline" else config.strategy),
+                           bound) for mode in modes}  # type: ignore[arg-type]
+
+
+def compare_strategies(strategies: tuple[str, ...], modes: tuple[str, ...] = ("baseline", "april-batch"),
+                       **settings: object) -> dict[str, SimResult]:
+    """The synchronous baseline (when in ``modes``) and every strategy in every APRIL mode of ``modes``, each a
+    SimConfig of ``settings`` (no mode, no strategy), against one bound. Entries are labelled "baseline" and by
+    the strategy, or "<mode> <strategy>" with several APRIL modes."""
+    for name in ("mode", "strategy"):
+        if name in settings:
+            raise ConfigError(f"compare_strategies: {name} is given by the modes and strategies, not a setting")
+    april = [m for m in modes if m != "baseline"]
+    if not april:
+        raise ConfigError(f"compare_strategies: modes={modes!r} is not allowed: at least one APRIL mode, which the "
+                          "strategies run in")
+    bound = SimConfig(**settings).occupancy_bound()  # type: ignore[arg-type]
+    results = {}
+    if "baseline" in modes:
+        results["baseline"] = simulate(SimConfig(**settings, mode="baseline"), bound)  # type: ignore[arg-type]
+    for mode in april:
+        for name in strategies:
+            label = name if len(april) == 1 else f"{mode} {name}"
+            results[label] = simulate(SimConfig(**settings, mode=mode, strategy=name), bound)  # type: ignore[arg-type]
+    return results
 
 
 def gain(results: dict[str, SimResult], mode: str, baseline: str = "baseline", metric: str = "tokens_per_s") -> float:
@@ -282,4 +348,5 @@ def gain(results: dict[str, SimResult], mode: str, baseline: str = "baseline", m
     return results[mode].summary[metric] / base - 1 if base > 0 else math.nan
 
 
-__all__ = ["ALGORITHMS", "MODES", "MODE_SETTINGS", "SimConfig", "SimResult", "compare", "gain", "simulate", "simulate_async"]
+__all__ = ["ALGORITHMS", "MODES", "MODE_SETTINGS", "SimConfig", "SimResult", "compare", "compare_strategies", "gain",
+           "simulate", "simulate_async"]
