@@ -138,6 +138,13 @@ void Scheduler::deserialize(const std::string& bytes) {
 // could only be dispatched with no token budget, so it finishes as a length finish here; and the staleness
 // policy runs now for what waited on samples in flight (returning aborts; with carry, stale carried samples
 // whose abort had not returned).
+void Scheduler::mark_aborting(Sample& smp, int64_t sample_id, std::vector<int64_t>& out) {
+  smp.state = SampleState::Aborting;
+  s_.running_samples -= 1;
+  s_.aborting_samples += 1;
+  out.push_back(sample_id);
+}
+
 void Scheduler::settle_after_load() {
   std::vector<int64_t> touched;
   for (auto& [gid, g] : s_.groups) {

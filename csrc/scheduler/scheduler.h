@@ -149,6 +149,8 @@ class Scheduler {
   const Group& group_of(int64_t sample_id, int64_t* index) const;
   Group& group_of(int64_t sample_id, int64_t* index);
   void settle_after_load();
+  // A running sample whose abort the scheduler asks for: Aborting, its id appended to `out`.
+  void mark_aborting(Sample& smp, int64_t sample_id, std::vector<int64_t>& out);
   // Step boundary and batch assembly (step.cpp)
   bool step_done_locked() const;
   void pack_group(Batch& b, int64_t group_id, int32_t index_in_batch);

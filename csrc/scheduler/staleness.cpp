@@ -80,11 +80,9 @@ void Scheduler::apply_staleness_carried(int64_t group_id) {
   const int64_t n = config_.n_samples_per_prompt;
   for (int64_t i = 0; i < n; ++i) {
     Sample& smp = g.samples[i];
-    if (smp.state != SampleState::Running || !(drop || is_stale(smp))) continue;
-    smp.state = SampleState::Aborting;
-    s_.running_samples -= 1;
-    s_.aborting_samples += 1;
-    stale_aborts_.push_back(group_id * n + i);
+    if (smp.state == SampleState::Running && (drop || is_stale(smp))) {
+      mark_aborting(smp, group_id * n + i, stale_aborts_);
+    }
   }
   if (drop && g.n_in_flight > 0) {
     g.stale_check_pending = true;

@@ -99,11 +99,7 @@ std::vector<int64_t> Scheduler::samples_to_abort() {
     for (auto& [gid, g] : s_.groups) {
       for (int64_t i = 0; i < n; ++i) {
         Sample& smp = g.samples[i];
-        if (smp.state != SampleState::Running) continue;
-        smp.state = SampleState::Aborting;
-        s_.running_samples -= 1;
-        s_.aborting_samples += 1;
-        out.push_back(gid * n + i);
+        if (smp.state == SampleState::Running) mark_aborting(smp, gid * n + i, out);
       }
     }
   }

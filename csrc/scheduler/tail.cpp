@@ -70,11 +70,7 @@ void Scheduler::begin_round() {
     }
     for (int64_t i = 0; i < n; ++i) {
       Sample& smp = g.samples[i];
-      if (smp.state != SampleState::Running) continue;
-      smp.state = SampleState::Aborting;
-      s_.running_samples -= 1;
-      s_.aborting_samples += 1;
-      stale_aborts_.push_back(gid * n + i);
+      if (smp.state == SampleState::Running) mark_aborting(smp, gid * n + i, stale_aborts_);
     }
     g.stale_check_pending = true;
     g.tail_restart = true;
