@@ -213,18 +213,24 @@ def run_step(sched: Scheduler, engine: FakeEngine, version: int,
     """The APRIL step loop: dispatch, stream, reward, stop at N accepted, abort the rest, take the batch."""
     sched.begin_step(version)
     engine.version = version
+    generate_until_done(sched, engine, reward, max_ticks)
+    engine.abort(sched.samples_to_abort())
+    return sched.take_batch()
+
+
+def generate_until_done(sched: Scheduler, engine: FakeEngine,
+                        reward: Callable[[CompletedGroup], tuple[list[float], bool]] = varied_rewards,
+                        max_ticks: int = 10_000) -> None:
+    """Dispatch, stream and reward until the step is done (AssertionError after max_ticks)."""
     for _ in range(max_ticks):
         if sched.step_done:
-            break
+            return
         engine.submit(sched.dispatch())
         engine.tick()
         for g in sched.pop_completed_groups():
             rewards, accepted = reward(g)
             sched.report_rewards(g.group_id, rewards, accepted)
-    else:
-        raise AssertionError("step did not finish")
-    engine.abort(sched.samples_to_abort())
-    return sched.take_batch()
+    raise AssertionError("step did not finish")
 
 
 def check_batch_layout(batch, n_samples: int) -> None:

@@ -11,10 +11,10 @@ from _scheduler_utils import (
     check_batch_layout,
     feed,
     finish_group,
+    generate_until_done,
     make,
     reward_all,
     token_at,
-    varied_rewards,
 )
 from april_ext import ConfigError, InvalidStateError, Scheduler, SchedulerConfig
 
@@ -215,16 +215,7 @@ def _carry_step(sched: Scheduler, engine: FakeEngine, version: int, max_ticks: i
     sched.begin_step(version)
     engine.version = version
     engine.abort(sched.samples_to_abort())
-    for _ in range(max_ticks):
-        if sched.step_done:
-            break
-        engine.submit(sched.dispatch())
-        engine.tick()
-        for g in sched.pop_completed_groups():
-            rewards, accepted = varied_rewards(g)
-            sched.report_rewards(g.group_id, rewards, accepted)
-    else:
-        raise AssertionError("step did not finish")
+    generate_until_done(sched, engine, max_ticks=max_ticks)
     assert sched.samples_to_abort() == []
     return sched.take_batch()
 

@@ -455,12 +455,23 @@ class RolloutLoop:
             raise failure
 
 
+def tail_latency(finish_times: np.ndarray, start: float, end: float, share: float = 0.9) -> float:
+    """(end - the time by which ``share`` of the samples had finished) / (end - start). Finish times before
+    ``start`` count as ``start``; unknown ones (NaN) are left out. NaN when no time is known or end <= start."""
+    times = np.sort(np.asarray(finish_times, np.float64))
+    times = times[~np.isnan(times)]
+    if times.size == 0 or end <= start:
+        return math.nan
+    reached = max(start, float(times[math.ceil(share * times.size) - 1]))
+    return (end - reached) / (end - start)
+
+
 def _tail_share(finished_at: list[float], start: float, done_at: float) -> float:
-    """(done_at - the time 90% of the samples finished by done_at had finished) / (done_at - start)."""
-    times = sorted(t for t in finished_at if t <= done_at)
+    """tail_latency of the samples finished by done_at; 0 with fewer than two or no time."""
+    times = [t for t in finished_at if t <= done_at]
     if len(times) < 2 or done_at <= start:
         return 0.0
-    return (done_at - times[math.ceil(0.9 * len(times)) - 1]) / (done_at - start)
+    return tail_latency(np.asarray(times), start, done_at)
 
 
 def _split(events: list[_E], held: set[int]) -> tuple[list[_E], list[_E]]:
@@ -482,4 +493,4 @@ def scheduler_config_for(config: SchedulerConfig, partial_rollout: bool) -> Sche
                    tail_batching=False, tail_batching_restart=False)
 
 
-__all__ = ["GroupFilter", "RewardFn", "RolloutLoop", "RolloutMetrics", "RolloutResult", "scheduler_config_for"]
+__all__ = ["GroupFilter", "RewardFn", "RolloutLoop", "RolloutMetrics", "RolloutResult", "scheduler_config_for", "tail_latency"]

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from april_ext.batch import FinishReason
+from april_ext.rollout.loop import tail_latency
 from april_ext.sim.cost import ClusterConfig, CostModel
 from april_ext.sim.engine import ClusterCounters
 from april_ext.sim.lengths import LengthModel
@@ -128,17 +128,6 @@ def length_bias(trained: np.ndarray, natural: np.ndarray) -> dict[str, float]:
     w1 = float(np.mean(np.abs(np.quantile(trained, q) - np.quantile(natural, q))))
     mean = float(natural.mean())
     return {"mean_ratio": float(trained.mean()) / mean, "w1_rel": w1 / mean}
-
-
-def tail_latency(finish_times: np.ndarray, start: float, end: float, share: float = 0.9) -> float:
-    """(end - the time by which ``share`` of the samples had finished) / (end - start). Finish times before
-    ``start`` count as ``start``; unknown ones (NaN) are left out. NaN when no time is known or end <= start."""
-    times = np.sort(np.asarray(finish_times, np.float64))
-    times = times[~np.isnan(times)]
-    if times.size == 0 or end <= start:
-        return math.nan
-    reached = max(start, float(times[math.ceil(share * times.size) - 1]))
-    return (end - reached) / (end - start)
 
 
 @dataclass(frozen=True)

@@ -151,11 +151,10 @@ std::vector<Scheduler::Pick> Scheduler::queued_in_dispatch_order() const {
       std::stable_sort(partials.begin(), partials.end(), [](const Pick& a, const Pick& b) { return a.len > b.len; });
       break;
   }
-  const auto by_age = [](const Pick& a, const Pick& b) { return a.gid < b.gid; };
   if (!config_.resume_priority) {
     partials.insert(partials.end(), fresh.begin(), fresh.end());
     fresh.clear();
-    std::stable_sort(partials.begin(), partials.end(), by_age);  // one list: ties in creation order
+    std::stable_sort(partials.begin(), partials.end(), older);  // one list: ties in creation order
   }
   sort_by_dispatch_order(partials);
   sort_by_dispatch_order(fresh);
@@ -168,7 +167,7 @@ void Scheduler::sort_by_dispatch_order(std::vector<Pick>& picks) const {
   switch (config_.dispatch_order) {
     case DispatchOrder::Fifo: break;  // partials in resume_order, fresh samples as launched; one list by age
     case DispatchOrder::OldestFirst:
-      std::stable_sort(picks.begin(), picks.end(), [](const Pick& a, const Pick& b) { return a.gid < b.gid; });
+      std::stable_sort(picks.begin(), picks.end(), older);
       break;
     case DispatchOrder::LongestPredictedFirst:
       std::stable_sort(picks.begin(), picks.end(),

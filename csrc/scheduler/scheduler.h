@@ -144,6 +144,8 @@ class Scheduler {
     int64_t len;
     int64_t predicted;
   };
+  // Creation order of the picks' groups (group ids grow with launch order).
+  static bool older(const Pick& a, const Pick& b) { return a.gid < b.gid; }
 
   // Records (scheduler.cpp)
   const Group& group_of(int64_t sample_id, int64_t* index) const;
