@@ -209,6 +209,39 @@ def test_rank_correlation_is_nan_below_two_samples_and_ties_share_their_rank():
     assert sched.stats()["prediction_rank_corr"] == pytest.approx(1.5 / math.sqrt(1.5 * 2))
 
 
+def test_rank_correlation_grades_the_prediction_made_before_the_chunks():
+    """A continuation's prediction is at least its length + 1: graded on it, a sample predicted short that runs
+    long would look well predicted at its last chunk. Prompts a, b, c finished at 1, 2 and 3 tokens in epoch 0;
+    in epoch 1 they run to 35, 6 and 3 tokens, in chunks of 4."""
+    data = ListDataSource([Prompt(id=p, token_ids=[i + 1]) for _ in range(2) for i, p in enumerate("abc")])
+    cfg = SchedulerConfig(rollout_batch_size=3, n_samples_per_prompt=1, over_sampling_batch_size=3,
+                          max_response_len=40, chunk_tokens=4)
+    sched = Scheduler(cfg, data)
+    sched.begin_step(0)
+    for r in sched.dispatch():
+        feed(sched, r.sample_id, {"a": 1, "b": 2, "c": 3}[r.prompt_id], 0)
+        sched.on_finish(r.sample_id, "stop")
+    reward_all(sched)
+    sched.take_batch()
+    sched.begin_step(1)
+    finals = {"a": 35, "b": 6, "c": 3}
+    requests = sched.dispatch()
+    assert {r.prompt_id: r.predicted_len for r in requests} == {"a": 1, "b": 2, "c": 3}
+    last = {}
+    while requests:
+        for r in requests:
+            last[r.prompt_id] = r.predicted_len
+            left = finals[r.prompt_id] - len(sched.sample(r.sample_id).token_ids)
+            count = min(left, r.max_new_tokens)
+            feed(sched, r.sample_id, count, 1)
+            sched.on_finish(r.sample_id, "length" if left > count else "stop")
+        requests = sched.dispatch()
+    assert last == {"a": 33, "b": 5, "c": 3}  # a continuation predicts at least its length + 1
+    stats = sched.stats()
+    assert stats["chunk_returns"] == 8 + 1
+    assert stats["prediction_samples"] == 3 and stats["prediction_rank_corr"] == pytest.approx(-1.0)
+
+
 # ---------------------------------------------------------------------------------------------- chunks
 
 

@@ -207,7 +207,10 @@ void Scheduler::launch(Dispatch& d, const Pick& pick) {
   smp.resumed = is_resume && !is_continuation;
   smp.dispatch_len = static_cast<int32_t>(pick.len);
   smp.dispatch_budget = static_cast<int32_t>(budget);
-  smp.predicted_len = static_cast<int32_t>(pick.predicted);
+  // The accuracy figure pairs a final length with the prediction made when the sample last started or resumed:
+  // a chunk continuation's prediction is bounded below by its length, which would grade the predictor on
+  // what it was told.
+  if (!is_continuation || smp.predicted_len == 0) smp.predicted_len = static_cast<int32_t>(pick.predicted);
   smp.chunk_version = -1;
   g.n_in_flight += 1;
   s_.queued_samples -= 1;

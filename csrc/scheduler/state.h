@@ -39,7 +39,7 @@ struct Sample {
   // Set at dispatch (not persisted: nothing is in flight after a load).
   int32_t dispatch_len = 0;     // response length when the last request was sent
   int32_t dispatch_budget = 0;  // that request's max_new_tokens
-  int32_t predicted_len = 0;    // predicted final length at the last dispatch; 0: none since a load
+  int32_t predicted_len = 0;    // predicted final length at the last dispatch not a continuation; 0: none since a load
   // Policy version at which the sample came back at a chunk boundary: its next dispatch at that version is a
   // continuation (the engine still holds its KV). -1: none.
   int32_t chunk_version = -1;
