@@ -66,9 +66,12 @@ void check_logprob_count(const EventBatch& ev) {
   }
 }
 
+// The per-event helpers below are inline: on_tokens runs them for every event, and a call each costs as much as
+// their work.
+
 // The tokens of event e, which starts `used` tokens into the call's array: a count that is not negative and fits
 // in what is left, token ids in [0, 2**31 - 1].
-const int32_t* event_chunk(const EventBatch& ev, size_t e, size_t used) {
+inline const int32_t* event_chunk(const EventBatch& ev, size_t e, size_t used) {
   const int64_t cnt = ev.counts[e];
   if (cnt < 0) throw_negative_count(ev.sample_ids[e], cnt);
   if (static_cast<size_t>(cnt) > ev.n_tokens - used) throw_counts_over(ev.n_tokens);
@@ -80,7 +83,7 @@ const int32_t* event_chunk(const EventBatch& ev, size_t e, size_t used) {
 }
 
 // The record of a sample in flight (dispatched, not finished).
-Sample& running_sample(const SampleIndex& index, int64_t sid) {
+inline Sample& running_sample(const SampleIndex& index, int64_t sid) {
   Sample* smp = index.find(sid);
   if (smp == nullptr) throw_unknown(sid);
   if (!smp->in_flight()) throw_not_running(*smp, sid);
@@ -89,7 +92,8 @@ Sample& running_sample(const SampleIndex& index, int64_t sid) {
 
 // A chunk of cnt > 0 tokens of version ver, for a response of len tokens whose next tokens must be of version
 // floor or newer: the version is within [floor, current], the response stays within the cap.
-void check_chunk(int64_t sid, int64_t cnt, int64_t ver, int64_t floor, int64_t len, int64_t current, int64_t cap) {
+inline void check_chunk(int64_t sid, int64_t cnt, int64_t ver, int64_t floor, int64_t len, int64_t current,
+                        int64_t cap) {
   if (ver < floor || ver > current) throw_bad_version(sid, ver, floor, current);
   if (len + cnt > cap) throw_over_cap(sid, len + cnt, cap);
 }
@@ -102,7 +106,7 @@ void make_room(std::vector<T>& v, size_t more) {
 
 // Appends count > 0 tokens of one version to the response. Room is made in every array first, so a failed
 // allocation changes nothing and the appends below it cannot fail half-way.
-void append_chunk(Sample& smp, const int32_t* tokens, const float* logprobs, int64_t count, int64_t version) {
+inline void append_chunk(Sample& smp, const int32_t* tokens, const float* logprobs, int64_t count, int64_t version) {
   const auto n = static_cast<size_t>(count);
   const bool new_segment = smp.tail_version != version;
   make_room(smp.tokens, n);
@@ -208,7 +212,10 @@ int64_t Scheduler::append_tokens(Sample& smp, const int32_t* tokens, const float
 // events before it undone, so a bad batch changes nothing. Nothing is allocated unless a response outgrows its
 // arrays; messages are built only on failure.
 void Scheduler::on_tokens(const EventBatch& ev) {
-  constexpr size_t kAhead = 8;
+  // The records and array ends of the call's samples lie far apart and, between calls, other work evicts them:
+  // each record is fetched kAhead events before its event, and the array ends half as far ahead (by then the
+  // record that points to them is in), so the misses of several events overlap.
+  constexpr size_t kAhead = 16;
   std::lock_guard<std::mutex> lock(mu_);
   check_logprob_count(ev);
   const int64_t current = s_.policy_version;
