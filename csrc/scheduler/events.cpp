@@ -111,8 +111,8 @@ inline void append_chunk(Sample& smp, const int32_t* tokens, const float* logpro
   const bool new_segment = smp.tail_version != version;
   make_room(smp.tokens, n);
   make_room(smp.logprobs, n);
-  if (new_segment) make_room(smp.segments, 1);
   if (new_segment) {
+    make_room(smp.segments, 1);
     smp.segments.push_back({static_cast<int32_t>(version), static_cast<int32_t>(smp.tokens.size())});
     smp.tail_version = static_cast<int32_t>(version);
   }
