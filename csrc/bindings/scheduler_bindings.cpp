@@ -39,16 +39,24 @@ void require_1d(const Array<T>& a, const char* name) {
         std::string(name) + " must be a 1-D array, got " + std::to_string(a.ndim()) + " dimensions");
 }
 
-// The engine's arrays as they are: data and length of a 1-D C-contiguous, aligned numpy array of exactly T, or
-// nullptr for anything else (the Python face converts it and calls again). No copy, no new array.
+// The engine's arrays as they are: data and length of a 1-D C-contiguous, aligned numpy array of T (or an
+// equivalent type) in native byte order, or nullptr for anything else (the Python face converts it and calls
+// again). No copy, no new array, no call into numpy: the checks read the array's header, since every token call
+// pays for them.
 template <typename T>
 const T* exact(const py::handle& h, size_t& size) {
-  if (!py::array_t<T>::check_(h)) return nullptr;
-  const auto a = py::reinterpret_borrow<py::array>(h);
+  if (!py::isinstance<py::array>(h)) return nullptr;
+  const auto* a = py::detail::array_proxy(h.ptr());
   constexpr int kLayout = py::array::c_style | py::detail::npy_api::NPY_ARRAY_ALIGNED_;
-  if (a.ndim() != 1 || (a.flags() & kLayout) != kLayout) return nullptr;
-  size = static_cast<size_t>(a.shape(0));
-  return static_cast<const T*>(a.data());
+  if (a->nd != 1 || (a->flags & kLayout) != kLayout) return nullptr;
+  const auto dtype = py::reinterpret_borrow<py::dtype>(a->descr);
+  constexpr char kNative = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ ? '<' : '>';
+  const char order = dtype.byteorder();  // '=' native, '|' not applicable
+  if (dtype.normalized_num() != py::dtype::num_of<T>() || (order != '=' && order != '|' && order != kNative)) {
+    return nullptr;
+  }
+  size = static_cast<size_t>(a->dimensions[0]);
+  return reinterpret_cast<const T*>(a->data);
 }
 
 // False when an array is not exact (see exact()); the lengths are checked here, the values by the core.
@@ -61,9 +69,11 @@ bool events(sched::EventBatch& ev, const py::handle& ids, const py::handle& coun
   ev.tokens = exact<int32_t>(tokens, ev.n_tokens);
   ev.logprobs = exact<float>(logprobs, ev.n_logprobs);
   if (!ev.sample_ids || !ev.counts || !ev.versions || !ev.tokens || !ev.logprobs) return false;
-  check(n_counts == ev.n_events && n_versions == ev.n_events, ErrorKind::InvalidArgument,
-        "sample_ids, counts and versions must have the same length, got " + std::to_string(ev.n_events) + ", " +
-            std::to_string(n_counts) + ", " + std::to_string(n_versions));
+  if (n_counts != ev.n_events || n_versions != ev.n_events) {
+    throw Error(ErrorKind::InvalidArgument, "sample_ids, counts and versions must have the same length, got " +
+                                                std::to_string(ev.n_events) + ", " + std::to_string(n_counts) + ", " +
+                                                std::to_string(n_versions));
+  }
   return true;
 }
 
@@ -178,9 +188,11 @@ void bind_scheduler(py::module_& m) {
              size_t n_reasons = 0;
              ev.reasons = exact<uint8_t>(reasons, n_reasons);
              if (!events(ev, ids, counts, tokens, logprobs, versions) || !ev.reasons) return false;
-             check(n_reasons == ev.n_events, ErrorKind::InvalidArgument,
-                   "reasons has " + std::to_string(n_reasons) + " entries, sample_ids has " +
-                       std::to_string(ev.n_events) + ": one finish reason per sample");
+             if (n_reasons != ev.n_events) {
+               throw Error(ErrorKind::InvalidArgument, "reasons has " + std::to_string(n_reasons) +
+                                                           " entries, sample_ids has " + std::to_string(ev.n_events) +
+                                                           ": one finish reason per sample");
+             }
              py::gil_scoped_release nogil;
              s.on_finish(ev);
              return true;

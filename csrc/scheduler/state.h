@@ -25,17 +25,20 @@ struct Segment {
   int32_t start;  // index of the run's first token in the response
 };
 
-struct Sample {
-  SampleState state = SampleState::Queued;
-  FinishReason finish = FinishReason::Stop;
+// alignas(64): the fields every token event reads and writes share one cache line (the first), so an event
+// misses once per sample at most; the rest is read at dispatch, finish and step boundaries.
+struct alignas(64) Sample {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
-  std::vector<Segment> segments;
-  int32_t tail_version = -1;          // segments.back().version (-1: none), so events need not read segments
-  int64_t dispatch_version = -1;      // policy version at the last dispatch
-  int64_t tokens_at_step_start = 0;   // response length when the current step began
-  int64_t resumes = 0;
+  int32_t tail_version = -1;  // segments.back().version (-1: none), so events need not read segments
+  SampleState state = SampleState::Queued;
   bool resumed = false;  // the last dispatch resumed an aborted partial (a re-prefill; not a continuation)
+  FinishReason finish = FinishReason::Stop;
+  int64_t dispatch_version = -1;  // policy version at the last dispatch
+  // End of the first cache line.
+  std::vector<Segment> segments;
+  int64_t tokens_at_step_start = 0;  // response length when the current step began
+  int64_t resumes = 0;
   // Set at dispatch (not persisted: nothing is in flight after a load).
   int32_t dispatch_len = 0;     // response length when the last request was sent
   int32_t dispatch_budget = 0;  // that request's max_new_tokens
@@ -43,7 +46,7 @@ struct Sample {
   // Policy version at which the sample came back at a chunk boundary: its next dispatch at that version is a
   // continuation (the engine still holds its KV). -1: none.
   int32_t chunk_version = -1;
-  // Scratch of the batch calls' validation pass (not persisted).
+  // Scratch of on_finish's validation pass (not persisted).
   uint64_t scratch_epoch = 0;
   int64_t scratch_len = 0;
   int64_t scratch_version = 0;
@@ -60,6 +63,8 @@ struct Sample {
   // One past the last token of segment k: the next segment's start, or the response's end.
   size_t segment_end(size_t k) const { return k + 1 < segments.size() ? segments[k + 1].start : tokens.size(); }
 };
+static_assert(offsetof(Sample, dispatch_version) + sizeof(Sample::dispatch_version) <= 64,
+              "the fields of a token event fit in the first cache line");
 
 enum class GroupState : uint8_t {
   Active = 0,     // some sample not done
