@@ -7,7 +7,8 @@ tensors go the way SGLangEngineConfig.weight_sync says:
   loaded with /update_weights_from_disk (any SGLang release; the servers need a shared file system);
 - "tensor": one /update_weights_from_tensor per bucket, each a base64 safetensors blob, which only the
   embedded server reads (SGLang's own serializer passes CUDA IPC handles between processes of one machine);
-- "broadcast": SGLang's collective update from this process (april_ext.sglang.broadcast).
+- "broadcast": SGLang's collective update from this process (april_ext.sglang.broadcast), or from the process
+  that holds them when given as a BroadcastSource (a Ray run's trainer rank 0).
 The current release runs tensor and collective updates inside a weight-update session
 (/begin_weight_update ... /end_weight_update), which is opened on the workers of that release.
 """
@@ -24,13 +25,15 @@ from safetensors import safe_open
 from april_ext.model.checkpoint import iter_safetensors, safetensors_files, save_safetensors_sharded
 from april_ext.protocol import sglang_wire
 from april_ext.protocol.sglang_wire import encode_named_tensors
-from april_ext.sglang.broadcast import WeightBroadcaster, buckets
+from april_ext.errors import InvalidArgumentError
+from april_ext.sglang.broadcast import BroadcastSource, WeightBroadcaster, buckets
 from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.errors import SGLangHTTPError
 from april_ext.sglang.profiles import ServerProfile
 from april_ext.sglang.workers import WorkerPool
 
-WeightsSource = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike[str]
+WeightsSource = (Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike[str]
+                 | BroadcastSource)
 
 
 async def push_weights(workers: WorkerPool, http: HTTPClient, weights: WeightsSource, version: int,
@@ -40,7 +43,13 @@ async def push_weights(workers: WorkerPool, http: HTTPClient, weights: WeightsSo
     flush_cache=False (SGLang fails a flush while requests are held by an in_place pause) and keeping their
     requests (SGLang holds the update until they end, or runs it at once while paused); returns the names
     loaded. Named tensors are read once, in order: the disk and tensor syncs stream them in buckets of
-    ``broadcaster.bucket_bytes`` (one bucket held at a time), the broadcast keeps them all for its retry."""
+    ``broadcaster.bucket_bytes`` (one bucket held at a time), the broadcast keeps them all for its retry. A
+    BroadcastSource (weight_sync "broadcast" only) is read bucket by bucket by its host, here nothing."""
+    if isinstance(weights, BroadcastSource):
+        if weight_sync != "broadcast":
+            raise InvalidArgumentError(f"weights broadcast by their holder need weight_sync='broadcast', not "
+                                       f"{weight_sync!r}")
+        return await broadcaster.push(weights, version, flush_cache=flush_cache)
     if isinstance(weights, (str, os.PathLike)):
         path = os.path.abspath(os.fspath(weights))
         if weight_sync == "broadcast":
@@ -84,8 +93,7 @@ async def _send_bucket(workers: WorkerPool, bucket: list[tuple[str, torch.Tensor
 
 async def _broadcast(broadcaster: WeightBroadcaster, tensors: list[tuple[str, torch.Tensor]],
                      version: int, flush_cache: bool) -> list[str]:
-    await broadcaster.push(tensors, version, flush_cache=flush_cache)
-    return sorted(name for name, _ in tensors)
+    return await broadcaster.push(tensors, version, flush_cache=flush_cache)
 
 
 async def _from_disk(workers: WorkerPool, path: str, version: int, flush_cache: bool) -> list[str]:
