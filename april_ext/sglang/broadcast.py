@@ -74,6 +74,7 @@ class WeightSender:
         self.timeout_s = timeout_s
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._held: list[torch.Tensor] | None = None
+        self.bytes_sent = 0
 
     @staticmethod
     def endpoint(address: str) -> tuple[str, int]:
@@ -100,7 +101,12 @@ class WeightSender:
         group = self._groups.get(name)
         if group is None:
             raise InvalidStateError(f"WeightSender.send: no weight group {name!r} here (join() first)")
-        broadcast_tensors(group, tensors)
+        try:
+            broadcast_tensors(group, tensors)
+        except RuntimeError:  # a peer died or stalled: the group cannot carry another broadcast
+            self.leave(name)
+            raise
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
 
     def drop(self) -> None:
         """Forgets a held bucket (an update that failed before sending it)."""
@@ -196,6 +202,7 @@ class _Group:
     name: str
     urls: tuple[str, ...]
     backend: str
+    usable: bool = True
 
 
 class WeightBroadcaster:
@@ -242,7 +249,8 @@ class WeightBroadcaster:
         if bucket is None:
             raise InvalidArgumentError("a weight broadcast needs at least one tensor")
         group = self._group
-        if group is None or group.urls != urls or group.backend != bucket.backend or group.host is not source.host:
+        if (group is None or not group.usable or group.urls != urls or group.backend != bucket.backend
+                or group.host is not source.host):
             group = await self._build(source.host, urls, bucket.backend)
         names: list[str] = []
         try:
@@ -257,29 +265,34 @@ class WeightBroadcaster:
                 raise
             await self._each(urls, "/end_weight_update", {})
         except BaseException:
-            self._group = None  # a broken group carries no further broadcast: the next update builds a new one
+            group.usable = False  # a broken group carries no further broadcast: the next update builds a new one
             raise
         return sorted(names)
 
     def reset(self) -> None:
-        """Forgets the group (a worker restarted and left it): the next update builds a new one."""
-        self._group = None
+        """A worker restarted and left the group: the next update builds a new one."""
+        if self._group is not None:
+            self._group.usable = False
 
     async def close(self) -> None:
         """Leaves the group on every worker and on its host (best effort: the workers may be gone)."""
         group, self._group = self._group, None
-        if group is None:
-            return
-        await self._post_all(group.urls, "/destroy_weights_update_group", {"group_name": group.name})
+        if group is not None:
+            await self._leave(group, group.urls)
+
+    async def _leave(self, group: _Group, urls: Sequence[str]) -> None:
+        """Group ``group`` is left by ``urls`` and its host (best effort: they may be gone, or have dropped it
+        after a failed broadcast)."""
+        await self._post_all(urls, "/destroy_weights_update_group", {"group_name": group.name})
         try:
             await self._bounded(group.host.leave(group.name), f"leaving weight group {group.name!r}")
-        except WeightBroadcastError as exc:  # the host may be gone; the workers left already
+        except WeightBroadcastError as exc:
             logger.warning("%s", exc)
 
     async def _build(self, host: GroupHost, urls: tuple[str, ...], backend: str) -> _Group:
         old, self._group = self._group, None
-        if old is not None and old.host is not host:
-            await self._bounded(old.host.leave(old.name), f"leaving weight group {old.name!r}")
+        if old is not None:  # left by the workers still listed (one that left the list may not answer)
+            await self._leave(old, [u for u in old.urls if u in urls])
         address, port = await self._bounded(host.endpoint(urls), "choosing the weight group's rendezvous")
         name = f"april_ext_weights_{uuid.uuid4().hex[:12]}"  # torch keeps group names for the process's life
         world = 1 + len(urls)
@@ -300,11 +313,13 @@ class WeightBroadcaster:
         await self._together(sent, calls, f"broadcasting {len(bucket.names)} tensors in group {group.name!r}")
 
     async def _bounded(self, call: Awaitable[Any], what: str) -> Any:
-        """The host's answer within timeout_s (it may be another process, which may die or stall)."""
+        """The host's answer within 2 x timeout_s (it may be another process, which may die or stall; after a
+        failed update it may first have to leave a collective, which takes up to timeout_s)."""
+        limit = 2 * self.timeout_s
         try:
-            return await asyncio.wait_for(call, self.timeout_s)
+            return await asyncio.wait_for(call, limit)
         except asyncio.TimeoutError:
-            raise WeightBroadcastError(f"{what}: the trainer's side did not answer within {self.timeout_s} s") from None
+            raise WeightBroadcastError(f"{what}: the trainer's side did not answer within {limit} s") from None
         except (RuntimeError, OSError) as exc:
             if isinstance(exc, AprilError):
                 raise
