@@ -3,7 +3,8 @@
     RAY_AUTH_MODE=disabled OMP_NUM_THREADS=1 python bench/bench_ray_weight_sync.py [--hidden 1024 --layers 4]
         [--ranks 1 --engines 2 --rounds 3 --bucket-mb 64]
 
-Two runs of the same topology on one local Ray cluster (trainer actors, embedded engines behind the router),
+Two runs of the same topology on one local Ray cluster started here (trainer actors, embedded engines behind
+the router),
 one with weight_sync="broadcast", one with "disk", and three paths timed in turn, round after round, so that
 each sees the same machine load:
 - "broadcast from rank 0": the run's sync (trainer rank 0 broadcasts its export; the driver posts the HTTP side);
@@ -11,9 +12,11 @@ each sees the same machine load:
   runs before rank 0 broadcast: every bucket crosses the object store to the driver, which broadcasts it);
 - "disk": the other run's sync (rank 0's export pulled through the driver, written to the weight-sync
   directory, loaded by every engine).
-Each sync is timed from the call until every engine loaded the weights. Meanwhile the resident memory
-(cluster.process_memory.rss_bytes, sampled every 5 ms) of the driver and of trainer rank 0 is watched: the
-table shows its largest rise over the value before the sync.
+Each sync is timed from the call until every engine loaded the weights (best and median of the rounds after
+a warm-up). Meanwhile the resident memory (cluster.process_memory.rss_bytes, sampled every 5 ms) of the
+driver and of trainer rank 0 is watched: the table shows its largest rise over the value before the sync,
+over every round (the warm-up's too: a process's allocator keeps memory freed by one round for the next, so
+later rounds show less than the path allocates).
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ async def measure(args: argparse.Namespace, tmp: str) -> dict[str, list[tuple[fl
     finally:
         for run in runs.values():
             await run.__aexit__(None, None, None)
-    return {name: rows[1:] for name, rows in out.items()}
+    return out
 
 
 def main() -> None:
@@ -100,17 +103,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     args = parser.parse_args()
+    import ray
+
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    with tempfile.TemporaryDirectory() as tmp:
-        results = asyncio.run(measure(args, tmp))
-        model = os.path.join(tmp, "broadcast", "sglang", "initial_model")
-        size = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model) if f.endswith(".safetensors"))
+    # One cluster for both runs (a run that started its own would end it on leaving).
+    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level="WARNING")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = asyncio.run(measure(args, tmp))
+            model = os.path.join(tmp, "broadcast", "sglang", "initial_model")
+            size = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)
+                       if f.endswith(".safetensors"))
+    finally:
+        ray.shutdown()
     print(f"model: {size / MIB:.1f} MiB; {args.ranks} rank(s), {args.engines} engines, {args.bucket_mb} MiB buckets, "
           f"{args.rounds} rounds after a warm-up")
     print("| path | best s | median s | s per GB (best) | driver RSS rise MiB (max) | rank 0 RSS rise MiB (max) |")
     print("|---|---|---|---|---|---|")
     for name, rows in results.items():
-        times = [t for t, _ in rows]
+        times = [t for t, _ in rows[1:]]
         print(f"| {name} | {min(times):.2f} | {statistics.median(times):.2f} | {min(times) / (size / 2**30):.2f} | "
               f"{max(m['driver'] for _, m in rows):.0f} | {max(m['rank 0'] for _, m in rows):.0f} |")
 

@@ -87,10 +87,12 @@ class TrainerRank:
         """Every rank exports (with model parallelism a collective, gathered while the export is read).
         ``send``: this rank's export is wanted, and ``next_bucket`` hands it out (returns its version);
         otherwise this rank reads it to the end here, taking part in the gather, and keeps nothing.
+        ``to_cpu``: host copies (what goes through the object store), else the trainer's own tensors
+        (rank 0's broadcast reads them where they are, before any other call of this rank).
         ``version``: the weights must be that version (a rank's calls run one at a time, so no train step
         comes between this check and the export)."""
         self._check_version(version)
-        weights = self.trainer.export_weights(to_cpu=to_cpu or send)
+        weights = self.trainer.export_weights(to_cpu=to_cpu)
         if not send:
             collections.deque(weights, maxlen=0)
             return None

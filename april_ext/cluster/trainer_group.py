@@ -123,7 +123,8 @@ class TrainerGroup:
     def _reading(self, to_cpu: bool) -> Iterator[tuple[str, Any]]:
         if self._open_export is not None:
             self._open_export()
-        calls = [a.begin_export.remote(to_cpu, r == 0) for r, a in enumerate(self.actors)]
+        # Rank 0's buckets cross the object store: host copies.
+        calls = [a.begin_export.remote(to_cpu or r == 0, r == 0) for r, a in enumerate(self.actors)]
         self._wait("export_weights", calls[:1])
         pulled = self._pulling(calls)
         self._open_export = lambda: collections.deque(pulled, maxlen=0)

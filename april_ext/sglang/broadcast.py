@@ -95,12 +95,12 @@ class WeightSender:
 
     def send(self, name: str) -> None:
         """Broadcasts the held bucket in group ``name``, then drops it."""
-        tensors, self._held = self._held, None
-        if tensors is None:
-            raise InvalidStateError("WeightSender.send: no bucket is held (hold() first)")
         group = self._groups.get(name)
         if group is None:
             raise InvalidStateError(f"WeightSender.send: no weight group {name!r} here (join() first)")
+        tensors, self._held = self._held, None
+        if tensors is None:
+            raise InvalidStateError("WeightSender.send: no bucket is held (hold() first)")
         try:
             broadcast_tensors(group, tensors)
         except RuntimeError:  # a peer died or stalled: the group cannot carry another broadcast
