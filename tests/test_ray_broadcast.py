@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import logging
 import os
 import signal
+import urllib.request
 
 import pytest
 import torch
@@ -23,8 +25,6 @@ from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.cluster.rank_broadcast import RankZeroHost
 from april_ext.model import load_pretrained
-from april_ext.protocol import SamplingParams
-from april_ext.sglang import SGLangEngine, SGLangEngineConfig
 from april_ext.training import TrainConfig, TrainingRun
 
 pytestmark = [
@@ -39,7 +39,7 @@ TINY = dict(counting_median=3.0, counting_sigma=0.8, counting_max_count=12, coun
             max_num_seqs=64, num_blocks=256, lr=0.003, progress=False, plots=False, num_threads=1)
 RAY = dict(ray=True, ray_num_cpus_per_actor=0.25, ray_timeout_s=120.0, ray_engine_check_interval_s=0.5,
            weight_sync="broadcast", weight_sync_bucket_mb=0.004)
-GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+NEW_TOKENS = 6
 PROMPTS = [[1, 2, 1], [2, 2, 1, 1, 2], [1]]
 
 
@@ -68,21 +68,24 @@ def _reference(run: TrainingRun):
 def _greedy_reference(model, prompt: list[int]) -> list[int]:
     ids = list(prompt)
     with torch.no_grad():
-        for _ in range(GREEDY.max_new_tokens):
+        for _ in range(NEW_TOKENS):
             ids.append(int(model(torch.tensor(ids)[None])[0, -1].argmax()))
     return ids[len(prompt):]
 
 
-async def _engine_view(url: str) -> tuple[str, list[list[int]]]:
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def _engine_view(url: str) -> tuple[str, list[list[int]]]:
     """(the weight version the engine reports, its greedy continuations of PROMPTS)."""
-    async with SGLangEngine(SGLangEngineConfig(worker_urls=(url,))) as one:
-        label = (await one.weight_versions())[url]
-        outputs = []
-        for prompt in PROMPTS:
-            tokens: list[int] = []
-            async for chunk in one.generate(prompt, GREEDY):
-                tokens.extend(chunk.token_ids)
-            outputs.append(tokens)
+    with urllib.request.urlopen(f"{url}/model_info", timeout=60) as response:
+        label = str(json.loads(response.read())["weight_version"])
+    sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    outputs = [list(_post(f"{url}/generate", {"input_ids": p, "sampling_params": sampling, "stream": False})
+                    ["output_ids"]) for p in PROMPTS]
     return label, outputs
 
 
@@ -99,7 +102,7 @@ def test_rank_0_broadcasts_every_update_and_the_engines_generate_as_its_export(t
                 await run.step()
                 reference = _reference(run)
                 seen["references"].append([_greedy_reference(reference, p) for p in PROMPTS])
-                seen["views"].append([await _engine_view(s.url) for s in engine.pool.slots])
+                seen["views"].append([await asyncio.to_thread(_engine_view, s.url) for s in engine.pool.slots])
             seen["rank0_sent"] = trainer.weight_bytes_sent()
             seen["driver_sent"] = engine.inner._broadcaster.local.sender.bytes_sent
             seen["host"] = engine.inner._broadcaster._group.host
@@ -141,15 +144,17 @@ def test_an_engine_killed_while_rank_0_broadcasts_is_left_out_then_rejoins_with_
             await asyncio.wait_for(run.step(), 240)  # the fault comes with the sync's first bucket
             seen["step_s"] = asyncio.get_running_loop().time() - start
             assert not armed, "the step sent no bucket"
-            seen["survivor"] = await _engine_view(engine.pool.slots[1].url)
+            seen["survivor"] = await asyncio.to_thread(_engine_view, engine.pool.slots[1].url)
             deadline = asyncio.get_running_loop().time() + 120
             while not (engine.rejoins == 1 and engine.pool.states()[0] == "up"):
                 assert asyncio.get_running_loop().time() < deadline, "the killed engine did not rejoin"
                 await asyncio.sleep(0.2)
-            seen["rejoined"] = (killed.url, (await _engine_view(killed.url))[0], str(run.trainer.version))
+            label = (await asyncio.to_thread(_engine_view, killed.url))[0]
+            seen["rejoined"] = (killed.url, label, str(run.trainer.version))
             while not run.done:
                 await run.step()
-            seen["labels"] = sorted({(await _engine_view(s.url))[0] for s in engine.pool.slots})
+            seen["labels"] = sorted({(await asyncio.to_thread(_engine_view, s.url))[0]
+                                     for s in engine.pool.slots})
             seen["listed"] = sorted(engine.pool.router.workers())
             await run.finish()
             seen["history"] = run.history
@@ -179,7 +184,7 @@ def test_colocated_rank_0_posts_its_export_to_its_engine_with_the_tensor_path(tm
             while not run.done:
                 await run.step()
                 await run.memory.to_rollout()  # the engine resident, the trainer paused: as for a rollout
-                seen["views"].append(await _engine_view(engine.pool.slots[0].url))
+                seen["views"].append(await asyncio.to_thread(_engine_view, engine.pool.slots[0].url))
                 await run.memory.to_training()
                 seen["references"].append([_greedy_reference(_reference(run), p) for p in PROMPTS])
             seen["rank0_sent"] = trainer.weight_bytes_sent()
