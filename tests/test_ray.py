@@ -211,7 +211,7 @@ def test_an_engine_server_killed_or_stopped_mid_step_fails_over_and_rejoins_with
     timeout_s = 3.0
     config = TrainConfig(**{**TINY, "rollout_batch_size": 4}, **RAY, num_steps=4, output_dir=str(tmp_path / "run"),
                          actor_num_gpus_per_node=1, rollout_num_gpus=2, sglang_worker_timeout_s=timeout_s,
-                         weight_sync=weight_sync)
+                         weight_sync=weight_sync, weight_sync_timeout_s=120.0)  # a loaded machine: joins were slow
 
     async def run() -> dict:
         async with TrainingRun(config) as run:

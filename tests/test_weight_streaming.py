@@ -139,3 +139,38 @@ def test_a_ray_trainer_rank_hands_its_export_out_bucket_by_bucket(tmp_path) -> N
     assert all(sum(t.numel() * t.element_size() for _, t in b) <= bucket_bytes for b in buckets)
     got = [(name, t) for b in buckets for name, t in b]
     assert [n for n, _ in got] == list(want) and all(torch.equal(t, want[n]) for n, t in got)
+
+
+def test_a_ray_trainer_rank_holds_one_bucket_for_the_broadcast_and_refuses_another_version(tmp_path) -> None:
+    """Rank 0 of a Ray run's weight broadcast: each bucket stays on the rank (the driver gets its names, dtypes
+    and shapes); an export asked for as another version than the trainer's is refused (a train step came
+    between the update and a rejoining engine's export)."""
+    from april_ext.cluster.trainer_actor import TrainerRank
+    from april_ext.training.config import TrainConfig
+
+    model = tiny_model(seed=2)
+    bucket_bytes = 3 * max(p.numel() * p.element_size() for p in model.parameters())
+    config = TrainConfig(hidden_size=16, num_layers=1, output_dir=str(tmp_path), progress=False, plots=False,
+                         weight_sync_bucket_mb=bucket_bytes / 2**20)
+    rank = TrainerRank(config, 0, 1)
+    rank.setup(("127.0.0.1", 0), model, "")
+    try:
+        with pytest.raises(InvalidStateError, match="version 0, not 1"):
+            rank.begin_export(False, True, 1)
+        rank.begin_export(False, True, 0)
+        metas = []
+        while (meta := rank.next_bucket_held()) is not None:
+            metas.append(meta)
+        with pytest.raises(InvalidStateError, match="no weight group 'g'"):
+            rank.weight_send("g")  # the last bucket is held until sent (or dropped by end_export)
+        rank.end_export()
+        rank._sender._groups["g"] = object()  # a group, so that only the held bucket is missing
+        with pytest.raises(InvalidStateError, match="no bucket is held"):
+            rank.weight_send("g")
+        rank._sender._groups.clear()
+    finally:
+        rank.close()
+    assert len(metas) > 2 and all(m.backend == "gloo" for m in metas)
+    assert [n for m in metas for n in m.names] == [n for n, _ in model.named_parameters()]
+    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
+    assert all(shape == shapes[n] for m in metas for n, shape in zip(m.names, m.shapes))

@@ -55,7 +55,7 @@ def server_args(config: TrainConfig, model_path: str, version: int, index: int, 
     if config.engine == "embedded":
         extra = ("--weight-version", str(version), "--num-blocks", str(config.num_blocks), "--block-size",
                  str(config.block_size), "--max-num-seqs", str(config.max_num_seqs), "--device", config.device,
-                 "--seed", str(config.seed + index))
+                 "--seed", str(config.seed + index), "--weight-group-timeout", str(config.weight_sync_timeout_s))
         return EMBEDDED_SERVER, SGLangServerArgs(model_path=model_path, enable_memory_saver=config.colocate,
                                                  extra_args=extra)
     extra = ("--weight-version", str(version), *shlex.split(config.sglang_args))
@@ -160,6 +160,33 @@ class EnginePool:
         slot.restarts_seen += 1
         logger.warning("rollout engine %d restarted (pid %d) and rejoined the router at %s with the current "
                        "weights", slot.index, pid, url)
+
+    async def prune(self) -> bool:
+        """Checks every listed engine now (a weight update failed): one that does not answer, or answers from
+        a new server, leaves the router at once, as the watch would take it off (and the watch brings it back).
+        True when any left."""
+        import ray
+
+        pruned = False
+        for slot in self.slots:
+            if slot.dead or not slot.registered:
+                continue
+            try:
+                _, url = await ray_result(slot.actor.address.remote(), self._probe_timeout_s)
+                if url == slot.url:
+                    continue
+                reason = f"restarted at {url}"
+            except (asyncio.TimeoutError, ray.exceptions.RayError) as err:
+                slot.dead = isinstance(err, ray.exceptions.ActorDiedError)
+                reason = type(err).__name__
+            gone = slot.url
+            await asyncio.to_thread(self.router.remove, gone)
+            await asyncio.to_thread(self.router.wait_until, lambda w, gone=gone: gone not in w,
+                                    self.config.ray_timeout_s, f"stop listing {gone}")
+            slot.registered = False
+            pruned = True
+            logger.warning("rollout engine %d (%s) is down (%s): removed from the router", slot.index, gone, reason)
+        return pruned
 
     def states(self) -> dict[int, str]:
         return {s.index: "dead" if s.dead else "up" if s.registered else "down" for s in self.slots}

@@ -2,6 +2,9 @@
 calls go through an SGLangEngine pointed at the router (aborts and weights reach every worker the router
 lists: the router has no /abort_request); beside it the engine pool's watch keeps the router's list to
 the engines that answer, and gives a restarted engine the weights of the last update before it rejoins.
+With weight_sync="broadcast" trainer rank 0 broadcasts the weights, with "tensor" it posts them
+(cluster.rank_broadcast): the driver holds none of them, and a rejoining engine has them exported and sent
+again.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from april_ext.cluster.engine_pool import EnginePool
+from april_ext.cluster.rank_broadcast import RankExport
 from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import GenerationChunk, GenerationOutput
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig
+from april_ext.sglang.broadcast import WeightBroadcastError
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +56,33 @@ class RayEngine:
         return await self.inner.abort(request_ids)
 
     async def update_weights(self, weights: Any, version: int) -> list[str]:
-        """New weights on every registered engine; kept for engines that rejoin later: with weight_sync "disk"
-        as the weight-sync directory the update wrote (the trainer's export streams through), otherwise as
-        the tensors themselves, on the driver."""
+        """New weights on every registered engine; kept for engines that rejoin later: with weight_sync
+        "broadcast" or "tensor" and the trainer group's export, as its source (rank 0 broadcasts them, or
+        posts them, and exports them again for a rejoining engine); with "disk" as the weight-sync directory
+        the update wrote (the trainer's export streams through); otherwise as the tensors themselves, on the
+        driver.
+        A broadcast that fails (an engine died mid-update) goes again to the engines that answer, once the
+        others are off the router."""
         async with self._lock:
             config = self.inner.config
             kept: Any = weights
-            if config.weight_sync == "disk" and not isinstance(weights, (str, os.PathLike)):
+            if config.weight_sync == "broadcast" and isinstance(weights, RankExport):
+                weights = kept = weights.source
+            elif config.weight_sync == "tensor" and isinstance(weights, RankExport):
+                weights = kept = weights.poster
+            elif config.weight_sync == "disk" and not isinstance(weights, (str, os.PathLike)):
                 assert config.weight_sync_dir is not None  # SGLangEngineConfig requires it for "disk"
                 kept = config.weight_sync_dir
             elif not isinstance(weights, (str, os.PathLike)):
                 weights = kept = list(weights.items() if isinstance(weights, dict) else weights)
-            names = await self.inner.update_weights(weights, version)
+            while True:
+                try:
+                    names = await self.inner.update_weights(weights, version)
+                    break
+                except WeightBroadcastError as err:
+                    if not await self.pool.prune():  # each retry has fewer engines: a bounded loop
+                        raise
+                    logger.warning("weight update %d failed (%s); sending it again to the engines left", version, err)
             self._weights = (kept, version)
             return names
 
@@ -87,8 +107,10 @@ class RayEngine:
                 return
             config = self.inner.config
             version = self._weights[1] if self._weights is not None else config.initial_weight_version
-            async with SGLangEngine(SGLangEngineConfig(worker_urls=(url,), initial_weight_version=version,
-                                                       weight_sync_dir=config.weight_sync_dir)) as engine:
+            async with SGLangEngine(SGLangEngineConfig(
+                    worker_urls=(url,), initial_weight_version=version, weight_sync=config.weight_sync,
+                    weight_sync_dir=config.weight_sync_dir, weight_bucket_mb=config.weight_bucket_mb,
+                    weight_sync_timeout_s=config.weight_sync_timeout_s)) as engine:
                 if self._weights is not None:
                     await engine.update_weights(*self._weights)
                 if self._released:

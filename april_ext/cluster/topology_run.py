@@ -49,7 +49,7 @@ class RayTopologyRun:
         """Engines on a checkpoint of the trainer's current weights (after a resume, the checkpoint's),
         labelled with its version. New weights reach them as in engine='sglang' (weight_sync): by default
         written to the weight-sync directory (sglang_weight_sync_dir, which every node must see) and loaded
-        from disk, or broadcast by the driver to every engine through a process group.
+        from disk, or broadcast by trainer rank 0 to every engine through a process group (rank_broadcast).
         Failover as in engine='sglang' (sglang_worker_timeout_s): a server that died or stopped answering
         leaves the router, its requests return to the scheduler as partials."""
         assert self._session is not None, "TrainingRun enters the trainer factory first"
@@ -61,6 +61,7 @@ class RayTopologyRun:
             async with SGLangEngine(SGLangEngineConfig(
                     router_url=pool.router.url, initial_weight_version=trainer.version,
                     weight_sync=config.weight_sync, weight_bucket_mb=config.weight_sync_bucket_mb,
+                    weight_sync_timeout_s=config.weight_sync_timeout_s,
                     weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
                     stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s,
                     priority=config.sglang_priority)) as inner, RayEngine(inner, pool) as engine:

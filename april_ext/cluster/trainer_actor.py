@@ -10,6 +10,7 @@ actor its own GPU (CUDA_VISIBLE_DEVICES), hence LOCAL_RANK 0.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import copy
@@ -24,7 +25,8 @@ from april_ext.cluster.process_memory import rss_bytes
 from april_ext.model import LlamaForCausalLM, load_pretrained
 from april_ext.errors import InvalidStateError
 from april_ext.protocol.trainer import Trainer
-from april_ext.sglang.broadcast import buckets
+from april_ext.sglang.broadcast import BucketMeta, WeightSender, buckets
+from april_ext.sglang.weights import post_tensors
 from april_ext.trainer import distributed
 from april_ext.training.config import TrainConfig
 from april_ext.training.trainers import build_trainer
@@ -38,6 +40,9 @@ class TrainerRank:
         self._stack = contextlib.ExitStack()
         self._trainer: Trainer | None = None
         self._export: Iterator[list[tuple[str, torch.Tensor]]] | None = None
+        # Rank 0 of the engines' weight group (weight_sync="broadcast"; cluster.rank_broadcast).
+        self._sender = WeightSender(config.weight_sync_timeout_s)
+        self._posted = 0  # bytes posted to the engines (weight_sync="tensor")
 
     def rendezvous(self) -> tuple[str, int]:
         """(this node's address, a free port): where the other ranks meet this one (rank 0)."""
@@ -78,11 +83,16 @@ class TrainerRank:
         metrics = self.trainer.train_step(copy.deepcopy(batch))
         return metrics, self.trainer.version
 
-    def begin_export(self, to_cpu: bool, send: bool) -> int | None:
+    def begin_export(self, to_cpu: bool, send: bool, version: int | None = None) -> int | None:
         """Every rank exports (with model parallelism a collective, gathered while the export is read).
         ``send``: this rank's export is wanted, and ``next_bucket`` hands it out (returns its version);
-        otherwise this rank reads it to the end here, taking part in the gather, and keeps nothing."""
-        weights = self.trainer.export_weights(to_cpu=to_cpu or send)
+        otherwise this rank reads it to the end here, taking part in the gather, and keeps nothing.
+        ``to_cpu``: host copies (what goes through the object store), else the trainer's own tensors
+        (rank 0's broadcast reads them where they are, before any other call of this rank).
+        ``version``: the weights must be that version (a rank's calls run one at a time, so no train step
+        comes between this check and the export)."""
+        self._check_version(version)
+        weights = self.trainer.export_weights(to_cpu=to_cpu)
         if not send:
             collections.deque(weights, maxlen=0)
             return None
@@ -98,6 +108,56 @@ class TrainerRank:
         if bucket is None:
             self._export = None
         return bucket
+
+    def _check_version(self, version: int | None) -> None:
+        if version is not None and version != self.trainer.version:
+            raise InvalidStateError(f"the trainer holds the weights of version {self.trainer.version}, not {version}: "
+                                    "they cannot be sent as that version (the next update brings them)")
+
+    def next_bucket_held(self) -> BucketMeta | None:
+        """weight_sync="broadcast": the next bucket of the export stays here, held for ``weight_send``; the
+        driver gets its names, dtypes and shapes (None after the last)."""
+        bucket = self.next_bucket()
+        return None if bucket is None else self._sender.hold(bucket)
+
+    def end_export(self) -> None:
+        """Reads the rest of an export begun here (an update that failed midway), so the other ranks' part
+        of the gather ends too; drops a held bucket."""
+        if self._export is not None:
+            collections.deque(self._export, maxlen=0)
+            self._export = None
+        self._sender.drop()
+
+    def weight_endpoint(self) -> tuple[str, int]:
+        """(this node's address, a free port) for a weight group's rendezvous hosted here."""
+        return self.rendezvous()
+
+    def weight_join(self, address: str, port: int, world_size: int, name: str, backend: str) -> None:
+        self._sender.join(address, port, world_size, name, backend)
+
+    def weight_send(self, name: str) -> None:
+        self._sender.send(name)
+
+    def weight_leave(self, name: str) -> None:
+        self._sender.leave(name)
+
+    def post_tensors(self, urls: list[str], version: int, flush_cache: bool) -> list[str]:
+        """weight_sync="tensor": posts this rank's export, which must be ``version``, to ``urls``
+        (/update_weights_from_tensor per bucket of weight_sync_bucket_mb, one bucket held at a time); the names."""
+        self._check_version(version)
+        weights = self.trainer.export_weights()
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                self._posted += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        bucket_bytes = int(self.config.weight_sync_bucket_mb * 2**20)
+        return asyncio.run(post_tensors(urls, counted(), weights.version, bucket_bytes, flush_cache))
+
+    def weight_bytes_sent(self) -> int:
+        """Bytes this rank has broadcast or posted to the engines."""
+        return self._sender.bytes_sent + self._posted
 
     def save_checkpoint(self, path: str, extra: dict[str, Any] | None) -> None:
         self.trainer.save_checkpoint(path, extra)

@@ -10,21 +10,23 @@ continues from.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from april_ext.batch import TrainingBatch
 from april_ext.cluster.errors import ClusterError
+from april_ext.cluster.rank_broadcast import RankExport, RankZeroHost, RankZeroPoster, RankZeroSource, rank_result
 from april_ext.cluster.session import RaySession
 from april_ext.cluster.trainer_actor import TrainerRank
-from april_ext.errors import AprilError
+from april_ext.errors import AprilError, InvalidStateError
 from april_ext.model import LlamaForCausalLM
-from april_ext.protocol.trainer import ExportedWeights
+from april_ext.sglang.broadcast import BucketMeta
 from april_ext.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -45,8 +47,9 @@ class TrainerGroup:
         self.pids = pids
         self.timeout_s = timeout_s
         self._version = version
-        # An export whose stream the driver has not read to the end (see export_weights).
-        self._unread: Iterator[tuple[str, Any]] | None = None
+        # Ends an export the ranks are still in (see export_weights, begin_broadcast_export).
+        self._open_export: Callable[[], None] | None = None
+        self.weight_host = RankZeroHost(actors[0])
 
     @property
     def version(self) -> int:
@@ -57,8 +60,8 @@ class TrainerGroup:
         export left unread is read to the end (its ranks are busy in the gather until then). When a rank
         fails, the others get a few seconds to fail too (a rank that died makes the others' collectives fail
         at once), so that the error names the rank that died rather than one that lost it."""
-        if self._unread is not None:
-            collections.deque(self._unread, maxlen=0)
+        if self._open_export is not None:
+            self._open_export()
         return self._wait(what, calls)
 
     def _wait(self, what: str, calls: list[Any]) -> list[Any]:
@@ -109,23 +112,78 @@ class TrainerGroup:
         metrics, self._version = self._all("train_step", [a.train_step.remote(ref) for a in self.actors])[0]
         return metrics
 
-    def export_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
-        """Rank 0's export as a stream the driver pulls bucket by bucket (weight_sync_bucket_mb each), while
-        every rank gathers it: the driver and rank 0 hold about one bucket at a time, not the model."""
-        calls = [a.begin_export.remote(to_cpu, r == 0) for r, a in enumerate(self.actors)]
-        version = self._all("export_weights", calls[:1])[0]
-        self._unread = self._reading(calls)
-        return ExportedWeights(version, self._unread)
+    def export_weights(self, *, to_cpu: bool = False) -> RankExport:
+        """Rank 0's export, in two forms (RankExport): a stream the driver pulls bucket by bucket
+        (weight_sync_bucket_mb each) while every rank gathers it, so the driver and rank 0 hold about one
+        bucket at a time; or ``source``, broadcast by rank 0 itself (weight_sync="broadcast"), or ``poster``,
+        posted by rank 0 itself (weight_sync="tensor"). Nothing is exported until one of them is read."""
+        return RankExport(self._version, self._reading(to_cpu), RankZeroSource(self, self.weight_host),
+                          RankZeroPoster(self))
 
-    def _reading(self, calls: list[Any]) -> Iterator[tuple[str, Any]]:
+    def _reading(self, to_cpu: bool) -> Iterator[tuple[str, Any]]:
+        if self._open_export is not None:
+            self._open_export()
+        # Rank 0's buckets cross the object store: host copies.
+        calls = [a.begin_export.remote(to_cpu or r == 0, r == 0) for r, a in enumerate(self.actors)]
+        self._wait("export_weights", calls[:1])
+        pulled = self._pulling(calls)
+        self._open_export = lambda: collections.deque(pulled, maxlen=0)
+        yield from pulled
+
+    def _pulling(self, calls: list[Any]) -> Iterator[tuple[str, Any]]:
         while True:
             calls[0] = self.actors[0].next_bucket.remote()
             bucket = self._wait("export_weights", calls[:1])[0]
             if bucket is None:
                 break
             yield from bucket
-        self._unread = None
+        self._open_export = None
         self._wait("export_weights", calls)  # the other ranks' part of the gather ended too
+
+    async def begin_broadcast_export(self, version: int) -> None:
+        """weight_sync="broadcast": every rank exports the current weights (which must be ``version``), rank 0
+        keeping its export for next_broadcast_bucket. An export still open (an update that failed midway) is
+        read to its end by rank 0 first."""
+        if self._open_export is not None:
+            self._open_export()
+        calls = [a.begin_export.remote(False, r == 0, version) for r, a in enumerate(self.actors)]
+        await rank_result(calls[0], "export_weights")
+
+        def end() -> None:
+            self._open_export = None
+            self._wait("export_weights", [self.actors[0].end_export.remote(), *calls[1:]])
+
+        self._open_export = end
+
+    async def next_broadcast_bucket(self) -> BucketMeta | None:
+        """The next bucket of rank 0's export, held there for the broadcast: its names, dtypes and shapes, or
+        None after the last (the other ranks' part of the export has ended then)."""
+        if self._open_export is None:
+            raise InvalidStateError("next_broadcast_bucket: no export is open (begin_broadcast_export first)")
+        meta = await rank_result(self.actors[0].next_bucket_held.remote(), "export_weights")
+        if meta is None:
+            self._open_export()
+        return meta
+
+    async def post_tensors(self, urls: list[str], version: int, flush_cache: bool) -> list[str]:
+        """weight_sync="tensor": rank 0 posts the current weights (which must be ``version``) to ``urls``,
+        /update_weights_from_tensor per bucket, while the other ranks export (and drop) theirs; the names
+        loaded. Waits at most ray_timeout_s."""
+        if self._open_export is not None:
+            self._open_export()
+        calls = [a.post_tensors.remote(urls, version, flush_cache) if r == 0
+                 else a.begin_export.remote(False, False, version) for r, a in enumerate(self.actors)]
+        try:
+            names = await asyncio.wait_for(rank_result(calls[0], "posting weights"), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise ClusterError(f"trainer rank 0 did not post the weights to {urls} within ray_timeout_s="
+                               f"{self.timeout_s} s") from None
+        self._wait("export_weights", calls)  # the other ranks' part of the export ended too
+        return names
+
+    def weight_bytes_sent(self) -> int:
+        """Bytes rank 0 has broadcast or posted to the engines."""
+        return self._all("weight_bytes_sent", [self.actors[0].weight_bytes_sent.remote()])[0]
 
     def save_checkpoint(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         self._all("save_checkpoint", [a.save_checkpoint.remote(os.fspath(path), extra) for a in self.actors])

@@ -27,14 +27,14 @@ from april_ext.protocol.request_ids import RequestIds, abort_ids
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.protocol.sglang_wire import PAUSE_MODES
 from april_ext.sglang.aborts import Aborter
-from april_ext.sglang.broadcast import WeightBroadcaster
+from april_ext.sglang.broadcast import BroadcastSource, WeightBroadcaster
 from april_ext.sglang.client import HTTPClient, refused
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangConnectionError, SGLangHTTPError
 from april_ext.sglang.failover import Failover
 from april_ext.sglang.profiles import ServerProfile
 from april_ext.sglang.requests import RequestState, generate_payload, weight_version_of
-from april_ext.sglang.weights import WeightsSource, push_weights
+from april_ext.sglang.weights import TensorPoster, WeightsSource, push_weights
 from april_ext.sglang.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -258,10 +258,12 @@ class SGLangEngine:
         A checkpoint directory or named tensors; see april_ext.sglang.weights for the transports
         (SGLangEngineConfig.weight_sync). A stream of named tensors (an ExportedWeights) is read once:
         the disk sync and the tensor sync without failover hold one bucket of it at a time; the tensor sync
-        with failover keeps the whole of it for a rejoining worker, as the broadcast does for its retry."""
+        with failover keeps the whole of it for a rejoining worker, as the broadcast does for its retry.
+        A BroadcastSource (weight_sync "broadcast") or a TensorPoster ("tensor") is sent by the process that
+        holds the tensors; this one holds none of them, and keeps the source for a rejoining worker."""
         check_weight_version(version)
         streamed = self.config.weight_sync == "disk" or (self.config.weight_sync == "tensor" and self._failover is None)
-        if not isinstance(weights, (str, os.PathLike, Mapping)) and not streamed:
+        if not isinstance(weights, (str, os.PathLike, Mapping, BroadcastSource, TensorPoster)) and not streamed:
             weights = dict(weights)
         async with self._weights_lock:
             # Requests held in place keep their KV: SGLang would fail the flush (it flushes only when idle).
@@ -408,9 +410,10 @@ class SGLangEngine:
 
 def _kept(weights: WeightsSource, weight_sync: str, weight_sync_dir: str | None) -> WeightsSource:
     """What a rejoining worker will load: the directory the weights are in (with weight_sync "disk" the
-    weight-sync directory holds the last tensors pushed), else a CPU copy of the tensors (a trainer exports
-    its live parameters, which its next update changes in place)."""
-    if isinstance(weights, (str, os.PathLike)):
+    weight-sync directory holds the last tensors pushed), a BroadcastSource or TensorPoster itself (its holder
+    exports them again), else a CPU copy of the tensors (a trainer exports its live parameters, which its next update
+    changes in place)."""
+    if isinstance(weights, (str, os.PathLike, BroadcastSource, TensorPoster)):
         return weights
     if weight_sync == "disk":
         assert weight_sync_dir is not None  # SGLangEngineConfig requires it for "disk"

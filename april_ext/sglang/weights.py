@@ -7,7 +7,10 @@ tensors go the way SGLangEngineConfig.weight_sync says:
   loaded with /update_weights_from_disk (any SGLang release; the servers need a shared file system);
 - "tensor": one /update_weights_from_tensor per bucket, each a base64 safetensors blob, which only the
   embedded server reads (SGLang's own serializer passes CUDA IPC handles between processes of one machine);
-- "broadcast": SGLang's collective update from this process (april_ext.sglang.broadcast).
+  from this process, or from the process that holds them when given as a TensorPoster (a Ray run's trainer
+  rank 0, which calls post_tensors);
+- "broadcast": SGLang's collective update from this process (april_ext.sglang.broadcast), or from the process
+  that holds them when given as a BroadcastSource (a Ray run's trainer rank 0).
 The current release runs tensor and collective updates inside a weight-update session
 (/begin_weight_update ... /end_weight_update), which is opened on the workers of that release.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -24,13 +27,27 @@ from safetensors import safe_open
 from april_ext.model.checkpoint import iter_safetensors, safetensors_files, save_safetensors_sharded
 from april_ext.protocol import sglang_wire
 from april_ext.protocol.sglang_wire import encode_named_tensors
-from april_ext.sglang.broadcast import WeightBroadcaster, buckets
+from april_ext.errors import InvalidArgumentError
+from april_ext.sglang.broadcast import BroadcastSource, WeightBroadcaster, buckets
 from april_ext.sglang.client import HTTPClient
+from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangHTTPError
 from april_ext.sglang.profiles import ServerProfile
 from april_ext.sglang.workers import WorkerPool
 
-WeightsSource = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike[str]
+
+
+@runtime_checkable
+class TensorPoster(Protocol):
+    """Weights that the process holding them posts to the workers itself (weight_sync "tensor")."""
+
+    async def post(self, urls: list[str], version: int, flush_cache: bool) -> list[str]:
+        """/update_weights_from_tensor calls to ``urls`` as push_weights makes them (post_tensors); the names."""
+        ...
+
+
+WeightsSource = (Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike[str]
+                 | BroadcastSource | TensorPoster)
 
 
 async def push_weights(workers: WorkerPool, http: HTTPClient, weights: WeightsSource, version: int,
@@ -40,7 +57,17 @@ async def push_weights(workers: WorkerPool, http: HTTPClient, weights: WeightsSo
     flush_cache=False (SGLang fails a flush while requests are held by an in_place pause) and keeping their
     requests (SGLang holds the update until they end, or runs it at once while paused); returns the names
     loaded. Named tensors are read once, in order: the disk and tensor syncs stream them in buckets of
-    ``broadcaster.bucket_bytes`` (one bucket held at a time), the broadcast keeps them all for its retry."""
+    ``broadcaster.bucket_bytes`` (one bucket held at a time), the broadcast keeps them all for its retry. A
+    BroadcastSource (weight_sync "broadcast" only) is read bucket by bucket by its host, here nothing."""
+    if isinstance(weights, BroadcastSource):
+        if weight_sync != "broadcast":
+            raise InvalidArgumentError(f"weights broadcast by their holder need weight_sync='broadcast', not "
+                                       f"{weight_sync!r}")
+        return await broadcaster.push(weights, version, flush_cache=flush_cache)
+    if isinstance(weights, TensorPoster):
+        if weight_sync != "tensor":
+            raise InvalidArgumentError(f"weights posted by their holder need weight_sync='tensor', not {weight_sync!r}")
+        return await weights.post(await workers.worker_urls(), version, flush_cache)
     if isinstance(weights, (str, os.PathLike)):
         path = os.path.abspath(os.fspath(weights))
         if weight_sync == "broadcast":
@@ -57,6 +84,24 @@ async def push_weights(workers: WorkerPool, http: HTTPClient, weights: WeightsSo
     assert weight_sync_dir is not None  # SGLangEngineConfig requires it for "disk"
     save_safetensors_sharded(tensors, weight_sync_dir, broadcaster.bucket_bytes)
     return await _from_disk(workers, weight_sync_dir, version, flush_cache)
+
+
+async def post_tensors(urls: list[str], tensors: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
+                       flush_cache: bool) -> list[str]:
+    """The tensor sync made by the process that holds the tensors, with a client of its own: what push_weights
+    does for weight_sync "tensor", one bucket held at a time; returns the names loaded."""
+    config = SGLangEngineConfig(worker_urls=tuple(urls), weight_sync="tensor")
+    http = HTTPClient(timeout_s=config.timeout_s, connect_timeout_s=config.connect_timeout_s, retries=config.retries,
+                      backoff_s=config.backoff_s, max_connections=config.max_connections)
+    await http.start()
+    try:
+        workers = WorkerPool(config, http)
+        names: list[str] = []
+        await _in_session(workers, http, lambda: _from_tensors(workers, tensors, bucket_bytes, version, flush_cache,
+                                                                names))
+        return sorted(names)
+    finally:
+        await http.close()
 
 
 async def _from_tensors(workers: WorkerPool, tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
@@ -84,8 +129,7 @@ async def _send_bucket(workers: WorkerPool, bucket: list[tuple[str, torch.Tensor
 
 async def _broadcast(broadcaster: WeightBroadcaster, tensors: list[tuple[str, torch.Tensor]],
                      version: int, flush_cache: bool) -> list[str]:
-    await broadcaster.push(tensors, version, flush_cache=flush_cache)
-    return sorted(name for name, _ in tensors)
+    return await broadcaster.push(tensors, version, flush_cache=flush_cache)
 
 
 async def _from_disk(workers: WorkerPool, path: str, version: int, flush_cache: bool) -> list[str]:
@@ -127,4 +171,4 @@ async def _load(workers: WorkerPool, endpoint: str, payload: dict[str, Any], ver
             raise SGLangHTTPError(f"{url}{endpoint}", 200, f"weight update failed: {answer!r}")
 
 
-__all__ = ["WeightsSource", "push_weights"]
+__all__ = ["TensorPoster", "WeightsSource", "post_tensors", "push_weights"]

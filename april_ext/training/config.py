@@ -147,6 +147,9 @@ class TrainConfig:
     this process broadcasts to every server through a process group; docs/weight_sync.md)."""
     weight_sync_bucket_mb: float = 64.0
     """weight_sync=broadcast: MiB of tensors per /update_weights_from_distributed call."""
+    weight_sync_timeout_s: float = 60.0
+    """weight_sync=broadcast: seconds joining the weight group, each HTTP call of an update and each collective
+    may wait (the broadcasting side's and, for the embedded server, the server's --weight-group-timeout)."""
     # --- training
     trainer: str = "torch"
     """Trainer: "torch" (april_ext.model) or "megatron" (a megatron-core GPTModel; needs april_ext[megatron])."""
@@ -418,8 +421,9 @@ class TrainConfig:
             _bad("weight_sync", self.weight_sync, f"one of {typing.get_args(WeightSync)}")
         if self.weight_sync != "disk" and self.engine != "sglang" and not self.ray:
             _bad("weight_sync", self.weight_sync, "'disk' (the default) unless engine='sglang' or ray")
-        if not math.isfinite(self.weight_sync_bucket_mb) or self.weight_sync_bucket_mb <= 0:
-            _bad("weight_sync_bucket_mb", self.weight_sync_bucket_mb, "a finite number > 0")
+        for name in ("weight_sync_bucket_mb", "weight_sync_timeout_s"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                _bad(name, getattr(self, name), "a finite number > 0")
         if self.sglang_num_servers < 1:
             _bad("sglang_num_servers", self.sglang_num_servers, "an int >= 1")
         if not math.isfinite(self.sglang_launch_timeout_s) or self.sglang_launch_timeout_s <= 0:

@@ -143,6 +143,7 @@ async def _sglang_engine(config: TrainConfig, trainer: Trainer, model_config: Mo
         engine = await stack.enter_async_context(SGLangEngine(SGLangEngineConfig(
             worker_urls=urls, router_url=config.sglang_router_url, initial_weight_version=trainer.version,
             weight_sync=config.weight_sync, weight_bucket_mb=config.weight_sync_bucket_mb,
+            weight_sync_timeout_s=config.weight_sync_timeout_s,
             weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
             stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s,
             priority=config.sglang_priority)))

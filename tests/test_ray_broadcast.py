@@ -1,0 +1,201 @@
+"""weight_sync="broadcast" on Ray: trainer rank 0 (an actor) is rank 0 of the engines' weight group and
+broadcasts each bucket of its own export; the driver only posts the HTTP side. On a local Ray cluster with the
+real sglang-router and embedded engines (gloo on CPU).
+
+- 2 ranks (DDP), 2 engines: after each step every engine reports the step's weight version and generates
+  greedily as a reference model loaded with the trainer's export; every byte came from rank 0's sender, none
+  from the driver's.
+- An engine's server SIGKILLed while rank 0 broadcasts: the update goes again to the engine left, the run
+  goes on, and the engine restarted by Ray rejoins with the current weights (exported and broadcast again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import os
+import signal
+import urllib.request
+
+import pytest
+import torch
+from _torch_threads import one_thread  # noqa: F401 (fixture)
+
+from april_ext.cluster.rank_broadcast import RankZeroHost
+from april_ext.model import load_pretrained
+from april_ext.training import TrainConfig, TrainingRun
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("sglang_router") is None,
+                       reason="ray and sglang-router are not installed (pip install -e '.[test]' installs them)"),
+]
+
+TINY = dict(counting_median=3.0, counting_sigma=0.8, counting_max_count=12, counting_symbols=2, hidden_size=32,
+            num_layers=1, rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=4,
+            max_num_seqs=64, num_blocks=256, lr=0.003, progress=False, plots=False, num_threads=1)
+RAY = dict(ray=True, ray_num_cpus_per_actor=0.25, ray_timeout_s=120.0, ray_engine_check_interval_s=0.5,
+           weight_sync="broadcast", weight_sync_bucket_mb=0.004)
+NEW_TOKENS = 6
+PROMPTS = [[1, 2, 1], [2, 2, 1, 1, 2], [1]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _reference(run: TrainingRun):
+    """The engines' model (their initial checkpoint) with the trainer's current weights, pulled through the driver."""
+    model = load_pretrained(os.path.join(run.config.output_dir, "sglang", "initial_model"), device="cpu")
+    exported = dict(run.trainer.export_weights())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(exported[name])
+    return model
+
+
+def _greedy_reference(model, prompt: list[int]) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            ids.append(int(model(torch.tensor(ids)[None])[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def _engine_view(url: str) -> tuple[str, list[list[int]]]:
+    """(the weight version the engine reports, its greedy continuations of PROMPTS)."""
+    with urllib.request.urlopen(f"{url}/model_info", timeout=60) as response:
+        label = str(json.loads(response.read())["weight_version"])
+    sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    outputs = [list(_post(f"{url}/generate", {"input_ids": p, "sampling_params": sampling, "stream": False})
+                    ["output_ids"]) for p in PROMPTS]
+    return label, outputs
+
+
+def test_rank_0_broadcasts_every_update_and_the_engines_generate_as_its_export(tmp_path) -> None:
+    config = TrainConfig(**TINY, **RAY, num_steps=3, output_dir=str(tmp_path / "run"), actor_num_gpus_per_node=2,
+                         rollout_num_gpus=2)
+
+    async def run() -> dict:
+        async with TrainingRun(config) as run:
+            engine, trainer = run.engine, run.trainer
+            model_bytes = sum(p.numel() * p.element_size() for p in _reference(run).parameters())
+            seen: dict = {"views": [], "references": []}
+            while not run.done:
+                await run.step()
+                reference = _reference(run)
+                seen["references"].append([_greedy_reference(reference, p) for p in PROMPTS])
+                seen["views"].append([await asyncio.to_thread(_engine_view, s.url) for s in engine.pool.slots])
+            seen["rank0_sent"] = trainer.weight_bytes_sent()
+            seen["driver_sent"] = engine.inner._broadcaster.local.sender.bytes_sent
+            seen["host"] = engine.inner._broadcaster._group.host
+            seen["model_bytes"] = model_bytes
+            await run.finish()
+            return seen
+
+    seen = asyncio.run(run())
+    for step, (views, reference) in enumerate(zip(seen["views"], seen["references"]), start=1):
+        assert views == [(str(step), reference)] * 2, step
+    # Rank 0 sent each update's weights, once per update; the driver's own sender sent nothing.
+    assert isinstance(seen["host"], RankZeroHost)
+    assert seen["rank0_sent"] == 3 * seen["model_bytes"] and seen["driver_sent"] == 0
+
+
+def test_an_engine_killed_while_rank_0_broadcasts_is_left_out_then_rejoins_with_current_weights(
+        tmp_path, monkeypatch, caplog) -> None:
+    config = TrainConfig(**{**TINY, "rollout_batch_size": 4}, **RAY, num_steps=4, output_dir=str(tmp_path / "run"),
+                         actor_num_gpus_per_node=1, rollout_num_gpus=2, weight_sync_timeout_s=20.0)
+    armed: list = []
+    send = RankZeroHost.send
+
+    async def send_then_fault(self, name: str) -> None:
+        if armed:
+            armed.pop()()
+        await send(self, name)
+
+    monkeypatch.setattr(RankZeroHost, "send", send_then_fault)
+
+    async def run() -> dict:
+        async with TrainingRun(config) as run:
+            engine, seen = run.engine, {}
+            await run.step()
+            killed = engine.pool.slots[0]
+            server = await asyncio.wrap_future(killed.actor.server_pid.remote().future())
+            seen["killed_url"] = killed.url
+            armed.append(lambda: os.kill(server, signal.SIGKILL))
+            start = asyncio.get_running_loop().time()
+            await asyncio.wait_for(run.step(), 240)  # the fault comes with the sync's first bucket
+            seen["step_s"] = asyncio.get_running_loop().time() - start
+            assert not armed, "the step sent no bucket"
+            seen["survivor"] = await asyncio.to_thread(_engine_view, engine.pool.slots[1].url)
+            deadline = asyncio.get_running_loop().time() + 120
+            while not (engine.rejoins == 1 and engine.pool.states()[0] == "up"):
+                assert asyncio.get_running_loop().time() < deadline, "the killed engine did not rejoin"
+                await asyncio.sleep(0.2)
+            label = (await asyncio.to_thread(_engine_view, killed.url))[0]
+            seen["rejoined"] = (killed.url, label, str(run.trainer.version))
+            while not run.done:
+                await run.step()
+            seen["labels"] = sorted({(await asyncio.to_thread(_engine_view, s.url))[0]
+                                     for s in engine.pool.slots})
+            seen["listed"] = sorted(engine.pool.router.workers())
+            await run.finish()
+            seen["history"] = run.history
+            return seen
+
+    caplog.set_level(logging.WARNING, logger="april_ext.cluster.ray_engine")
+    seen = asyncio.run(run())
+    print(f"step 2 with the fault: {seen['step_s']:.1f} s")
+    # Step 2's update failed, went again to the engine left, and the run went on.
+    assert "weight update 2 failed" in caplog.text and "sending it again to the engines left" in caplog.text
+    assert seen["survivor"][0] == "2"
+    new_url, label, version = seen["rejoined"]
+    assert new_url != seen["killed_url"] and label == version
+    assert [r["step"] for r in seen["history"]] == [1, 2, 3, 4]
+    assert seen["labels"] == ["4"] and len(seen["listed"]) == 2
+
+
+def test_colocated_rank_0_posts_its_export_to_its_engine_with_the_tensor_path(tmp_path) -> None:
+    config = TrainConfig(**{**TINY, **RAY, "weight_sync": "tensor"}, colocate=True, num_steps=2,
+                         output_dir=str(tmp_path / "run"))
+
+    async def run() -> dict:
+        async with TrainingRun(config) as run:
+            engine, trainer = run.engine, run.trainer
+            model_bytes = sum(p.numel() * p.element_size() for p in _reference(run).parameters())
+            seen: dict = {"views": [], "references": []}
+            while not run.done:
+                await run.step()
+                await run.memory.to_rollout()  # the engine resident, the trainer paused: as for a rollout
+                seen["views"].append(await asyncio.to_thread(_engine_view, engine.pool.slots[0].url))
+                await run.memory.to_training()
+                seen["references"].append([_greedy_reference(_reference(run), p) for p in PROMPTS])
+            seen["rank0_sent"] = trainer.weight_bytes_sent()
+            seen["kept"] = engine.inner._weights
+            seen["model_bytes"] = model_bytes
+            await run.finish()
+            return seen
+
+    seen = asyncio.run(run())
+    for step, (view, reference) in enumerate(zip(seen["views"], seen["references"]), start=1):
+        assert view == (str(step), reference), step
+    # Rank 0 posted both updates; the driver keeps no tensor for a rejoining engine, only rank 0's poster.
+    assert seen["rank0_sent"] == 2 * seen["model_bytes"]
+    assert type(seen["kept"]).__name__ == "RankZeroPoster"
