@@ -110,7 +110,7 @@ def test_rank_0_broadcasts_every_update_and_the_engines_generate_as_its_export(t
             await run.finish()
             return seen
 
-    seen = asyncio.run(run())
+    seen = asyncio.run(asyncio.wait_for(run(), 600))  # a hang fails the test instead of stalling the suite
     for step, (views, reference) in enumerate(zip(seen["views"], seen["references"]), start=1):
         assert views == [(str(step), reference)] * 2, step
     # Rank 0 sent each update's weights, once per update; the driver's own sender sent nothing.
@@ -161,7 +161,7 @@ def test_an_engine_killed_while_rank_0_broadcasts_is_left_out_then_rejoins_with_
             return seen
 
     caplog.set_level(logging.WARNING, logger="april_ext.cluster.ray_engine")
-    seen = asyncio.run(run())
+    seen = asyncio.run(asyncio.wait_for(run(), 600))  # a hang fails the test instead of stalling the suite
     print(f"step 2 with the fault: {seen['step_s']:.1f} s")
     # Step 2's update failed, went again to the engine left, and the run went on.
     assert "weight update 2 failed" in caplog.text and "sending it again to the engines left" in caplog.text
@@ -193,7 +193,7 @@ def test_colocated_rank_0_posts_its_export_to_its_engine_with_the_tensor_path(tm
             await run.finish()
             return seen
 
-    seen = asyncio.run(run())
+    seen = asyncio.run(asyncio.wait_for(run(), 600))  # a hang fails the test instead of stalling the suite
     for step, (view, reference) in enumerate(zip(seen["views"], seen["references"]), start=1):
         assert view == (str(step), reference), step
     # Rank 0 posted both updates; the driver keeps no tensor for a rejoining engine, only rank 0's poster.
