@@ -47,12 +47,12 @@ PAPER_MEAN_GAIN, PAPER_MAX_GAIN = 0.225, 0.44
 
 
 def paper_config(cluster: str, lengths: str, algorithm: str, mode: str, steps: int, seed: int = 0,
-                 warmup_steps: int = 2) -> SimConfig:
+                 warmup_steps: int = 2, dapo_baseline: str = "waves") -> SimConfig:
     return SimConfig(cluster=cluster, lengths=lengths, algorithm=algorithm, mode=mode, num_engines=4,
                      tensor_parallel=2, mem_fraction_static=0.6, abort_latency_s=ABORT_LATENCY_S,
                      weight_sync_s=WEIGHT_SYNC_S, rollout_batch_size=32, n_samples_per_prompt=8,
                      over_sampling_batch_size=64, max_response_len=16384, steps=steps, warmup_steps=warmup_steps,
-                     seed=seed)
+                     seed=seed, dapo_baseline=dapo_baseline)
 
 
 def _run(config: SimConfig) -> dict[str, object]:
@@ -69,36 +69,69 @@ def run_all(configs: dict[tuple, SimConfig], jobs: int) -> dict[tuple, dict[str,
         return dict(zip(configs, pool.map(_run, configs.values())))
 
 
-def calibration_configs(steps: int) -> dict[tuple, SimConfig]:
-    return {("cal", model, algo, lengths, mode): paper_config(f"h100-{model}", lengths, algo, mode, steps)
-            for model, algo, lengths, mode in itertools.product(
-                ("qwen3-4b", "qwen3-8b"), ("grpo", "dapo"), PAPER_LENGTH_PRESETS, ("baseline", "april-batch"))}
+CAL_MODELS = ("qwen3-4b", "qwen3-8b")
 
 
-def print_calibration(out: dict[tuple, dict], steps: int) -> list[dict[str, object]]:
+def calibration_configs(steps: int, seeds: int, models: tuple[str, ...] = CAL_MODELS) -> dict[tuple, SimConfig]:
+    """Each cell: the baseline (DAPO: slime's wave refill) and APRIL (batch refill, the paper's) over ``seeds``
+    seeds; DAPO cells also run the baseline that replaces each rejected group, for comparison."""
+    configs = {}
+    for model, algo, lengths, seed in itertools.product(models, ("grpo", "dapo"), PAPER_LENGTH_PRESETS, range(seeds)):
+        runs = [("baseline", "waves"), ("april-batch", "waves")] + ([("baseline", "replace")] if algo == "dapo" else [])
+        for mode, dapo_baseline in runs:
+            configs[("cal", model, algo, lengths, mode, dapo_baseline, seed)] = paper_config(
+                f"h100-{model}", lengths, algo, mode, steps, seed, dapo_baseline=dapo_baseline)
+    return configs
+
+
+def _gains(out: dict[tuple, dict], model: str, algo: str, lengths: str, seeds: int, metric: str,
+           baseline: str = "waves") -> list[float]:
+    return [out[("cal", model, algo, lengths, "april-batch", "waves", seed)]["summary"][metric]
+            / out[("cal", model, algo, lengths, "baseline", baseline, seed)]["summary"][metric] - 1
+            for seed in range(seeds)]
+
+
+def _spread(values: list[float]) -> str:
+    return f"{np.mean(values):+.0%}+-{(max(values) - min(values)) / 2:.0%}"
+
+
+def print_calibration(out: dict[tuple, dict], steps: int, seeds: int,
+                      models: tuple[str, ...] = CAL_MODELS) -> list[dict[str, object]]:
     print(f"1. Calibration: h100, 4 engines x TP 2, mem 0.6, 32 x 8, N' = 64, 16K cap, {steps} steps (summary over "
-          f"steps 2..), APRIL = april-batch (the paper's)")
-    print(f"{'model':9} {'algo':5} {'dataset':14} {'base tok/s':>10} {'APRIL tok/s':>11} {'gain':>7} {'paper':>7} "
-          f"{'match':>6} {'eff b/a':>9} {'ceil a':>6} {'partial':>7} {'stale<=':>7}")
+          f"steps 2..), {seeds} seeds (mean +- half the spread), APRIL = april-batch (the paper's), DAPO baseline = "
+          f"slime's wave refill; gain of trained tokens/s (slime's perf/tokens_per_gpu_per_sec) and of generated "
+          f"tokens/s; 'replace': the DAPO gain against the baseline that replaces each rejected group")
+    print(f"{'model':9} {'algo':5} {'dataset':14} {'base trained/s':>14} {'APRIL trained/s':>15} {'gain':>9} "
+          f"{'paper':>6} {'match':>5} {'gen gain':>9} {'replace':>9} {'eff b/a':>9} {'base waste':>10}")
     rows = []
-    for model, algo, lengths in itertools.product(("qwen3-4b", "qwen3-8b"), ("grpo", "dapo"), PAPER_LENGTH_PRESETS):
-        b = out[("cal", model, algo, lengths, "baseline")]["summary"]
-        a = out[("cal", model, algo, lengths, "april-batch")]["summary"]
-        g = a["tokens_per_s"] / b["tokens_per_s"] - 1
+    for model, algo, lengths in itertools.product(models, ("grpo", "dapo"), PAPER_LENGTH_PRESETS):
+        base = [out[("cal", model, algo, lengths, "baseline", "waves", s)]["summary"] for s in range(seeds)]
+        april = [out[("cal", model, algo, lengths, "april-batch", "waves", s)]["summary"] for s in range(seeds)]
+        trained = _gains(out, model, algo, lengths, seeds, "trained_tokens_per_s")
+        generated = _gains(out, model, algo, lengths, seeds, "tokens_per_s")
+        replacing = (_gains(out, model, algo, lengths, seeds, "trained_tokens_per_s", "replace")
+                     if algo == "dapo" else None)
+        g = float(np.mean(trained))
         paper = PAPER_GAINS.get((model, lengths))
         match = "-" if paper is None else "yes" if abs(g - paper) <= 0.05 else "no"
-        rows.append({"model": model, "algorithm": algo, "dataset": lengths, "gain": g, "paper": paper,
-                     "base": b, "april": a})
+        waste = float(np.mean([1 - b["trained_tokens_per_s"] / b["tokens_per_s"] for b in base]))
+        rows.append({"model": model, "algorithm": algo, "dataset": lengths, "gain": g, "gains": trained,
+                     "generated_gains": generated, "replace_gains": replacing, "paper": paper,
+                     "base": base, "april": april})
         paper_text = "n/a" if paper is None else f"{paper:+.0%}"
-        print(f"{model:9} {algo:5} {lengths:14} {b['tokens_per_s']:10,.0f} {a['tokens_per_s']:11,.0f} {g:+7.1%} "
-              f"{paper_text:>7} {match:>6} {b['efficiency']:4.2f}/{a['efficiency']:4.2f} {a['ceiling_efficiency']:6.2f} "
-              f"{a['partial_token_ratio']:7.2f} {a['max_staleness']:7.0f}")
+        print(f"{model:9} {algo:5} {lengths:14} {np.mean([b['trained_tokens_per_s'] for b in base]):14,.0f} "
+              f"{np.mean([a['trained_tokens_per_s'] for a in april]):15,.0f} {_spread(trained):>9} {paper_text:>6} "
+              f"{match:>5} {_spread(generated):>9} {'-' if replacing is None else _spread(replacing):>9} "
+              f"{np.mean([b['efficiency'] for b in base]):4.2f}/{np.mean([a['efficiency'] for a in april]):4.2f} "
+              f"{waste:10.2f}")
     gains = [r["gain"] for r in rows]
+    sourced = [r for r in rows if r["paper"] is not None]
     print(f"mean gain {np.mean(gains):+.1%} (paper: {PAPER_MEAN_GAIN:+.1%} on average, at most {PAPER_MAX_GAIN:+.0%}); "
           f"cells within +-5 points of a sourced figure: "
-          f"{sum(r['paper'] is not None and abs(r['gain'] - r['paper']) <= 0.05 for r in rows)} of "
-          f"{sum(r['paper'] is not None for r in rows)} sourced (12 cells, {sum(r['paper'] is None for r in rows)} "
-          f"without a sourced figure); cells above the paper's maximum: {sum(g > PAPER_MAX_GAIN for g in gains)}")
+          f"{sum(abs(r['gain'] - r['paper']) <= 0.05 for r in sourced)} of {len(sourced)} sourced "
+          f"({len(rows)} cells, {len(rows) - len(sourced)} without a sourced figure); cells above the paper's "
+          f"maximum: {sum(g > PAPER_MAX_GAIN for g in gains)}; cells within +-5 points of the paper's mean: "
+          f"{sum(abs(g - PAPER_MEAN_GAIN) <= 0.05 for g in gains)}")
     return rows
 
 
@@ -255,10 +288,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="steps per calibration / efficiency run")
     parser.add_argument("--convergence-steps", type=int, default=16)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per calibration cell and convergence run")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--only", choices=("calibration", "convergence", "efficiency", "sensitivity"), default=None)
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
+    parser.add_argument("--models", type=lambda t: tuple(t.split(",")), default=CAL_MODELS,
+                        help="calibration section: comma-separated models")
     parser.add_argument("--algorithms", type=lambda t: tuple(t.split(",")), default=("grpo", "dapo"),
                         help="efficiency section: comma-separated algorithms")
     parser.add_argument("--datasets", type=lambda t: tuple(t.split(",")), default=PAPER_LENGTH_PRESETS,
@@ -268,9 +303,8 @@ def main() -> None:
     out: dict[str, object] = {}
     runs: dict[tuple, dict] = {}
     if args.only in (None, "calibration"):
-        runs.update(run_all(calibration_configs(args.steps), args.jobs))
-    if args.only in (None, "calibration"):
-        out["calibration"] = print_calibration(runs, args.steps)
+        runs.update(run_all(calibration_configs(args.steps, args.seeds, args.models), args.jobs))
+        out["calibration"] = print_calibration(runs, args.steps, args.seeds, args.models)
     if args.only in (None, "convergence"):
         conv = run_all(convergence_configs(args.convergence_steps, args.seeds), args.jobs)
         out["convergence"] = print_convergence(conv, args.convergence_steps, args.seeds)
