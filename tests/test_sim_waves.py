@@ -118,3 +118,15 @@ def test_the_dapo_baseline_setting_is_checked():
     assert SimConfig(mode="baseline", algorithm="dapo", dapo_baseline="waves").waves_baseline
     assert not SimConfig(mode="baseline", algorithm="grpo", dapo_baseline="waves").waves_baseline
     assert not SimConfig(mode="april-batch", algorithm="dapo", dapo_baseline="waves").waves_baseline
+
+
+def test_simulate_command_selects_the_wave_baseline(capsys):
+    from april_ext.cli import main
+
+    args = ["simulate", "--cluster", "h100-qwen3-4b", "--num-engines", "2", "--lengths", "deepscaler",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--max-response-len", "2048", "--steps", "2",
+            "--algorithm", "dapo", "--modes", "baseline", "--dapo-baseline", "waves"]
+    assert main(args) == 0
+    assert "baseline" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*args[:-1], "slime"])

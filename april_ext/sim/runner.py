@@ -384,5 +384,5 @@ def gain(results: dict[str, SimResult], mode: str, baseline: str = "baseline", m
     return results[mode].summary[metric] / base - 1 if base > 0 else math.nan
 
 
-__all__ = ["ALGORITHMS", "MODES", "MODE_SETTINGS", "SimConfig", "SimResult", "compare", "compare_strategies", "gain",
+__all__ = ["ALGORITHMS", "DAPO_BASELINES", "MODES", "MODE_SETTINGS", "SimConfig", "SimResult", "compare", "compare_strategies", "gain",
            "simulate", "simulate_async"]
