@@ -185,8 +185,9 @@ BOUNDARY_MODES = (("april-batch", "abort"), ("april-adaptive", "abort"), ("april
                   ("april-adaptive", "carry"))
 
 
-def efficiency_cells(algorithms: tuple[str, ...], datasets: tuple[str, ...]) -> list[tuple[str, str, str, str]]:
-    return list(itertools.product(("h100", "h200"), ("qwen3-4b", "qwen3-8b"), algorithms, datasets))
+def efficiency_cells(algorithms: tuple[str, ...], datasets: tuple[str, ...],
+                     gpus: tuple[str, ...] = ("h100", "h200")) -> list[tuple[str, str, str, str]]:
+    return list(itertools.product(gpus, ("qwen3-4b", "qwen3-8b"), algorithms, datasets))
 
 
 def efficiency_configs(steps: int, cells: list[tuple[str, str, str, str]]) -> dict[tuple, SimConfig]:
@@ -219,25 +220,28 @@ def print_efficiency(out: dict[tuple, dict], steps: int,
                                   "baseline": _efficiency_run(out, gpu, model, algo, lengths, "baseline", "abort")}
         for mode, boundary in BOUNDARY_MODES:
             row[f"{boundary} {mode}"] = _efficiency_run(out, gpu, model, algo, lengths, mode, boundary)
-        cells = [row[f"{b} {m}"] for m, b in BOUNDARY_MODES]  # type: ignore[index]
-        row["abort best"] = max(cells[0]["efficiency"], cells[1]["efficiency"])
-        row["carry best"] = max(cells[2]["efficiency"], cells[3]["efficiency"])
+        runs = [row[f"{b} {m}"] for m, b in BOUNDARY_MODES]  # type: ignore[index]
+        row["abort best"] = max(runs[0]["efficiency"], runs[1]["efficiency"])
+        row["carry best"] = max(runs[2]["efficiency"], runs[3]["efficiency"])
         rows.append(row)
         print(f"{gpu + '-' + model:16} {algo:5} {lengths:14} {row['baseline']['efficiency']:5.2f} "  # type: ignore[index]
-              + " ".join(f"{c['efficiency']:5.2f}/{c['ceiling_efficiency']:<5.2f}" for c in cells)
-              + f" {cells[3]['kv_copy_time_fraction']:6.3f}"
+              + " ".join(f"{c['efficiency']:5.2f}/{c['ceiling_efficiency']:<5.2f}" for c in runs)
+              + f" {runs[3]['kv_copy_time_fraction']:6.3f}"
               f" {'met' if row['abort best'] >= TARGET_ABORT else 'MISSED':>6}"
               f" {'met' if row['carry best'] >= TARGET_CARRY else 'MISSED':>6}")
-    for gpu in ("h100", "h200"):
+    for gpu in sorted({gpu for gpu, *_ in cells}):
         mine = [r for r in rows if str(r["preset"]).startswith(gpu)]
         for name in ("baseline", *(f"{b} {m}" for m, b in BOUNDARY_MODES)):
             eff = [r[name]["efficiency"] for r in mine]  # type: ignore[index]
             ceil = [r[name]["ceiling_efficiency"] for r in mine]  # type: ignore[index]
             rep = [r[name]["re_prefill_time_fraction"] for r in mine]  # type: ignore[index]
             copy = [r[name]["kv_copy_time_fraction"] for r in mine]  # type: ignore[index]
+            idle = [r[name]["idle_time_fraction"] for r in mine]  # type: ignore[index]
+            under = [r[name]["underfill_fraction"] for r in mine]  # type: ignore[index]
             print(f"{gpu} {name}: efficiency {min(eff):.2f}-{max(eff):.2f} (mean {np.mean(eff):.2f}), ceiling "
                   f"{min(ceil):.2f}-{max(ceil):.2f}, re-prefill {min(rep):.3f}-{max(rep):.3f}, "
-                  f"KV copy {min(copy):.3f}-{max(copy):.3f} of rollout time")
+                  f"KV copy {min(copy):.3f}-{max(copy):.3f}, idle {min(idle):.3f}-{max(idle):.3f}, underfill "
+                  f"{min(under):.3f}-{max(under):.3f} of rollout time")
     for boundary, target in (("abort", TARGET_ABORT), ("carry", TARGET_CARRY)):
         missed = [f"{r['preset']} {r['algorithm']} {r['dataset']}" for r in rows if r[f"{boundary} best"] < target]
         print(f"target {boundary} >= {target} of the headline bound on every preset (best APRIL mode per cell): "
@@ -294,6 +298,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
     parser.add_argument("--models", type=lambda t: tuple(t.split(",")), default=CAL_MODELS,
                         help="calibration section: comma-separated models")
+    parser.add_argument("--gpus", type=lambda t: tuple(t.split(",")), default=("h100", "h200"),
+                        help="efficiency section: comma-separated GPUs")
     parser.add_argument("--algorithms", type=lambda t: tuple(t.split(",")), default=("grpo", "dapo"),
                         help="efficiency section: comma-separated algorithms")
     parser.add_argument("--datasets", type=lambda t: tuple(t.split(",")), default=PAPER_LENGTH_PRESETS,
@@ -309,7 +315,7 @@ def main() -> None:
         conv = run_all(convergence_configs(args.convergence_steps, args.seeds), args.jobs)
         out["convergence"] = print_convergence(conv, args.convergence_steps, args.seeds)
     if args.only in (None, "efficiency"):
-        cells = efficiency_cells(args.algorithms, args.datasets)
+        cells = efficiency_cells(args.algorithms, args.datasets, args.gpus)
         runs.update(run_all(efficiency_configs(args.steps, cells), args.jobs))
         out["efficiency"] = print_efficiency(runs, args.steps, cells)
     if args.only in (None, "sensitivity"):
