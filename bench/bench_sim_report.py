@@ -6,11 +6,13 @@
 
 Paper-faithful settings (the APRIL scripts, RLsys-Foundation/APRIL scripts/partial_rollout/qwen): 8 GPUs as 4
 SGLang engines at TP = 2 with mem_fraction_static 0.6, 32 prompts x 8 samples, N' = 64 for APRIL, a 16K cap;
-slime's DAPO baseline keeps N' = N and relaunches groups when too few remain; abort latency and weight-sync time
-modelled (ABORT_LATENCY_S, WEIGHT_SYNC_S: assumptions, docs/sim.md).
+slime's DAPO baseline keeps N' = N and relaunches a wave of N groups whenever those in flight plus those accepted
+fall below N (SimConfig.dapo_baseline "waves"); abort latency and weight-sync time modelled (ABORT_LATENCY_S,
+WEIGHT_SYNC_S: assumptions, docs/sim.md).
 
-1. Calibration: APRIL's rollout-throughput gain over the baseline for Qwen3-4B/8B x GRPO/DAPO x three datasets,
-   next to the figures we could source from the paper's authors (PAPER_GAINS).
+1. Calibration: APRIL's rollout-throughput gain over the baseline for Qwen3-4B/8B x GRPO/DAPO x three datasets over
+   seeds, in trained tokens/s (slime's perf/tokens_per_gpu_per_sec) and generated tokens/s, next to the figures
+   we could source from the paper's authors (PAPER_GAINS).
 2. Convergence: how many steps until the figures settle, their spread over seeds, the largest staleness.
 3. Efficiency on every H100 / H200 preset against the headline bound (the best schedule of the same work on
    the same engines, without re-prefill) and the ceiling (with the re-prefill), for the baseline and the APRIL
