@@ -74,11 +74,13 @@ def run_all(configs: dict[tuple, SimConfig], jobs: int) -> dict[tuple, dict[str,
 CAL_MODELS = ("qwen3-4b", "qwen3-8b")
 
 
-def calibration_configs(steps: int, seeds: int, models: tuple[str, ...] = CAL_MODELS) -> dict[tuple, SimConfig]:
+def calibration_configs(steps: int, seeds: int, models: tuple[str, ...] = CAL_MODELS,
+                        first_seed: int = 0) -> dict[tuple, SimConfig]:
     """Each cell: the baseline (DAPO: slime's wave refill) and APRIL (batch refill, the paper's) over ``seeds``
-    seeds; DAPO cells also run the baseline that replaces each rejected group, for comparison."""
+    seeds from ``first_seed``; DAPO cells also run the baseline that replaces each rejected group, for comparison."""
     configs = {}
-    for model, algo, lengths, seed in itertools.product(models, ("grpo", "dapo"), PAPER_LENGTH_PRESETS, range(seeds)):
+    for model, algo, lengths, seed in itertools.product(models, ("grpo", "dapo"), PAPER_LENGTH_PRESETS,
+                                                        range(first_seed, first_seed + seeds)):
         runs = [("baseline", "waves"), ("april-batch", "waves")] + ([("baseline", "replace")] if algo == "dapo" else [])
         for mode, dapo_baseline in runs:
             configs[("cal", model, algo, lengths, mode, dapo_baseline, seed)] = paper_config(
@@ -86,29 +88,29 @@ def calibration_configs(steps: int, seeds: int, models: tuple[str, ...] = CAL_MO
     return configs
 
 
-def _gains(out: dict[tuple, dict], model: str, algo: str, lengths: str, seeds: int, metric: str,
+def _gains(out: dict[tuple, dict], model: str, algo: str, lengths: str, seeds: range, metric: str,
            baseline: str = "waves") -> list[float]:
     return [out[("cal", model, algo, lengths, "april-batch", "waves", seed)]["summary"][metric]
             / out[("cal", model, algo, lengths, "baseline", baseline, seed)]["summary"][metric] - 1
-            for seed in range(seeds)]
+            for seed in seeds]
 
 
 def _spread(values: list[float]) -> str:
     return f"{np.mean(values):+.0%}+-{(max(values) - min(values)) / 2:.0%}"
 
 
-def print_calibration(out: dict[tuple, dict], steps: int, seeds: int,
+def print_calibration(out: dict[tuple, dict], steps: int, seeds: range,
                       models: tuple[str, ...] = CAL_MODELS) -> list[dict[str, object]]:
     print(f"1. Calibration: h100, 4 engines x TP 2, mem 0.6, 32 x 8, N' = 64, 16K cap, {steps} steps (summary over "
-          f"steps 2..), {seeds} seeds (mean +- half the spread), APRIL = april-batch (the paper's), DAPO baseline = "
-          f"slime's wave refill; gain of trained tokens/s (slime's perf/tokens_per_gpu_per_sec) and of generated "
+          f"steps 2..), seeds {seeds.start}..{seeds.stop - 1} (mean +- half the spread), APRIL = april-batch (the "
+          f"paper's), DAPO baseline = slime's wave refill; gain of trained tokens/s (slime's perf/tokens_per_gpu_per_sec) and of generated "
           f"tokens/s; 'replace': the DAPO gain against the baseline that replaces each rejected group")
     print(f"{'model':9} {'algo':5} {'dataset':14} {'base trained/s':>14} {'APRIL trained/s':>15} {'gain':>9} "
           f"{'paper':>6} {'match':>5} {'gen gain':>9} {'replace':>9} {'eff b/a':>9} {'base waste':>10}")
     rows = []
     for model, algo, lengths in itertools.product(models, ("grpo", "dapo"), PAPER_LENGTH_PRESETS):
-        base = [out[("cal", model, algo, lengths, "baseline", "waves", s)]["summary"] for s in range(seeds)]
-        april = [out[("cal", model, algo, lengths, "april-batch", "waves", s)]["summary"] for s in range(seeds)]
+        base = [out[("cal", model, algo, lengths, "baseline", "waves", s)]["summary"] for s in seeds]
+        april = [out[("cal", model, algo, lengths, "april-batch", "waves", s)]["summary"] for s in seeds]
         trained = _gains(out, model, algo, lengths, seeds, "trained_tokens_per_s")
         generated = _gains(out, model, algo, lengths, seeds, "tokens_per_s")
         replacing = (_gains(out, model, algo, lengths, seeds, "trained_tokens_per_s", "replace")
@@ -295,6 +297,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per calibration / efficiency run")
     parser.add_argument("--convergence-steps", type=int, default=16)
     parser.add_argument("--seeds", type=int, default=3, help="seeds per calibration cell and convergence run")
+    parser.add_argument("--first-seed", type=int, default=0, help="calibration: the first seed")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--only", choices=("calibration", "convergence", "efficiency", "sensitivity"), default=None)
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
@@ -311,8 +314,10 @@ def main() -> None:
     out: dict[str, object] = {}
     runs: dict[tuple, dict] = {}
     if args.only in (None, "calibration"):
-        runs.update(run_all(calibration_configs(args.steps, args.seeds, args.models), args.jobs))
-        out["calibration"] = print_calibration(runs, args.steps, args.seeds, args.models)
+        seeds = range(args.first_seed, args.first_seed + args.seeds)
+        runs.update(run_all(calibration_configs(args.steps, args.seeds, args.models, args.first_seed), args.jobs))
+        out["calibration"] = print_calibration(runs, args.steps, seeds, args.models)
+        out["calibration_runs"] = [[list(key), run["summary"]] for key, run in runs.items() if key[0] == "cal"]
     if args.only in (None, "convergence"):
         conv = run_all(convergence_configs(args.convergence_steps, args.seeds), args.jobs)
         out["convergence"] = print_convergence(conv, args.convergence_steps, args.seeds)
