@@ -217,7 +217,8 @@ class SimResult:
     steps: list[StepReport]
     natural_mean: float
     scheduler: SchedulerConfig
-    """The scheduler settings run (the mode's and the strategy's applied)."""
+    """The scheduler settings run (the mode's and the strategy's applied); the waves DAPO baseline runs no scheduler:
+    those of the replacing baseline."""
     wall_seconds: float = 0.0
     summary: dict[str, float] = field(default_factory=dict)
 
