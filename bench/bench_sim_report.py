@@ -6,11 +6,13 @@
 
 Paper-faithful settings (the APRIL scripts, RLsys-Foundation/APRIL scripts/partial_rollout/qwen): 8 GPUs as 4
 SGLang engines at TP = 2 with mem_fraction_static 0.6, 32 prompts x 8 samples, N' = 64 for APRIL, a 16K cap;
-slime's DAPO baseline keeps N' = N and relaunches groups when too few remain; abort latency and weight-sync time
-modelled (ABORT_LATENCY_S, WEIGHT_SYNC_S: assumptions, docs/sim.md).
+slime's DAPO baseline keeps N' = N and relaunches a wave of N groups whenever those in flight plus those accepted
+fall below N (SimConfig.dapo_baseline "waves"); abort latency and weight-sync time modelled (ABORT_LATENCY_S,
+WEIGHT_SYNC_S: assumptions, docs/sim.md).
 
-1. Calibration: APRIL's rollout-throughput gain over the baseline for Qwen3-4B/8B x GRPO/DAPO x three datasets,
-   next to the figures we could source from the paper's authors (PAPER_GAINS).
+1. Calibration: APRIL's rollout-throughput gain over the baseline for Qwen3-4B/8B x GRPO/DAPO x three datasets over
+   seeds, in trained tokens/s (slime's perf/tokens_per_gpu_per_sec) and generated tokens/s, next to the figures
+   we could source from the paper's authors (PAPER_GAINS).
 2. Convergence: how many steps until the figures settle, their spread over seeds, the largest staleness.
 3. Efficiency on every H100 / H200 preset against the headline bound (the best schedule of the same work on
    the same engines, without re-prefill) and the ceiling (with the re-prefill), for the baseline and the APRIL
@@ -47,12 +49,12 @@ PAPER_MEAN_GAIN, PAPER_MAX_GAIN = 0.225, 0.44
 
 
 def paper_config(cluster: str, lengths: str, algorithm: str, mode: str, steps: int, seed: int = 0,
-                 warmup_steps: int = 2) -> SimConfig:
+                 warmup_steps: int = 2, dapo_baseline: str = "waves") -> SimConfig:
     return SimConfig(cluster=cluster, lengths=lengths, algorithm=algorithm, mode=mode, num_engines=4,
                      tensor_parallel=2, mem_fraction_static=0.6, abort_latency_s=ABORT_LATENCY_S,
                      weight_sync_s=WEIGHT_SYNC_S, rollout_batch_size=32, n_samples_per_prompt=8,
                      over_sampling_batch_size=64, max_response_len=16384, steps=steps, warmup_steps=warmup_steps,
-                     seed=seed)
+                     seed=seed, dapo_baseline=dapo_baseline)
 
 
 def _run(config: SimConfig) -> dict[str, object]:
@@ -69,36 +71,71 @@ def run_all(configs: dict[tuple, SimConfig], jobs: int) -> dict[tuple, dict[str,
         return dict(zip(configs, pool.map(_run, configs.values())))
 
 
-def calibration_configs(steps: int) -> dict[tuple, SimConfig]:
-    return {("cal", model, algo, lengths, mode): paper_config(f"h100-{model}", lengths, algo, mode, steps)
-            for model, algo, lengths, mode in itertools.product(
-                ("qwen3-4b", "qwen3-8b"), ("grpo", "dapo"), PAPER_LENGTH_PRESETS, ("baseline", "april-batch"))}
+CAL_MODELS = ("qwen3-4b", "qwen3-8b")
 
 
-def print_calibration(out: dict[tuple, dict], steps: int) -> list[dict[str, object]]:
+def calibration_configs(steps: int, seeds: int, models: tuple[str, ...] = CAL_MODELS,
+                        first_seed: int = 0) -> dict[tuple, SimConfig]:
+    """Each cell: the baseline (DAPO: slime's wave refill) and APRIL (batch refill, the paper's) over ``seeds``
+    seeds from ``first_seed``; DAPO cells also run the baseline that replaces each rejected group, for comparison."""
+    configs = {}
+    for model, algo, lengths, seed in itertools.product(models, ("grpo", "dapo"), PAPER_LENGTH_PRESETS,
+                                                        range(first_seed, first_seed + seeds)):
+        runs = [("baseline", "waves"), ("april-batch", "waves")] + ([("baseline", "replace")] if algo == "dapo" else [])
+        for mode, dapo_baseline in runs:
+            configs[("cal", model, algo, lengths, mode, dapo_baseline, seed)] = paper_config(
+                f"h100-{model}", lengths, algo, mode, steps, seed, dapo_baseline=dapo_baseline)
+    return configs
+
+
+def _gains(out: dict[tuple, dict], model: str, algo: str, lengths: str, seeds: range, metric: str,
+           baseline: str = "waves") -> list[float]:
+    return [out[("cal", model, algo, lengths, "april-batch", "waves", seed)]["summary"][metric]
+            / out[("cal", model, algo, lengths, "baseline", baseline, seed)]["summary"][metric] - 1
+            for seed in seeds]
+
+
+def _spread(values: list[float]) -> str:
+    return f"{np.mean(values):+.0%}+-{(max(values) - min(values)) / 2:.0%}"
+
+
+def print_calibration(out: dict[tuple, dict], steps: int, seeds: range,
+                      models: tuple[str, ...] = CAL_MODELS) -> list[dict[str, object]]:
     print(f"1. Calibration: h100, 4 engines x TP 2, mem 0.6, 32 x 8, N' = 64, 16K cap, {steps} steps (summary over "
-          f"steps 2..), APRIL = april-batch (the paper's)")
-    print(f"{'model':9} {'algo':5} {'dataset':14} {'base tok/s':>10} {'APRIL tok/s':>11} {'gain':>7} {'paper':>7} "
-          f"{'match':>6} {'eff b/a':>9} {'ceil a':>6} {'partial':>7} {'stale<=':>7}")
+          f"steps 2..), seeds {seeds.start}..{seeds.stop - 1} (mean +- half the spread), APRIL = april-batch (the "
+          f"paper's), DAPO baseline = slime's wave refill; gain of trained tokens/s (slime's perf/tokens_per_gpu_per_sec) and of generated "
+          f"tokens/s; 'replace': the DAPO gain against the baseline that replaces each rejected group")
+    print(f"{'model':9} {'algo':5} {'dataset':14} {'base trained/s':>14} {'APRIL trained/s':>15} {'gain':>9} "
+          f"{'paper':>6} {'match':>5} {'gen gain':>9} {'replace':>9} {'eff b/a':>9} {'base waste':>10}")
     rows = []
-    for model, algo, lengths in itertools.product(("qwen3-4b", "qwen3-8b"), ("grpo", "dapo"), PAPER_LENGTH_PRESETS):
-        b = out[("cal", model, algo, lengths, "baseline")]["summary"]
-        a = out[("cal", model, algo, lengths, "april-batch")]["summary"]
-        g = a["tokens_per_s"] / b["tokens_per_s"] - 1
+    for model, algo, lengths in itertools.product(models, ("grpo", "dapo"), PAPER_LENGTH_PRESETS):
+        base = [out[("cal", model, algo, lengths, "baseline", "waves", s)]["summary"] for s in seeds]
+        april = [out[("cal", model, algo, lengths, "april-batch", "waves", s)]["summary"] for s in seeds]
+        trained = _gains(out, model, algo, lengths, seeds, "trained_tokens_per_s")
+        generated = _gains(out, model, algo, lengths, seeds, "tokens_per_s")
+        replacing = (_gains(out, model, algo, lengths, seeds, "trained_tokens_per_s", "replace")
+                     if algo == "dapo" else None)
+        g = float(np.mean(trained))
         paper = PAPER_GAINS.get((model, lengths))
         match = "-" if paper is None else "yes" if abs(g - paper) <= 0.05 else "no"
-        rows.append({"model": model, "algorithm": algo, "dataset": lengths, "gain": g, "paper": paper,
-                     "base": b, "april": a})
+        waste = float(np.mean([1 - b["trained_tokens_per_s"] / b["tokens_per_s"] for b in base]))
+        rows.append({"model": model, "algorithm": algo, "dataset": lengths, "gain": g, "gains": trained,
+                     "generated_gains": generated, "replace_gains": replacing, "paper": paper,
+                     "base": base, "april": april})
         paper_text = "n/a" if paper is None else f"{paper:+.0%}"
-        print(f"{model:9} {algo:5} {lengths:14} {b['tokens_per_s']:10,.0f} {a['tokens_per_s']:11,.0f} {g:+7.1%} "
-              f"{paper_text:>7} {match:>6} {b['efficiency']:4.2f}/{a['efficiency']:4.2f} {a['ceiling_efficiency']:6.2f} "
-              f"{a['partial_token_ratio']:7.2f} {a['max_staleness']:7.0f}")
+        print(f"{model:9} {algo:5} {lengths:14} {np.mean([b['trained_tokens_per_s'] for b in base]):14,.0f} "
+              f"{np.mean([a['trained_tokens_per_s'] for a in april]):15,.0f} {_spread(trained):>9} {paper_text:>6} "
+              f"{match:>5} {_spread(generated):>9} {'-' if replacing is None else _spread(replacing):>9} "
+              f"{np.mean([b['efficiency'] for b in base]):4.2f}/{np.mean([a['efficiency'] for a in april]):4.2f} "
+              f"{waste:10.2f}")
     gains = [r["gain"] for r in rows]
+    sourced = [r for r in rows if r["paper"] is not None]
     print(f"mean gain {np.mean(gains):+.1%} (paper: {PAPER_MEAN_GAIN:+.1%} on average, at most {PAPER_MAX_GAIN:+.0%}); "
           f"cells within +-5 points of a sourced figure: "
-          f"{sum(r['paper'] is not None and abs(r['gain'] - r['paper']) <= 0.05 for r in rows)} of "
-          f"{sum(r['paper'] is not None for r in rows)} sourced (12 cells, {sum(r['paper'] is None for r in rows)} "
-          f"without a sourced figure); cells above the paper's maximum: {sum(g > PAPER_MAX_GAIN for g in gains)}")
+          f"{sum(abs(r['gain'] - r['paper']) <= 0.05 for r in sourced)} of {len(sourced)} sourced "
+          f"({len(rows)} cells, {len(rows) - len(sourced)} without a sourced figure); cells above the paper's "
+          f"maximum: {sum(g > PAPER_MAX_GAIN for g in gains)}; cells within +-5 points of the paper's mean: "
+          f"{sum(abs(g - PAPER_MEAN_GAIN) <= 0.05 for g in gains)}")
     return rows
 
 
@@ -152,8 +189,9 @@ BOUNDARY_MODES = (("april-batch", "abort"), ("april-adaptive", "abort"), ("april
                   ("april-adaptive", "carry"))
 
 
-def efficiency_cells(algorithms: tuple[str, ...], datasets: tuple[str, ...]) -> list[tuple[str, str, str, str]]:
-    return list(itertools.product(("h100", "h200"), ("qwen3-4b", "qwen3-8b"), algorithms, datasets))
+def efficiency_cells(algorithms: tuple[str, ...], datasets: tuple[str, ...],
+                     gpus: tuple[str, ...] = ("h100", "h200")) -> list[tuple[str, str, str, str]]:
+    return list(itertools.product(gpus, ("qwen3-4b", "qwen3-8b"), algorithms, datasets))
 
 
 def efficiency_configs(steps: int, cells: list[tuple[str, str, str, str]]) -> dict[tuple, SimConfig]:
@@ -186,25 +224,28 @@ def print_efficiency(out: dict[tuple, dict], steps: int,
                                   "baseline": _efficiency_run(out, gpu, model, algo, lengths, "baseline", "abort")}
         for mode, boundary in BOUNDARY_MODES:
             row[f"{boundary} {mode}"] = _efficiency_run(out, gpu, model, algo, lengths, mode, boundary)
-        cells = [row[f"{b} {m}"] for m, b in BOUNDARY_MODES]  # type: ignore[index]
-        row["abort best"] = max(cells[0]["efficiency"], cells[1]["efficiency"])
-        row["carry best"] = max(cells[2]["efficiency"], cells[3]["efficiency"])
+        runs = [row[f"{b} {m}"] for m, b in BOUNDARY_MODES]  # type: ignore[index]
+        row["abort best"] = max(runs[0]["efficiency"], runs[1]["efficiency"])
+        row["carry best"] = max(runs[2]["efficiency"], runs[3]["efficiency"])
         rows.append(row)
         print(f"{gpu + '-' + model:16} {algo:5} {lengths:14} {row['baseline']['efficiency']:5.2f} "  # type: ignore[index]
-              + " ".join(f"{c['efficiency']:5.2f}/{c['ceiling_efficiency']:<5.2f}" for c in cells)
-              + f" {cells[3]['kv_copy_time_fraction']:6.3f}"
+              + " ".join(f"{c['efficiency']:5.2f}/{c['ceiling_efficiency']:<5.2f}" for c in runs)
+              + f" {runs[3]['kv_copy_time_fraction']:6.3f}"
               f" {'met' if row['abort best'] >= TARGET_ABORT else 'MISSED':>6}"
               f" {'met' if row['carry best'] >= TARGET_CARRY else 'MISSED':>6}")
-    for gpu in ("h100", "h200"):
+    for gpu in sorted({gpu for gpu, *_ in cells}):
         mine = [r for r in rows if str(r["preset"]).startswith(gpu)]
         for name in ("baseline", *(f"{b} {m}" for m, b in BOUNDARY_MODES)):
             eff = [r[name]["efficiency"] for r in mine]  # type: ignore[index]
             ceil = [r[name]["ceiling_efficiency"] for r in mine]  # type: ignore[index]
             rep = [r[name]["re_prefill_time_fraction"] for r in mine]  # type: ignore[index]
             copy = [r[name]["kv_copy_time_fraction"] for r in mine]  # type: ignore[index]
+            idle = [r[name]["idle_time_fraction"] for r in mine]  # type: ignore[index]
+            under = [r[name]["underfill_fraction"] for r in mine]  # type: ignore[index]
             print(f"{gpu} {name}: efficiency {min(eff):.2f}-{max(eff):.2f} (mean {np.mean(eff):.2f}), ceiling "
                   f"{min(ceil):.2f}-{max(ceil):.2f}, re-prefill {min(rep):.3f}-{max(rep):.3f}, "
-                  f"KV copy {min(copy):.3f}-{max(copy):.3f} of rollout time")
+                  f"KV copy {min(copy):.3f}-{max(copy):.3f}, idle {min(idle):.3f}-{max(idle):.3f}, underfill "
+                  f"{min(under):.3f}-{max(under):.3f} of rollout time")
     for boundary, target in (("abort", TARGET_ABORT), ("carry", TARGET_CARRY)):
         missed = [f"{r['preset']} {r['algorithm']} {r['dataset']}" for r in rows if r[f"{boundary} best"] < target]
         print(f"target {boundary} >= {target} of the headline bound on every preset (best APRIL mode per cell): "
@@ -255,10 +296,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="steps per calibration / efficiency run")
     parser.add_argument("--convergence-steps", type=int, default=16)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per calibration cell and convergence run")
+    parser.add_argument("--first-seed", type=int, default=0, help="calibration: the first seed")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
     parser.add_argument("--only", choices=("calibration", "convergence", "efficiency", "sensitivity"), default=None)
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
+    parser.add_argument("--models", type=lambda t: tuple(t.split(",")), default=CAL_MODELS,
+                        help="calibration section: comma-separated models")
+    parser.add_argument("--gpus", type=lambda t: tuple(t.split(",")), default=("h100", "h200"),
+                        help="efficiency section: comma-separated GPUs")
     parser.add_argument("--algorithms", type=lambda t: tuple(t.split(",")), default=("grpo", "dapo"),
                         help="efficiency section: comma-separated algorithms")
     parser.add_argument("--datasets", type=lambda t: tuple(t.split(",")), default=PAPER_LENGTH_PRESETS,
@@ -268,14 +314,15 @@ def main() -> None:
     out: dict[str, object] = {}
     runs: dict[tuple, dict] = {}
     if args.only in (None, "calibration"):
-        runs.update(run_all(calibration_configs(args.steps), args.jobs))
-    if args.only in (None, "calibration"):
-        out["calibration"] = print_calibration(runs, args.steps)
+        seeds = range(args.first_seed, args.first_seed + args.seeds)
+        runs.update(run_all(calibration_configs(args.steps, args.seeds, args.models, args.first_seed), args.jobs))
+        out["calibration"] = print_calibration(runs, args.steps, seeds, args.models)
+        out["calibration_runs"] = [[list(key), run["summary"]] for key, run in runs.items() if key[0] == "cal"]
     if args.only in (None, "convergence"):
         conv = run_all(convergence_configs(args.convergence_steps, args.seeds), args.jobs)
         out["convergence"] = print_convergence(conv, args.convergence_steps, args.seeds)
     if args.only in (None, "efficiency"):
-        cells = efficiency_cells(args.algorithms, args.datasets)
+        cells = efficiency_cells(args.algorithms, args.datasets, args.gpus)
         runs.update(run_all(efficiency_configs(args.steps, cells), args.jobs))
         out["efficiency"] = print_efficiency(runs, args.steps, cells)
     if args.only in (None, "sensitivity"):

@@ -396,9 +396,9 @@ def test_reward_reads_the_answer_token_and_prompts_carry_their_index():
 
 # ---------------------------------------------------------------------------------------------- with the loop
 
-def _tiny_run(mode: str = "april-batch", steps: int = 2, lengths=None, **overrides):
+def _tiny_run(mode: str = "april-batch", steps: int = 2, lengths=None, cluster=None, **overrides):
     lengths = lengths or TraceLengths([[2, 4], [5, 5]], correct=[[True, False], [True, False]])
-    config = SimConfig(cluster=_one(), lengths=lengths, mode=mode, rollout_batch_size=1,
+    config = SimConfig(cluster=cluster or _one(), lengths=lengths, mode=mode, rollout_batch_size=1,
                        n_samples_per_prompt=2, over_sampling_batch_size=2, max_response_len=16, steps=steps,
                        prompt_len=4, dataset_size=50, **overrides)
     return simulate(config)
@@ -422,6 +422,22 @@ def test_every_metric_of_a_tiny_april_run_is_hand_computable():
     natural = np.array([2, 4, 5, 5])
     assert s0.length_mean_ratio == pytest.approx(3.0 / natural.mean())
     assert s1.length_w1_rel == pytest.approx(length_bias(np.array([5, 5]), natural)["w1_rel"])
+
+
+def test_the_loss_against_the_bound_splits_into_idle_underfill_and_the_named_costs():
+    # APRIL, one engine of 4 slots: step 0 decodes 14 tokens in 4 s, never idle; the bound runs them at 4 a step.
+    s0, s1 = _tiny_run().steps
+    assert (s0.idle_time_fraction, s0.underfill_fraction) == (0.0, pytest.approx(1 - 3.5 / 4))
+    assert s1.efficiency == pytest.approx(1.0) and s1.underfill_fraction == pytest.approx(0.0)
+    # The baseline on two engines: group 0's samples (2 and 4 tokens) one per engine, so replica 0 idles 2 of
+    # the 8 replica-seconds; 6 tokens take 1.5 replica-seconds at the maximum batch, the other 4.5 are underfill.
+    base = _tiny_run(mode="baseline", steps=1, warmup_steps=0, cluster=_one(engines=2)).steps[0]
+    assert base.rollout_s == 4.0 and base.efficiency == pytest.approx(1.5 / 8)
+    assert (base.idle_time_fraction, base.underfill_fraction) == (pytest.approx(2 / 8), pytest.approx(4.5 / 8))
+    for s in (s0, s1, base):
+        assert s.efficiency + s.idle_time_fraction + s.underfill_fraction + s.kv_copy_time_fraction + (
+            s.re_prefill_time_fraction + s.recompute_time_fraction + s.continuation_prefill_time_fraction) == (
+            pytest.approx(1.0))
 
 
 def test_scheduler_settings_per_mode():

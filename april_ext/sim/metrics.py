@@ -155,6 +155,8 @@ class StepReport:
     re_prefill_time_fraction: float  # replica time spent re-prefilling resumed requests / (replicas x rollout)
     recompute_time_fraction: float  # replica time re-prefilling after preemptions / (replicas x rollout)
     kv_copy_time_fraction: float  # rollout time the engines stood still copying carried KV to host and back
+    idle_time_fraction: float  # replica time with nothing to run (outside the KV copies) / (replicas x rollout)
+    underfill_fraction: float  # the rest of the loss: iterations below the maximum batch, prefill batch overheads
     preemptions: int
     aborted_samples: int
     surplus_groups: int
@@ -191,6 +193,8 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
     busy = counters.slot_time + bound.mean_batch * counters.prefill_time
     bias = length_bias(lens, natural)
     replica_time = counters.num_engines * wall
+    copy = counters.kv_copy_time / wall if wall > 0 else 0.0
+    shares = _loss_shares(counters, replica_time, least / wall if wall > 0 else 0.0, copy)
     return StepReport(
         step=step, rollout_s=wall, time_to_done_s=metrics.time_to_done_s, generated_tokens=metrics.generated_tokens,
         trained_tokens=int(sched["batch_response_tokens"]),
@@ -206,7 +210,7 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
         staleness_histogram=list(sched["staleness_histogram"]), re_prefill_tokens=int(sched["re_prefill_tokens"]),
         re_prefill_time_fraction=counters.resume_prefill_time / replica_time if replica_time > 0 else 0.0,
         recompute_time_fraction=counters.recompute_time / replica_time if replica_time > 0 else 0.0,
-        kv_copy_time_fraction=counters.kv_copy_time / wall if wall > 0 else 0.0,
+        kv_copy_time_fraction=copy, idle_time_fraction=shares[0], underfill_fraction=shares[1],
         preemptions=counters.preemptions, aborted_samples=metrics.aborted_samples,
         surplus_groups=int(sched["surplus_groups"]), buffered_groups=int(sched["buffered_groups"]),
         filtered_groups=int(sched["groups_filtered"]), reward_mean=metrics.reward_mean,
@@ -221,6 +225,21 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
         continuation_prefill_time_fraction=(counters.continuation_prefill_time / replica_time
                                             if replica_time > 0 else 0.0),
         response_lens=lens.tolist())
+
+
+def _loss_shares(counters: ClusterCounters, replica_time: float, efficiency: float,
+                 copy: float) -> tuple[float, float]:
+    """(idle, underfill) shares of the replicas' time. Replica time splits into decode, prefill (new prompts,
+    re-prefill, recompute, continuations), KV copies and idle; the bound's least time is the new work at the maximum
+    batch, so 1 - efficiency = idle + copy + re-prefill + recompute + continuation prefill + underfill, underfill
+    being decode and new-prompt prefill beyond their least time (iterations below the maximum batch, the fixed
+    cost of prefill batches, steps cut by aborts and pauses)."""
+    if replica_time <= 0:
+        return 0.0, 0.0
+    c = counters
+    idle = (replica_time - c.decode_time - c.prefill_time - c.num_engines * c.kv_copy_time) / replica_time
+    extra = (c.resume_prefill_time + c.recompute_time + c.continuation_prefill_time) / replica_time
+    return idle, 1.0 - efficiency - idle - copy - extra
 
 
 __all__ = ["OccupancyBound", "StepReport", "full_occupancy_bound", "least_times", "length_bias", "step_report",

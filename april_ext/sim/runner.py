@@ -34,11 +34,13 @@ from april_ext.sim.metrics import (
     step_report,
 )
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
+from april_ext.sim.waves import WaveRollout
 from april_ext.strategies import STRATEGIES, apply_strategy
 
 Mode = Literal["baseline", "april-batch", "april-continuous", "april-adaptive"]
 MODES: tuple[str, ...] = ("baseline", "april-batch", "april-continuous", "april-adaptive")
 ALGORITHMS = ("grpo", "dapo")
+DAPO_BASELINES = ("replace", "waves")
 MODE_SETTINGS = ("refill", "over_sampling")
 """The SchedulerConfig fields each mode sets (see SimConfig.scheduler_config); SimConfig has all the others."""
 
@@ -60,6 +62,11 @@ class SimConfig:
     algorithm: str = "grpo"
     """"grpo": every complete group is trained; "dapo": dynamic sampling drops groups with equal rewards (and its
     baseline over-samples N' groups, discarding unfinished ones: see scheduler_config)."""
+    dapo_baseline: str = "replace"
+    """The DAPO baseline's refill (mode "baseline" with algorithm "dapo"): "replace" launches a group for each one
+    the filter rejects (the scheduler with N' = N and continuous refill); "waves" is slime's own rollout: a wave
+    of N groups (slime's default N' = N, as the baseline scripts leave it) whenever the groups in flight plus
+    those accepted are fewer than N, the rest aborted and discarded at N accepted (april_ext.sim.waves)."""
     num_engines: int = 8
     mixed_chunk: bool = False
     """Engines run mixed chunked prefill (prefill chunks inside decode iterations; CostModel.mixed_chunk). Applies
@@ -95,6 +102,9 @@ class SimConfig:
             raise ConfigError(f"SimConfig.mode={self.mode!r} is not allowed: one of {MODES}")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"SimConfig.algorithm={self.algorithm!r} is not allowed: one of {ALGORITHMS}")
+        if self.dapo_baseline not in DAPO_BASELINES:
+            raise ConfigError(f"SimConfig.dapo_baseline={self.dapo_baseline!r} is not allowed: one of "
+                              f"{DAPO_BASELINES}")
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise ConfigError(f"SimConfig.strategy={self.strategy!r} is not allowed: None or one of "
                               f"{', '.join(STRATEGIES)}")
@@ -176,6 +186,11 @@ class SimConfig:
                               weight_sync_s=self.weight_sync_s, colocated=self.colocate)
 
     @property
+    def waves_baseline(self) -> bool:
+        """The run is slime's wave-refill DAPO baseline (driven by april_ext.sim.waves, not the scheduler)."""
+        return self.mode == "baseline" and self.algorithm == "dapo" and self.dapo_baseline == "waves"
+
+    @property
     def bound_version(self) -> int:
         """Weight version of the run's middle step: the bound and the natural lengths are taken there."""
         return (self.steps - 1) // 2
@@ -202,7 +217,8 @@ class SimResult:
     steps: list[StepReport]
     natural_mean: float
     scheduler: SchedulerConfig
-    """The scheduler settings run (the mode's and the strategy's applied)."""
+    """The scheduler settings run (the mode's and the strategy's applied); the waves DAPO baseline runs no scheduler:
+    those of the replacing baseline."""
     wall_seconds: float = 0.0
     summary: dict[str, float] = field(default_factory=dict)
 
@@ -243,6 +259,7 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
     return {
         "tokens_per_s": tokens_per_s,
         "useful_tokens_per_s": (tokens - discarded) / seconds if seconds > 0 else 0.0,
+        "trained_tokens_per_s": sum(batch_tokens) / seconds if seconds > 0 else 0.0,
         "efficiency": least / seconds if seconds > 0 else 0.0,
         "ceiling_efficiency": ceiling / seconds if seconds > 0 else 0.0,
         "bound_tokens_per_s": tokens / least if least > 0 else 0.0,
@@ -253,6 +270,9 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
         "offpolicy_token_ratio": _weighted([s.offpolicy_token_ratio for s in steady], batch_tokens),
         "re_prefill_time_fraction": _weighted([s.re_prefill_time_fraction for s in steady], durations),
         "kv_copy_time_fraction": _weighted([s.kv_copy_time_fraction for s in steady], durations),
+        "recompute_time_fraction": _weighted([s.recompute_time_fraction for s in steady], durations),
+        "idle_time_fraction": _weighted([s.idle_time_fraction for s in steady], durations),
+        "underfill_fraction": _weighted([s.underfill_fraction for s in steady], durations),
         "tail_latency": _weighted([s.tail_latency for s in timed], [s.rollout_s for s in timed]) if timed else math.nan,
         "continuations_per_step": float(np.mean([s.continuations for s in steady])),
         "prefix_hit_token_ratio": hits / (hits + misses) if hits + misses > 0 else 0.0,
@@ -285,6 +305,21 @@ async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None)
     scheduler_config = config.scheduler_config(capacity)
     scheduler = Scheduler(scheduler_config, SyntheticPrompts(config.dataset_size, config.prompt_len))
     reports = []
+    if config.waves_baseline:
+        async with SimulatedEngine(cluster, lengths, settle_passes=config.settle_passes) as engine:
+            waves = WaveRollout(engine, SyntheticPrompts(config.dataset_size, config.prompt_len),
+                                rollout_batch_size=config.rollout_batch_size,
+                                n_samples_per_prompt=config.n_samples_per_prompt,
+                                over_sampling_batch_size=config.rollout_batch_size,
+                                max_response_len=config.max_response_len, group_filter=reject_uniform_groups)
+            for step in range(config.steps):
+                before = engine.counters()
+                wave_step = await waves.run_step(step)
+                after = engine.counters()
+                reports.append(step_report(step, wave_step.metrics, after.minus(before), bound, natural, cluster.cost,
+                                           wave_step.finish_times, after.now))
+                await engine.update_weights({}, step + 1)
+        return _result(config, bound, reports, natural, scheduler_config, started)
     async with SimulatedEngine(cluster, lengths, settle_passes=config.settle_passes) as engine:
         loop = RolloutLoop(engine, scheduler, _reward, sampling=SamplingParams(),
                            group_filter=reject_uniform_groups if config.algorithm == "dapo" else None,
@@ -300,7 +335,12 @@ async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None)
                                        finished, after.now))
             await engine.update_weights({}, step + 1)
         await loop.drain_rewards()
-    out = SimResult(config, bound, reports, float(natural.mean()), scheduler_config)
+    return _result(config, bound, reports, natural, scheduler_config, started)
+
+
+def _result(config: SimConfig, bound: OccupancyBound, reports: list[StepReport], natural: np.ndarray,
+            scheduler: SchedulerConfig, started: float) -> SimResult:
+    out = SimResult(config, bound, reports, float(natural.mean()), scheduler)
     out.summary = _summarize(reports, natural, bound, config.warmup_steps)
     out.wall_seconds = time.perf_counter() - started
     return out
@@ -348,5 +388,5 @@ def gain(results: dict[str, SimResult], mode: str, baseline: str = "baseline", m
     return results[mode].summary[metric] / base - 1 if base > 0 else math.nan
 
 
-__all__ = ["ALGORITHMS", "MODES", "MODE_SETTINGS", "SimConfig", "SimResult", "compare", "compare_strategies", "gain",
+__all__ = ["ALGORITHMS", "DAPO_BASELINES", "MODES", "MODE_SETTINGS", "SimConfig", "SimResult", "compare", "compare_strategies", "gain",
            "simulate", "simulate_async"]
