@@ -53,7 +53,9 @@ def sglang_router(worker_urls: list[str], tmp_path, timeout_s: float = 90.0) -> 
     once its /workers lists every worker as healthy. Stopped with SIGTERM (then SIGKILL) on exit."""
     port = free_port()
     command = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-               "--worker-urls", *worker_urls, "--policy", "round_robin", "--log-level", "warn"]
+               "--worker-urls", *worker_urls, "--policy", "round_robin", "--log-level", "warn",
+               # its metrics port (29000 by default) free too: a second router on the machine must not collide
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     with open(tmp_path / "router.log", "wb") as log, \
             subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
                              start_new_session=True) as proc:
