@@ -1,7 +1,8 @@
 """RayEngine: the RolloutEngine of a Ray run on the driver. Generation, aborts, weight updates and memory
 calls go through an SGLangEngine pointed at the router (aborts and weights reach every worker the router
-lists: the router has no /abort_request); beside it the engine pool's watch keeps the router's list to
-the engines that answer, and gives a restarted engine the weights of the last update before it rejoins.
+lists: the router has no /abort_request) or, with ray_routing "least_loaded", at the engines themselves
+(each request to the least loaded); beside it the engine pool's watch keeps the engines that get requests
+to those that answer, and gives a restarted engine the weights of the last update before it rejoins.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class RayEngine:
         self.rejoins = 0
 
     async def __aenter__(self) -> RayEngine:
-        self._watch = asyncio.create_task(self.pool.watch(self._rejoin))
+        self._watch = asyncio.create_task(self.pool.watch(self._rejoin, self.pool.membership(self.inner)))
         self._watch.add_done_callback(_report_watch_end)
         return self
 
@@ -78,7 +79,7 @@ class RayEngine:
 
     async def _rejoin(self, old_url: str, url: str) -> None:
         """A restarted engine's server gets the last update's weights (it started from the run's initial
-        checkpoint) and the memory state of the others, before it is registered with the router. Failover
+        checkpoint) and the memory state of the others, before it gets requests again. Failover
         stops awaiting its old url (an actor that was only stalled comes back on the same one)."""
         async with self._lock:
             if old_url != url:

@@ -397,6 +397,16 @@ class SGLangEngine:
         """Failover stops awaiting a removed worker whose server was replaced by one at another url."""
         self._workers.forget(url)
 
+    def drop_worker(self, url: str, reason: str) -> None:
+        """Direct worker urls: the worker gets no requests or calls until ``admit_worker``; what it runs ends
+        as ABORT with its tokens so far (with failover), and failover does not bring it back by itself."""
+        self._workers.drop(url, reason)
+
+    def admit_worker(self, url: str) -> None:
+        """Direct worker urls: a worker (new, or dropped before) that holds the current weights gets requests
+        and calls from now on."""
+        self._workers.admit(url)
+
     def stats(self) -> SGLangEngineStats:
         return SGLangEngineStats(dict(self._workers.load), self._requests, self._generated, self._aborted,
                                  self._weight_version)
