@@ -124,7 +124,7 @@ def test_a_dropped_worker_gets_nothing_until_admitted_and_its_requests_come_back
             for stream in mine:
                 await asyncio.wait_for(anext(stream), 30)
             seen["while_dropped"] = dict(engine.stats().in_flight)
-            seen["live"] = engine.pool_health()["live"]
+            seen["pool"] = engine.pool_health()
             seen["health"] = sorted((await engine.check_health())["workers"])
             engine.admit_worker(url)
             late = engine.generate(SHORT, LONG, "admitted")
@@ -140,7 +140,8 @@ def test_a_dropped_worker_gets_nothing_until_admitted_and_its_requests_come_back
     finish, count = seen["partial"]
     assert finish is FinishReason.ABORT and 1 <= count < LONG.max_new_tokens
     assert seen["while_dropped"] == {url: 0, other: 3}
-    assert seen["live"] == [other] and seen["health"] == [other]
+    assert seen["pool"]["live"] == [other] and seen["pool"]["removed"] == {url: "its actor is down"}
+    assert seen["health"] == [other]
     # Admitted (idle, while the other runs 3 requests), it gets the next one.
     assert seen["admitted"] == {url: 1, other: 3}
 

@@ -387,10 +387,10 @@ class SGLangEngine:
         return {p.url: p for p in await self._workers.profiles()}
 
     def pool_health(self) -> dict[str, Any]:
-        """Failover's view now: "live" worker urls, "removed" {url: reason}, and since start "removals"
-        and "rejoins" (counts)."""
+        """Failover's view now: "live" worker urls, "removed" {url: reason} (dropped ones too), and since start
+        "removals" and "rejoins" (counts)."""
         pool = self._workers
-        return {"live": pool.live(), "removed": {url: r.reason for url, r in pool.removed.items()},
+        return {"live": pool.live(), "removed": {**{url: r.reason for url, r in pool.removed.items()}, **pool.dropped},
                 "removals": pool.removals, "rejoins": pool.rejoins}
 
     def forget_worker(self, url: str) -> None:
