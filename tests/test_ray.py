@@ -20,67 +20,22 @@ each test starts its own run's actors and placement groups in it.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import json
 import os
 import signal
 import time
-import urllib.request
 
-import numpy as np
 import pytest
+from _ray_utils import RAY, TINY, check_batch, needs, ray_cluster  # noqa: F401 (fixture)
+from _ray_utils import alive as _alive
+from _ray_utils import label as _label
+from _ray_utils import wait as _wait
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.cluster import ClusterError
 from april_ext.cluster.router import Router
 from april_ext.training import TrainConfig, TrainingRun, train
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("sglang_router") is None,
-                       reason="ray and sglang-router are not installed (pip install -e '.[test]' installs them)"),
-]
-
-TINY = dict(counting_median=3.0, counting_sigma=0.8, counting_max_count=12, counting_symbols=2, hidden_size=16,
-            num_layers=1, rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=4,
-            max_num_seqs=64, num_blocks=256, lr=0.003, progress=False, plots=False, num_threads=1)
-# Short timeouts: a dead rank or engine must show within seconds. Actors take a quarter CPU each: the
-# local cluster's logical CPUs, on a machine of 2 cores.
-RAY = dict(ray=True, ray_num_cpus_per_actor=0.25, ray_timeout_s=120.0, ray_engine_check_interval_s=0.5)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as handle:
-            return "State:\tZ" not in handle.read()
-    except OSError:
-        return False
-
-
-async def _wait(condition, timeout_s: float, what: str, poll_s: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(poll_s)
-
-
-def _label(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/model_info", timeout=10) as response:
-        return str(json.loads(response.read())["weight_version"])
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread", "ray_cluster"), needs("ray", "sglang_router")]
 
 
 def _batches(rows: list[dict]) -> list[tuple[list[int], float]]:
@@ -187,24 +142,6 @@ def test_colocated_trainer_and_engine_memory_alternate_behind_a_given_router(tmp
     assert t0 - t1 > 40 * mib and t2 - t1 > 40 * mib  # the trainer's weights: away for the rollout, then back
 
 
-def _check_batch(scheduler, batch, trained_groups: set[int]) -> None:
-    """A full batch of distinct complete groups, none trained before, and every token the scheduler received
-    held once: in the batch, in a partial buffered for a resume, or in a surplus group."""
-    config = scheduler.config
-    assert batch.n_groups == config.rollout_batch_size and len(set(batch.prompt_ids)) == batch.n_groups
-    assert np.bincount(batch.group_index).tolist() == [config.n_samples_per_prompt] * batch.n_groups
-    assert len(set(batch.sample_ids.tolist())) == batch.n_samples
-    assert not trained_groups & set(batch.prompt_ids), "a group trained twice"
-    trained_groups.update(batch.prompt_ids)
-    in_batch = set(batch.sample_ids.tolist())
-    held = int(batch.response_lens.sum())
-    for sid in scheduler.sample_ids("queued") + scheduler.sample_ids("done"):
-        if sid not in in_batch:
-            held += int(scheduler.sample(sid).token_ids.size)
-    stats = scheduler.stats()
-    assert stats["generated_tokens"] == held, (stats, held)
-
-
 @pytest.mark.parametrize("weight_sync", ["disk", "broadcast"])
 def test_an_engine_server_killed_or_stopped_mid_step_fails_over_and_rejoins_with_current_weights(
         tmp_path, weight_sync: str) -> None:
@@ -220,7 +157,7 @@ def test_an_engine_server_killed_or_stopped_mid_step_fails_over_and_rejoins_with
 
             async def checked_rollout(version: int):
                 result = await step_rollout(version)
-                _check_batch(run.scheduler, result.batch, trained)
+                check_batch(run.scheduler, result.batch, trained)
                 return result
 
             run.rollout.run_step = checked_rollout

@@ -1,6 +1,6 @@
 """The Ray topology from slime's flags, without Ray: ranks, engines, bundles per role and each actor's
 place, on GPUs and on CPUs, colocated and disaggregated; settings that cannot be placed are refused with
-the setting named; the flags reach TrainConfig."""
+the setting named; the flags reach TrainConfig, ray_routing too (from a flag or a TOML key)."""
 
 from __future__ import annotations
 
@@ -80,3 +80,20 @@ def test_slime_flags_set_the_ray_settings() -> None:
     assert (config.ray, config.ray_address, config.actor_num_nodes, config.actor_num_gpus_per_node,
             config.rollout_num_gpus, config.rollout_num_gpus_per_engine, config.num_gpus_per_node, config.colocate,
             config.ray_num_cpus_per_actor) == (True, "auto", 2, 4, 8, 2, 4, True, 0.5)
+
+
+def test_ray_routing_is_router_or_least_loaded_from_flags_or_toml(tmp_path) -> None:
+    assert TrainConfig(ray=True).ray_routing == "router"
+    with pytest.raises(ConfigError, match=r"TrainConfig.ray_routing='cache_aware' is not allowed: one of "
+                                          r"\('router', 'least_loaded'\)"):
+        TrainConfig(ray=True, ray_routing="cache_aware")
+    with pytest.raises(ConfigError, match=r"TrainConfig.ray_router_url='http://r:1' is not allowed: None with "
+                                          r"ray_routing='least_loaded'"):
+        TrainConfig(ray=True, ray_routing="least_loaded", ray_router_url="http://r:1")
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    toml = tmp_path / "run.toml"
+    toml.write_text('ray = true\nray_routing = "least_loaded"\n')
+    assert config_from_args(parser.parse_args(["train", "--config", str(toml)])).ray_routing == "least_loaded"
+    flags = ["train", "--config", str(toml), "--ray-routing", "router"]
+    assert config_from_args(parser.parse_args(flags)).ray_routing == "router"

@@ -1,6 +1,8 @@
 """Least-loaded routing over several servers by their reported load (the SGLang adapter's worker pool, direct
 mode): the embedded server serves each release's load report, the adapter reads it and sends a new or
-continued request to the server with the fewest KV tokens, counting what it sent since the reading."""
+continued request to the server with the fewest KV tokens, counting what it sent since the reading. The pool's
+membership driven from outside (a Ray run's engine pool): a dropped worker gets nothing (its request comes back as a
+partial, failover does not bring it back) until it is admitted, and a worker admitted on a new url gets requests."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from _engine_utils import tiny_model
 from _sglang_utils import get, live_server, wait_for
 from _torch_threads import one_torch_thread
 
+from april_ext.batch import FinishReason
 from april_ext.errors import ConfigError
 from april_ext.protocol import SamplingParams, sglang_wire
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig
@@ -96,3 +99,70 @@ def test_requests_go_to_the_server_reporting_the_least_load(two_servers) -> None
 def test_load_interval_is_validated() -> None:
     with pytest.raises(ConfigError, match="load_interval_s must be None"):
         SGLangEngineConfig(worker_urls=("http://a:1",), load_interval_s=0)
+
+
+
+def test_a_dropped_worker_gets_nothing_until_admitted_and_its_requests_come_back_as_partials(two_servers) -> None:
+    # The membership a Ray run with ray_routing "least_loaded" drives from its engine pool's watch.
+    first, second = two_servers
+
+    async def body() -> dict[str, object]:
+        config = SGLangEngineConfig(worker_urls=two_servers, worker_timeout_s=1.0, load_interval_s=0.05)
+        async with SGLangEngine(config) as engine:
+            seen: dict[str, object] = {}
+            running = engine.generate(SHORT, LONG, "running")
+            tokens = list((await asyncio.wait_for(anext(running), 30)).token_ids)
+            ((url, _),) = [(u, n) for u, n in engine.stats().in_flight.items() if n]
+            other = second if url == first else first
+            engine.drop_worker(url, "its actor is down")
+            async for chunk in running:
+                tokens += chunk.token_ids
+                seen["partial"] = (chunk.finish_reason, len(tokens))
+            # Failover checks every worker_timeout_s / 4 and brings back removed workers that answer: not this one.
+            await asyncio.sleep(4 * config.worker_timeout_s)
+            mine = [engine.generate(SHORT, LONG, f"while-dropped-{i}") for i in range(3)]
+            for stream in mine:
+                await asyncio.wait_for(anext(stream), 30)
+            seen["while_dropped"] = dict(engine.stats().in_flight)
+            seen["pool"] = engine.pool_health()
+            seen["health"] = sorted((await engine.check_health())["workers"])
+            engine.admit_worker(url)
+            late = engine.generate(SHORT, LONG, "admitted")
+            await asyncio.wait_for(anext(late), 30)
+            seen["admitted"] = dict(engine.stats().in_flight)
+            await engine.abort()
+            for stream in (*mine, late):
+                await stream.aclose()
+            return {**seen, "url": url, "other": other}
+
+    seen = asyncio.run(body())
+    url, other = seen["url"], seen["other"]
+    finish, count = seen["partial"]
+    assert finish is FinishReason.ABORT and 1 <= count < LONG.max_new_tokens
+    assert seen["while_dropped"] == {url: 0, other: 3}
+    assert seen["pool"]["live"] == [other] and seen["pool"]["removed"] == {url: "its actor is down"}
+    assert seen["health"] == [other]
+    # Admitted (idle, while the other runs 3 requests), it gets the next one.
+    assert seen["admitted"] == {url: 1, other: 3}
+
+
+def test_a_worker_admitted_on_a_new_url_gets_requests_and_calls(two_servers) -> None:
+    # A Ray engine restarted by Ray serves on a new url.
+    first, second = two_servers
+
+    async def body() -> tuple[dict[str, int], list[str]]:
+        async with SGLangEngine(SGLangEngineConfig(worker_urls=(first,), load_interval_s=0.05)) as engine:
+            engine.admit_worker(second)
+            streams = [engine.generate(SHORT, LONG, f"new-url-{i}") for i in range(2)]
+            for stream in streams:
+                await asyncio.wait_for(anext(stream), 30)
+            spread = dict(engine.stats().in_flight)
+            health = sorted((await engine.check_health())["workers"])
+            await engine.abort()
+            for stream in streams:
+                await stream.aclose()
+            return spread, health
+
+    spread, health = asyncio.run(body())
+    assert spread == {first: 1, second: 1}
+    assert health == sorted(two_servers)

@@ -6,9 +6,10 @@ The driver keeps the scheduler, the rollout loop, the data and the rewards; Ray 
   rollout_num_gpus_per_engine, num_gpus_per_node, colocate), on GPUs or CPUs;
 - session: the cluster (joined or local) and one placement group per role;
 - trainer_actor / trainer_group: one actor per trainer rank in one process group, and the Trainer over them;
-- engine_actor / engine_pool / router: one actor per engine owning its server, behind sglang-router,
-  restarted by Ray and given the current weights before it rejoins;
-- ray_engine: the RolloutEngine over the router; topology_run: the factories TrainingRun builds from.
+- engine_actor / engine_pool / router / membership: one actor per engine owning its server, behind
+  sglang-router or routed to by the driver's least-loaded pick (ray_routing), restarted by Ray and given the
+  current weights before it rejoins;
+- ray_engine: the RolloutEngine over the engines; topology_run: the factories TrainingRun builds from.
 
 Trainers and engines stay plain objects that an actor wraps; none of them imports Ray.
 """

@@ -1,10 +1,12 @@
-"""EnginePool: the rollout engine actors of a Ray run and their membership in the router.
+"""EnginePool: the rollout engine actors of a Ray run and their membership in the routing.
 
 One actor per engine (engine_actor.EngineHost) in its bundle, restarted by Ray up to
-``ray_engine_max_restarts`` times. The driver checks every actor each ``ray_engine_check_interval_s``:
-an engine whose actor died, restarts or does not answer leaves the router at once (the router itself
-only marks it unhealthy); when its actor answers again, from a new server, the pool's ``rejoin`` hook
-gives it the current weights and only then is it registered again.
+``ray_engine_max_restarts`` times. Requests reach the engines through the sglang-router (ray_routing
+"router", launched here or given by ray_router_url) or straight from the driver's SGLang client, least
+loaded by the engines' reported KV ("least_loaded", no router); membership.py says which engines get them.
+The driver checks every actor each ``ray_engine_check_interval_s``: an engine whose actor died, restarts
+or does not answer leaves at once (the router itself would only mark it unhealthy); when its actor answers
+again, from a new server, the pool's ``rejoin`` hook gives it the current weights and only then does it join.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from typing import Any
 
 from april_ext.cluster.engine_actor import EngineHost
 from april_ext.cluster.errors import ClusterError
+from april_ext.cluster.membership import DirectMembership, Membership, RouterMembership
 from april_ext.cluster.router import Router
 from april_ext.cluster.session import RaySession
 from april_ext.errors import AprilError
-from april_ext.sglang import SGLangServerArgs
+from april_ext.sglang import SGLangEngine, SGLangServerArgs
 from april_ext.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -39,7 +42,7 @@ async def ray_result(ref: Any, timeout_s: float) -> Any:
 
 @dataclass
 class EngineSlot:
-    """One engine: its actor, its server (``pid`` of the actor, ``url``) and whether the router lists it."""
+    """One engine: its actor, its server (``pid`` of the actor, ``url``) and whether it gets requests."""
 
     index: int
     actor: Any
@@ -72,8 +75,9 @@ class EnginePool:
 
     @classmethod
     async def start(cls, session: RaySession, config: TrainConfig, model_path: str, version: int) -> EnginePool:
-        """Starts every engine actor (each launches its server on ``model_path``) and the router (or
-        registers them with ``ray_router_url``), and waits until the router lists them all as healthy."""
+        """Starts every engine actor (each launches its server on ``model_path``) and, with ray_routing
+        "router", the router (or registers them with ``ray_router_url``), and waits until the router lists
+        them all as healthy."""
         import ray
 
         topology = session.topology
@@ -97,6 +101,9 @@ class EnginePool:
         for slot, (pid, url) in zip(slots, addresses):
             slot.pid, slot.url, slot.registered = pid, url, True
         urls = [s.url for s in slots]
+        if config.ray_routing == "least_loaded":
+            logger.info("rollout: %d engines, each request to the least loaded: %s", len(slots), urls)
+            return pool
         try:
             if config.ray_router_url is None:
                 pool._router = await asyncio.to_thread(Router.launch, urls, os.path.join(run_dir, "router.log"),
@@ -116,23 +123,30 @@ class EnginePool:
 
     @property
     def router(self) -> Router:
-        assert self._router is not None, "start() sets the router up"
+        assert self._router is not None, "start() sets the router up with ray_routing 'router'"
         return self._router
 
-    async def watch(self, rejoin: Callable[[str, str], Awaitable[None]]) -> None:
-        """Checks the engines forever (cancel to stop): removes the silent ones from the router, and
-        after ``rejoin(old_url, url)`` (the current weights) registers the restarted ones again."""
+    def membership(self, engine: SGLangEngine) -> Membership:
+        """Who gets requests: the router's list, or (ray_routing "least_loaded") ``engine``'s worker pool."""
+        if self._router is not None:
+            return RouterMembership(self._router, self.config.ray_timeout_s)
+        return DirectMembership(engine)
+
+    async def watch(self, rejoin: Callable[[str, str], Awaitable[None]], members: Membership) -> None:
+        """Checks the engines forever (cancel to stop): the silent ones leave ``members``, and after
+        ``rejoin(old_url, url)`` (the current weights) the restarted ones join again."""
         while True:
             await asyncio.sleep(self.config.ray_engine_check_interval_s)
             for slot in self.slots:
                 if slot.dead:
                     continue
                 try:
-                    await self._check(slot, rejoin)
+                    await self._check(slot, rejoin, members)
                 except AprilError as err:  # a rejoin that failed is tried again at the next check
                     logger.warning("rollout engine %d (%s) could not rejoin: %s", slot.index, slot.url, err)
 
-    async def _check(self, slot: EngineSlot, rejoin: Callable[[str, str], Awaitable[None]]) -> None:
+    async def _check(self, slot: EngineSlot, rejoin: Callable[[str, str], Awaitable[None]],
+                     members: Membership) -> None:
         import ray
 
         try:
@@ -140,31 +154,29 @@ class EnginePool:
         except (asyncio.TimeoutError, ray.exceptions.RayError) as err:
             slot.dead = isinstance(err, ray.exceptions.ActorDiedError)
             if slot.registered:
-                await asyncio.to_thread(self.router.remove, slot.url)
+                await members.leave(slot.url, f"its actor is down ({type(err).__name__})")
                 slot.registered = False
-                logger.warning("rollout engine %d (%s) is down (%s): removed from the router%s", slot.index,
+                logger.warning("rollout engine %d (%s) is down (%s): it gets no requests%s", slot.index,
                                slot.url, type(err).__name__,
                                "; no restarts left" if slot.dead else ", waiting for Ray to restart it")
             return
         if slot.registered and url == slot.url:
             return
         if slot.registered:  # restarted between two checks
-            await asyncio.to_thread(self.router.remove, slot.url)
+            await members.leave(slot.url, "its actor restarted")
         old_url = slot.url
         slot.pid, slot.url, slot.registered = pid, url, False
         await rejoin(old_url, url)
-        await asyncio.to_thread(self.router.add, url)
-        await asyncio.to_thread(self.router.wait_until, lambda w: w.get(url, {}).get("is_healthy"),
-                                self.config.ray_timeout_s, f"list {url} as healthy")
+        await members.join(url)
         slot.registered = True
         slot.restarts_seen += 1
-        logger.warning("rollout engine %d restarted (pid %d) and rejoined the router at %s with the current "
-                       "weights", slot.index, pid, url)
+        logger.warning("rollout engine %d is back (actor pid %d%s) and rejoined at %s with the current weights",
+                       slot.index, pid, "" if url == old_url else ", restarted", url)
 
-    async def prune(self) -> bool:
-        """Checks every listed engine now (a weight update failed): one that does not answer, or answers from
-        a new server, leaves the router at once, as the watch would take it off (and the watch brings it back).
-        True when any left."""
+    async def prune(self, members: Membership) -> bool:
+        """Checks every engine that gets requests now (a weight update failed): one that does not answer, or
+        answers from a new server, leaves ``members`` at once, as the watch would take it off (and the watch
+        brings it back). True when any left."""
         import ray
 
         pruned = False
@@ -180,12 +192,10 @@ class EnginePool:
                 slot.dead = isinstance(err, ray.exceptions.ActorDiedError)
                 reason = type(err).__name__
             gone = slot.url
-            await asyncio.to_thread(self.router.remove, gone)
-            await asyncio.to_thread(self.router.wait_until, lambda w, gone=gone: gone not in w,
-                                    self.config.ray_timeout_s, f"stop listing {gone}")
+            await members.leave(gone, reason)
             slot.registered = False
             pruned = True
-            logger.warning("rollout engine %d (%s) is down (%s): removed from the router", slot.index, gone, reason)
+            logger.warning("rollout engine %d (%s) is down (%s): it gets no requests", slot.index, gone, reason)
         return pruned
 
     def states(self) -> dict[int, str]:

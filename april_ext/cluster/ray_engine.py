@@ -1,7 +1,8 @@
 """RayEngine: the RolloutEngine of a Ray run on the driver. Generation, aborts, weight updates and memory
 calls go through an SGLangEngine pointed at the router (aborts and weights reach every worker the router
-lists: the router has no /abort_request); beside it the engine pool's watch keeps the router's list to
-the engines that answer, and gives a restarted engine the weights of the last update before it rejoins.
+lists: the router has no /abort_request) or, with ray_routing "least_loaded", at the engines themselves
+(each request to the least loaded); beside it the engine pool's watch keeps the engines that get requests
+to those that answer, and gives a restarted engine the weights of the last update before it rejoins.
 With weight_sync="broadcast" trainer rank 0 broadcasts the weights, with "tensor" it posts them
 (cluster.rank_broadcast): the driver holds none of them, and a rejoining engine has them exported and sent
 again.
@@ -35,10 +36,11 @@ class RayEngine:
         self._weights: tuple[Any, int] | None = None
         self._released: set[str] = set()  # memory tags released on every engine now
         self._watch: asyncio.Task[None] | None = None
+        self._members = pool.membership(inner)
         self.rejoins = 0
 
     async def __aenter__(self) -> RayEngine:
-        self._watch = asyncio.create_task(self.pool.watch(self._rejoin))
+        self._watch = asyncio.create_task(self.pool.watch(self._rejoin, self._members))
         self._watch.add_done_callback(_report_watch_end)
         return self
 
@@ -62,7 +64,7 @@ class RayEngine:
         the update wrote (the trainer's export streams through); otherwise as the tensors themselves, on the
         driver.
         A broadcast that fails (an engine died mid-update) goes again to the engines that answer, once the
-        others are off the router."""
+        others are taken out (off the router, or out of the driver's worker pool)."""
         async with self._lock:
             config = self.inner.config
             kept: Any = weights
@@ -80,7 +82,7 @@ class RayEngine:
                     names = await self.inner.update_weights(weights, version)
                     break
                 except WeightBroadcastError as err:
-                    if not await self.pool.prune():  # each retry has fewer engines: a bounded loop
+                    if not await self.pool.prune(self._members):  # each retry has fewer engines: a bounded loop
                         raise
                     logger.warning("weight update %d failed (%s); sending it again to the engines left", version, err)
             self._weights = (kept, version)
@@ -98,7 +100,7 @@ class RayEngine:
 
     async def _rejoin(self, old_url: str, url: str) -> None:
         """A restarted engine's server gets the last update's weights (it started from the run's initial
-        checkpoint) and the memory state of the others, before it is registered with the router. Failover
+        checkpoint) and the memory state of the others, before it gets requests again. Failover
         stops awaiting its old url (an actor that was only stalled comes back on the same one)."""
         async with self._lock:
             if old_url != url:

@@ -1,7 +1,7 @@
 """RayTopologyRun: the trainer and engine factories of a training run on Ray (TrainConfig.ray), sharing
 one Ray session. TrainingRun enters the trainer factory first (the session: cluster and placement groups,
 then the trainer actor group) and the engine factory second (the initial checkpoint, the engine actors,
-the router, the RayEngine); it leaves them in the reverse order.
+the router unless ray_routing is "least_loaded", the RayEngine); it leaves them in the reverse order.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from april_ext.cluster.engine_pool import EnginePool
 from april_ext.cluster.ray_engine import RayEngine
@@ -50,21 +51,17 @@ class RayTopologyRun:
         labelled with its version. New weights reach them as in engine='sglang' (weight_sync): by default
         written to the weight-sync directory (sglang_weight_sync_dir, which every node must see) and loaded
         from disk, or broadcast by trainer rank 0 to every engine through a process group (rank_broadcast).
-        Failover as in engine='sglang' (sglang_worker_timeout_s): a server that died or stopped answering
-        leaves the router, its requests return to the scheduler as partials."""
+        Requests go through the router or straight to the least loaded engine (ray_routing). Failover as in
+        engine='sglang' (sglang_worker_timeout_s): a server that died or stopped answering gets no more
+        requests, its requests return to the scheduler as partials."""
         assert self._session is not None, "TrainingRun enters the trainer factory first"
         root = os.path.abspath(os.path.join(config.output_dir, SGLANG_DIR))
         initial = write_hf_checkpoint(trainer, model_config, os.path.join(root, "initial_model"),
                                       shard_bytes=int(config.weight_sync_bucket_mb * 2**20))
         pool = await EnginePool.start(self._session, config, initial, trainer.version)
         try:
-            async with SGLangEngine(SGLangEngineConfig(
-                    router_url=pool.router.url, initial_weight_version=trainer.version,
-                    weight_sync=config.weight_sync, weight_bucket_mb=config.weight_sync_bucket_mb,
-                    weight_sync_timeout_s=config.weight_sync_timeout_s,
-                    weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
-                    stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s,
-                    priority=config.sglang_priority)) as inner, RayEngine(inner, pool) as engine:
+            async with SGLangEngine(client_config(config, pool, trainer.version, root)) as inner, \
+                    RayEngine(inner, pool) as engine:
                 self.engine = engine
                 yield engine
         finally:
@@ -72,4 +69,18 @@ class RayTopologyRun:
             pool.stop()
 
 
-__all__ = ["RayTopologyRun"]
+def client_config(config: TrainConfig, pool: EnginePool, version: int, root: str) -> SGLangEngineConfig:
+    """The driver's SGLang client of the pool's engines, labelled ``version`` at start: requests through the
+    router, or (ray_routing "least_loaded") straight to the engine with the fewest KV tokens as each reports
+    them. The weight-sync directory defaults to ``<root>/weight_sync``."""
+    routing: dict[str, Any] = ({"router_url": pool.router.url} if config.ray_routing == "router" else
+                               {"worker_urls": tuple(s.url for s in pool.slots), "balance": "least_loaded"})
+    return SGLangEngineConfig(**routing, initial_weight_version=version, weight_sync=config.weight_sync,
+                              weight_bucket_mb=config.weight_sync_bucket_mb,
+                              weight_sync_timeout_s=config.weight_sync_timeout_s,
+                              weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
+                              stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s,
+                              priority=config.sglang_priority)
+
+
+__all__ = ["RayTopologyRun", "client_config"]

@@ -389,15 +389,25 @@ class SGLangEngine:
         return {p.url: p for p in await self._workers.profiles()}
 
     def pool_health(self) -> dict[str, Any]:
-        """Failover's view now: "live" worker urls, "removed" {url: reason}, and since start "removals"
-        and "rejoins" (counts)."""
+        """Failover's view now: "live" worker urls, "removed" {url: reason} (dropped ones too), and since start
+        "removals" and "rejoins" (counts)."""
         pool = self._workers
-        return {"live": pool.live(), "removed": {url: r.reason for url, r in pool.removed.items()},
+        return {"live": pool.live(), "removed": {**{url: r.reason for url, r in pool.removed.items()}, **pool.dropped},
                 "removals": pool.removals, "rejoins": pool.rejoins}
 
     def forget_worker(self, url: str) -> None:
         """Failover stops awaiting a removed worker whose server was replaced by one at another url."""
         self._workers.forget(url)
+
+    def drop_worker(self, url: str, reason: str) -> None:
+        """Direct worker urls: the worker gets no requests or calls until ``admit_worker``; what it runs ends
+        as ABORT with its tokens so far (with failover), and failover does not bring it back by itself."""
+        self._workers.drop(url, reason)
+
+    def admit_worker(self, url: str) -> None:
+        """Direct worker urls: a worker (new, or dropped before) that holds the current weights gets requests
+        and calls from now on."""
+        self._workers.admit(url)
 
     def stats(self) -> SGLangEngineStats:
         return SGLangEngineStats(dict(self._workers.load), self._requests, self._generated, self._aborted,

@@ -12,6 +12,10 @@ With failover (config.worker_timeout_s, see failover.py) a worker can be removed
 no calls any more (behind a router it is deleted from the router, DELETE /workers/{id}), a call still
 waiting on it ends, and a connection failure of a call removes the worker instead of failing the call.
 It is added back (router: POST /workers) by ``rejoin`` once it holds the current weights.
+
+With direct urls the pool's membership can also be driven from outside (a Ray run routing straight to its
+engines, april_ext.cluster): ``drop`` takes a worker out as ``remove`` does but for good (failover does not
+bring it back), and ``admit`` adds a worker, new or dropped, once it holds the current weights.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from april_ext.errors import InvalidStateError
 from april_ext.protocol.sglang_wire import load_tokens
 from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.config import SGLangEngineConfig
@@ -49,7 +54,7 @@ class WorkerPool:
         self.reported: dict[str, int] = {}
         """KV tokens (in use and queued) each worker reported at its last reading."""
         self._sent: dict[str, int] = {}
-        self._round_robin = itertools.cycle(list(self.load))
+        self._turn = itertools.count()
         self._profiles: dict[str, ServerProfile] = {}
         self.removed: dict[str, Removal] = {}
         self.removals = 0
@@ -58,6 +63,8 @@ class WorkerPool:
         self._gone: dict[str, asyncio.Event] = {}
         self._listeners: list[Callable[[str], None]] = []
         self._forgotten: set[str] = set()
+        self.dropped: dict[str, str] = {}
+        """Workers taken out by ``drop`` and not admitted since: why."""
 
     @property
     def failover(self) -> bool:
@@ -65,15 +72,16 @@ class WorkerPool:
 
     def pick(self, tokens: int = 0) -> str:
         """The url a new request of ``tokens`` input tokens goes to; it counts as in flight there until
-        ``release``. Raises SGLangNoWorkerError when failover removed every worker."""
-        if self.removed and not self.live():
-            raise SGLangNoWorkerError({url: r.reason for url, r in self.removed.items()})
+        ``release``. Raises SGLangNoWorkerError when failover removed (or ``drop`` took out) every worker."""
+        live = self.live()
+        if not live and (self.removed or self.dropped):
+            raise SGLangNoWorkerError({**{url: r.reason for url, r in self.removed.items()}, **self.dropped})
         if self.config.router_url is not None:
             url = self.config.router_url
         elif self.config.balance == "round_robin":
-            url = next(u for u in self._round_robin if u not in self.removed)
+            url = live[next(self._turn) % len(live)]
         else:
-            url = min(self.live(), key=self._estimate)
+            url = min(live, key=self._estimate)
         self.load[url] += 1
         self._sent[url] = self._sent.get(url, 0) + tokens
         return url
@@ -95,7 +103,7 @@ class WorkerPool:
 
         answers = await asyncio.gather(*(read(u) for u in urls), return_exceptions=True)
         for url, tokens in zip(urls, answers):
-            if isinstance(tokens, int) and url not in self.removed:
+            if isinstance(tokens, int) and url not in self.removed and url not in self.dropped:
                 # The requests sent while the reading was on its way may be in it or not: counted once more.
                 self.reported[url] = tokens
                 self._sent[url] = self._sent.get(url, 0) - sent[url]
@@ -179,6 +187,8 @@ class WorkerPool:
                     raise SGLangHTTPError(f"{router}/workers", 202, f"the router did not list {url} in time")
                 await asyncio.sleep(0.1)
             self._listed = listed
+        if url not in self.removed:
+            raise InvalidStateError(f"{url} cannot rejoin: it was dropped or forgotten meanwhile")
         del self.removed[url]
         self._gone[url] = asyncio.Event()
         self.rejoins += 1
@@ -190,7 +200,29 @@ class WorkerPool:
         self._forgotten.add(url)
         self.removed.pop(url, None)
         self._gone.pop(url, None)
+        self.dropped.pop(url, None)
         self._listed = [u for u in self._listed if u != url]
+
+    def drop(self, url: str, reason: str) -> None:
+        """Takes a worker out until ``admit`` brings it back (its owner found it down): the calls waiting on it
+        end and so do its requests, as with ``remove``, but failover does not bring it back by itself."""
+        self.remove(url, reason)
+        self.forget(url)
+        self.dropped[url] = reason
+
+    def admit(self, url: str) -> None:
+        """Adds a worker (a new one, or one dropped or forgotten before) that holds the current weights: it gets
+        requests and calls from now on."""
+        if self.config.router_url is not None:
+            raise InvalidStateError(f"admit({url!r}): behind a router its list is the pool's, not this client's")
+        self._forgotten.discard(url)
+        self.dropped.pop(url, None)
+        self.removed.pop(url, None)
+        if url not in self._listed:
+            self._listed.append(url)
+        self.load.setdefault(url, 0)
+        self._gone[url] = asyncio.Event()
+        self.rejoins += 1
 
     def only(self, url: str) -> WorkerPool:
         """A pool of this one worker, without failover (a call to it fails if it fails): for bringing a

@@ -25,7 +25,7 @@ _GROUPS = {
                       "weight_sync_timeout_s"),
     "Ray cluster": ("ray", "ray_address", "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus",
                     "rollout_num_gpus_per_engine", "num_gpus_per_node", "colocate", "ray_num_cpus_per_actor",
-                    "ray_router_url", "ray_timeout_s", "ray_engine_max_restarts", "ray_engine_check_interval_s"),
+                    "ray_routing", "ray_router_url", "ray_timeout_s", "ray_engine_max_restarts", "ray_engine_check_interval_s"),
     "rollout": ("strategy", *SCHEDULER_SETTINGS, "partial_rollout", "temperature", "top_p", "top_k"),
     "rewards and filters": ("custom_rm_path", "custom_rm_kind", "custom_rm_text", "custom_rm_timeout_s",
                             "dynamic_sampling_filter_path"),

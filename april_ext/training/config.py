@@ -38,6 +38,7 @@ _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)")
 RewardKind = Literal["auto", "sample", "batch", "group"]
 KlType = Literal["k1", "k2", "k3", "low_var_kl"]
 WeightSync = Literal["disk", "tensor", "broadcast"]
+RayRouting = Literal["router", "least_loaded"]
 
 
 SCHEDULER_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(SchedulerConfig))
@@ -249,8 +250,14 @@ class TrainConfig:
     """ray: GPUs of a node (slime's --num-gpus-per-node); an engine must fit on one node."""
     ray_num_cpus_per_actor: float = 1.0
     """ray: CPUs each trainer and engine actor reserves (on a CPU-only cluster its only resource)."""
+    ray_routing: RayRouting = "router"
+    """ray: how requests reach the engines. "router": through sglang-router (policy cache_aware: a divided rollout's
+    continuation returns to the engine holding its KV while the engines are balanced). "least_loaded": straight
+    to the engine with the fewest KV tokens as it last reported them plus those sent since (no router; a
+    continuation goes wherever the load is least, a re-prefill when that is another engine). docs/scaling.md."""
     ray_router_url: str | None = None
-    """ray: a running sglang-router the engines register with; None: the run launches one on the driver."""
+    """ray: a running sglang-router the engines register with; None: the run launches one on the driver
+    (ray_routing "router" only)."""
     ray_timeout_s: float = 600.0
     """ray: seconds a trainer call (train step, checkpoint, export) may take, also the process-group timeout,
     and the startup limit of the actors, placement groups and router."""
@@ -378,8 +385,13 @@ class TrainConfig:
         for name in ("ray_num_cpus_per_actor", "ray_timeout_s", "ray_engine_check_interval_s"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 _bad(name, getattr(self, name), "a finite number > 0")
+        if self.ray_routing not in typing.get_args(RayRouting):
+            _bad("ray_routing", self.ray_routing, f"one of {typing.get_args(RayRouting)}")
         if self.ray_router_url is not None and not self.ray_router_url.startswith(("http://", "https://")):
             _bad("ray_router_url", self.ray_router_url, "None or an http:// or https:// url")
+        if self.ray_router_url is not None and self.ray_routing != "router":
+            _bad("ray_router_url", self.ray_router_url, f"None with ray_routing={self.ray_routing!r} (requests go "
+                 "straight to the engines; a router is used with ray_routing='router' only)")
         if self.ray and self.engine == "sglang" and not self.sglang_launch:
             _bad("engine", self.engine, "with ray, 'embedded' or 'sglang' with sglang_launch=true (each engine actor "
                  "launches its server; servers given by url are not Ray's to place)")
