@@ -17,6 +17,9 @@ enum class SampleState : uint8_t {
   Running = 1,   // dispatched to the engine
   Aborting = 2,  // dispatched, and the scheduler asked for its abort
   Done = 3,      // finished with stop or length
+  // Tail batching over-provisioning: a slot the group no longer needs (its n samples are done or chosen) or
+  // never uses (groups of long rounds). Never dispatched, holds no tokens, not queued, running or done.
+  Cancelled = 4,
 };
 
 // A run of tokens produced under one policy version; versions are stored once per run, not per token.
@@ -36,6 +39,9 @@ struct Sample {
   int64_t tokens_at_step_start = 0;   // response length when the current step began
   int64_t resumes = 0;
   bool resumed = false;  // the last dispatch resumed an aborted partial (a re-prefill; not a continuation)
+  // In flight and cancelled (Aborting): its abort result is dropped and it becomes Cancelled. Not persisted: a
+  // saved state stores it as Cancelled.
+  bool surplus = false;
   // Set at dispatch (not persisted: nothing is in flight after a load).
   int32_t dispatch_len = 0;     // response length when the last request was sent
   int32_t dispatch_budget = 0;  // that request's max_new_tokens
@@ -62,8 +68,8 @@ struct Sample {
 };
 
 enum class GroupState : uint8_t {
-  Active = 0,     // some sample not done
-  Completed = 1,  // all samples done, waiting for reward
+  Active = 0,     // fewer than n samples done, or cancelled samples still in flight
+  Completed = 1,  // n samples done, waiting for reward
   Accepted = 2,   // rewarded and accepted by the filter
 };
 
