@@ -475,7 +475,7 @@ class Scheduler:
 
         Raises CorruptStateError for anything that is not a consistent state_dict() (not a dict, a missing or
         wrong key, bytes that are truncated, corrupted or of another format), and InvalidArgumentError for a
-        state saved with another n_samples_per_prompt or max_response_len.
+        state saved with another n_samples_per_prompt, max_response_len or tail_extra_samples.
         """
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT or not isinstance(
                 state.get("core"), bytes):
