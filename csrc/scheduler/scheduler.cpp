@@ -62,8 +62,7 @@ StepStats Scheduler::stats() const {
     }
     st.long_queue_groups += config_.tail_batching && g.long_queue ? 1 : 0;
     for (const auto& smp : g.samples) {
-      if ((smp.state == SampleState::Aborting && !smp.surplus) ||
-          (smp.state == SampleState::Queued && !smp.tokens.empty())) {
+      if (smp.state == SampleState::Aborting || (smp.state == SampleState::Queued && !smp.tokens.empty())) {
         st.buffered_samples += 1;
         st.buffered_tokens += static_cast<int64_t>(smp.tokens.size());
       }
