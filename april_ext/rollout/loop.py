@@ -146,7 +146,7 @@ class RolloutLoop:
         cfg = scheduler.config
         caps = [c for c in (cfg.max_inflight_samples, cfg.target_inflight_samples) if c is not None]
         self.capacity = engine_capacity or (
-            min(caps) if caps else cfg.over_sampling_batch_size * cfg.n_samples_per_prompt)
+            min(caps) if caps else cfg.over_sampling_batch_size * (cfg.n_samples_per_prompt + cfg.tail_extra_samples))
         self._seed = seed
         self._prefix = request_prefix
         self._async_reward = inspect.iscoroutinefunction(reward_fn) or \
