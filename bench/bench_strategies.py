@@ -102,7 +102,8 @@ def _run(job: tuple[str, int, tuple[str, ...]]) -> dict[str, object]:
     out: dict[str, dict[str, float]] = {}
     for row in rows:
         mode, strategy = ROWS[row]
-        config = SimConfig(**settings, **ROW_SETTINGS.get(row, {}), mode=mode, strategy=strategy)  # type: ignore[arg-type]
+        settings_of_row = {**settings, **ROW_SETTINGS.get(row, {})}
+        config = SimConfig(**settings_of_row, mode=mode, strategy=strategy)  # type: ignore[arg-type]
         summary = simulate(config, bound).summary
         out[row] = {name: float(summary.get(key, math.nan)) for name, key, _ in METRICS if key is not None}
         out[row]["tokens_per_s"] = summary["tokens_per_s"]

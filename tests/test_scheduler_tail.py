@@ -22,8 +22,15 @@ from _scheduler_utils import (
     run_step,
     state_payload,
 )
-from april_ext import ConfigError, CorruptStateError, InvalidArgumentError, InvalidStateError, Scheduler, SchedulerConfig
-from april_ext import _C
+from april_ext import (
+    ConfigError,
+    CorruptStateError,
+    InvalidArgumentError,
+    InvalidStateError,
+    Scheduler,
+    SchedulerConfig,
+    _C,
+)
 
 N_SAMPLES = 2
 
