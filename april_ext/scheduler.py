@@ -26,7 +26,7 @@ StalenessPolicy = Literal["keep", "mask", "restart", "drop"]
 ResumeOrder = Literal["oldest_first", "newest_first", "longest_first"]
 StepBoundary = Literal["abort", "carry"]
 DispatchOrder = Literal["fifo", "oldest_first", "longest_predicted_first", "shortest_first"]
-SampleState = Literal["queued", "running", "aborting", "done"]
+SampleState = Literal["queued", "running", "aborting", "done", "cancelled"]
 
 # The names the core accepts for each enum-valued field; settings cross to C++ by name.
 _CHOICES: dict[str, tuple[str, ...]] = _C.scheduler_config_choices()
@@ -101,6 +101,10 @@ class SchedulerConfig:
     long queue; once it holds rollout_batch_size groups, a long round runs them with no over-sampling."""
     tail_batching_restart: bool = False
     """Strict on-policy tail batching: a long-queue group restarts from its prompt when its long round runs it."""
+    tail_extra_samples: int = 0
+    """Tail batching only (RollPacker's sample over-provisioning): a group launched in a short round runs
+    n_samples_per_prompt + this many samples and completes with the first n_samples_per_prompt to finish; the
+    others are aborted and their tokens discarded. Long rounds run n samples per group. 0: off."""
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len"):
@@ -145,6 +149,10 @@ class SchedulerConfig:
             raise _bad("chunk_tokens", self.chunk_tokens, "an int >= 1, or None for no chunking")
         if self.tail_batching_restart and not self.tail_batching:
             raise _bad("tail_batching_restart", self.tail_batching_restart, "False unless tail_batching=True")
+        if not _is_int(self.tail_extra_samples) or self.tail_extra_samples < 0:
+            raise _bad("tail_extra_samples", self.tail_extra_samples, "an int >= 0")
+        if self.tail_extra_samples > 0 and not self.tail_batching:
+            raise _bad("tail_extra_samples", self.tail_extra_samples, "0 unless tail_batching=True")
 
 
 @dataclass(frozen=True)
@@ -270,6 +278,7 @@ class Scheduler:
             chunk_tokens=config.chunk_tokens or 0,
             tail_batching=config.tail_batching,
             tail_batching_restart=config.tail_batching_restart,
+            tail_extra_samples=config.tail_extra_samples,
         )
         self._core.set_data_size(len(data))
 
@@ -307,7 +316,8 @@ class Scheduler:
         """The samples the engine must abort, each returned once. step_boundary="abort": once the step is done,
         every running sample. "carry": none at the boundary; right after begin_step, the carried samples past
         max_staleness under the restart and drop policies, and with tail_batching_restart those of long-queue
-        groups restarting."""
+        groups restarting. With tail_extra_samples, any time: the cancelled surplus samples still running (a
+        group's first n finished); their results are accepted and dropped."""
         return self._core.samples_to_abort().tolist()
 
     def take_batch(self) -> TrainingBatch:
@@ -443,7 +453,7 @@ class Scheduler:
                 "bytes_per_token": nbytes / tokens if tokens else 0.0}
 
     def sample_ids(self, state: SampleState) -> list[int]:
-        """Ids of the samples in ``state`` ("queued", "running", "aborting", "done")."""
+        """Ids of the samples in ``state`` ("queued", "running", "aborting", "done", "cancelled")."""
         if not isinstance(state, str):
             raise InvalidArgumentError(f"state={state!r} is not allowed: a sample state name")
         return self._core.sample_ids(state).tolist()
@@ -465,7 +475,7 @@ class Scheduler:
 
         Raises CorruptStateError for anything that is not a consistent state_dict() (not a dict, a missing or
         wrong key, bytes that are truncated, corrupted or of another format), and InvalidArgumentError for a
-        state saved with another n_samples_per_prompt or max_response_len.
+        state saved with another n_samples_per_prompt, max_response_len or tail_extra_samples.
         """
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT or not isinstance(
                 state.get("core"), bytes):

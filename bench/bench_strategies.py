@@ -72,6 +72,11 @@ ROWS: dict[str, tuple[str, str | None]] = {
     "sortedrl": ("april-batch", "sortedrl"),
     "seer": ("april-continuous", "seer"),
     "rollpacker": ("april-batch", "rollpacker"),
+    "rollpacker_m0": ("april-batch", None),
+}
+# Rows that are settings rather than a strategy: rollpacker without its extra samples (tail_extra_samples = 0).
+ROW_SETTINGS: dict[str, dict[str, object]] = {
+    "rollpacker_m0": dict(tail_batching=True, tail_batching_restart=True),
 }
 
 METRICS = (
@@ -97,7 +102,9 @@ def _run(job: tuple[str, int, tuple[str, ...]]) -> dict[str, object]:
     out: dict[str, dict[str, float]] = {}
     for row in rows:
         mode, strategy = ROWS[row]
-        summary = simulate(SimConfig(**settings, mode=mode, strategy=strategy), bound).summary  # type: ignore[arg-type]
+        settings_of_row = {**settings, **ROW_SETTINGS.get(row, {})}
+        config = SimConfig(**settings_of_row, mode=mode, strategy=strategy)  # type: ignore[arg-type]
+        summary = simulate(config, bound).summary
         out[row] = {name: float(summary.get(key, math.nan)) for name, key, _ in METRICS if key is not None}
         out[row]["tokens_per_s"] = summary["tokens_per_s"]
         out[row]["useful_tokens_per_s"] = summary["useful_tokens_per_s"]
@@ -132,7 +139,7 @@ def tables(results: list[dict[str, object]], rows: tuple[str, ...]) -> tuple[str
             lines.append(f"| {row} | " + " | ".join(_cell(values[name], fmt) for name, _, fmt in METRICS) + " |")
         gains = {row: float(np.nanmean(v["useful gain"])) for row, v in per_row.items()}
         best = max(gains, key=gains.__getitem__)
-        on_policy = {row: g for row, g in gains.items() if row in ("seer", "rollpacker")}
+        on_policy = {row: g for row, g in gains.items() if row in ("seer", "rollpacker", "rollpacker_m0")}
         best_on_policy = max(on_policy, key=on_policy.__getitem__) if on_policy else None
         lines += ["", f"best useful throughput: {best} ({gains[best]:+.1%})"
                   + (f"; best on-policy: {best_on_policy} ({gains[best_on_policy]:+.1%})" if best_on_policy else ""),

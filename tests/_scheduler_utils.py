@@ -74,11 +74,12 @@ def state_payload(core: bytes) -> bytes:
     return core[20:-8]
 
 
-STATE_FORMAT = 5  # the format version the core writes
-_COUNTERS_AT = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # n, max_len, next group id, prompts, flags, version, step
+STATE_FORMAT = 6  # the format version the core writes
+_COUNTERS_AT = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # (version 5) n, max_len, next group id, prompts, flags, version, step
 _V3_COUNTERS = 35
 _V4_COUNTERS = 39  # chunk_returns, continuation_requests, continuation_tokens, prediction_samples
 _TAIL_COUNTERS = 4  # long_round, long_queue_groups, tail_restarted_samples, tail_tokens_discarded
+_SURPLUS_COUNTERS = 2  # surplus_samples_cancelled, surplus_tokens_discarded
 _NO_TAIL = bytes(1 + 8 + 8)  # short round, empty long queue, no pending restart
 
 
@@ -87,10 +88,24 @@ def frame_state(payload: bytes, version: int = STATE_FORMAT) -> bytes:
     return b"APRILSCH" + struct.pack("<IQ", version, len(payload)) + payload + struct.pack("<Q", _fnv1a(payload))
 
 
+def as_version_5(core: bytes) -> bytes:
+    """Rewrite a state of a scheduler without extra samples (tail_extra_samples=0) as version 5 wrote it: no
+    tail_extra_samples in the header, no surplus counters."""
+    payload = state_payload(core)
+    assert struct.unpack_from("<q", payload, 16)[0] == 0
+    payload = payload[:16] + payload[24:]
+    (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)
+    assert count == _V4_COUNTERS + _TAIL_COUNTERS + _SURPLUS_COUNTERS
+    last = _COUNTERS_AT + 8 + (_V4_COUNTERS + _TAIL_COUNTERS) * 8
+    payload = (payload[:_COUNTERS_AT] + struct.pack("<Q", count - _SURPLUS_COUNTERS)
+               + payload[_COUNTERS_AT + 8:last] + payload[last + 8 * _SURPLUS_COUNTERS:])
+    return frame_state(payload, version=5)
+
+
 def as_version_4(core: bytes) -> bytes:
     """Rewrite a state of a scheduler without tail batching as version 4 wrote it: no tail counters, no tail
     section at the end."""
-    payload = state_payload(core)
+    payload = state_payload(as_version_5(core))
     (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)
     assert count == _V4_COUNTERS + _TAIL_COUNTERS and payload.endswith(_NO_TAIL)
     last = _COUNTERS_AT + 8 + _V4_COUNTERS * 8
@@ -102,7 +117,7 @@ def as_version_4(core: bytes) -> bytes:
 def as_version_3(core: bytes) -> bytes:
     """Rewrite a state as version 3 wrote it: 35 counters (none of chunk_returns .. prediction_samples, nor the
     tail counters) and nothing after the adaptive fields (no length prediction, no tail section)."""
-    payload = state_payload(core)
+    payload = state_payload(as_version_5(core))
     n = struct.unpack_from("<q", payload, 0)[0]
     (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)
     assert count == _V4_COUNTERS + _TAIL_COUNTERS
@@ -221,10 +236,13 @@ def run_step(sched: Scheduler, engine: FakeEngine, version: int,
 def generate_until_done(sched: Scheduler, engine: FakeEngine,
                         reward: Callable[[CompletedGroup], tuple[list[float], bool]] = varied_rewards,
                         max_ticks: int = 10_000) -> None:
-    """Dispatch, stream and reward until the step is done (AssertionError after max_ticks)."""
+    """Dispatch, stream and reward until the step is done (AssertionError after max_ticks). With
+    tail_extra_samples, the cancelled surplus samples are aborted as soon as they are listed."""
     for _ in range(max_ticks):
         if sched.step_done:
             return
+        if sched.config.tail_extra_samples:
+            engine.abort(sched.samples_to_abort())
         engine.submit(sched.dispatch())
         engine.tick()
         for g in sched.pop_completed_groups():

@@ -29,7 +29,7 @@ VALUES = dict(rollout_batch_size=3, n_samples_per_prompt=2, over_sampling_batch_
               refill="continuous", max_staleness=2, staleness_policy="mask", mask_offpolicy=True,
               resume_order="longest_first", keep_surplus=False, max_inflight_samples=6, over_sampling="adaptive",
               target_inflight_samples=4, step_boundary="carry", dispatch_order="shortest_first", resume_priority=False,
-              chunk_tokens=7, tail_batching=True, tail_batching_restart=True)
+              chunk_tokens=7, tail_batching=True, tail_batching_restart=True, tail_extra_samples=1)
 # A value that SchedulerConfig refuses, for every field (with what it needs to be checked).
 BAD = dict(rollout_batch_size=dict(rollout_batch_size=0), n_samples_per_prompt=dict(n_samples_per_prompt="8"),
            over_sampling_batch_size=dict(over_sampling_batch_size=4), max_response_len=dict(max_response_len=0),
@@ -40,7 +40,8 @@ BAD = dict(rollout_batch_size=dict(rollout_batch_size=0), n_samples_per_prompt=d
            target_inflight_samples=dict(over_sampling="adaptive", target_inflight_samples=3),
            step_boundary=dict(step_boundary="keep"), dispatch_order=dict(dispatch_order="random"),
            resume_priority=dict(resume_priority=0), chunk_tokens=dict(chunk_tokens=0),
-           tail_batching=dict(tail_batching="on"), tail_batching_restart=dict(tail_batching_restart=True))
+           tail_batching=dict(tail_batching="on"), tail_batching_restart=dict(tail_batching_restart=True),
+           tail_extra_samples=dict(tail_extra_samples=1))
 TINY = dict(counting_median=3.0, counting_sigma=0.8, counting_max_count=12, counting_symbols=2, hidden_size=16,
             num_layers=1, max_num_seqs=64, num_blocks=256, progress=False, plots=False)
 

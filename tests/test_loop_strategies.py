@@ -31,6 +31,7 @@ def test_a_strategy_sets_its_scheduler_settings_for_the_task_cap() -> None:
     assert (seer.over_sampling_batch_size, seer.dispatch_order, seer.chunk_tokens) == (8, "longest_predicted_first", 5)
     rollpacker = TrainConfig(strategy="rollpacker").scheduler_config(40)
     assert rollpacker.tail_batching and rollpacker.tail_batching_restart and rollpacker.over_sampling_batch_size == 16
+    assert rollpacker.tail_extra_samples == 2  # n = 8
     assert TrainConfig(strategy="april").scheduler_config(40) == TrainConfig().scheduler_config(40)
 
 
@@ -199,7 +200,7 @@ def test_every_strategy_runs_the_loop_on_the_embedded_engine(name, boundary, one
     config = apply_strategy(base, name)
     settings = {f: getattr(config, f) for f in ("over_sampling_batch_size", "dispatch_order", "resume_priority",
                                                 "chunk_tokens", "tail_batching", "tail_batching_restart",
-                                                "step_boundary")}
+                                                "tail_extra_samples", "step_boundary")}
     results = asyncio.run(_steps(6, slots=4, **settings))
     assert [r.batch.n_groups for r in results] == [2] * 6
     for r in results:
@@ -208,6 +209,8 @@ def test_every_strategy_runs_the_loop_on_the_embedded_engine(name, boundary, one
         assert sum(r.metrics.scheduler["continuation_requests"] for r in results) > 0
     if config.tail_batching:
         assert sum(r.metrics.scheduler["long_round"] for r in results) > 0
+    if config.tail_extra_samples:  # rollpacker: groups gave up their extra samples
+        assert sum(r.metrics.scheduler["surplus_samples_cancelled"] for r in results) > 0
 
 
 def _tiny_run(tmp_path, **changes) -> TrainConfig:

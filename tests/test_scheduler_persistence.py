@@ -174,7 +174,7 @@ def _rich_state() -> bytes:
     return sched.state_dict()["core"]
 
 
-_SHAPE_FIELDS = 16  # n_samples_per_prompt and max_response_len lead the payload
+_SHAPE_FIELDS = 24  # n_samples_per_prompt, max_response_len and tail_extra_samples lead the payload
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -18,7 +18,7 @@ from april_ext import (
 )
 
 MAX_LEN = 6
-STATES = ("queued", "running", "aborting", "done")
+STATES = ("queued", "running", "aborting", "done", "cancelled")
 TAILS = ("off", "on", "restart")  # tail_batching off, on, on with tail_batching_restart
 DISPATCH_ORDERS = ["fifo", "oldest_first", "longest_predicted_first", "shortest_first"]
 
@@ -32,9 +32,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 keep_surplus=st.booleans(), cap=st.sampled_from([None, 3, 5]), n_prompts=st.integers(2, 12),
                 live_target=st.sampled_from([None, 0, 1, 4]), boundary=st.sampled_from(["abort", "carry"]),
                 dispatch_order=st.sampled_from(DISPATCH_ORDERS), resume_priority=st.booleans(),
-                chunk=st.sampled_from([None, 1, 2, 4]), tail=st.sampled_from(TAILS))
+                chunk=st.sampled_from([None, 1, 2, 4]), tail=st.sampled_from(TAILS), surplus=st.integers(0, 2))
     def setup(self, n, big_n, extra, refill, policy, max_staleness, mask_offpolicy, order, keep_surplus, cap,
-              n_prompts, live_target, boundary, dispatch_order, resume_priority, chunk, tail):
+              n_prompts, live_target, boundary, dispatch_order, resume_priority, chunk, tail, surplus):
         self.cfg = SchedulerConfig(
             rollout_batch_size=big_n, n_samples_per_prompt=n, over_sampling_batch_size=big_n + extra,
             max_response_len=MAX_LEN, refill=refill, max_staleness=max_staleness, staleness_policy=policy,
@@ -43,7 +43,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             over_sampling="fixed" if live_target is None else "adaptive",
             target_inflight_samples=None if live_target is None else n + live_target, step_boundary=boundary,
             dispatch_order=dispatch_order, resume_priority=resume_priority, chunk_tokens=chunk,
-            tail_batching=tail != "off", tail_batching_restart=tail == "restart")
+            tail_batching=tail != "off", tail_batching_restart=tail == "restart",
+            tail_extra_samples=surplus if tail != "off" else 0)
+        self.width = n + self.cfg.tail_extra_samples  # sample id = group id x width + slot
         self.data = prompts(n_prompts)
         self.sched = Scheduler(self.cfg, self.data)
         self.version = -1
@@ -56,10 +58,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.alive: set[int] = set()
         self.gone: set[int] = set()  # trained or filtered
         self.trained_groups: set[int] = set()
+        self.cancelled: set[int] = set()  # samples seen cancelled (final: never dispatched again)
         event(f"over_sampling={self.cfg.over_sampling}")
         event(f"step_boundary={boundary}")
         event(f"chunk_tokens={chunk}")
         event(f"tail_batching={tail}")
+        event(f"tail_extra_samples={self.cfg.tail_extra_samples}")
 
     @property
     def carry(self) -> bool:
@@ -101,6 +105,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         for r in self.sched.dispatch():
             assert r.sample_id not in self.engine, "dispatched twice"
+            assert r.sample_id not in self.cancelled, "a cancelled sample was dispatched"
             done = r.input_ids.size - r.prompt_len
             self._reconcile(r.sample_id, done)
             assert np.array_equal(r.input_ids[:r.prompt_len], np.asarray(self.data[r.prompt_index].token_ids))
@@ -168,7 +173,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         event("chunk boundary")
         try:
-            assert self.sched.sample(sid).state == "queued", "a chunk boundary finished the sample"
+            state = self.sched.sample(sid).state
+            assert state == "queued" or (state == "cancelled" and self.cfg.tail_extra_samples), \
+                "a chunk boundary finished the sample"
         except UnknownIdError:
             assert self.enforced and self.cfg.staleness_policy == "drop"
 
@@ -208,10 +215,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not (self.sched.step_open):
             return
         ids = self.sched.samples_to_abort()
+        surplus = self.cfg.tail_extra_samples > 0  # cancelled surplus samples are aborted at any time
         if ids and not self.carry:
-            assert self.sched.step_done
-        if ids and self.carry:  # only stale carried samples, or long-queue samples restarting, are aborted
-            assert self.takes_back
+            assert self.sched.step_done or surplus
+        if ids and self.carry:  # only stale carried samples, long-queue samples restarting, or surplus ones
+            assert self.takes_back or surplus
             event("carried samples aborted")
         for sid in ids:
             assert sid in self.engine and sid not in self.to_abort
@@ -228,11 +236,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._fed(sid, pos, version)
         del self.engine[sid]
         self.to_abort.discard(sid)
+        if sid in self.sched.sample_ids("cancelled"):
+            event("surplus abort result dropped")
 
     @rule()
     def pop_completed(self):
         for g in self.sched.pop_completed_groups():
             assert g.group_id not in self.trained_groups
+            sids = g.sample_ids.tolist()
+            assert len(sids) == self.cfg.n_samples_per_prompt and sids == sorted(set(sids))
+            assert all(sid // self.width == g.group_id for sid in sids), "a group handed out with another's sample"
             for sid, resp in zip(g.sample_ids, g.responses):
                 assert np.array_equal(resp, token_at(int(sid), np.arange(self.fed.get(int(sid), 0))))
             if g.group_id in self.pending:  # restarted while it waited for its reward, completed again
@@ -255,7 +268,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.takes_back, "only a restart or a staleness drop may take a popped group back"
             return
         if not (accepted and not equal):
-            self.gone.update(range(gid * n, gid * n + n))
+            self.gone.update(range(gid * self.width, (gid + 1) * self.width))
 
     @rule()
     def take_batch(self):
@@ -274,9 +287,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Every sample of one group the engine holds finishes (the others keep running)."""
         if not self.engine:
             return
-        n = self.cfg.n_samples_per_prompt
-        gid = data.draw(st.sampled_from(sorted({sid // n for sid in self.engine})))
-        for sid in sorted(s for s in self.engine if s // n == gid):
+        gid = data.draw(st.sampled_from(sorted({sid // self.width for sid in self.engine})))
+        for sid in sorted(s for s in self.engine if s // self.width == gid):
             pos, version = self._chunk(sid, 1, True)
             self.sched.on_finish(sid, "stop", token_at(sid, pos), logprob_at(pos), version)
             self._fed(sid, pos, version)
@@ -325,9 +337,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         batch = self.sched.take_batch()
         if not self.cfg.keep_surplus:  # completed extras are dropped with the batch, also popped unrewarded ones
             dropped = done_before - set(batch.sample_ids.tolist()) - set(self.sched.sample_ids("done"))
-            self.gone |= dropped
-            n = self.cfg.n_samples_per_prompt
-            self.pending = [gid for gid in self.pending if gid * n not in dropped]
+            dropped_groups = {sid // self.width for sid in dropped}
+            self.gone |= {gid * self.width + i for gid in dropped_groups for i in range(self.width)}
+            self.pending = [gid for gid in self.pending if gid not in dropped_groups]
         event(f"batch of {batch.n_groups} groups")
         n, big_n = self.cfg.n_samples_per_prompt, self.cfg.rollout_batch_size
         if batch.n_groups != big_n:
@@ -336,10 +348,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         v = batch.policy_version
         for j in range(batch.n_groups):
             sids = batch.sample_ids[j * n:(j + 1) * n].tolist()
-            gid = sids[0] // n
-            assert sids == list(range(gid * n, gid * n + n)), "a group is trained without all its samples"
+            gid = sids[0] // self.width
+            assert sids == sorted(set(sids)) and all(sid // self.width == gid for sid in sids), \
+                "a group is trained without n samples of its own"
             assert gid not in self.trained_groups, "a group is trained twice"
             self.trained_groups.add(gid)
+            self.gone.update(range(gid * self.width, (gid + 1) * self.width))  # its cancelled slots go with it
         for i in range(batch.n_samples):
             sid = int(batch.sample_ids[i])
             lo, hi, p = batch.offsets[i], batch.offsets[i + 1], batch.prompt_lens[i]
@@ -374,7 +388,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), kind=st.integers(0, 5))
     def bad_input(self, data, kind):
         before = self.sched.state_dict()
-        idle = sorted(set(self.sched.sample_ids("queued")) | set(self.sched.sample_ids("done")))
+        idle = sorted(set(self.sched.sample_ids("queued")) | set(self.sched.sample_ids("done"))
+                      | set(self.sched.sample_ids("cancelled")))
         try:
             if kind == 0:
                 self.sched.on_tokens(10**9, [1], [0.0], max(self.version, 0))
@@ -420,6 +435,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         for sid, state in present.items():
             view = self.sched.sample(sid)
             k = view.token_ids.size
+            if state == "cancelled":  # its tokens are discarded, for good
+                assert k == 0 and sid not in self.engine
+                self.cancelled.add(sid)
+                self.gone.add(sid)  # not lost when its group goes
+                self.fed[sid] = 0
+                self.last_version.pop(sid, None)
+                continue
+            assert sid not in self.cancelled, "a cancelled sample came back"
             assert k == view.logprobs.size == view.versions.size <= MAX_LEN
             self._reconcile(sid, k)
             assert np.array_equal(view.token_ids, token_at(sid, np.arange(k)))
@@ -449,9 +472,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(self.sched.sample_ids("running")) + len(aborting) == len(self.engine)
         assert stats["buffered_samples"] == len(aborting) + len(partials)
         assert stats["buffered_tokens"] == sum(self.sched.sample(sid).token_ids.size for sid in aborting + partials)
-        n = self.cfg.n_samples_per_prompt
-        groups = {sid // n for state in STATES for sid in self.sched.sample_ids(state)}
+        groups: dict[int, list[str]] = {}
+        for state in STATES:
+            for sid in self.sched.sample_ids(state):
+                groups.setdefault(sid // self.width, []).append(state)
         assert stats["buffered_groups"] + stats["surplus_groups"] == len(groups)
+        n = self.cfg.n_samples_per_prompt
+        for states in groups.values():  # a group keeps n samples at least, and n done at most
+            assert len(states) == self.width
+            assert states.count("done") <= n <= len(states) - states.count("cancelled")
 
     @invariant()
     def running_samples_within_the_staleness_bound(self):
@@ -497,7 +526,8 @@ class CarryMachine(SchedulerMachine):
                 order=st.sampled_from(["oldest_first", "newest_first", "longest_first"]),
                 keep_surplus=st.booleans(), cap=st.sampled_from([None, 5]), n_prompts=st.integers(12, 40),
                 live_target=st.sampled_from([None, 4]), dispatch_order=st.sampled_from(DISPATCH_ORDERS),
-                resume_priority=st.booleans(), chunk=st.sampled_from([None, 2]), tail=st.sampled_from(TAILS))
+                resume_priority=st.booleans(), chunk=st.sampled_from([None, 2]), tail=st.sampled_from(TAILS),
+                surplus=st.integers(0, 2))
     def setup(self, **kw):
         super().setup(boundary="carry", **kw)
 
@@ -536,7 +566,7 @@ class TailMachine(CarryMachine):
                 keep_surplus=st.booleans(), cap=st.sampled_from([None, 5]), n_prompts=st.integers(8, 30),
                 live_target=st.sampled_from([None, 4]), boundary=st.sampled_from(["abort", "carry"]),
                 dispatch_order=st.sampled_from(DISPATCH_ORDERS), resume_priority=st.booleans(),
-                chunk=st.sampled_from([None, 2]), tail=st.sampled_from(TAILS[1:]))
+                chunk=st.sampled_from([None, 2]), tail=st.sampled_from(TAILS[1:]), surplus=st.integers(0, 2))
     def setup(self, **kw):
         SchedulerMachine.setup(self, **kw)
 

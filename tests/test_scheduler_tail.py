@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 
 import numpy as np
@@ -11,6 +12,7 @@ from _scheduler_utils import (
     FakeEngine,
     as_version_3,
     as_version_4,
+    as_version_5,
     check_batch_layout,
     feed,
     finish_group,
@@ -20,7 +22,15 @@ from _scheduler_utils import (
     run_step,
     state_payload,
 )
-from april_ext import CorruptStateError, InvalidStateError, Scheduler
+from april_ext import (
+    ConfigError,
+    CorruptStateError,
+    InvalidArgumentError,
+    InvalidStateError,
+    Scheduler,
+    SchedulerConfig,
+    _C,
+)
 
 N_SAMPLES = 2
 
@@ -443,3 +453,225 @@ def test_tail_batching_off_keeps_every_group_in_one_pool():
     sched.begin_step(1)
     assert sched.stats()["long_round"] == 0 and sched.stats()["long_queue_groups"] == 0
     assert len(sched.dispatch()) == 8  # the partials resume beside two new groups
+
+
+# ------------------------------------------------------------------ over-provisioned samples (tail_extra_samples)
+
+WIDTH = N_SAMPLES + 1  # slots per group with tail_extra_samples=1: sample id = group id x 3 + slot
+
+
+def extra(**kw) -> Scheduler:
+    """N = 2, n = 2, m = 1, N' = 4, tail batching on, overridden by ``kw``."""
+    return tail(tail_extra_samples=1, **kw)
+
+
+def slots_of(*gids: int) -> list[int]:
+    return [gid * WIDTH + i for gid in gids for i in range(WIDTH)]
+
+
+def finish(sched: Scheduler, sid: int, tokens: int, version: int = 0) -> None:
+    feed(sched, sid, tokens, version)
+    sched.on_finish(sid, "stop")
+
+
+def test_a_group_completes_with_its_first_n_finishes_and_the_running_surplus_is_aborted_and_dropped():
+    sched = extra()
+    sched.begin_step(0)
+    assert sorted(r.sample_id for r in sched.dispatch()) == slots_of(0, 1, 2, 3)  # n + m samples per group
+    feed(sched, 1, 4, 0)
+    finish(sched, 2, 3)
+    finish(sched, 0, 5)  # two of group 0 done: sample 1 is surplus
+    assert sched.sample(1).state == "aborting" and sched.stats()["surplus_samples_cancelled"] == 1
+    assert sched.pop_completed_groups() == []  # completes once the surplus abort is back
+    assert sched.samples_to_abort() == [1] and sched.samples_to_abort() == []
+    feed(sched, 1, 2, 0)  # tokens still on their way are accepted
+    sched.on_finish(1, "abort")
+    assert sched.sample(1).state == "cancelled" and sched.sample(1).token_ids.size == 0
+    assert sched.stats()["surplus_tokens_discarded"] == 6
+    (group,) = sched.pop_completed_groups()
+    assert group.group_id == 0 and group.sample_ids.tolist() == [0, 2] and [len(r) for r in group.responses] == [5, 3]
+    sched.report_rewards(0, [1.0, 0.0], True)
+    for sid, tokens in ((3, 2), (4, 2)):
+        finish(sched, sid, tokens)
+    feed(sched, 5, 1, 0)
+    sched.on_finish(5, "stop")  # a surplus sample that finished before its abort: dropped just the same
+    assert sched.sample_ids("cancelled") == [1, 5]
+    reward_all(sched)
+    assert sched.stats()["surplus_tokens_discarded"] == 7 and sched.stats()["surplus_samples_cancelled"] == 2
+    abort_all(sched)
+    batch = sched.take_batch()
+    assert batch.sample_ids.tolist() == [0, 2, 3, 4] and batch.rewards.tolist()[:2] == [1.0, 0.0]
+    assert batch.response_lens.tolist() == [5, 3, 2, 2] and batch.group_index.tolist() == [0, 0, 1, 1]
+    assert sched.stats()["batch_samples"] == 4
+
+
+def test_a_queued_surplus_sample_is_cancelled_at_once():
+    sched = extra(max_inflight_samples=2)
+    sched.begin_step(0)
+    assert [r.sample_id for r in sched.dispatch()] == [0, 1]
+    finish(sched, 0, 2)
+    finish(sched, 1, 2)
+    assert sched.sample(2).state == "cancelled" and sched.samples_to_abort() == []
+    assert [g.sample_ids.tolist() for g in sched.pop_completed_groups()] == [[0, 1]]
+    assert sched.stats()["surplus_samples_cancelled"] == 1 and sched.stats()["surplus_tokens_discarded"] == 0
+    assert 2 not in [r.sample_id for r in sched.dispatch()]
+
+
+def test_a_group_moving_to_the_long_queue_keeps_its_done_and_longest_samples_and_a_long_round_runs_n():
+    sched = extra()
+    sched.begin_step(0)
+    sched.dispatch()
+    for sid, tokens in ((0, 2), (1, 2), (3, 2), (4, 2)):
+        finish(sched, sid, tokens)
+    for sid in sched.samples_to_abort():  # the surplus samples 2 and 5
+        sched.on_finish(sid, "abort")
+    reward_all(sched)
+    finish(sched, 6, 4)  # group 2: one done, partials of 5 and 2 tokens
+    feed(sched, 7, 5, 0)
+    feed(sched, 8, 2, 0)
+    for sid, tokens in ((9, 1), (10, 2), (11, 3)):  # group 3: three partials
+        feed(sched, sid, tokens, 0)
+    assert take_groups_wide(sched) == [0, 1]
+    assert sched.stats()["long_queue_groups"] == 2
+    assert sched.sample_ids("cancelled") == [8, 9]  # group 2 keeps 6 (done) and 7; group 3 keeps 11 and 10
+    assert sched.stats()["surplus_samples_cancelled"] == 4 and sched.stats()["surplus_tokens_discarded"] == 3
+    sched.begin_step(1)
+    assert sched.stats()["long_round"] == 1
+    requests = sched.dispatch()
+    assert sorted(r.sample_id for r in requests) == [7, 10, 11] and all(r.is_resume for r in requests)
+    for sid in (7, 10, 11):
+        finish(sched, sid, 1, version=1)
+    groups = sched.pop_completed_groups()
+    assert [g.sample_ids.tolist() for g in groups] == [[6, 7], [10, 11]]
+    sched.report_rewards(2, [0.0, 1.0], False)  # rejected: a replacement runs n samples only
+    sched.report_rewards(3, [0.0, 1.0], True)
+    assert [r.sample_id for r in sched.dispatch()] == [12, 13] and sched.sample(14).state == "cancelled"
+    assert sched.stats()["groups_launched"] == 1
+    assert sched.stats()["surplus_samples_cancelled"] == 0  # born unused, not cancelled
+    finish(sched, 12, 2, version=1)
+    finish(sched, 13, 2, version=1)
+    reward_all(sched)
+    batch = sched.take_batch()
+    assert batch.sample_ids.tolist() == [10, 11, 12, 13] and batch.response_lens.tolist() == [3, 4, 2, 2]
+
+
+def take_groups_wide(sched: Scheduler) -> list[int]:
+    """take_groups for groups of WIDTH slots."""
+    abort_all(sched)
+    return sorted({int(s) // WIDTH for s in sched.take_batch().sample_ids})
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_restart_variant_keeps_the_trimmed_slots_cancelled(restart):
+    sched = extra(tail_batching_restart=restart)
+    sched.begin_step(0)
+    sched.dispatch()
+    for sid in (0, 1, 3, 4):
+        finish(sched, sid, 2)
+    for sid in sched.samples_to_abort():
+        sched.on_finish(sid, "abort")
+    reward_all(sched)
+    for sid in slots_of(2, 3):
+        feed(sched, sid, 1 + sid % 3, 0)
+    assert take_groups_wide(sched) == [0, 1]
+    sched.begin_step(1)
+    requests = sched.dispatch()
+    assert len(requests) == 2 * N_SAMPLES and all(r.is_resume != restart for r in requests)
+    assert sched.stats()["tail_restarted_samples"] == (4 if restart else 0)
+
+
+def test_surplus_cancellation_survives_save_and_load_at_format_6():
+    sched = extra()
+    sched.begin_step(0)
+    sched.dispatch()
+    feed(sched, 1, 3, 0)
+    finish(sched, 0, 2)
+    finish(sched, 2, 2)  # sample 1 cancelled, its abort not back
+    feed(sched, 4, 3, 0)
+    state = sched.state_dict()
+    assert struct.unpack_from("<I", state["core"], 8)[0] == 6
+    assert struct.unpack_from("<q", state_payload(state["core"]), 16)[0] == 1  # tail_extra_samples in the header
+    restored = tail_copy(sched)
+    assert restored.sample(1).state == "cancelled"  # in flight at the save: dropped with its tokens
+    assert [g.sample_ids.tolist() for g in restored.pop_completed_groups()] == [[0, 2]]  # complete on load
+    assert restored.sample(4).state == "queued" and restored.sample(4).token_ids.size == 3
+    assert restored.state_dict() == tail_copy(restored).state_dict()
+    assert sorted(r.sample_id for r in restored.dispatch()) == [3, 4, 5] + slots_of(2, 3)  # mid-step
+    with pytest.raises(InvalidArgumentError, match="tail_extra_samples=1; this scheduler has 2, 64, 2"):
+        tail(tail_extra_samples=2).load_state_dict(state)
+    with pytest.raises(InvalidArgumentError, match="tail_extra_samples=1; this scheduler has 2, 64, 0"):
+        tail().load_state_dict(state)
+
+
+def test_a_version_5_state_loads_without_extra_samples_only():
+    plain = tail()
+    step_zero(plain)
+    old = dict(plain.state_dict(), core=as_version_5(plain.state_dict()["core"]))
+    again = tail()
+    again.load_state_dict(old)
+    assert again.state_dict() == plain.state_dict()
+    with pytest.raises(InvalidArgumentError, match="tail_extra_samples=0; this scheduler has 2, 64, 1"):
+        extra().load_state_dict(old)
+
+
+@pytest.mark.parametrize("field,message", [("state", "state does not match its samples"),
+                                           ("tokens", "a cancelled sample has tokens")])
+def test_a_corrupt_cancelled_slot_raises_corrupt_state(field, message):
+    sched = extra(max_inflight_samples=2)
+    sched.begin_step(0)
+    sched.dispatch()
+    finish(sched, 0, 2)
+    finish(sched, 1, 2)  # slot 2 cancelled
+    core = sched.state_dict()["core"]
+    payload = bytearray(state_payload(core))
+    if field == "state":  # the group claims a third sample done: more than n
+        at = payload.index(bytes([4, 0]) + struct.pack("<q", -1))
+        payload[at] = 3
+    else:  # a cancelled sample with one token (and its logprob and version segment)
+        at = payload.index(bytes([4, 0]) + struct.pack("<q", -1)) + 2 + 3 * 8
+        assert payload[at:at + 24] == bytes(24)
+        payload[at:at + 24] = struct.pack("<QiQfQii", 1, 5, 1, -0.5, 1, 0, 0)
+    target = extra()
+    with pytest.raises(CorruptStateError, match=message):
+        target.load_state_dict({"format": "april_ext.scheduler", "core": frame_state(bytes(payload))})
+
+
+def test_extra_samples_are_validated_on_both_sides():
+    for value, allowed in ((-1, "an int >= 0"), (1.0, "an int >= 0"), (True, "an int >= 0"),
+                           (1, "0 unless tail_batching=True")):
+        with pytest.raises(ConfigError, match=re.escape(f"SchedulerConfig.tail_extra_samples={value!r} is not "
+                                                        f"allowed: {allowed}")):
+            SchedulerConfig(tail_extra_samples=value)
+    base = dict(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=4, max_response_len=64,
+                refill="batch", max_staleness=-1, staleness_policy="keep", mask_offpolicy=False,
+                resume_order="oldest_first", keep_surplus=True, max_inflight_samples=0)
+    with pytest.raises(ConfigError, match="SchedulerConfig.tail_extra_samples=1 is not allowed: must be 0 unless "
+                                          "tail_batching is on"):
+        _C.SchedulerCore(**base, tail_extra_samples=1)
+    with pytest.raises(ConfigError, match="SchedulerConfig.tail_extra_samples=-1 is not allowed: must be >= 0"):
+        _C.SchedulerCore(**base, tail_batching=True, tail_extra_samples=-1)
+
+
+@pytest.mark.parametrize("boundary", ["abort", "carry"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_with_extra_samples_every_prompt_is_trained_once_with_n_samples(boundary, m):
+    n_prompts = 40
+    sched = tail(n_prompts=n_prompts, rollout_batch_size=4, over_sampling_batch_size=8, max_response_len=48,
+                 tail_extra_samples=m, step_boundary=boundary)
+    engine = FakeEngine(sched, lambda sid: 3 + (sid * 7919) % 41, chunk=3)
+    trained: list[int] = []
+    cancelled = 0
+    for version in range(200):
+        if sched.stats()["data_exhausted"] and sched.stats()["buffered_groups"] + sched.stats()["surplus_groups"] == 0:
+            break
+        batch = run_step(sched, engine, version)
+        check_batch_layout(batch, N_SAMPLES)
+        assert batch.n_samples == N_SAMPLES * batch.n_groups
+        if not sched.stats()["data_exhausted"]:
+            assert batch.n_groups == 4
+        cancelled += sched.stats()["surplus_samples_cancelled"]
+        trained += [int(s) // (N_SAMPLES + m) for s in batch.sample_ids[::N_SAMPLES]]
+    else:
+        raise AssertionError("the data never drained")
+    assert sorted(trained) == list(range(n_prompts))
+    assert cancelled == m * n_prompts  # every group gives up its m extra slots, once

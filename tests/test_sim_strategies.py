@@ -155,11 +155,12 @@ def test_tail_batching_runs_are_reported_round_by_round(restart):
 
     # Groups alternate [2, 2] and [10, 10]; N = 1, N' = 2. Short round 0 takes the short group at t = 2 and sends
     # the long one (2 tokens each) to the long queue; round 1 is a long round of that group alone: 8 tokens each
-    # left with partials kept (april_tail), all 10 again from the prompt (rollpacker).
+    # left with partials kept (april_tail), all 10 again from the prompt (tail_batching_restart: rollpacker's
+    # schedule without its extra samples).
     config = SimConfig(cluster=ClusterConfig(cost=replace(COST, prefill_per_token_s=0.0), num_engines=1),
                        lengths=TraceLengths([[2, 2], [10, 10]]), rollout_batch_size=1, n_samples_per_prompt=2,
                        over_sampling_batch_size=2, max_response_len=16, steps=3, warmup_steps=0, prompt_len=4,
-                       dataset_size=10, strategy="rollpacker" if restart else "april_tail")
+                       dataset_size=10, tail_batching=True, tail_batching_restart=restart)
     result = simulate(config)
     s0, s1, _ = result.steps
     assert [(s.long_round, s.long_queue_groups) for s in result.steps] == [(False, 1), (True, 0), (False, 1)]
@@ -168,6 +169,21 @@ def test_tail_batching_runs_are_reported_round_by_round(restart):
     assert s1.offpolicy_token_ratio == (0.0 if restart else pytest.approx(0.2))
     assert s1.discarded_tokens == (2 * 2 if restart else 0)  # the restart throws the short round's tokens away
     assert result.summary["long_round_share"] == pytest.approx(1 / 3)
+
+
+def test_rollpacker_over_provisions_samples_keeps_n_and_counts_the_discarded_ones():
+    from april_ext.sim.runner import simulate
+
+    # The trace above with rollpacker (n = 2: one extra sample per group in short rounds).
+    config = SimConfig(cluster=ClusterConfig(cost=replace(COST, prefill_per_token_s=0.0), num_engines=1),
+                       lengths=TraceLengths([[2, 2], [10, 10]]), rollout_batch_size=1, n_samples_per_prompt=2,
+                       over_sampling_batch_size=2, max_response_len=16, steps=3, warmup_steps=0, prompt_len=4,
+                       dataset_size=10, strategy="rollpacker")
+    assert config.scheduler_config().tail_extra_samples == 1
+    result = simulate(config)
+    assert [s.response_lens for s in result.steps] == [[2, 2], [10, 10], [2, 2]]
+    assert [s.long_round for s in result.steps] == [False, True, False]
+    assert result.steps[0].discarded_tokens > 0  # the short round's extra samples (no restart happened yet)
 
 
 def test_the_prefix_cache_lives_in_free_kv_and_evicts_the_oldest():

@@ -146,7 +146,7 @@ class RolloutLoop:
         cfg = scheduler.config
         caps = [c for c in (cfg.max_inflight_samples, cfg.target_inflight_samples) if c is not None]
         self.capacity = engine_capacity or (
-            min(caps) if caps else cfg.over_sampling_batch_size * cfg.n_samples_per_prompt)
+            min(caps) if caps else cfg.over_sampling_batch_size * (cfg.n_samples_per_prompt + cfg.tail_extra_samples))
         self._seed = seed
         self._prefix = request_prefix
         self._async_reward = inspect.iscoroutinefunction(reward_fn) or \
@@ -160,6 +160,7 @@ class RolloutLoop:
         self._token_events: list[tuple[int, list[int], list[float], int]] = []
         self._finish_events: list[tuple[int, FinishReason]] = []
         self._carry = cfg.step_boundary == "carry"
+        self._surplus = cfg.tail_extra_samples > 0
         self._paused = False
         self._inflight = 0
         self._area = 0.0
@@ -202,6 +203,10 @@ class RolloutLoop:
                 self._start_reward(group)
             if sched.step_done:
                 break
+            if self._surplus and (cancelled := sched.samples_to_abort()):
+                # Over-provisioned samples of groups whose first n finished: ended now, so their slots go to work
+                # that counts.
+                aborted += len(await self._abort(cancelled))
             for request in sched.dispatch():
                 requests += 1
                 resumed += request.is_resume
@@ -213,6 +218,8 @@ class RolloutLoop:
             await self._wake.wait()
         done_at = self.clock()
         if self._carry:
+            if self._surplus:
+                aborted += len(await self._abort(sched.samples_to_abort()))
             await self._pause()
             self._flush()
         else:
@@ -490,7 +497,7 @@ def scheduler_config_for(config: SchedulerConfig, partial_rollout: bool) -> Sche
     # Batch refill: a wave of N groups, no top-ups, so nothing is still running when N are accepted.
     return replace(config, over_sampling_batch_size=config.rollout_batch_size, refill="batch", over_sampling="fixed",
                    target_inflight_samples=None, dispatch_order="fifo", resume_priority=True, chunk_tokens=None,
-                   tail_batching=False, tail_batching_restart=False)
+                   tail_batching=False, tail_batching_restart=False, tail_extra_samples=0)
 
 
 __all__ = ["GroupFilter", "RewardFn", "RolloutLoop", "RolloutMetrics", "RolloutResult", "scheduler_config_for", "tail_latency"]

@@ -139,7 +139,8 @@ class StepReport:
     time_to_done_s: float
     generated_tokens: int
     trained_tokens: int
-    discarded_tokens: int  # thrown away: stale groups dropped (a discarding baseline), tail-batching restarts
+    discarded_tokens: int  # thrown away: stale groups dropped (a discarding baseline), tail-batching restarts and
+    # cancelled extra samples
     tokens_per_s: float
     efficiency: float  # against the headline bound: least_time_s / rollout_s
     ceiling_efficiency: float  # against the ceiling: ceiling_time_s / rollout_s
@@ -198,7 +199,8 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
     return StepReport(
         step=step, rollout_s=wall, time_to_done_s=metrics.time_to_done_s, generated_tokens=metrics.generated_tokens,
         trained_tokens=int(sched["batch_response_tokens"]),
-        discarded_tokens=int(sched["stale_tokens_discarded"]) + int(sched["tail_tokens_discarded"]),
+        discarded_tokens=int(sched["stale_tokens_discarded"]) + int(sched["tail_tokens_discarded"])
+        + int(sched["surplus_tokens_discarded"]),
         tokens_per_s=metrics.tokens_per_s,
         efficiency=least / wall if wall > 0 else 0.0, ceiling_efficiency=ceiling / wall if wall > 0 else 0.0,
         bound_tokens_per_s=metrics.generated_tokens / least if least > 0 else 0.0,

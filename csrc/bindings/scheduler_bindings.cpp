@@ -92,7 +92,7 @@ void bind_scheduler(py::module_& m) {
                        bool keep_surplus, int64_t max_inflight_samples, const std::string& over_sampling,
                        int64_t target_inflight_samples, const std::string& step_boundary,
                        const std::string& dispatch_order, bool resume_priority, int64_t chunk_tokens,
-                       bool tail_batching, bool tail_batching_restart) {
+                       bool tail_batching, bool tail_batching_restart, int64_t tail_extra_samples) {
              sched::Config c;
              c.rollout_batch_size = rollout_batch_size;
              c.n_samples_per_prompt = n_samples_per_prompt;
@@ -113,6 +113,7 @@ void bind_scheduler(py::module_& m) {
              c.chunk_tokens = chunk_tokens;
              c.tail_batching = tail_batching;
              c.tail_batching_restart = tail_batching_restart;
+             c.tail_extra_samples = tail_extra_samples;
              return new Scheduler(c);
            }),
            py::arg("rollout_batch_size"), py::arg("n_samples_per_prompt"), py::arg("over_sampling_batch_size"),
@@ -120,7 +121,8 @@ void bind_scheduler(py::module_& m) {
            py::arg("mask_offpolicy"), py::arg("resume_order"), py::arg("keep_surplus"),
            py::arg("max_inflight_samples"), py::arg("over_sampling") = "fixed", py::arg("target_inflight_samples") = 0,
            py::arg("step_boundary") = "abort", py::arg("dispatch_order") = "fifo", py::arg("resume_priority") = true,
-           py::arg("chunk_tokens") = 0, py::arg("tail_batching") = false, py::arg("tail_batching_restart") = false)
+           py::arg("chunk_tokens") = 0, py::arg("tail_batching") = false, py::arg("tail_batching_restart") = false,
+           py::arg("tail_extra_samples") = 0)
       .def("set_data_size", &Scheduler::set_data_size)
       .def("prompts_consumed", &Scheduler::prompts_consumed)
       .def("policy_version", &Scheduler::policy_version)

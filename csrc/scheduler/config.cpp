@@ -40,6 +40,9 @@ void Config::validate() const {
   require_known(dispatch_order, "dispatch_order");
   require(chunk_tokens >= 0, "chunk_tokens", chunk_tokens, "must be >= 1, or 0 for no chunking");
   require(!tail_batching_restart || tail_batching, "tail_batching_restart", 1, "needs tail_batching");
+  require(tail_extra_samples >= 0, "tail_extra_samples", tail_extra_samples, "must be >= 0");
+  require(tail_extra_samples == 0 || tail_batching, "tail_extra_samples", tail_extra_samples,
+          "must be 0 unless tail_batching is on");
   if (over_sampling == OverSampling::Adaptive) {
     require(target_inflight_samples >= n_samples_per_prompt, "target_inflight_samples", target_inflight_samples,
             "must be >= n_samples_per_prompt with adaptive over-sampling");

@@ -43,6 +43,12 @@ struct Config {
   int64_t chunk_tokens = 0;     // divided rollout: most new tokens per dispatch; 0: the whole remaining budget
   bool tail_batching = false;   // short rounds send still-running groups to a long queue, run as a long round
   bool tail_batching_restart = false;  // a long-queue group restarts from its prompt (strict on-policy)
+  // Tail batching: extra samples per group in short rounds (RollPacker); a group completes with its first
+  // n_samples_per_prompt finishes and cancels the rest.
+  int64_t tail_extra_samples = 0;
+
+  // Sample slots per group: n_samples_per_prompt + tail_extra_samples.
+  int64_t group_width() const { return n_samples_per_prompt + tail_extra_samples; }
 
   // Throws ConfigError naming the first field that is not allowed.
   void validate() const;

@@ -30,10 +30,10 @@ int64_t Scheduler::groups_to_launch_locked() const {
   const int64_t needed = config_.rollout_batch_size - accepted - pending;
   if (needed <= 0) return 0;
   if (config_.refill == Refill::Batch && s_.wave_launched && active > 0) return 0;  // the wave still generates
-  const int64_t n = config_.n_samples_per_prompt;
-  const int64_t n_prime = config_.over_sampling_batch_size;
   // A long round does not over-sample: it launches only to replace long-queue groups the filter rejected.
   const bool long_round = config_.tail_batching && s_.round != Round::Short;
+  const int64_t n = launch_width();  // samples a new group brings
+  const int64_t n_prime = config_.over_sampling_batch_size;
   int64_t k = 0;
   if (long_round) {
     k = needed - active;
@@ -99,11 +99,15 @@ void Scheduler::add_groups(const PromptBatch& p) {
       g.has_history_key = true;
       g.history_key = p.history_keys[i];
     }
-    g.samples.resize(config_.n_samples_per_prompt);
+    g.samples.resize(config_.group_width());
     g.long_queue = config_.tail_batching && s_.round != Round::Short;  // a long round's replacements join it
+    // Every group has all its slots (one id layout); a long round's replacements leave the extra ones unused.
+    for (size_t i = static_cast<size_t>(launch_width()); i < g.samples.size(); ++i) {
+      g.samples[i].state = SampleState::Cancelled;
+    }
     index_.add(gid, g);
   }
-  s_.queued_samples += n_groups * config_.n_samples_per_prompt;
+  s_.queued_samples += n_groups * launch_width();
   s_.prompts_consumed += n_groups;
   s_.wave_launched = s_.wave_launched || n_groups > 0;
   s_.stats.groups_launched += n_groups;
@@ -133,7 +137,7 @@ std::vector<Scheduler::Pick> Scheduler::queued_in_dispatch_order() const {
   for (const auto& [gid, g] : s_.groups) {
     if (!dispatchable(g)) continue;
     double predicted = -1.0;  // the group's, computed once it has a queued sample
-    for (int64_t i = 0; i < config_.n_samples_per_prompt; ++i) {
+    for (int64_t i = 0; i < static_cast<int64_t>(g.samples.size()); ++i) {
       const Sample& smp = g.samples[i];
       if (smp.state != SampleState::Queued) continue;
       if (predicted < 0) predicted = group_length_prediction(s_, g, config_.max_response_len);
@@ -184,14 +188,13 @@ void Scheduler::sort_by_dispatch_order(std::vector<Pick>& picks) const {
 // goes into d. A partial that came back at a chunk boundary at this policy version is a continuation: the
 // engine still holds its KV, so it is no re-prefill.
 void Scheduler::launch(Dispatch& d, const Pick& pick) {
-  const int64_t n = config_.n_samples_per_prompt;
   Group& g = s_.groups.at(pick.gid);
   Sample& smp = g.samples[pick.index];
   const bool is_resume = pick.len > 0;
   const bool is_continuation = is_resume && smp.chunk_version >= 0 && smp.chunk_version == s_.policy_version;
   int64_t budget = config_.max_response_len - pick.len;
   if (config_.chunk_tokens > 0) budget = std::min(budget, config_.chunk_tokens);
-  d.sample_ids.push_back(pick.gid * n + pick.index);
+  d.sample_ids.push_back(ids_.id(pick.gid, pick.index));
   d.group_ids.push_back(pick.gid);
   d.prompt_indices.push_back(g.prompt_index);
   d.input_ids.insert(d.input_ids.end(), g.prompt.begin(), g.prompt.end());
@@ -237,7 +240,7 @@ void Scheduler::retune_over_sampling() {
   // Tail batching: a long round does not over-sample; a short round observes its own groups, not the long
   // queue's (their queued samples are not live for it).
   if (config_.tail_batching && s_.round != Round::Short) return;
-  const int64_t n = config_.n_samples_per_prompt;
+  const int64_t n = config_.group_width();
   const int64_t target = config_.target_inflight_samples;
   int64_t active = 0;
   int64_t live = config_.tail_batching ? 0 : s_.queued_samples + s_.running_samples + s_.aborting_samples;
@@ -245,7 +248,10 @@ void Scheduler::retune_over_sampling() {
     if (g.state != GroupState::Active || !in_round(g)) continue;
     active += 1;
     if (!config_.tail_batching) continue;
-    for (const auto& smp : g.samples) live += smp.state != SampleState::Done ? 1 : 0;
+    for (const auto& smp : g.samples) {
+      const bool settled = smp.state == SampleState::Done || smp.state == SampleState::Cancelled || smp.surplus;
+      live += settled ? 0 : 1;
+    }
   }
   if (active > 0) {
     const double observed = static_cast<double>(live) / static_cast<double>(n * active);
@@ -259,6 +265,10 @@ void Scheduler::retune_over_sampling() {
       std::clamp(static_cast<int64_t>(std::min(wanted, static_cast<double>(ceiling_groups))), floor_groups,
                  ceiling_groups);
   s_.stats.over_sampling_groups = s_.adaptive_groups;
+}
+
+int64_t Scheduler::launch_width() const {
+  return config_.tail_batching && s_.round != Round::Short ? config_.n_samples_per_prompt : config_.group_width();
 }
 
 int64_t Scheduler::inflight_cap() const {

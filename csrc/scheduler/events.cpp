@@ -259,7 +259,6 @@ void Scheduler::on_tokens(const EventBatch& ev) {
 void Scheduler::on_finish(const EventBatch& ev) {
   std::lock_guard<std::mutex> lock(mu_);
   Sample* const* samples = validate_events(ev, true);
-  const int64_t n = config_.n_samples_per_prompt;
   size_t pos = 0;
   for (size_t e = 0; e < ev.n_events; ++e) {
     Sample& smp = *samples[e];
@@ -268,13 +267,14 @@ void Scheduler::on_finish(const EventBatch& ev) {
     s_.stats.generated_tokens += added;
     if (smp.resumed) s_.stats.resumed_generated_tokens += added;
     pos += static_cast<size_t>(cnt);
-    finish(smp, index_.group(ev.sample_ids[e]), ev.sample_ids[e] / n, static_cast<FinishReason>(ev.reasons[e]));
+    const int64_t sid = ev.sample_ids[e];
+    finish(smp, index_.group(sid), ids_.group(sid), static_cast<FinishReason>(ev.reasons[e]));
   }
 }
 
 // A sample's request ended: an abort below the length cap queues it for a resume, and so does a chunk
 // boundary (divided rollout: a length finish below the cap after exactly the request's budget); anything else
-// is done.
+// is done. A cancelled surplus sample's result, whatever it is, is dropped.
 void Scheduler::finish(Sample& smp, Group& g, int64_t gid, FinishReason reason) {
   const bool was_aborting = smp.state == SampleState::Aborting;
   (was_aborting ? s_.aborting_samples : s_.running_samples) -= 1;
@@ -283,7 +283,9 @@ void Scheduler::finish(Sample& smp, Group& g, int64_t gid, FinishReason reason) 
   const bool at_cap = len >= config_.max_response_len;
   const bool chunk_end = config_.chunk_tokens > 0 && reason == FinishReason::Length && !at_cap &&
                          len - smp.dispatch_len == smp.dispatch_budget;
-  if ((reason == FinishReason::Abort || chunk_end) && !at_cap) {
+  if (smp.surplus) {
+    discard_cancelled(smp);
+  } else if ((reason == FinishReason::Abort || chunk_end) && !at_cap) {
     // Recycled: every token, logprob and version segment stays for the resume.
     smp.state = SampleState::Queued;
     s_.queued_samples += 1;

@@ -18,12 +18,44 @@ void remove_id(std::deque<int64_t>& q, int64_t id) {
 
 }  // namespace
 
+// Over-provisioned groups (tail_extra_samples): the first n samples to finish are the group's; the others are
+// cancelled, and the group waits for the aborts of those in flight so that no event can name a trained group.
 void Scheduler::complete_if_done(int64_t group_id, Group& g) {
-  if (g.state == GroupState::Active && g.n_done == config_.n_samples_per_prompt) {
-    g.state = GroupState::Completed;
-    s_.completed.push_back(group_id);
-    s_.stats.groups_completed += 1;
+  if (g.state != GroupState::Active || g.n_done < config_.n_samples_per_prompt) return;
+  for (size_t i = 0; i < g.samples.size(); ++i) {
+    const SampleState st = g.samples[i].state;
+    if (st != SampleState::Done && st != SampleState::Cancelled) cancel_sample(group_id, static_cast<int64_t>(i));
   }
+  if (g.n_in_flight > 0) return;
+  g.state = GroupState::Completed;
+  s_.completed.push_back(group_id);
+  s_.stats.groups_completed += 1;
+}
+
+void Scheduler::cancel_sample(int64_t group_id, int64_t slot) {
+  Sample& smp = s_.groups.at(group_id).samples[slot];
+  if (smp.surplus) return;  // already cancelled, its abort under way
+  s_.stats.surplus_samples_cancelled += 1;
+  if (smp.in_flight()) {
+    smp.surplus = true;
+    if (smp.state == SampleState::Running) mark_aborting(smp, ids_.id(group_id, slot), pending_aborts_);
+    return;
+  }
+  if (smp.state == SampleState::Queued) s_.queued_samples -= 1;
+  discard_cancelled(smp);
+}
+
+// The cancelled sample's response goes (counted): it is never dispatched again.
+void Scheduler::discard_cancelled(Sample& smp) {
+  s_.stats.surplus_tokens_discarded += static_cast<int64_t>(smp.tokens.size());
+  smp.state = SampleState::Cancelled;
+  smp.surplus = false;
+  smp.tokens = {};
+  smp.logprobs = {};
+  smp.segments = {};
+  smp.tail_version = -1;
+  smp.tokens_at_step_start = 0;
+  smp.chunk_version = -1;
 }
 
 void Scheduler::unlist(int64_t group_id) {
@@ -44,16 +76,18 @@ void Scheduler::erase_group(int64_t group_id) {
 std::vector<CompletedGroup> Scheduler::pop_completed_groups() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<CompletedGroup> out;
-  const int64_t n = config_.n_samples_per_prompt;
   for (int64_t gid : s_.completed) {
     Group& g = s_.groups.at(gid);
     g.popped = true;
     CompletedGroup c{gid, g.prompt_index, {}, {}, {}, {}};
-    for (int64_t i = 0; i < n; ++i) {
-      c.sample_ids.push_back(gid * n + i);
-      c.response_lens.push_back(static_cast<int64_t>(g.samples[i].tokens.size()));
-      c.finish_reasons.push_back(static_cast<uint8_t>(g.samples[i].finish));
-      c.tokens.insert(c.tokens.end(), g.samples[i].tokens.begin(), g.samples[i].tokens.end());
+    // The group's n done samples in slot order (the others of a completed group are cancelled).
+    for (size_t i = 0; i < g.samples.size(); ++i) {
+      const Sample& smp = g.samples[i];
+      if (smp.state != SampleState::Done) continue;
+      c.sample_ids.push_back(ids_.id(gid, static_cast<int64_t>(i)));
+      c.response_lens.push_back(static_cast<int64_t>(smp.tokens.size()));
+      c.finish_reasons.push_back(static_cast<uint8_t>(smp.finish));
+      c.tokens.insert(c.tokens.end(), smp.tokens.begin(), smp.tokens.end());
     }
     out.push_back(std::move(c));
   }

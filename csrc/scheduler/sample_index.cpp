@@ -3,7 +3,7 @@
 namespace april::sched {
 
 void SampleIndex::add(int64_t group_id, Group& g) {
-  const int64_t first = group_id * n_;
+  const int64_t first = ids_.id(group_id, 0);
   if (slots_.empty()) {
     base_ = first;
     head_ = 0;
@@ -13,9 +13,9 @@ void SampleIndex::add(int64_t group_id, Group& g) {
 }
 
 void SampleIndex::remove(int64_t group_id) {
-  const uint64_t k = static_cast<uint64_t>(group_id * n_) - static_cast<uint64_t>(base_);
+  const uint64_t k = static_cast<uint64_t>(ids_.id(group_id, 0)) - static_cast<uint64_t>(base_);
   if (k >= slots_.size()) return;
-  for (int64_t i = 0; i < n_; ++i) slots_[k + static_cast<uint64_t>(i)] = Slot{nullptr, nullptr};
+  for (int64_t i = 0; i < ids_.width; ++i) slots_[k + static_cast<uint64_t>(i)] = Slot{nullptr, nullptr};
   while (head_ < slots_.size() && slots_[head_].sample == nullptr) ++head_;
   if (head_ == slots_.size()) {
     slots_.clear();

@@ -1,4 +1,4 @@
-// Sample id -> record in O(1), for the event hot path. Sample ids are group_id * n + index and group ids
+// Sample id -> record in O(1), for the event hot path. Sample ids are group_id * width + slot and group ids
 // count up from 0, so the live samples fill a window of ids: a vector over that window replaces a tree
 // search per event. The window runs from the oldest live group to the newest (8 bytes per id in it).
 #pragma once
@@ -8,13 +8,14 @@
 #include <map>
 #include <vector>
 
+#include "scheduler/sample_ids.h"
 #include "scheduler/state.h"
 
 namespace april::sched {
 
 class SampleIndex {
  public:
-  explicit SampleIndex(int64_t n_samples_per_prompt) : n_(n_samples_per_prompt) {}
+  explicit SampleIndex(SampleIds ids) : ids_(ids) {}
 
   // The record of a live sample, or nullptr (never launched, or its group is gone; negative ids too).
   Sample* find(int64_t sample_id) const {
@@ -36,7 +37,7 @@ class SampleIndex {
     Group* group;
   };
 
-  int64_t n_;
+  SampleIds ids_;
   int64_t base_ = 0;   // sample id of slots_[0]
   size_t head_ = 0;    // slots before head_ are all empty
   std::vector<Slot> slots_;

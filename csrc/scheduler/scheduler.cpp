@@ -12,7 +12,8 @@
 
 namespace april::sched {
 
-Scheduler::Scheduler(const Config& config) : config_(config), index_(config.n_samples_per_prompt) {
+Scheduler::Scheduler(const Config& config)
+    : config_(config), ids_{config.group_width()}, index_(ids_) {
   config_.validate();
 }
 
@@ -38,14 +39,13 @@ Group& Scheduler::group_of(int64_t sample_id, int64_t* index) {
 }
 
 const Group& Scheduler::group_of(int64_t sample_id, int64_t* index) const {
-  const int64_t n = config_.n_samples_per_prompt;
-  auto it = sample_id >= 0 ? s_.groups.find(sample_id / n) : s_.groups.end();
+  auto it = sample_id >= 0 ? s_.groups.find(ids_.group(sample_id)) : s_.groups.end();
   if (it == s_.groups.end()) {
     throw Error(ErrorKind::UnknownId,
                 "sample id " + std::to_string(sample_id) +
                     " is not known: it was never dispatched, or its group was trained, filtered or dropped");
   }
-  *index = sample_id % n;
+  *index = ids_.slot(sample_id);
   return it->second;
 }
 
@@ -93,10 +93,9 @@ MemoryUsage Scheduler::buffered_memory() const {
 std::vector<int64_t> Scheduler::sample_ids(SampleState state) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int64_t> out;
-  const int64_t n = config_.n_samples_per_prompt;
   for (const auto& [gid, g] : s_.groups) {
-    for (int64_t i = 0; i < n; ++i) {
-      if (g.samples[i].state == state) out.push_back(gid * n + i);
+    for (size_t i = 0; i < g.samples.size(); ++i) {
+      if (g.samples[i].state == state) out.push_back(ids_.id(gid, static_cast<int64_t>(i)));
     }
   }
   return out;
@@ -129,7 +128,7 @@ void Scheduler::deserialize(const std::string& bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   fresh.data_size = s_.data_size;  // the size belongs to the data source attached now
   s_ = std::move(fresh);
-  stale_aborts_.clear();
+  pending_aborts_.clear();
   index_.rebuild(s_.groups);
   settle_after_load();
 }
@@ -150,6 +149,8 @@ void Scheduler::settle_after_load() {
   for (auto& [gid, g] : s_.groups) {
     bool capped = false;
     for (auto& smp : g.samples) {
+      // Past n done (over-provisioned groups), complete_if_done cancels the rest.
+      if (g.n_done >= config_.n_samples_per_prompt) break;
       if (smp.state != SampleState::Queued || static_cast<int64_t>(smp.tokens.size()) < config_.max_response_len) {
         continue;
       }
@@ -160,7 +161,9 @@ void Scheduler::settle_after_load() {
       record_final_length(s_, g, smp);
       capped = true;
     }
-    if (capped || g.stale_check_pending || staleness_enforced()) touched.push_back(gid);
+    // A group saved with n samples done and cancelled ones in flight (stored cancelled) completes now.
+    const bool complete = g.state == GroupState::Active && g.n_done >= config_.n_samples_per_prompt;
+    if (capped || complete || g.stale_check_pending || staleness_enforced()) touched.push_back(gid);
   }
   // A state from format version 1, or saved with fixed over-sampling, has no group ceiling yet.
   if (config_.over_sampling == OverSampling::Adaptive && s_.adaptive_groups == 0) retune_over_sampling();

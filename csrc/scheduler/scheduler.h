@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "scheduler/config.h"
+#include "scheduler/sample_ids.h"
 #include "scheduler/sample_index.h"
 #include "scheduler/state.h"
 #include "scheduler/stats.h"
@@ -158,12 +159,18 @@ class Scheduler {
   void pack_group(Batch& b, int64_t group_id, int32_t index_in_batch);
   void drop_surplus();
   // Group life cycle: completion, reward and filter, removal (groups.cpp)
+  // A group with n samples done cancels its other samples, and completes once none of them is in flight.
   void complete_if_done(int64_t group_id, Group& g);
+  // Tail batching over-provisioning: a sample slot the group gives up. Queued: Cancelled now, tokens discarded;
+  // in flight: aborted (listed for samples_to_abort), Cancelled when its result comes back.
+  void cancel_sample(int64_t group_id, int64_t slot);
+  void discard_cancelled(Sample& smp);
   void unlist(int64_t group_id);  // out of the completed and accepted queues
   void erase_group(int64_t group_id);
   // Dispatch and refill (dispatch.cpp)
   int64_t groups_to_launch_locked() const;
   int64_t inflight_cap() const;  // most samples dispatched at once; INT64_MAX when uncapped
+  int64_t launch_width() const;  // samples a group launched now runs: n, plus tail_extra_samples in a short round
   void retune_over_sampling();
   std::vector<Pick> queued_in_dispatch_order() const;
   void sort_by_dispatch_order(std::vector<Pick>& picks) const;
@@ -175,6 +182,7 @@ class Scheduler {
   std::vector<int64_t> batch_group_ids() const;
   void begin_round();
   void end_round();
+  void trim_long_group(int64_t group_id, Group& g);  // keep n samples: done first, then the longest partials
   void restart_long_group(int64_t group_id);
   // Staleness (staleness.cpp)
   bool staleness_enforced() const;  // restart or drop with a bound
@@ -193,14 +201,16 @@ class Scheduler {
   void finish(Sample& sample, Group& group, int64_t group_id, FinishReason reason);
 
   Config config_;
+  SampleIds ids_;
   mutable std::mutex mu_;
   State s_;
   SampleIndex index_;  // kept in step with s_.groups
   uint64_t epoch_ = 0;
   std::vector<Sample*> scratch_samples_;  // the events' samples; grows to the largest call, never shrinks
-  // carry: carried samples begin_step set aborting for staleness, until samples_to_abort() hands them out.
-  // Not persisted: a loaded state has nothing in flight.
-  std::vector<int64_t> stale_aborts_;
+  // Samples set aborting outside the abort-mode step end, until samples_to_abort() hands them out: carried
+  // samples begin_step aborts (staleness, tail restarts) and cancelled surplus samples. Not persisted: a loaded
+  // state has nothing in flight.
+  std::vector<int64_t> pending_aborts_;
 };
 
 }  // namespace april::sched

@@ -77,11 +77,10 @@ void Scheduler::apply_staleness_carried(int64_t group_id) {
   auto stale = [&](const Sample& smp) { return is_stale(smp); };
   if (std::none_of(g.samples.begin(), g.samples.end(), stale)) return;
   const bool drop = config_.staleness_policy == StalenessPolicy::Drop;
-  const int64_t n = config_.n_samples_per_prompt;
-  for (int64_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < g.samples.size(); ++i) {
     Sample& smp = g.samples[i];
     if (smp.state == SampleState::Running && (drop || is_stale(smp))) {
-      mark_aborting(smp, group_id * n + i, stale_aborts_);
+      mark_aborting(smp, ids_.id(group_id, static_cast<int64_t>(i)), pending_aborts_);
     }
   }
   if (drop && g.n_in_flight > 0) {

@@ -17,6 +17,9 @@ enum class SampleState : uint8_t {
   Running = 1,   // dispatched to the engine
   Aborting = 2,  // dispatched, and the scheduler asked for its abort
   Done = 3,      // finished with stop or length
+  // Tail batching over-provisioning: a slot the group no longer needs (its n samples are done or chosen) or
+  // never uses (groups of long rounds). Never dispatched, holds no tokens, not queued, running or done.
+  Cancelled = 4,
 };
 
 // A run of tokens produced under one policy version; versions are stored once per run, not per token.
@@ -39,6 +42,9 @@ struct alignas(64) Sample {
   std::vector<Segment> segments;
   int64_t tokens_at_step_start = 0;  // response length when the current step began
   int64_t resumes = 0;
+  // In flight and cancelled (Aborting): its abort result is dropped and it becomes Cancelled. Not persisted: a
+  // saved state stores it as Cancelled.
+  bool surplus = false;
   // Set at dispatch (not persisted: nothing is in flight after a load).
   int32_t dispatch_len = 0;     // response length when the last request was sent
   int32_t dispatch_budget = 0;  // that request's max_new_tokens
@@ -67,8 +73,8 @@ static_assert(offsetof(Sample, dispatch_version) + sizeof(Sample::dispatch_versi
               "the fields of a token event fit in the first cache line");
 
 enum class GroupState : uint8_t {
-  Active = 0,     // some sample not done
-  Completed = 1,  // all samples done, waiting for reward
+  Active = 0,     // fewer than n samples done, or cancelled samples still in flight
+  Completed = 1,  // n samples done, waiting for reward
   Accepted = 2,   // rewarded and accepted by the filter
 };
 

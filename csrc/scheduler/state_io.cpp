@@ -92,7 +92,17 @@ bool token_ids_valid(const std::vector<int32_t>& tokens) {
 // ---------------------------------------------------------------- encoding
 
 void encode_sample(Writer& w, const Sample& smp) {
-  // The engine's requests do not survive a restart: in-flight samples come back as buffered partials.
+  // The engine's requests do not survive a restart: in-flight samples come back as buffered partials, and
+  // cancelled ones whose abort was under way as cancelled.
+  if (smp.surplus) {
+    w.put<uint8_t>(static_cast<uint8_t>(SampleState::Cancelled));
+    w.put<uint8_t>(static_cast<uint8_t>(FinishReason::Stop));
+    w.put<int64_t>(smp.dispatch_version);
+    w.put<int64_t>(0);
+    w.put<int64_t>(smp.resumes);
+    for (int k = 0; k < 3; ++k) w.put<uint64_t>(0);  // no tokens, logprobs or segments
+    return;
+  }
   const SampleState st = smp.in_flight() ? SampleState::Queued : smp.state;
   w.put<uint8_t>(static_cast<uint8_t>(st));
   w.put<uint8_t>(static_cast<uint8_t>(smp.finish));
@@ -149,25 +159,30 @@ Frame check_frame(const std::string& bytes) {
   return f;
 }
 
-void check_shape(Reader& r, const Config& config) {
+// Files before format version 6 have no extra samples.
+void check_shape(Reader& r, uint32_t version, const Config& config) {
   const auto n = r.get<int64_t>();
   const auto max_len = r.get<int64_t>();
-  check(n == config.n_samples_per_prompt && max_len == config.max_response_len, ErrorKind::InvalidArgument,
+  const auto extra = version >= 6 ? r.get<int64_t>() : 0;
+  check(n == config.n_samples_per_prompt && max_len == config.max_response_len &&
+            extra == config.tail_extra_samples,
+        ErrorKind::InvalidArgument,
         "scheduler state was saved with n_samples_per_prompt=" + std::to_string(n) +
-            ", max_response_len=" + std::to_string(max_len) + "; this scheduler has " +
-            std::to_string(config.n_samples_per_prompt) + ", " + std::to_string(config.max_response_len));
+            ", max_response_len=" + std::to_string(max_len) + ", tail_extra_samples=" + std::to_string(extra) +
+            "; this scheduler has " + std::to_string(config.n_samples_per_prompt) + ", " +
+            std::to_string(config.max_response_len) + ", " + std::to_string(config.tail_extra_samples));
 }
 
 // The step's scalars, counters and staleness histogram.
-void decode_step(Reader& r, uint32_t version, int64_t n, State& s) {
+void decode_step(Reader& r, uint32_t version, int64_t width, State& s) {
   s.next_group_id = r.get<int64_t>();
   s.prompts_consumed = r.get<int64_t>();
   s.step_open = r.get<uint8_t>() != 0;
   s.wave_launched = r.get<uint8_t>() != 0;
   s.policy_version = r.get<int64_t>();
   s.step_index = r.get<int64_t>();
-  // Sample ids (group id x n + index) must fit in int64.
-  corrupt_unless(s.next_group_id >= 0 && s.next_group_id <= std::numeric_limits<int64_t>::max() / n &&
+  // Sample ids (group id x width + slot) must fit in int64.
+  corrupt_unless(s.next_group_id >= 0 && s.next_group_id <= std::numeric_limits<int64_t>::max() / width &&
                      s.prompts_consumed >= 0 && s.policy_version >= -1 && s.policy_version <= INT32_MAX &&
                      s.step_index >= 0 && s.step_index < std::numeric_limits<int64_t>::max(),
                  "counters out of range");
@@ -176,6 +191,7 @@ void decode_step(Reader& r, uint32_t version, int64_t n, State& s) {
                                    : version == 2 ? kV2CounterCount
                                    : version == 3 ? kV3CounterCount
                                    : version == 4 ? kV4CounterCount
+                                   : version == 5 ? kV5CounterCount
                                                   : s.stats.counters().size();
   corrupt_unless(n_counters == expected_counters, "stats has " + std::to_string(n_counters) + " counters, expected " +
                                                  std::to_string(expected_counters));
@@ -196,7 +212,8 @@ void decode_sample(Reader& r, const Config& config, int64_t policy_version, Samp
   const auto max_len = static_cast<uint64_t>(config.max_response_len);
   const auto st = r.get<uint8_t>();
   const auto fin = r.get<uint8_t>();
-  corrupt_unless(st == static_cast<uint8_t>(SampleState::Queued) || st == static_cast<uint8_t>(SampleState::Done),
+  corrupt_unless(st == static_cast<uint8_t>(SampleState::Queued) || st == static_cast<uint8_t>(SampleState::Done) ||
+                     (st == static_cast<uint8_t>(SampleState::Cancelled) && config.tail_extra_samples > 0),
                  "sample state " + std::to_string(st));
   corrupt_unless(fin <= 1, "finish reason " + std::to_string(fin));
   smp.state = static_cast<SampleState>(st);
@@ -224,6 +241,7 @@ void decode_sample(Reader& r, const Config& config, int64_t policy_version, Samp
   }
   corrupt_unless(smp.tokens_at_step_start >= 0 && smp.tokens_at_step_start <= static_cast<int64_t>(ntok),
                  "a sample's step-start length is out of range");
+  corrupt_unless(smp.state != SampleState::Cancelled || ntok == 0, "a cancelled sample has tokens");
 }
 
 void decode_group(Reader& r, const Config& config, State& s) {
@@ -246,17 +264,25 @@ void decode_group(Reader& r, const Config& config, State& s) {
                      std::all_of(g.rewards.begin(), g.rewards.end(), [](float x) { return std::isfinite(x); }),
                  "group " + std::to_string(gid) + " has " + std::to_string(g.rewards.size()) +
                      " rewards, or one that is not finite");
-  g.samples.resize(n);
+  g.samples.resize(config.group_width());
+  int64_t cancelled = 0;
   for (auto& smp : g.samples) {
     decode_sample(r, config, s.policy_version, smp);
     if (smp.state == SampleState::Done) {
       g.n_done += 1;
+    } else if (smp.state == SampleState::Cancelled) {
+      cancelled += 1;
     } else {
       s.queued_samples += 1;
     }
   }
-  corrupt_unless((g.state == GroupState::Active) == (g.n_done < n),
-                 "group " + std::to_string(gid) + " state does not match its samples");
+  // n done samples make a group complete once its cancelled ones are back: saved while they were in flight, it
+  // is still active (it completes on load). A group keeps at least n samples that are not cancelled.
+  const bool shape_ok = g.state == GroupState::Active
+                            ? (g.n_done < n || (g.n_done == n && config.tail_extra_samples > 0)) &&
+                                  static_cast<int64_t>(g.samples.size()) - cancelled >= n
+                            : g.n_done == n && static_cast<int64_t>(g.samples.size()) - cancelled == n;
+  corrupt_unless(shape_ok, "group " + std::to_string(gid) + " state does not match its samples");
 }
 
 // The completed and accepted queues: each lists groups of its state, once, and together they list all.
@@ -383,6 +409,7 @@ std::string encode_state(const Config& config, const State& s) {
   Writer w;
   w.put<int64_t>(config.n_samples_per_prompt);
   w.put<int64_t>(config.max_response_len);
+  w.put<int64_t>(config.tail_extra_samples);
   w.put<int64_t>(s.next_group_id);
   w.put<int64_t>(s.prompts_consumed);
   w.put<uint8_t>(s.step_open);
@@ -427,9 +454,9 @@ std::string encode_state(const Config& config, const State& s) {
 State decode_state(const Config& config, const std::string& bytes) {
   const Frame f = check_frame(bytes);
   Reader r(f.payload, f.len);
-  check_shape(r, config);
+  check_shape(r, f.version, config);
   State s;
-  decode_step(r, f.version, config.n_samples_per_prompt, s);
+  decode_step(r, f.version, config.group_width(), s);
   const auto n_groups = r.get<uint64_t>();
   corrupt_unless(n_groups <= f.len, "group count " + std::to_string(n_groups) + " exceeds the payload");
   for (uint64_t gi = 0; gi < n_groups; ++gi) decode_group(r, config, s);

@@ -14,14 +14,15 @@ namespace april::sched {
 // carried_samples and carried_kv_tokens counters, version 4 the length prediction (history keys of groups,
 // final lengths per key and of all, the step's prediction pairs) and the chunk, continuation and
 // prediction_samples counters, version 5 tail batching (the round, the long queue, pending restarts, four
-// counters); versions 1 to 4 still load.
-constexpr uint32_t kStateFormatVersion = 5;
+// counters), version 6 tail_extra_samples (in the header; each group's slots, cancelled ones included, and two
+// counters); versions 1 to 5 still load.
+constexpr uint32_t kStateFormatVersion = 6;
 
 // The framed bytes of a state (header, payload, checksum).
 std::string encode_state(const Config& config, const State& state);
 // Parses and checks framed bytes into a fresh State. Throws CorruptStateError for bytes that are not a
-// consistent state, InvalidArgumentError for a state saved with another n_samples_per_prompt or
-// max_response_len.
+// consistent state, InvalidArgumentError for a state saved with another n_samples_per_prompt,
+// max_response_len or tail_extra_samples.
 State decode_state(const Config& config, const std::string& bytes);
 
 }  // namespace april::sched

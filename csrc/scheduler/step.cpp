@@ -84,22 +84,22 @@ bool Scheduler::step_done() const {
 
 std::vector<int64_t> Scheduler::samples_to_abort() {
   std::lock_guard<std::mutex> lock(mu_);
-  // carry: the stale carried samples begin_step marked; their abort may have answered already.
+  // The samples marked aborting since the last call (carried ones begin_step brought back, cancelled surplus
+  // samples); their abort may have answered already.
   std::vector<int64_t> out;
-  for (int64_t sid : stale_aborts_) {
+  for (int64_t sid : pending_aborts_) {
     const Sample* smp = index_.find(sid);
     if (smp != nullptr && smp->state == SampleState::Aborting) out.push_back(sid);
   }
-  stale_aborts_.clear();
+  pending_aborts_.clear();
   // A sample marked at two version bumps (restarted and carried again in between) is listed once.
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   if (config_.step_boundary == StepBoundary::Abort && step_done_locked()) {
-    const int64_t n = config_.n_samples_per_prompt;
     for (auto& [gid, g] : s_.groups) {
-      for (int64_t i = 0; i < n; ++i) {
+      for (size_t i = 0; i < g.samples.size(); ++i) {
         Sample& smp = g.samples[i];
-        if (smp.state == SampleState::Running) mark_aborting(smp, gid * n + i, out);
+        if (smp.state == SampleState::Running) mark_aborting(smp, ids_.id(gid, static_cast<int64_t>(i)), out);
       }
     }
   }
@@ -146,24 +146,25 @@ Batch Scheduler::take_batch() {
 // settings, versions per token, and the batch statistics.
 void Scheduler::pack_group(Batch& b, int64_t group_id, int32_t index_in_batch) {
   const Group& g = s_.groups.at(group_id);
-  const int64_t n = config_.n_samples_per_prompt;
   const int64_t v = s_.policy_version;
   const bool mask_stale = config_.staleness_policy == StalenessPolicy::Mask && config_.max_staleness >= 0;
   const size_t plen = g.prompt.size();
   StepStats& st = s_.stats;
   b.group_ids.push_back(group_id);
   b.prompt_indices.push_back(g.prompt_index);
-  for (int64_t i = 0; i < n; ++i) {
+  size_t k = 0;  // the sample's place among the group's n done samples (in slot order, as pop_completed gave)
+  for (size_t i = 0; i < g.samples.size(); ++i) {
     const Sample& smp = g.samples[i];
+    if (smp.state != SampleState::Done) continue;  // a cancelled surplus slot
     b.tokens.insert(b.tokens.end(), g.prompt.begin(), g.prompt.end());
     b.tokens.insert(b.tokens.end(), smp.tokens.begin(), smp.tokens.end());
     b.loss_mask.insert(b.loss_mask.end(), plen, 0);
     b.behavior_logprobs.insert(b.behavior_logprobs.end(), plen, 0.0f);
     b.behavior_logprobs.insert(b.behavior_logprobs.end(), smp.logprobs.begin(), smp.logprobs.end());
     b.versions.insert(b.versions.end(), plen, -1);
-    for (size_t k = 0; k < smp.segments.size(); ++k) {
-      const Segment& seg = smp.segments[k];
-      const size_t len = smp.segment_end(k) - seg.start;
+    for (size_t j = 0; j < smp.segments.size(); ++j) {
+      const Segment& seg = smp.segments[j];
+      const size_t len = smp.segment_end(j) - seg.start;
       const bool train = !(config_.mask_offpolicy && seg.version != v) &&
                          !(mask_stale && v - seg.version > config_.max_staleness);
       b.versions.insert(b.versions.end(), len, seg.version);
@@ -173,9 +174,9 @@ void Scheduler::pack_group(Batch& b, int64_t group_id, int32_t index_in_batch) {
     }
     b.offsets.push_back(static_cast<int64_t>(b.tokens.size()));
     b.prompt_lens.push_back(static_cast<int32_t>(plen));
-    b.rewards.push_back(g.rewards[i]);
+    b.rewards.push_back(g.rewards[k++]);
     b.group_index.push_back(index_in_batch);
-    b.sample_ids.push_back(group_id * n + i);
+    b.sample_ids.push_back(ids_.id(group_id, static_cast<int64_t>(i)));
     b.finish_reasons.push_back(static_cast<uint8_t>(smp.finish));
     const int64_t staleness = smp.segments.empty() ? 0 : v - smp.oldest_version();
     if (static_cast<int64_t>(st.staleness_histogram.size()) <= staleness) {

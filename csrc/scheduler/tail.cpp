@@ -2,6 +2,8 @@
 // send the groups still generating to a long queue; a long round runs the long queue alone once it holds N
 // groups (or the data is used up), with no over-sampling. Semantics: docs/scheduler.md, "Tail batching".
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "scheduler/scheduler.h"
 
@@ -61,16 +63,15 @@ void Scheduler::begin_round() {
   if (!config_.tail_batching_restart) return;
   // Strict on-policy: every long-queue group starts again from its prompt. A group with samples in flight
   // (aborts on their way back, or carried samples, aborted now) restarts when the last one is back.
-  const int64_t n = config_.n_samples_per_prompt;
   for (auto& [gid, g] : s_.groups) {
     if (!g.long_queue) continue;
     if (g.n_in_flight == 0) {
       restart_long_group(gid);
       continue;
     }
-    for (int64_t i = 0; i < n; ++i) {
+    for (size_t i = 0; i < g.samples.size(); ++i) {
       Sample& smp = g.samples[i];
-      if (smp.state == SampleState::Running) mark_aborting(smp, gid * n + i, stale_aborts_);
+      if (smp.state == SampleState::Running) mark_aborting(smp, ids_.id(gid, static_cast<int64_t>(i)), pending_aborts_);
     }
     g.stale_check_pending = true;
     g.tail_restart = true;
@@ -78,15 +79,34 @@ void Scheduler::begin_round() {
 }
 
 // At take_batch, once the batch is out: every group still generating goes to (or stays in) the long queue. A
-// group none of whose samples produced anything or is in flight has not started: it stays where it is.
+// group none of whose samples produced anything or is in flight has not started: it stays where it is. A group
+// joining the long queue keeps n samples (no over-provisioning in long rounds).
 void Scheduler::end_round() {
   if (!config_.tail_batching) return;
   for (auto& [gid, g] : s_.groups) {
     if (g.state != GroupState::Active || g.long_queue) continue;
     g.long_queue = std::any_of(g.samples.begin(), g.samples.end(), [](const Sample& smp) {
-      return smp.in_flight() || smp.state == SampleState::Done || !smp.tokens.empty();
+      return (smp.in_flight() && !smp.surplus) || smp.state == SampleState::Done || !smp.tokens.empty();
     });
+    if (g.long_queue) trim_long_group(gid, g);
   }
+}
+
+// The n samples kept: done ones, then the longest partials (ties: lower slot); the others are cancelled.
+void Scheduler::trim_long_group(int64_t group_id, Group& g) {
+  std::vector<int64_t> live;
+  for (size_t i = 0; i < g.samples.size(); ++i) {
+    const Sample& smp = g.samples[i];
+    if (smp.state != SampleState::Cancelled && !smp.surplus) live.push_back(static_cast<int64_t>(i));
+  }
+  const auto n = static_cast<size_t>(config_.n_samples_per_prompt);
+  if (live.size() <= n) return;
+  auto rank = [&](int64_t i) {
+    const Sample& smp = g.samples[i];
+    return std::make_pair(smp.state == SampleState::Done, smp.tokens.size());
+  };
+  std::stable_sort(live.begin(), live.end(), [&](int64_t a, int64_t b) { return rank(a) > rank(b); });
+  for (size_t k = n; k < live.size(); ++k) cancel_sample(group_id, live[k]);
 }
 
 // tail_batching_restart: nothing of the group is in flight; every sample that generated anything starts again.
