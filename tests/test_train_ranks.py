@@ -295,6 +295,14 @@ def test_parallel_settings_are_flags_validated_by_megatron_parallel_config() -> 
         TrainConfig(use_distributed_optimizer=True)
     assert config_from_args(cli.build_parser().parse_args(
         ["train", "--trainer", "megatron", "--use-distributed-optimizer"])).parallel_config().use_distributed_optimizer
+    offload = config_from_args(cli.build_parser().parse_args(
+        ["train", "--trainer", "megatron", "--use-distributed-optimizer", "--optimizer-cpu-offload",
+         "--optimizer-offload-fraction", "0.25"])).parallel_config()
+    assert (offload.optimizer_cpu_offload, offload.optimizer_offload_fraction) == (True, 0.25)
+    with pytest.raises(ConfigError, match="optimizer_cpu_offload=True needs use_distributed_optimizer=True"):
+        TrainConfig(trainer="megatron", optimizer_cpu_offload=True)
+    with pytest.raises(ConfigError, match="is not allowed: False with trainer='torch'"):
+        TrainConfig(use_distributed_optimizer=True, optimizer_cpu_offload=True)
     assert check_world(TrainConfig(), 3) == 3  # the torch trainer: data parallel over any world
     small = TrainConfig(rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=2)
     with pytest.raises(ConfigError, match="optimizer step of 2 samples .* cannot be split across 3"):
