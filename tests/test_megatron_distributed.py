@@ -224,6 +224,19 @@ def test_optimizer_cpu_offload_reaches_megatron_s_optimizer_config_and_is_refuse
             DistributedMegatronTrainer(MegatronTrainerConfig(model=make_model(0).config, parallel=offload))
 
 
+def test_hf_weights_of_the_wrong_shape_are_refused_naming_the_parameter() -> None:
+    model = make_model(0)
+    weights = dict(model.named_parameters())
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    weights[gate] = weights[gate][:-1]
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"'decoder.layers.0.mlp.linear_fc1.weight': this rank's gate "
+                                                        r"rows: shape \(\d+, \d+\) in the HF weights"):
+            DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config), weights)
+    finally:
+        parallel.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="optimizer CPU offload needs a GPU")
 def test_optimizer_cpu_offload_trains_as_the_gpu_optimizer() -> None:
