@@ -13,7 +13,6 @@ process group down on exit.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
@@ -90,7 +89,7 @@ def _megatron_trainer(config: TrainConfig, initial: InitialWeights, settings: Tr
         raise ConfigError(f"TrainConfig.trainer='megatron' needs megatron-core ({err}): "
                           "pip install 'april_ext[megatron]'") from None
     # A directory goes to the trainer as it is: each rank reads its own slice (sharded.load_hf_weights).
-    weights = initial.named_parameters() if isinstance(initial, LlamaForCausalLM) else os.fspath(initial)
+    weights = initial.named_parameters() if isinstance(initial, LlamaForCausalLM) else initial
     model_config = initial_model_config(initial)
     if distributed.world()[1] > 1:
         # Across the ranks of a launch (training.ranks): split as the run's parallel settings say.
