@@ -12,11 +12,15 @@ Modes:
   gather; rank 0 then reads the directory back and records whether it equals the HF weights bit for bit.
 
 - ``load``: the same model's HF checkpoint (one safetensors file, written by rank 0 into OUT/hf) loaded
-  into each rank's tensor-parallel GPTModel (``sharded.load_hf_weights``, the load the trainer makes);
-  the rank records the size of its model and of one decoder layer, and after the peak is taken, the
-  model is exported again (gathered) and rank 0 records whether that equals the checkpoint bit for bit.
+  into each rank's GPTModel (``sharded.load_hf_weights``, the load the trainer makes), split by tensor
+  parallelism (LAYOUT ``tp``, the default) or pipeline parallelism (``pp``: each stage its 16 / world
+  layers); the rank records the size of its model and of one decoder layer, and after the peak is taken,
+  the model is exported again (gathered) and rank 0 records whether that equals the checkpoint bit for bit.
+  SOURCE ``dir`` (the default) loads from the directory; ``model`` measures what the run path did before
+  (issue 11): the whole HF model built from the checkpoint (``load_pretrained``), then the slice taken
+  from its tensors.
 
-Usage: torchrun --nproc-per-node 2 tests/export_memory_worker.py OUT stream|disk|load
+Usage: torchrun --nproc-per-node 2 tests/export_memory_worker.py OUT stream|disk|load [LAYOUT [SOURCE]]
 """
 
 from __future__ import annotations
@@ -126,24 +130,37 @@ def _disk(world: int, out: str) -> dict[str, Any]:
     return seen
 
 
-def _load(world: int, out: str) -> dict[str, Any]:
-    from april_ext.model import save_pretrained
+def _load(world: int, out: str, layout: str = "tp", source: str = "dir") -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    from april_ext.model import load_pretrained, save_pretrained
     from april_ext.trainer.megatron import sharded
     from april_ext.trainer.megatron.model import build_gpt_model
 
     directory = os.path.join(out, "hf")
-    parallel.initialize(MegatronParallelConfig(tensor_model_parallel_size=world, timeout_s=120.0))
+    tp, pp = {"tp": (world, 1), "pp": (1, world)}[layout]
+    parallel.initialize(MegatronParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                               timeout_s=120.0))
     if dist.get_rank() == 0:
         torch.manual_seed(0)
         save_pretrained(LlamaForCausalLM(DISK_MODEL), directory)
         gc.collect()
     dist.barrier()
-    gpt = build_gpt_model(DISK_MODEL, packed=True, tensor_model_parallel_size=world,
-                          vocab_size=sharded.padded_vocab_size(DISK_MODEL.vocab_size, world))
+    gpt = build_gpt_model(DISK_MODEL, packed=True, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          pre_process=parallel_state.is_pipeline_first_stage(),
+                          post_process=parallel_state.is_pipeline_last_stage(),
+                          vocab_size=sharded.padded_vocab_size(DISK_MODEL.vocab_size, tp))
     layer = sum(p.numel() * p.element_size() for n, p in LlamaForCausalLM(DISK_MODEL.replace(num_hidden_layers=1))
                 .named_parameters() if n.startswith("model.layers.0."))
+
+    def load() -> None:
+        if source == "dir":
+            sharded.load_hf_weights(gpt, directory, DISK_MODEL)
+        else:
+            sharded.load_hf_weights(gpt, load_pretrained(directory).named_parameters(), DISK_MODEL)
+
     seen: dict[str, Any] = {
-        "peak_extra_bytes": _peak_extra_bytes(lambda: sharded.load_hf_weights(gpt, directory, DISK_MODEL)),
+        "peak_extra_bytes": _peak_extra_bytes(load),
         "layer_bytes": layer, "rank_model_bytes": sum(p.numel() * p.element_size() for p in gpt.parameters())}
     exported = sharded.iter_hf_weights(gpt, DISK_MODEL)
     if dist.get_rank() == 0:
@@ -154,17 +171,17 @@ def _load(world: int, out: str) -> dict[str, Any]:
     return seen
 
 
-def main(out: str, mode: str) -> None:
+def main(out: str, mode: str, *options: str) -> None:
     # glibc's allocator raises its mmap threshold as large blocks are freed, and then keeps later freed
     # blocks of up to 32 MiB on its heap: a fixed threshold returns them at once, so that the resident
     # memory measures what lives (M_MMAP_THRESHOLD is -3).
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
     world = int(os.environ["WORLD_SIZE"])
-    seen = {"stream": _stream, "disk": _disk, "load": _load}[mode](world, out)
+    seen = {"stream": _stream, "disk": _disk, "load": _load}[mode](world, out, *options)
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w", encoding="ascii") as handle:
         json.dump(seen, handle)
     parallel.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -23,7 +23,7 @@ from megatron_dist_worker import VARIANTS, layout_key, tiny_model, trainer_confi
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.trainer import TorchTrainer
 from april_ext.trainer.megatron import parallel
-from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer
+from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer, optimizer_config
 from april_ext.trainer.megatron.packed import pack
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 from april_ext.trainer.megatron.sharded import padded_vocab_size
@@ -196,6 +196,71 @@ def test_parallel_config_errors_name_the_field() -> None:
             DistributedMegatronTrainer(MegatronTrainerConfig(
                 model=moe, parallel=MegatronParallelConfig(pipeline_model_parallel_size=2)))
     assert [padded_vocab_size(v, tp) for v, tp in ((20, 2), (21, 2), (21, 4), (7, 1))] == [20, 22, 24, 7]
+
+
+def test_optimizer_cpu_offload_reaches_megatron_s_optimizer_config_and_is_refused_on_a_cpu() -> None:
+    # Megatron's --optimizer-cpu-offload / --optimizer-offload-fraction: its HybridDeviceOptimizer, run by the
+    # precision-aware distributed optimizer (as Megatron-LM requires).
+    with pytest.raises(ConfigError, match="optimizer_cpu_offload=True needs use_distributed_optimizer=True"):
+        MegatronParallelConfig(optimizer_cpu_offload=True)
+    with pytest.raises(ConfigError, match=r"optimizer_offload_fraction must be a number in \(0, 1\], got 1.5"):
+        MegatronParallelConfig(use_distributed_optimizer=True, optimizer_cpu_offload=True, optimizer_offload_fraction=1.5)
+    with pytest.raises(ConfigError, match=r"optimizer_offload_fraction=0.5 applies only with optimizer_cpu_offload"):
+        MegatronParallelConfig(use_distributed_optimizer=True, optimizer_offload_fraction=0.5)
+    offload = MegatronParallelConfig(use_distributed_optimizer=True, optimizer_cpu_offload=True,
+                                     optimizer_offload_fraction=0.5)
+    settings = trainer_config()
+    # Built without Transformer Engine too (megatron-core 0.16.1 raised a TypeError: compat.patch_te_version_check).
+    built = optimizer_config(settings, offload, bf16=True)
+    assert (built.optimizer_cpu_offload, built.optimizer_offload_fraction, built.use_precision_aware_optimizer,
+            built.use_distributed_optimizer, built.bf16, built.params_dtype) == (True, 0.5, True, True, True,
+                                                                                torch.bfloat16)
+    assert (built.optimizer, built.lr, built.clip_grad, built.decoupled_weight_decay) == ("adam", 1e-2, 0.5, True)
+    plain = optimizer_config(settings, MegatronParallelConfig(use_distributed_optimizer=True), bf16=False)
+    assert (plain.optimizer_cpu_offload, plain.use_precision_aware_optimizer, plain.use_distributed_optimizer,
+            plain.params_dtype) == (False, False, True, torch.float32)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="optimizer_cpu_offload=True needs a GPU, and this trainer runs on cpu"):
+            DistributedMegatronTrainer(MegatronTrainerConfig(model=make_model(0).config, parallel=offload))
+
+
+def test_hf_weights_of_the_wrong_shape_are_refused_naming_the_parameter() -> None:
+    model = make_model(0)
+    weights = dict(model.named_parameters())
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    weights[gate] = weights[gate][:-1]
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"'decoder.layers.0.mlp.linear_fc1.weight': this rank's gate "
+                                                        r"rows: shape \(\d+, \d+\) in the HF weights"):
+            DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config), weights)
+    finally:
+        parallel.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="optimizer CPU offload needs a GPU")
+def test_optimizer_cpu_offload_trains_as_the_gpu_optimizer() -> None:
+    """Two steps with all and with half of the optimizer state offloaded equal the distributed optimizer on
+    the GPU (fp32 parameters; the update is AdamW either way)."""
+    model = make_model(3)
+    batches = [make_batch(model, step, seed=step) for step in range(2)]
+    runs = []
+    for offload, fraction in ((False, 1.0), (True, 1.0), (True, 0.5)):
+        split = MegatronParallelConfig(use_distributed_optimizer=True, optimizer_cpu_offload=offload,
+                                       optimizer_offload_fraction=fraction)
+        try:
+            trainer = DistributedMegatronTrainer(MegatronTrainerConfig(
+                model=model.config, trainer=trainer_config(), parallel=split), model.named_parameters())
+            runs.append(([trainer.train_step(b) for b in batches], dict(trainer.export_weights(to_cpu=True))))
+        finally:
+            parallel.shutdown()
+    (want_metrics, want_weights), *offloaded = runs
+    for metrics, weights in offloaded:
+        for mine, theirs in zip(metrics, want_metrics):
+            for key in ("loss", "grad_norm", "entropy", "version"):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
+        for name, tensor in want_weights.items():
+            torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_distributed_optimizer_checkpoint_resumes(tmp_path: Path) -> None:

@@ -1,12 +1,15 @@
 """The Ray topology from slime's flags, without Ray: ranks, engines, bundles per role and each actor's
 place, on GPUs and on CPUs, colocated and disaggregated; settings that cannot be placed are refused with
-the setting named; the flags reach TrainConfig, ray_routing too (from a flag or a TOML key)."""
+the setting named; the flags reach TrainConfig, ray_routing too (from a flag or a TOML key); a trainer actor
+builds its trainer from TrainConfig.model's directory itself."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
+import torch
 
 from april_ext import ConfigError
 from april_ext.cluster import Placement, Topology
@@ -97,3 +100,43 @@ def test_ray_routing_is_router_or_least_loaded_from_flags_or_toml(tmp_path) -> N
     assert config_from_args(parser.parse_args(["train", "--config", str(toml)])).ray_routing == "least_loaded"
     flags = ["train", "--config", str(toml), "--ray-routing", "router"]
     assert config_from_args(parser.parse_args(flags)).ray_routing == "router"
+
+
+def test_a_megatron_trainer_actor_reads_the_checkpoint_directory_without_building_the_whole_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TrainerRank.setup (the actor's code, called here without Ray, a world of one) gets TrainConfig.model's
+    directory, not a model: the Megatron trainer reads it itself (across ranks each rank only its slice) and
+    no whole april_ext model is built (before: setup ran load_pretrained)."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
+    from april_ext.cluster.trainer_actor import TrainerRank
+    from april_ext.model import (
+        LlamaForCausalLM,
+        ModelConfig,
+        iter_safetensors,
+        save_pretrained,
+    )
+
+    config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    model.init_weights(3)
+    save_pretrained(model, tmp_path / "hf")
+    built: list[LlamaForCausalLM] = []
+    init = LlamaForCausalLM.__init__
+
+    def counting_init(self: LlamaForCausalLM, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        built.append(self)
+
+    monkeypatch.setattr(LlamaForCausalLM, "__init__", counting_init)
+    rank = TrainerRank(TrainConfig(trainer="megatron", model=str(tmp_path / "hf"), output_dir=str(tmp_path / "run")),
+                       0, 1)
+    try:
+        rank.setup(("127.0.0.1", 0), str(tmp_path / "hf"), "actor-test-")
+        exported = dict(rank.trainer.export_weights(to_cpu=True))
+    finally:
+        rank.close()
+    assert built == []
+    saved = dict(iter_safetensors(tmp_path / "hf"))
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[name], tensor) for name, tensor in saved.items())

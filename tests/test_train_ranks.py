@@ -149,6 +149,75 @@ def test_megatron_distributed_optimizer_on_two_ranks_equals_one_process_across_a
     _assert_same_weights(gathered, dict(iter_safetensors(one / step)))
 
 
+def _model_recording_module(tmp_path: Path) -> Path:
+    """A sitecustomize that makes every rank append to OUT/rank<R>.jsonl (OUT: $APRIL_TEST_MODELS_OUT) one
+    line per whole april_ext model it builds (LlamaForCausalLM: its april_ext callers) and per load of
+    weights into one (whether they equal the checkpoint $APRIL_TEST_CHECKPOINT bit for bit)."""
+    folder = tmp_path / "record_models"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') is not None and os.environ.get('APRIL_TEST_MODELS_OUT'):\n"
+        "    import json, traceback\n"
+        "    import torch\n"
+        "    from april_ext.model import iter_safetensors, llama\n"
+        "    def _record(**line):\n"
+        "        path = os.path.join(os.environ['APRIL_TEST_MODELS_OUT'], f\"rank{os.environ['RANK']}.jsonl\")\n"
+        "        with open(path, 'a') as handle:\n"
+        "            handle.write(json.dumps(line) + '\\n')\n"
+        "    _init, _load = llama.LlamaForCausalLM.__init__, llama.LlamaForCausalLM.load_weights\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        "        _init(self, *args, **kwargs)\n"
+        "        _record(event='built', callers=[f.name for f in traceback.extract_stack()[:-1]\n"
+        "                                        if 'april_ext' in f.filename])\n"
+        "    def load_weights(self, *args, **kwargs):\n"
+        "        names = _load(self, *args, **kwargs)\n"
+        "        params = dict(self.named_parameters())\n"
+        "        saved = dict(iter_safetensors(os.environ['APRIL_TEST_CHECKPOINT']))\n"
+        "        _record(event='loaded', equals_checkpoint=saved.keys() == params.keys() and all(\n"
+        "            torch.equal(params[n], t) for n, t in saved.items()))\n"
+        "        return names\n"
+        "    llama.LlamaForCausalLM.__init__ = __init__\n"
+        "    llama.LlamaForCausalLM.load_weights = load_weights\n")
+    return folder
+
+
+@pytest.mark.slow
+def test_megatron_ranks_read_their_slice_of_the_checkpoint_without_building_the_whole_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--trainer megatron --model DIR` on two ranks (TP=2): no rank builds the whole model from the
+    checkpoint (before: each rank's make_model ran load_pretrained, and the trainer took its slice of that);
+    the one whole model of the run is the embedded engine's on rank 0, filled from the trainer's first
+    export, which equals the checkpoint: the ranks loaded their slices of it."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
+    from april_ext.model import LlamaForCausalLM, save_pretrained
+    from april_ext.tasks import CountingTask, CountingTaskConfig
+
+    task = CountingTask(CountingTaskConfig(n_symbols=TINY["counting_symbols"], max_count=TINY["counting_max_count"],
+                                           median_count=TINY["counting_median"], sigma=TINY["counting_sigma"]))
+    model = LlamaForCausalLM(task.model_config(hidden_size=32, intermediate_size=96))
+    model.init_weights(7)
+    checkpoint = tmp_path / "hf"
+    save_pretrained(model, checkpoint)
+    records = tmp_path / "records"
+    records.mkdir()
+    monkeypatch.setenv("APRIL_TEST_MODELS_OUT", str(records))
+    monkeypatch.setenv("APRIL_TEST_CHECKPOINT", str(checkpoint))
+    proc = _launch(2, {**TINY, "trainer": "megatron", "tensor_model_parallel_size": 2, "model": checkpoint,
+                       "num_steps": 1, "output_dir": tmp_path / "run"},
+                   pythonpath=(_model_recording_module(tmp_path),))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [1]
+    seen = {rank: [json.loads(line) for line in (records / f"rank{rank}.jsonl").read_text().splitlines()]
+            if (records / f"rank{rank}.jsonl").exists() else [] for rank in range(2)}
+    assert seen[1] == [], seen[1]
+    built = [line for line in seen[0] if line["event"] == "built"]
+    assert len(built) == 1 and "_engine_model" in built[0]["callers"], seen[0]
+    assert "load_pretrained" not in built[0]["callers"]
+    # The engine's first weights (version 0) are the trainer's export right after the sharded load.
+    assert seen[0][1] == {"event": "loaded", "equals_checkpoint": True}, seen[0]
+
+
 def _failing_rank_module(tmp_path: Path) -> Path:
     """A sitecustomize that makes rank 1's trainer raise in its first step (the other processes are
     untouched)."""
@@ -226,6 +295,14 @@ def test_parallel_settings_are_flags_validated_by_megatron_parallel_config() -> 
         TrainConfig(use_distributed_optimizer=True)
     assert config_from_args(cli.build_parser().parse_args(
         ["train", "--trainer", "megatron", "--use-distributed-optimizer"])).parallel_config().use_distributed_optimizer
+    offload = config_from_args(cli.build_parser().parse_args(
+        ["train", "--trainer", "megatron", "--use-distributed-optimizer", "--optimizer-cpu-offload",
+         "--optimizer-offload-fraction", "0.25"])).parallel_config()
+    assert (offload.optimizer_cpu_offload, offload.optimizer_offload_fraction) == (True, 0.25)
+    with pytest.raises(ConfigError, match="optimizer_cpu_offload=True needs use_distributed_optimizer=True"):
+        TrainConfig(trainer="megatron", optimizer_cpu_offload=True)
+    with pytest.raises(ConfigError, match="is not allowed: False with trainer='torch'"):
+        TrainConfig(use_distributed_optimizer=True, optimizer_cpu_offload=True)
     assert check_world(TrainConfig(), 3) == 3  # the torch trainer: data parallel over any world
     small = TrainConfig(rollout_batch_size=2, n_samples_per_prompt=2, global_batch_size=2)
     with pytest.raises(ConfigError, match="optimizer step of 2 samples .* cannot be split across 3"):

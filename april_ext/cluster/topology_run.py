@@ -16,12 +16,13 @@ from april_ext.cluster.ray_engine import RayEngine
 from april_ext.cluster.session import RaySession
 from april_ext.cluster.topology import Topology
 from april_ext.cluster.trainer_group import TrainerGroup, start_trainer_group
-from april_ext.model import LlamaForCausalLM, ModelConfig
+from april_ext.model import ModelConfig
 from april_ext.protocol.rollout_engine import RolloutEngine
 from april_ext.protocol.trainer import Trainer
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig
 from april_ext.training.config import TrainConfig
 from april_ext.training.engines import SGLANG_DIR, write_hf_checkpoint
+from april_ext.training.trainers import InitialWeights
 
 
 class RayTopologyRun:
@@ -34,11 +35,11 @@ class RayTopologyRun:
         self.engine: RayEngine | None = None
 
     @contextlib.contextmanager
-    def trainer_factory(self, config: TrainConfig, model: LlamaForCausalLM, memory_tag_prefix: str) -> Iterator[Trainer]:
+    def trainer_factory(self, config: TrainConfig, initial: InitialWeights, memory_tag_prefix: str) -> Iterator[Trainer]:
         with RaySession(config, self.topology) as session:
             self._session = session
             try:
-                with start_trainer_group(session, config, model, memory_tag_prefix) as group:
+                with start_trainer_group(session, config, initial, memory_tag_prefix) as group:
                     self.trainer = group
                     yield group
             finally:

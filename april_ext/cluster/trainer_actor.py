@@ -22,14 +22,13 @@ import torch
 
 from april_ext.batch import TrainingBatch
 from april_ext.cluster.process_memory import rss_bytes
-from april_ext.model import LlamaForCausalLM, load_pretrained
 from april_ext.errors import InvalidStateError
 from april_ext.protocol.trainer import Trainer
 from april_ext.sglang.broadcast import BucketMeta, WeightSender, buckets
 from april_ext.sglang.weights import post_tensors
 from april_ext.trainer import distributed
 from april_ext.training.config import TrainConfig
-from april_ext.training.trainers import build_trainer
+from april_ext.training.trainers import InitialWeights, build_trainer
 
 
 class TrainerRank:
@@ -52,9 +51,10 @@ class TrainerRank:
 
         return ray.util.get_node_ip_address(), free_port("")
 
-    def setup(self, master: tuple[str, int], model: LlamaForCausalLM | None, memory_tag_prefix: str) -> int:
-        """Joins the process group and builds the trainer (TrainConfig.trainer) from ``model``, or from
-        TrainConfig.model when None; returns this process's pid."""
+    def setup(self, master: tuple[str, int], initial: InitialWeights, memory_tag_prefix: str) -> int:
+        """Joins the process group and builds the trainer (TrainConfig.trainer) from ``initial``: a model, or
+        a checkpoint directory the trainer reads itself (a Megatron rank only its slice); returns this
+        process's pid."""
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         config = self.config
@@ -64,10 +64,7 @@ class TrainerRank:
         if self.world_size > 1:
             distributed.initialize(config.ray_timeout_s)
             self._stack.callback(distributed.shutdown)
-        if model is None:
-            assert config.model is not None
-            model = load_pretrained(config.model, device="cpu")
-        self._trainer = self._stack.enter_context(build_trainer(config, model, memory_tag_prefix))
+        self._trainer = self._stack.enter_context(build_trainer(config, initial, memory_tag_prefix))
         return os.getpid()
 
     @property

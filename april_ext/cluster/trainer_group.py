@@ -21,13 +21,19 @@ from typing import Any
 
 from april_ext.batch import TrainingBatch
 from april_ext.cluster.errors import ClusterError
-from april_ext.cluster.rank_broadcast import RankExport, RankZeroHost, RankZeroPoster, RankZeroSource, rank_result
+from april_ext.cluster.rank_broadcast import (
+    RankExport,
+    RankZeroHost,
+    RankZeroPoster,
+    RankZeroSource,
+    rank_result,
+)
 from april_ext.cluster.session import RaySession
 from april_ext.cluster.trainer_actor import TrainerRank
 from april_ext.errors import AprilError, InvalidStateError
-from april_ext.model import LlamaForCausalLM
 from april_ext.sglang.broadcast import BucketMeta
 from april_ext.training.config import TrainConfig
+from april_ext.training.trainers import InitialWeights
 
 logger = logging.getLogger(__name__)
 
@@ -214,10 +220,11 @@ class TrainerGroup:
 
 
 @contextlib.contextmanager
-def start_trainer_group(session: RaySession, config: TrainConfig, model: LlamaForCausalLM,
+def start_trainer_group(session: RaySession, config: TrainConfig, initial: InitialWeights,
                         memory_tag_prefix: str) -> Iterator[TrainerGroup]:
     """One actor per rank in the trainer's placement group, joined in one process group, each with a
-    trainer built from ``model`` (TrainConfig.model's checkpoint is read by each rank instead)."""
+    trainer built from ``initial``: a model (shipped through the object store), or TrainConfig.model's
+    checkpoint directory, which each rank reads itself (a Megatron rank only its slice)."""
     import ray
 
     topology = session.topology
@@ -227,7 +234,7 @@ def start_trainer_group(session: RaySession, config: TrainConfig, model: LlamaFo
     group = TrainerGroup(actors, [-1] * len(actors), 0, config.ray_timeout_s)
     try:
         master = group._all("rendezvous", [actors[0].rendezvous.remote()])[0]
-        shipped = None if config.model is not None else ray.put(model)
+        shipped = initial if isinstance(initial, str) else ray.put(initial)
         group.pids = group._all("setup", [a.setup.remote(master, shipped, memory_tag_prefix) for a in actors])
         group._version = group._all("version", [a.version.remote() for a in actors])[0]
         logger.info("trainer: %d ranks on Ray (pids %s), rendezvous %s:%d", len(actors), group.pids, *master)

@@ -33,11 +33,10 @@ import torch.distributed as dist
 
 from april_ext.batch import TrainingBatch
 from april_ext.errors import ConfigError, InvalidStateError
-from april_ext.model import LlamaForCausalLM
 from april_ext.protocol.trainer import ExportedWeights, Trainer
 from april_ext.trainer import distributed
 from april_ext.training.config import TrainConfig
-from april_ext.training.trainers import TrainerFactory, build_trainer
+from april_ext.training.trainers import InitialWeights, TrainerFactory, build_trainer
 
 _R = TypeVar("_R")
 
@@ -216,10 +215,11 @@ def follow(channel: _Channel, trainer: Trainer) -> None:
 
 
 def run_on_ranks(config: TrainConfig, lead: Callable[[TrainerFactory], _R],
-                 make_model: Callable[[], LlamaForCausalLM]) -> _R | None:
+                 initial_weights: Callable[[], InitialWeights]) -> _R | None:
     """This rank's part of a run across the ranks of a torchrun launch: on rank 0 ``lead(factory)`` (the
     run, with a trainer factory whose trainers lead the others) and its result; on the other ranks the
-    trainer of ``make_model()``'s weights, following rank 0, and None."""
+    trainer of ``initial_weights()`` (a checkpoint directory: the trainer reads this rank's slice of it),
+    following rank 0, and None."""
     timeout_s = 60.0 * config.distributed_timeout_minutes
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
@@ -230,7 +230,7 @@ def run_on_ranks(config: TrainConfig, lead: Callable[[TrainerFactory], _R],
         channel = _Channel(timeout_s)
         if rank == 0:
             return lead(_leader_factory(channel, timeout_s / 4))
-        with build_trainer(config, make_model()) as trainer:
+        with build_trainer(config, initial_weights()) as trainer:
             follow(channel, trainer)
         return None
     finally:
@@ -239,8 +239,8 @@ def run_on_ranks(config: TrainConfig, lead: Callable[[TrainerFactory], _R],
 
 def _leader_factory(channel: _Channel, keepalive_s: float) -> TrainerFactory:
     @contextlib.contextmanager
-    def factory(config: TrainConfig, model: LlamaForCausalLM, memory_tag_prefix: str) -> Iterator[Trainer]:
-        with build_trainer(config, model, memory_tag_prefix) as local:
+    def factory(config: TrainConfig, initial: InitialWeights, memory_tag_prefix: str) -> Iterator[Trainer]:
+        with build_trainer(config, initial, memory_tag_prefix) as local:
             leader = LeaderTrainer(local, channel, keepalive_s)
             try:
                 yield leader

@@ -35,7 +35,7 @@ import torch
 from april_ext.algorithms import reject_uniform_groups
 from april_ext.data_source import DataSource, Prompt
 from april_ext.errors import ConfigError, InvalidArgumentError
-from april_ext.model import LlamaForCausalLM, load_pretrained
+from april_ext.model import LlamaForCausalLM
 from april_ext.persistence import atomic_write_json, atomic_write_text
 from april_ext.protocol import RolloutEngine, SamplingParams, Trainer
 from april_ext.rollout import GroupFilter, RewardFn, RolloutLoop, scheduler_config_for
@@ -50,7 +50,13 @@ from april_ext.training.handoff import StepMemory, sync_weights
 from april_ext.training.hooks import ImportedFilter, ImportedReward
 from april_ext.training.metrics import read_metrics, step_row, summarize
 from april_ext.training.sinks import TENSORBOARD_DIR, MetricsSink, TensorBoardSink, WandbSink
-from april_ext.training.trainers import TrainerFactory, algorithm_config, build_trainer
+from april_ext.training.trainers import (
+    InitialWeights,
+    TrainerFactory,
+    algorithm_config,
+    build_trainer,
+    initial_model_config,
+)
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -78,7 +84,9 @@ class _Task:
     reward_fn: RewardFn
     stop_token_ids: tuple[int, ...]
     max_response_len: int
-    make_model: Callable[[], LlamaForCausalLM]
+    initial_weights: Callable[[], InitialWeights]
+    """What the trainer starts from: TrainConfig.model's directory (read by the trainer itself, so no rank
+    of a Megatron run builds the whole model), else the counting task's seeded tiny model."""
     eval_prompts: Callable[[], list[Prompt]]
     """The held-out prompts of evaluation (read when the run evaluates)."""
     decode: Callable[[Sequence[int]], str] | None = None
@@ -98,16 +106,16 @@ def _build_task(config: TrainConfig) -> _Task:
         longest = task.max_response_len()
         max_len = config.max_response_len or longest
 
-        def make_model() -> LlamaForCausalLM:
+        def initial_weights() -> InitialWeights:
             if config.model is not None:
-                return load_pretrained(config.model, device="cpu")
+                return config.model
             model = LlamaForCausalLM(task.model_config(
                 hidden_size=config.hidden_size, intermediate_size=3 * config.hidden_size,
                 num_hidden_layers=config.num_layers, max_position_embeddings=8 + max_len + 8))
             model.init_weights(config.seed)
             return model
 
-        return _Task(task, task.reward, (task.eos_id,), max_len, make_model,
+        return _Task(task, task.reward, (task.eos_id,), max_len, initial_weights,
                      lambda: counting(config.seed + 1).prompts(0, config.eval_counting_prompts))
     from april_ext.data import DatasetConfig, PromptDataset, load_tokenizer
     from april_ext.tasks import MathReward
@@ -126,7 +134,7 @@ def _build_task(config: TrainConfig) -> _Task:
         return [held_out[i] for i in range(len(held_out))]
 
     return _Task(dataset, MathReward(tokenizer), () if eos is None else (int(eos),),
-                 config.max_response_len or 1024, lambda: load_pretrained(model_dir, device="cpu"), eval_prompts,
+                 config.max_response_len or 1024, lambda: model_dir, eval_prompts,
                  lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
 
 
@@ -174,7 +182,7 @@ def train(config: TrainConfig) -> TrainResult | None:
     (training.ranks) and return None."""
     if launched_by_torchrun():
         return ranks.run_on_ranks(config, lambda factory: asyncio.run(train_async(config, factory)),
-                                  lambda: _build_task(config).make_model())
+                                  lambda: _build_task(config).initial_weights())
     ranks.check_world(config, 1)
     return asyncio.run(train_async(config))
 
@@ -255,9 +263,9 @@ class TrainingRun:
         reward_fn, group_filter = _reward_fn(config, task), _group_filter(config)
         self.eval_prompts = task.eval_prompts() if config.eval_interval else []
         self.scheduler = _build_scheduler(config, task)
-        model = task.make_model()
+        initial = task.initial_weights()
         self.trainer: Trainer = _conforming(
-            self._stack.enter_context(self._trainer_factory(config, model, self.memory_tag_prefix)), Trainer,
+            self._stack.enter_context(self._trainer_factory(config, initial, self.memory_tag_prefix)), Trainer,
             "trainer")
         self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.keep_checkpoints)
         os.makedirs(config.output_dir, exist_ok=True)
@@ -267,7 +275,8 @@ class TrainingRun:
         self._open_outputs()
         # After the resume: the engine starts on the trainer's current weights and version.
         self.engine: RolloutEngine = _conforming(await self._stack.enter_async_context(
-            self._engine_factory(config, self.trainer, model.config, self.memory_tag_prefix)), RolloutEngine, "engine")
+            self._engine_factory(config, self.trainer, initial_model_config(initial), self.memory_tag_prefix)),
+            RolloutEngine, "engine")
         self.sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                        stop_token_ids=task.stop_token_ids, max_new_tokens=task.max_response_len)
         self.reward_fn = reward_fn

@@ -1,10 +1,13 @@
 """The trainer of a run, by TrainConfig.trainer: one factory for every kind.
 
-``build_trainer(config, model, memory_tag_prefix)`` is a context manager yielding a
-:class:`april_ext.protocol.Trainer` that starts from ``model``'s weights at version 0:
-"torch" trains ``model`` itself (TorchTrainer); "megatron" loads its weights into a megatron-core
-GPTModel (MegatronTrainer in a world of one; DistributedMegatronTrainer, split as the run's parallel
-settings say, across the ranks of a launch) and tears its process group down on exit.
+``build_trainer(config, initial, memory_tag_prefix)`` is a context manager yielding a
+:class:`april_ext.protocol.Trainer` that starts from ``initial`` at version 0: a model built in this
+process, or a Hugging Face checkpoint directory (TrainConfig.model), which the trainer reads as it needs
+it. "torch" trains the model itself (TorchTrainer; from a directory it builds the whole model, as every
+DDP rank holds it); "megatron" loads the weights into a megatron-core GPTModel (MegatronTrainer in a world
+of one; DistributedMegatronTrainer, split as the run's parallel settings say, across the ranks of a
+launch, where each rank reads only its slice of a directory, never the whole model) and tears its
+process group down on exit.
 """
 
 from __future__ import annotations
@@ -15,13 +18,17 @@ from contextlib import AbstractContextManager
 
 from april_ext.algorithms import AlgorithmConfig
 from april_ext.errors import ConfigError
-from april_ext.model import LlamaForCausalLM
+from april_ext.model import LlamaForCausalLM, ModelConfig, load_pretrained
 from april_ext.protocol.trainer import Trainer
 from april_ext.trainer import TorchTrainer, TrainerConfig, distributed
 from april_ext.training.config import TrainConfig
 
-TrainerFactory = Callable[[TrainConfig, LlamaForCausalLM, str], AbstractContextManager[Trainer]]
-"""What TrainingRun calls to get its trainer: (config, initial model, memory tag prefix) -> context."""
+InitialWeights = LlamaForCausalLM | str
+"""What a run's trainer starts from: a model built in this process, or a Hugging Face checkpoint directory
+that the trainer reads itself (so a Megatron rank reads only its slice)."""
+
+TrainerFactory = Callable[[TrainConfig, InitialWeights, str], AbstractContextManager[Trainer]]
+"""What TrainingRun calls to get its trainer: (config, initial weights, memory tag prefix) -> context."""
 
 _ALGORITHMS: dict[str, Callable[..., AlgorithmConfig]] = {
     "grpo": AlgorithmConfig.grpo, "drgrpo": AlgorithmConfig.drgrpo, "dapo": AlgorithmConfig.dapo,
@@ -43,6 +50,13 @@ def algorithm_config(config: TrainConfig) -> AlgorithmConfig:
         use_decoupled_loss=config.use_decoupled_loss, behav_imp_weight_cap=config.behav_imp_weight_cap, **clip)
 
 
+def initial_model_config(initial: InitialWeights) -> ModelConfig:
+    """The architecture of ``initial`` (a directory's config.json; no weights are read)."""
+    if isinstance(initial, LlamaForCausalLM):
+        return initial.config
+    return ModelConfig.from_pretrained(initial)
+
+
 def trainer_config(config: TrainConfig, memory_tag_prefix: str = "") -> TrainerConfig:
     """The optimisation settings every kind of trainer shares; pi_train follows the rollouts' sampling."""
     return TrainerConfig(
@@ -54,12 +68,14 @@ def trainer_config(config: TrainConfig, memory_tag_prefix: str = "") -> TrainerC
 
 
 @contextlib.contextmanager
-def _torch_trainer(config: TrainConfig, model: LlamaForCausalLM, settings: TrainerConfig) -> Iterator[Trainer]:
+def _torch_trainer(config: TrainConfig, initial: InitialWeights, settings: TrainerConfig) -> Iterator[Trainer]:
+    # Every DDP rank trains the whole model.
+    model = initial if isinstance(initial, LlamaForCausalLM) else load_pretrained(initial, device="cpu")
     yield TorchTrainer(model, settings)
 
 
 @contextlib.contextmanager
-def _megatron_trainer(config: TrainConfig, model: LlamaForCausalLM, settings: TrainerConfig) -> Iterator[Trainer]:
+def _megatron_trainer(config: TrainConfig, initial: InitialWeights, settings: TrainerConfig) -> Iterator[Trainer]:
     from april_ext.trainer.megatron import (
         DistributedMegatronTrainer,
         MegatronTrainer,
@@ -72,34 +88,38 @@ def _megatron_trainer(config: TrainConfig, model: LlamaForCausalLM, settings: Tr
     except ImportError as err:
         raise ConfigError(f"TrainConfig.trainer='megatron' needs megatron-core ({err}): "
                           "pip install 'april_ext[megatron]'") from None
+    # A directory goes to the trainer as it is: each rank reads its own slice (sharded.load_hf_weights).
+    weights = initial.named_parameters() if isinstance(initial, LlamaForCausalLM) else initial
+    model_config = initial_model_config(initial)
     if distributed.world()[1] > 1:
         # Across the ranks of a launch (training.ranks): split as the run's parallel settings say.
         trainer: Trainer = DistributedMegatronTrainer(MegatronTrainerConfig(
-            model=model.config, trainer=settings, seed=config.seed, parallel=config.parallel_config()),
-            model.named_parameters())
+            model=model_config, trainer=settings, seed=config.seed, parallel=config.parallel_config()), weights)
     else:
-        trainer = MegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=settings, seed=config.seed),
-                                  model.named_parameters())
+        trainer = MegatronTrainer(MegatronTrainerConfig(model=model_config, trainer=settings, seed=config.seed),
+                                  weights)
     try:
         yield trainer
     finally:
         parallel.shutdown()
 
 
-_KINDS: dict[str, Callable[[TrainConfig, LlamaForCausalLM, TrainerConfig], AbstractContextManager[Trainer]]] = {
+_KINDS: dict[str, Callable[[TrainConfig, InitialWeights, TrainerConfig], AbstractContextManager[Trainer]]] = {
     "torch": _torch_trainer, "megatron": _megatron_trainer}
 TRAINER_KINDS = tuple(_KINDS)
 
 
-def build_trainer(config: TrainConfig, model: LlamaForCausalLM,
+def build_trainer(config: TrainConfig, initial: InitialWeights,
                   memory_tag_prefix: str = "") -> AbstractContextManager[Trainer]:
-    """The trainer TrainConfig.trainer names, starting from ``model``'s weights (a context manager: the
-    trainer's resources, e.g. Megatron's process group, are released on exit). Colocated trainers keep
-    their memory under the tag ``memory_tag_prefix + "trainer"``."""
+    """The trainer TrainConfig.trainer names, starting from ``initial``: a model's weights, or a Hugging
+    Face checkpoint directory the trainer reads (a context manager: the trainer's resources, e.g.
+    Megatron's process group, are released on exit). Colocated trainers keep their memory under the tag
+    ``memory_tag_prefix + "trainer"``."""
     build = _KINDS.get(config.trainer)
     if build is None:
         raise ConfigError(f"TrainConfig.trainer={config.trainer!r} is not allowed: one of {TRAINER_KINDS}")
-    return build(config, model, trainer_config(config, memory_tag_prefix))
+    return build(config, initial, trainer_config(config, memory_tag_prefix))
 
 
-__all__ = ["TRAINER_KINDS", "TrainerFactory", "algorithm_config", "build_trainer", "trainer_config"]
+__all__ = ["TRAINER_KINDS", "InitialWeights", "TrainerFactory", "algorithm_config", "build_trainer",
+           "initial_model_config", "trainer_config"]

@@ -8,8 +8,10 @@ exception, ``cuda_type_names`` (Tensor.type() naming CPU tensors as CUDA ones), 
 installed globally: the trainer enters it only around the optimizer's construction and step.
 /work/shared/notes/megatron-cpu.md has the measurements behind each patch.
 
-One stand-in is about the optimizer, not the device: ``torch_adam_state_loading`` lets megatron-core's
-distributed optimizer reload its checkpointed state into torch's Adam (no Apex / Transformer Engine).
+Two stand-ins are about the optimizer, not the device: ``torch_adam_state_loading`` lets megatron-core's
+distributed optimizer reload its checkpointed state into torch's Adam (no Apex / Transformer Engine), and
+``patch_te_version_check`` lets its OptimizerConfig describe a CPU-offloaded optimizer without
+Transformer Engine.
 """
 
 from __future__ import annotations
@@ -283,6 +285,22 @@ def torch_adam_state_loading(optimizer: Any) -> Iterator[None]:
             yield
         finally:
             cls._set_main_param_and_optimizer_states = original  # type: ignore[method-assign]
+
+
+def _no_te_min_version(version: str, check_equality: bool = True) -> bool:
+    return False
+
+
+def patch_te_version_check() -> None:
+    """Without Transformer Engine, makes OptimizerConfig's ``is_te_min_version`` answer False. megatron-core
+    0.16.1's ``OptimizerConfig.__post_init__`` asks it for every precision-aware optimizer (which CPU
+    offload is), and it compares TE's version, None when TE is absent, with a version: a TypeError on any
+    device. False is what it means there (no TE >= 2.1: ``store_param_remainders`` off). A no-op with TE."""
+    from megatron.core.optimizer import optimizer_config
+    from megatron.core.utils import get_te_version
+
+    if get_te_version() is None:
+        optimizer_config.is_te_min_version = _no_te_min_version
 
 
 def install_cpu_rng_tracker(seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> None:

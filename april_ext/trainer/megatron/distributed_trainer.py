@@ -59,9 +59,11 @@ from april_ext.trainer.batching import (
     validate_batch,
     validate_step_batch,
 )
+from april_ext.trainer.config import TrainerConfig
 from april_ext.trainer.logprobs import use_bf16_autocast
 from april_ext.trainer.loss_step import step_metrics
 from april_ext.trainer.megatron import compat, parallel, sharded
+from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 from april_ext.trainer.megatron.trainer import MegatronTrainerConfig
 
 CHECKPOINT_FORMAT = "april_ext.megatron_distributed/1"
@@ -74,6 +76,26 @@ _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
                      "distrib_optim_fully_reshardable_mem_efficient": True}
 
 logger = logging.getLogger(__name__)
+
+
+def optimizer_config(settings: TrainerConfig, par: MegatronParallelConfig, *, bf16: bool) -> Any:
+    """megatron-core's OptimizerConfig for the trainer: Adam with TrainerConfig's lr, betas, eps, weight decay
+    and ``grad_clip`` (as ``clip_grad``), fp32 main parameters, the distributed optimizer when ``par`` says so,
+    and with ``par.optimizer_cpu_offload`` the HybridDeviceOptimizer (``optimizer_cpu_offload``,
+    ``optimizer_offload_fraction``) on the precision-aware path Megatron-LM requires for it
+    (``use_precision_aware_optimizer``)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    offload = par.optimizer_cpu_offload
+    if offload:
+        compat.patch_te_version_check()
+    return OptimizerConfig(optimizer="adam", lr=settings.lr, min_lr=settings.lr, weight_decay=settings.weight_decay,
+                           adam_beta1=settings.betas[0], adam_beta2=settings.betas[1], adam_eps=settings.adam_eps,
+                           clip_grad=settings.grad_clip if settings.grad_clip is not None else 0.0, bf16=bf16,
+                           params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                           use_distributed_optimizer=par.use_distributed_optimizer, optimizer_cpu_offload=offload,
+                           optimizer_offload_fraction=par.optimizer_offload_fraction if offload else 0.0,
+                           use_precision_aware_optimizer=offload)
 
 
 @dataclass(frozen=True)
@@ -117,6 +139,10 @@ class DistributedMegatronTrainer:
         if model_config.num_experts and par.tensor_model_parallel_size > 1 and not par.sequence_parallel:
             raise ConfigError("a mixture-of-experts model with tensor_model_parallel_size > 1 needs "
                               "sequence_parallel=True (megatron-core's MoE layer refuses to train without it)")
+        if par.optimizer_cpu_offload and self.device.type != "cuda":
+            raise ConfigError(f"MegatronParallelConfig.optimizer_cpu_offload=True needs a GPU, and this trainer runs on "
+                              f"{self.device.type}: megatron-core's HybridDeviceOptimizer copies between the GPU and "
+                              "pinned host memory on CUDA streams (leave optimizer_cpu_offload off on a CPU)")
         if model_config.num_experts and par.pipeline_model_parallel_size > 1 and self.device.type != "cuda":
             raise ConfigError("a mixture-of-experts model with pipeline_model_parallel_size > 1 needs a GPU: "
                               "megatron-core passes packed rows of varying length between stages only with the "
@@ -198,16 +224,11 @@ class DistributedMegatronTrainer:
         return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
 
     def _build_optimizer(self) -> Any:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
 
-        s = self.settings
-        config = OptimizerConfig(optimizer="adam", lr=s.lr, min_lr=s.lr, weight_decay=s.weight_decay,
-                                 adam_beta1=s.betas[0], adam_beta2=s.betas[1], adam_eps=s.adam_eps,
-                                 clip_grad=s.grad_clip if s.grad_clip is not None else 0.0, bf16=self.bf16,
-                                 params_dtype=torch.bfloat16 if self.bf16 else torch.float32,
-                                 use_distributed_optimizer=self.config.parallel.use_distributed_optimizer)
         with compat.cuda_type_names():
-            return get_megatron_optimizer(config, [self.model])
+            return get_megatron_optimizer(optimizer_config(self.settings, self.config.parallel, bf16=self.bf16),
+                                          [self.model])
 
     @property
     def version(self) -> int:

@@ -25,9 +25,9 @@ _owns_model_parallel = False
 
 @dataclass(frozen=True)
 class MegatronParallelConfig:
-    """How a model is split across the ranks (Megatron's flag names, with dashes for underscores). The
-    fields are TrainConfig settings too (adopted, with these docs), but for timeout_s, which TrainConfig
-    sets from distributed_timeout_minutes."""
+    """How a model and its optimizer state are split across the ranks (Megatron's flag names, with dashes
+    for underscores). The fields are TrainConfig settings too (adopted, with these docs), but for timeout_s,
+    which TrainConfig sets from distributed_timeout_minutes."""
 
     tensor_model_parallel_size: int = 1
     """Ranks sharing each layer (attention heads, MLP columns, the vocabulary); Megatron trainer only."""
@@ -42,6 +42,12 @@ class MegatronParallelConfig:
     """Layer norms and dropout work on a 1/tp slice of the tokens (needs tensor_model_parallel_size > 1)."""
     use_distributed_optimizer: bool = False
     """Adam state and fp32 main parameters sharded across data-parallel ranks; Megatron trainer only."""
+    optimizer_cpu_offload: bool = False
+    """Adam state, fp32 main parameters and the update in host memory (megatron-core's
+    HybridDeviceOptimizer); needs a GPU and use_distributed_optimizer; Megatron trainer only."""
+    optimizer_offload_fraction: float = 1.0
+    """With optimizer_cpu_offload: the share of the parameters (by element count) whose optimizer state
+    lives in host memory, the rest staying on the GPU; in (0, 1]."""
     timeout_s: float = 600.0
     """The limit of every collective (and of the rendezvous)."""
 
@@ -55,15 +61,32 @@ class MegatronParallelConfig:
             raise ConfigError(f"MegatronParallelConfig.context_parallel_size must be 1, got "
                               f"{self.context_parallel_size}: megatron-core splits packed sequences across "
                               f"context-parallel ranks only in Transformer Engine attention, not used here")
-        for name in ("sequence_parallel", "use_distributed_optimizer"):
+        for name in ("sequence_parallel", "use_distributed_optimizer", "optimizer_cpu_offload"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"MegatronParallelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError("MegatronParallelConfig.sequence_parallel needs tensor_model_parallel_size > 1")
+        self._check_offload()
         if (not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool)
                 or not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
             raise ConfigError(f"MegatronParallelConfig.timeout_s must be a finite number > 0, got "
                               f"{self.timeout_s!r}")
+
+    def _check_offload(self) -> None:
+        fraction = self.optimizer_offload_fraction
+        if (not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not math.isfinite(fraction)
+                or not 0 < fraction <= 1):
+            raise ConfigError(f"MegatronParallelConfig.optimizer_offload_fraction must be a number in (0, 1], got "
+                              f"{fraction!r}")
+        if not self.optimizer_cpu_offload:
+            if fraction != 1.0:
+                raise ConfigError(f"MegatronParallelConfig.optimizer_offload_fraction={fraction!r} applies only with "
+                                  "optimizer_cpu_offload=True: set both, or leave the fraction at 1.0")
+            return
+        if not self.use_distributed_optimizer:
+            # Megatron runs the hybrid optimizer through the precision-aware distributed optimizer only.
+            raise ConfigError("MegatronParallelConfig.optimizer_cpu_offload=True needs use_distributed_optimizer=True "
+                              "(megatron-core offloads through the distributed optimizer's precision-aware path)")
 
     @property
     def model_parallel_size(self) -> int:

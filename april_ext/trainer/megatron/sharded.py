@@ -166,9 +166,26 @@ def _hf_parts(name: str, config: ModelConfig) -> tuple[str, list[str]]:
     raise InvalidArgumentError(f"no HF name for the Megatron parameter {name!r}")
 
 
-def _shard(source: _Source, param: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
-    """This rank's slice of the Megatron parameter ``name``, read from only the HF rows / columns it holds."""
+def _pieces(source: _Source, param: torch.Tensor, name: str,
+            config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """This rank's slice of the Megatron parameter ``name``, read from only the HF rows / columns it holds,
+    as (what, part of ``param``, its values): the fused SwiGLU ``linear_fc1`` as its gate rows, then its up
+    rows (so no fused copy is made), any other parameter whole."""
     kind, parts = _hf_parts(name, config)
+    if kind == "fc1":
+        rank, size, _ = _tp_group(name)
+        split = getattr(param, "tensor_model_parallel", False) and size > 1
+        half = param.shape[0] // 2
+        for k, (what, hf) in enumerate(zip(("gate rows", "up rows"), parts)):
+            yield (what, param.narrow(0, k * half, half),
+                   source.read(hf, name, 0, rank * half, (rank + 1) * half) if split else source.read(hf, name))
+        return
+    yield "slice", param, _shard(source, param, name, config, kind, parts)
+
+
+def _shard(source: _Source, param: torch.Tensor, name: str, config: ModelConfig, kind: str,
+           parts: list[str]) -> torch.Tensor:
+    """This rank's slice of the Megatron parameter ``name`` (not the fused SwiGLU, see _pieces)."""
     rank, size, _ = _tp_group(name)
     split = getattr(param, "tensor_model_parallel", False) and size > 1
     if kind == "qkv":
@@ -179,11 +196,6 @@ def _shard(source: _Source, param: torch.Tensor, name: str, config: ModelConfig)
         q, k, v = (source.read(hf, name, 0, rank * rows, (rank + 1) * rows) if split else source.read(hf, name)
                    for hf, rows in zip(parts, (q_rows, kv_rows, kv_rows)))
         return fuse_qkv(q, k, v, config, groups=groups)
-    if kind == "fc1":
-        half = param.shape[0] // 2
-        gate, up = (source.read(hf, name, 0, rank * half, (rank + 1) * half) if split else source.read(hf, name)
-                    for hf in parts)
-        return torch.cat((gate, up), dim=0)
     if not split:
         tensor = source.read(parts[0], name)
     else:
@@ -214,12 +226,12 @@ def load_hf_weights(gpt: nn.Module, weights: HFWeights, config: ModelConfig) -> 
                                    f"e.g. {unknown[:3]}")
     for local, name in global_names(gpt).items():
         param = gpt.get_parameter(local)
-        shard = _shard(source, param, name, config)
-        if tuple(shard.shape) != tuple(param.shape):
-            raise InvalidArgumentError(f"{name!r}: this rank's slice has shape {tuple(shard.shape)}, the parameter "
-                                       f"{tuple(param.shape)}")
-        param.copy_(shard)
-        del shard
+        for what, target, values in _pieces(source, param, name, config):
+            if tuple(values.shape) != tuple(target.shape):
+                raise InvalidArgumentError(f"{name!r}: this rank's {what}: shape {tuple(values.shape)} in the HF "
+                                           f"weights, {tuple(target.shape)} in the parameter")
+            target.copy_(values)
+            del values  # before the next piece is read
 
 
 def _gather_tp(param: torch.Tensor, name: str) -> torch.Tensor:
