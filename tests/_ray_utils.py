@@ -91,3 +91,27 @@ def check_batch(scheduler, batch, trained_groups: set[int]) -> None:
             held += int(scheduler.sample(sid).token_ids.size)
     stats = scheduler.stats()
     assert stats["generated_tokens"] == held, (stats, held)
+
+
+def checked_and_armed(run, trained_groups: set[int]) -> list:
+    """Checks each step's batch of ``run`` (check_batch) and returns ``armed``: a fault (a callable) put in it
+    is made with the next streamed token, so the step's requests are running on the servers."""
+    step_rollout = run.rollout.run_step
+
+    async def checked_rollout(version: int):
+        result = await step_rollout(version)
+        check_batch(run.scheduler, result.batch, trained_groups)
+        return result
+
+    run.rollout.run_step = checked_rollout
+    armed: list = []
+    generate = run.engine.generate
+
+    async def generate_then_fault(*args):
+        async for chunk in generate(*args):
+            if armed:
+                armed.pop()()
+            yield chunk
+
+    run.engine.generate = generate_then_fault
+    return armed

@@ -25,7 +25,7 @@ import signal
 import time
 
 import pytest
-from _ray_utils import RAY, TINY, check_batch, needs, ray_cluster  # noqa: F401 (fixture)
+from _ray_utils import RAY, TINY, checked_and_armed, needs, ray_cluster  # noqa: F401 (fixture)
 from _ray_utils import alive as _alive
 from _ray_utils import label as _label
 from _ray_utils import wait as _wait
@@ -153,26 +153,7 @@ def test_an_engine_server_killed_or_stopped_mid_step_fails_over_and_rejoins_with
     async def run() -> dict:
         async with TrainingRun(config) as run:
             engine, seen, trained = run.engine, {}, set()
-            step_rollout = run.rollout.run_step
-
-            async def checked_rollout(version: int):
-                result = await step_rollout(version)
-                check_batch(run.scheduler, result.batch, trained)
-                return result
-
-            run.rollout.run_step = checked_rollout
-
-            # The fault comes with the first streamed token of a step: its requests are running on the servers.
-            armed: list = []
-            generate = engine.generate
-
-            async def generate_then_fault(*args):
-                async for chunk in generate(*args):
-                    if armed:
-                        armed.pop()()
-                    yield chunk
-
-            engine.generate = generate_then_fault
+            armed = checked_and_armed(run, trained)
 
             async def mid_step(fault) -> dict:
                 """A step with ``fault()`` made mid-rollout; it must complete."""

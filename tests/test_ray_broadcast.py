@@ -12,7 +12,6 @@ real sglang-router and embedded engines (gloo on CPU).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import os
@@ -21,38 +20,19 @@ import urllib.request
 
 import pytest
 import torch
+from _ray_utils import RAY, TINY, label, needs, ray_cluster  # noqa: F401 (fixture)
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.cluster.rank_broadcast import RankZeroHost
 from april_ext.model import load_pretrained
 from april_ext.training import TrainConfig, TrainingRun
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("sglang_router") is None,
-                       reason="ray and sglang-router are not installed (pip install -e '.[test]' installs them)"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread", "ray_cluster"), needs("ray", "sglang_router")]
 
-TINY = dict(counting_median=3.0, counting_sigma=0.8, counting_max_count=12, counting_symbols=2, hidden_size=32,
-            num_layers=1, rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=4,
-            max_num_seqs=64, num_blocks=256, lr=0.003, progress=False, plots=False, num_threads=1)
-RAY = dict(ray=True, ray_num_cpus_per_actor=0.25, ray_timeout_s=120.0, ray_engine_check_interval_s=0.5,
-           weight_sync="broadcast", weight_sync_bucket_mb=0.004)
+TINY = {**TINY, "hidden_size": 32}
+RAY = {**RAY, "weight_sync": "broadcast", "weight_sync_bucket_mb": 0.004}
 NEW_TOKENS = 6
 PROMPTS = [[1, 2, 1], [2, 2, 1, 1, 2], [1]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _reference(run: TrainingRun):
@@ -81,12 +61,10 @@ def _post(url: str, body: dict) -> dict:
 
 def _engine_view(url: str) -> tuple[str, list[list[int]]]:
     """(the weight version the engine reports, its greedy continuations of PROMPTS)."""
-    with urllib.request.urlopen(f"{url}/model_info", timeout=60) as response:
-        label = str(json.loads(response.read())["weight_version"])
     sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
     outputs = [list(_post(f"{url}/generate", {"input_ids": p, "sampling_params": sampling, "stream": False})
                     ["output_ids"]) for p in PROMPTS]
-    return label, outputs
+    return label(url), outputs
 
 
 def test_rank_0_broadcasts_every_update_and_the_engines_generate_as_its_export(tmp_path) -> None:

@@ -18,7 +18,7 @@ import signal
 
 import pytest
 from _engine_utils import tiny_model
-from _ray_utils import RAY, TINY, check_batch, generated_tokens, label, needs, ray_cluster, wait  # noqa: F401
+from _ray_utils import RAY, TINY, checked_and_armed, generated_tokens, label, needs, ray_cluster, wait  # noqa: F401
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.batch import FinishReason
@@ -136,25 +136,7 @@ def test_a_run_routed_by_load_survives_an_engine_killed_mid_step_which_rejoins_a
     async def run() -> dict:
         async with TrainingRun(config) as run:
             engine, seen, trained = run.engine, {}, set()
-            step_rollout = run.rollout.run_step
-
-            async def checked_rollout(version: int):
-                result = await step_rollout(version)
-                check_batch(run.scheduler, result.batch, trained)
-                return result
-
-            run.rollout.run_step = checked_rollout
-            # The fault comes with the first streamed token of a step: its requests are running on the servers.
-            armed: list = []
-            generate = engine.generate
-
-            async def generate_then_fault(*args):
-                async for chunk in generate(*args):
-                    if armed:
-                        armed.pop()()
-                    yield chunk
-
-            engine.generate = generate_then_fault
+            armed = checked_and_armed(run, trained)
 
             await run.step()
             killed = engine.pool.slots[0]
