@@ -11,18 +11,19 @@ again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from april_ext.cluster.engine_pool import EnginePool
+from april_ext.cluster.membership import Membership
 from april_ext.cluster.rank_broadcast import RankExport
 from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import GenerationChunk, GenerationOutput
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig
+from april_ext.sglang.background import cancel_and_wait
 from april_ext.sglang.broadcast import WeightBroadcastError
 
 logger = logging.getLogger(__name__)
@@ -36,19 +37,17 @@ class RayEngine:
         self._weights: tuple[Any, int] | None = None
         self._released: set[str] = set()  # memory tags released on every engine now
         self._watch: asyncio.Task[None] | None = None
-        self._members = pool.membership(inner)
+        self._members: Membership | None = None  # who gets requests, from the pool once entered
         self.rejoins = 0
 
     async def __aenter__(self) -> RayEngine:
+        self._members = self.pool.membership(self.inner)
         self._watch = asyncio.create_task(self.pool.watch(self._rejoin, self._members))
         self._watch.add_done_callback(_report_watch_end)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._watch
+        await cancel_and_wait([self._watch])
 
     def generate(self, input_ids: Sequence[int], params: SamplingParams | None = None,
                  request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
@@ -82,7 +81,7 @@ class RayEngine:
                     names = await self.inner.update_weights(weights, version)
                     break
                 except WeightBroadcastError as err:
-                    if not await self.pool.prune(self._members):  # each retry has fewer engines: a bounded loop
+                    if self._members is None or not await self.pool.prune(self._members):  # each retry has fewer engines: a bounded loop
                         raise
                     logger.warning("weight update %d failed (%s); sending it again to the engines left", version, err)
             self._weights = (kept, version)

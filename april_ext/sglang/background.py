@@ -1,11 +1,12 @@
-"""Fire-and-forget work of the adapter (an abandoned stream's abort, a failed worker's removal): nobody
-awaits it, so a failure is logged instead of lost, and the task is kept referenced until it ends."""
+"""Background work of the adapter: fire-and-forget tasks (an abandoned stream's abort, a failed worker's
+removal), which nobody awaits, so a failure is logged instead of lost and the task is kept referenced until it
+ends; and stopping long-lived tasks (watchers, pollers) for sure."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from april_ext.errors import AprilError
@@ -26,4 +27,18 @@ def spawn_logged(tasks: set[asyncio.Task[Any]], coro: Coroutine[Any, Any, None],
     task.add_done_callback(tasks.discard)
 
 
-__all__ = ["spawn_logged"]
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any] | None], retry_s: float = 0.5) -> None:
+    """Cancels ``tasks`` (None entries skipped) and returns once every one has ended, whatever it raised.
+    The cancellation is repeated until then: before Python 3.12, asyncio.wait_for swallows a cancellation
+    that arrives as its inner future completes, and the task runs on (a watcher loop would then never end)."""
+    pending = {t for t in tasks if t is not None}
+    done: set[asyncio.Task[Any]] = set()
+    while pending:
+        for task in pending:
+            task.cancel()
+        finished, pending = await asyncio.wait(pending, timeout=retry_s)
+        done |= finished
+    await asyncio.gather(*done, return_exceptions=True)  # retrieves their exceptions
+
+
+__all__ = ["cancel_and_wait", "spawn_logged"]

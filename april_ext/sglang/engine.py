@@ -27,6 +27,7 @@ from april_ext.protocol.request_ids import RequestIds, abort_ids
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.protocol.sglang_wire import PAUSE_MODES
 from april_ext.sglang.aborts import Aborter
+from april_ext.sglang.background import cancel_and_wait
 from april_ext.sglang.broadcast import BroadcastSource, WeightBroadcaster
 from april_ext.sglang.client import HTTPClient, refused
 from april_ext.sglang.config import SGLangEngineConfig
@@ -126,10 +127,8 @@ class SGLangEngine:
             await self._aborter.drain()
             await self._broadcaster.close()
         finally:
-            if self._load_reader is not None:
-                self._load_reader.cancel()
-                await asyncio.gather(self._load_reader, return_exceptions=True)
-                self._load_reader = None
+            await cancel_and_wait([self._load_reader])
+            self._load_reader = None
             if self._failover is not None:
                 await self._failover.close()
             await self._http.close()

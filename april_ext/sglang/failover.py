@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from april_ext.errors import AprilError, InternalError
-from april_ext.sglang.background import spawn_logged
+from april_ext.sglang.background import cancel_and_wait, spawn_logged
 from april_ext.sglang.client import HTTPClient, refused
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangHTTPError, SGLangNoWorkerError
@@ -67,11 +67,7 @@ class Failover:
             self._watcher = asyncio.create_task(self._watch())
 
     async def close(self) -> None:
-        tasks = [t for t in (self._watcher, *self._probes.values(), *self._rejoining.values(), *self._tasks)
-                 if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait([self._watcher, *self._probes.values(), *self._rejoining.values(), *self._tasks])
         self._watcher = None
 
     def seen(self, url: str) -> None:
