@@ -127,6 +127,7 @@ class WaveRollout:
         wall = end - start
         stats = {
             "batch_response_tokens": sum(lens), "stale_tokens_discarded": discarded, "tail_tokens_discarded": 0,
+            "surplus_tokens_discarded": 0,
             "carried_token_ratio": 0.0, "off_policy_token_ratio": 0.0, "staleness_histogram": [len(batch)],
             "re_prefill_tokens": 0, "surplus_groups": len(surplus), "buffered_groups": 0,
             "groups_filtered": len(rejected), "groups_launched": launched, "groups_discarded": len(surplus) + len(unfinished),
