@@ -21,11 +21,6 @@ def _on_policy(config: SchedulerConfig) -> SchedulerConfig:
     return replace(config, over_sampling_batch_size=config.rollout_batch_size)
 
 
-def _extra_samples(config: SchedulerConfig) -> int:
-    """RollPacker's response over-provisioning in short rounds: a quarter more samples per prompt, rounded up."""
-    return -(-config.n_samples_per_prompt // 4)
-
-
 def _chunk(config: SchedulerConfig) -> int:
     """Seer's divided rollout: a long sample comes back about eight times over its budget."""
     return max(1, config.max_response_len // 8)
@@ -36,8 +31,7 @@ STRATEGIES: dict[str, Strategy] = {
     "april_carry": lambda c: replace(c, step_boundary="carry"),
     "seer": lambda c: replace(_on_policy(c), dispatch_order="longest_predicted_first", chunk_tokens=_chunk(c)),
     "april_seer": lambda c: replace(c, dispatch_order="longest_predicted_first", chunk_tokens=_chunk(c)),
-    "rollpacker": lambda c: replace(c, tail_batching=True, tail_batching_restart=True,
-                                    tail_extra_samples=_extra_samples(c)),
+    "rollpacker": lambda c: replace(c, tail_batching=True, tail_batching_restart=True),
     "april_tail": lambda c: replace(c, tail_batching=True),
     "sortedrl": lambda c: replace(c, dispatch_order="shortest_first"),
 }

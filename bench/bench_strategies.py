@@ -72,11 +72,11 @@ ROWS: dict[str, tuple[str, str | None]] = {
     "sortedrl": ("april-batch", "sortedrl"),
     "seer": ("april-continuous", "seer"),
     "rollpacker": ("april-batch", "rollpacker"),
-    "rollpacker_m0": ("april-batch", None),
+    "rollpacker_extra": ("april-batch", None),
 }
-# Rows that are settings rather than a strategy: rollpacker without its extra samples (tail_extra_samples = 0).
+# Rows that are settings rather than a strategy: rollpacker with RollPacker's extra samples (2 per group of 8).
 ROW_SETTINGS: dict[str, dict[str, object]] = {
-    "rollpacker_m0": dict(tail_batching=True, tail_batching_restart=True),
+    "rollpacker_extra": dict(tail_batching=True, tail_batching_restart=True, tail_extra_samples=2),
 }
 
 METRICS = (
@@ -139,7 +139,7 @@ def tables(results: list[dict[str, object]], rows: tuple[str, ...]) -> tuple[str
             lines.append(f"| {row} | " + " | ".join(_cell(values[name], fmt) for name, _, fmt in METRICS) + " |")
         gains = {row: float(np.nanmean(v["useful gain"])) for row, v in per_row.items()}
         best = max(gains, key=gains.__getitem__)
-        on_policy = {row: g for row, g in gains.items() if row in ("seer", "rollpacker", "rollpacker_m0")}
+        on_policy = {row: g for row, g in gains.items() if row in ("seer", "rollpacker", "rollpacker_extra")}
         best_on_policy = max(on_policy, key=on_policy.__getitem__) if on_policy else None
         lines += ["", f"best useful throughput: {best} ({gains[best]:+.1%})"
                   + (f"; best on-policy: {best_on_policy} ({gains[best_on_policy]:+.1%})" if best_on_policy else ""),

@@ -31,7 +31,7 @@ def test_a_strategy_sets_its_scheduler_settings_for_the_task_cap() -> None:
     assert (seer.over_sampling_batch_size, seer.dispatch_order, seer.chunk_tokens) == (8, "longest_predicted_first", 5)
     rollpacker = TrainConfig(strategy="rollpacker").scheduler_config(40)
     assert rollpacker.tail_batching and rollpacker.tail_batching_restart and rollpacker.over_sampling_batch_size == 16
-    assert rollpacker.tail_extra_samples == 2  # n = 8
+    assert rollpacker.tail_extra_samples == 0
     assert TrainConfig(strategy="april").scheduler_config(40) == TrainConfig().scheduler_config(40)
 
 

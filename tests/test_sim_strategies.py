@@ -178,7 +178,7 @@ def test_rollpacker_over_provisions_samples_keeps_n_and_counts_the_discarded_one
     config = SimConfig(cluster=ClusterConfig(cost=replace(COST, prefill_per_token_s=0.0), num_engines=1),
                        lengths=TraceLengths([[2, 2], [10, 10]]), rollout_batch_size=1, n_samples_per_prompt=2,
                        over_sampling_batch_size=2, max_response_len=16, steps=3, warmup_steps=0, prompt_len=4,
-                       dataset_size=10, strategy="rollpacker")
+                       dataset_size=10, strategy="rollpacker", tail_batching=True, tail_extra_samples=1)
     assert config.scheduler_config().tail_extra_samples == 1
     result = simulate(config)
     assert [s.response_lens for s in result.steps] == [[2, 2], [10, 10], [2, 2]]
