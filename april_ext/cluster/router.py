@@ -76,7 +76,8 @@ class Router:
             raise
         return router
 
-    def _request(self, method: str, path: str, body: Any = None) -> Any:
+    def _request(self, method: str, path: str, body: Any = None, missing_ok: bool = False) -> Any:
+        """The router's JSON answer; ``missing_ok``: a 404 (what was asked for is gone) answers None."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
                                          headers={"Content-Type": "application/json"})
@@ -84,6 +85,8 @@ class Router:
             with urllib.request.urlopen(request, timeout=_HTTP_TIMEOUT_S) as response:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as err:
+            if missing_ok and err.code == 404:
+                return None
             raise ClusterError(f"sglang-router {method} {self.url}{path}: HTTP {err.code} "
                                f"{err.read()[:500].decode(errors='replace')}") from None
         except (urllib.error.URLError, OSError, ValueError) as err:
@@ -99,10 +102,11 @@ class Router:
         self._request("POST", "/workers", {"url": url})
 
     def remove(self, url: str) -> None:
-        """Unregisters a worker, if listed."""
+        """Unregisters a worker, if listed (the engine pool's watch and a failed update's prune may both remove
+        one: the second finds it gone)."""
         record = self.workers().get(url.rstrip("/"))
         if record is not None:
-            self._request("DELETE", f"/workers/{record['id']}")
+            self._request("DELETE", f"/workers/{record['id']}", missing_ok=True)
 
     def wait_until(self, condition: Any, timeout_s: float, what: str) -> None:
         """Polls the worker list until ``condition(workers())`` holds."""
