@@ -72,11 +72,7 @@ ROWS: dict[str, tuple[str, str | None]] = {
     "sortedrl": ("april-batch", "sortedrl"),
     "seer": ("april-continuous", "seer"),
     "rollpacker": ("april-batch", "rollpacker"),
-    "rollpacker_extra": ("april-batch", None),
-}
-# Rows that are settings rather than a strategy: rollpacker with RollPacker's extra samples (2 per group of 8).
-ROW_SETTINGS: dict[str, dict[str, object]] = {
-    "rollpacker_extra": dict(tail_batching=True, tail_batching_restart=True, tail_extra_samples=2),
+    "rollpacker_extra": ("april-batch", "rollpacker_extra"),
 }
 
 METRICS = (
@@ -102,8 +98,7 @@ def _run(job: tuple[str, int, tuple[str, ...]]) -> dict[str, object]:
     out: dict[str, dict[str, float]] = {}
     for row in rows:
         mode, strategy = ROWS[row]
-        settings_of_row = {**settings, **ROW_SETTINGS.get(row, {})}
-        config = SimConfig(**settings_of_row, mode=mode, strategy=strategy)  # type: ignore[arg-type]
+        config = SimConfig(**settings, mode=mode, strategy=strategy)  # type: ignore[arg-type]
         summary = simulate(config, bound).summary
         out[row] = {name: float(summary.get(key, math.nan)) for name, key, _ in METRICS if key is not None}
         out[row]["tokens_per_s"] = summary["tokens_per_s"]

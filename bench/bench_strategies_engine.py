@@ -40,7 +40,7 @@ from april_ext.training.config import SCHEDULER_SETTINGS
 from april_ext.training.run import train_side_by_side
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "counting_tiny.toml")
-STRATEGY_ORDER = ("april", "seer", "april_seer", "rollpacker", "april_tail", "sortedrl")
+STRATEGY_ORDER = ("april", "seer", "april_seer", "rollpacker", "rollpacker_extra", "april_tail", "sortedrl")
 
 
 def _config(base: TrainConfig, name: str, seed: int, steps: int, out: str) -> TrainConfig:

@@ -42,6 +42,17 @@ def test_explicit_scheduler_settings_win_over_the_strategy() -> None:
     assert TrainConfig(strategy="april_tail", refill="continuous").scheduler_config(40).refill == "continuous"
 
 
+def test_a_setting_given_may_rely_on_one_the_strategy_sets() -> None:
+    # tail_extra_samples needs tail_batching, which rollpacker sets: the combination is what is validated.
+    config = TrainConfig(strategy="rollpacker", tail_extra_samples=2).scheduler_config(40)
+    assert config.tail_batching and config.tail_batching_restart and config.tail_extra_samples == 2
+    parser = cli.build_parser()
+    args = parser.parse_args(["train", "--strategy", "rollpacker", "--tail-extra-samples", "2"])
+    assert config_from_args(args).scheduler_config(40).tail_extra_samples == 2
+    with pytest.raises(ConfigError, match="tail_extra_samples"):
+        TrainConfig(strategy="seer", tail_extra_samples=2)  # seer has no tail batching
+
+
 def test_an_unknown_strategy_is_refused_with_the_names() -> None:
     with pytest.raises(ConfigError, match="TrainConfig.strategy='fast' is not allowed: None or one of 'april'"):
         TrainConfig(strategy="fast")
@@ -84,6 +95,41 @@ def test_tail_share_is_the_time_spent_on_the_last_tenth_of_the_samples() -> None
     # Nine samples of 4 tokens and one of 60: most of the step waits on that one.
     assert _tail_share([4] * 9 + [60]) > 0.8
     assert _tail_share([10] * 10) < 0.05
+
+
+class _LengthBySlot(ScriptedEngine):
+    """Sample slot ``k`` of a group (its id is in the request id) generates ``lengths[k]`` tokens."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        super().__init__(lambda ids: 0)
+        self.lengths = lengths
+
+    def generate(self, input_ids, params=None, request_id=None):
+        slot = int(request_id.split("-")[1]) % len(self.lengths)
+        self.length_of = lambda ids: self.lengths[slot]  # read before the generator's first await
+        return super().generate(input_ids, params, request_id)
+
+
+def test_a_group_completed_by_its_cancelled_samples_abort_is_rewarded_in_the_same_step() -> None:
+    # n = 2 of 3 slots: slots 0 and 1 finish first, slot 2 is cancelled while running and its abort completes
+    # the group. The loop hands that group to the reward before deciding what runs next (it once saw nothing
+    # running, no reward pending and raised "rollout loop stalled").
+    config = SchedulerConfig(rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_batch_size=1,
+                             max_response_len=60, tail_batching=True, tail_extra_samples=1)
+    sched = Scheduler(config, ListDataSource([Prompt(f"p{i}", [1, 5, 4, 3]) for i in range(3)]))
+    engine = _LengthBySlot([2, 3, 50])
+    loop = RolloutLoop(engine, sched, lambda prompt, response: 1.0)
+
+    async def steps() -> list[Any]:
+        results = []
+        for version in range(3):
+            results.append(await asyncio.wait_for(loop.run_step(version), 30))
+            await engine.update_weights({}, version + 1)
+        return results
+
+    for result in asyncio.run(steps()):
+        assert result.batch.n_groups == 1 and result.batch.response_lens.tolist() == [2, 3]
+        assert result.metrics.scheduler["surplus_samples_cancelled"] == 1
 
 
 TASK = CountingTask(CountingTaskConfig(n_symbols=2, max_count=24, median_count=3, sigma=1.0, seed=2))

@@ -174,11 +174,11 @@ def test_tail_batching_runs_are_reported_round_by_round(restart):
 def test_rollpacker_over_provisions_samples_keeps_n_and_counts_the_discarded_ones():
     from april_ext.sim.runner import simulate
 
-    # The trace above with rollpacker (n = 2: one extra sample per group in short rounds).
+    # The trace above with rollpacker_extra (n = 2: one extra sample per group in short rounds).
     config = SimConfig(cluster=ClusterConfig(cost=replace(COST, prefill_per_token_s=0.0), num_engines=1),
                        lengths=TraceLengths([[2, 2], [10, 10]]), rollout_batch_size=1, n_samples_per_prompt=2,
                        over_sampling_batch_size=2, max_response_len=16, steps=3, warmup_steps=0, prompt_len=4,
-                       dataset_size=10, strategy="rollpacker", tail_batching=True, tail_extra_samples=1)
+                       dataset_size=10, strategy="rollpacker_extra")
     assert config.scheduler_config().tail_extra_samples == 1
     result = simulate(config)
     assert [s.response_lens for s in result.steps] == [[2, 2], [10, 10], [2, 2]]
@@ -225,6 +225,8 @@ def test_a_strategy_sets_the_settings_left_at_their_defaults():
         700, 48, "longest_predicted_first")
     assert SimConfig(strategy="april_carry").scheduler_config().step_boundary == "carry"
     assert SimConfig(strategy="rollpacker", mode="april-continuous").scheduler_config().tail_batching
+    # A setting given may rely on the strategy's (tail_extra_samples on tail_batching).
+    assert SimConfig(strategy="rollpacker", tail_extra_samples=1).scheduler_config().tail_extra_samples == 1
     plain = SimConfig().scheduler_config()
     assert (plain.dispatch_order, plain.chunk_tokens, plain.tail_batching) == ("fifo", None, False)
 

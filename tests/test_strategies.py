@@ -22,8 +22,11 @@ def test_strategies_set_what_their_names_say():
     assert (seer.over_sampling_batch_size, seer.dispatch_order, seer.chunk_tokens) == (4, "longest_predicted_first", 12)
     assert apply_strategy(BASE, "april_seer").over_sampling_batch_size == 8
     rollpacker = apply_strategy(BASE, "rollpacker")
-    # No extra samples per prompt: with them the rollout loop can stall (docs/strategies.md).
     assert rollpacker.tail_batching and rollpacker.tail_batching_restart and rollpacker.tail_extra_samples == 0
+    # RollPacker's response over-provisioning: n / 4 more samples, rounded up (1 for n = 3, 2 for n = 8).
+    extra = apply_strategy(BASE, "rollpacker_extra")
+    assert extra.tail_batching and extra.tail_batching_restart and extra.tail_extra_samples == 1
+    assert apply_strategy(SchedulerConfig(n_samples_per_prompt=8), "rollpacker_extra").tail_extra_samples == 2
     tail = apply_strategy(BASE, "april_tail")
     assert tail.tail_batching and not tail.tail_batching_restart and tail.tail_extra_samples == 0
     assert apply_strategy(BASE, "sortedrl").dispatch_order == "shortest_first"

@@ -205,8 +205,9 @@ class RolloutLoop:
                 break
             if self._surplus and (cancelled := sched.samples_to_abort()):
                 # Over-provisioned samples of groups whose first n finished: ended now, so their slots go to work
-                # that counts.
+                # that counts. Their results may complete groups: those are handed out before anything else.
                 aborted += len(await self._abort(cancelled))
+                continue
             for request in sched.dispatch():
                 requests += 1
                 resumed += request.is_resume

@@ -35,7 +35,7 @@ from april_ext.sim.metrics import (
 )
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
 from april_ext.sim.waves import WaveRollout
-from april_ext.strategies import STRATEGIES, apply_strategy
+from april_ext.strategies import STRATEGIES, configure
 
 Mode = Literal["baseline", "april-batch", "april-continuous", "april-adaptive"]
 MODES: tuple[str, ...] = ("baseline", "april-batch", "april-continuous", "april-adaptive")
@@ -139,13 +139,7 @@ class SimConfig:
         an APRIL mode."""
         given = {f.name: getattr(self, f.name) for f in fields(SchedulerConfig)
                  if f.name not in (*MODE_SETTINGS, "target_inflight_samples")}
-        config = SchedulerConfig(**given)
-        if self.strategy is None or self.mode == "baseline":
-            return config
-        applied = apply_strategy(config, self.strategy)
-        defaults = {f.name: f.default for f in fields(SchedulerConfig)}
-        kept = {name: getattr(config, name) for name, value in given.items() if value != defaults[name]}
-        return replace(applied, **kept)
+        return configure(given, None if self.mode == "baseline" else self.strategy)
 
     def scheduler_config(self, engine_capacity: int | None = None) -> SchedulerConfig:
         """APRIL as configured; the baseline is what slime does without partial rollout: GRPO launches N

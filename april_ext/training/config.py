@@ -22,7 +22,7 @@ from april_ext.algorithms import KL_SHAPED_ADVANTAGES
 from april_ext.errors import ConfigError
 from april_ext.scheduler import SchedulerConfig
 from april_ext.settings import adopt, settings
-from april_ext.strategies import STRATEGIES, apply_strategy
+from april_ext.strategies import STRATEGIES, configure
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 
 if sys.version_info >= (3, 11):
@@ -464,12 +464,7 @@ class TrainConfig:
             del values["max_response_len"]
         else:
             values["max_response_len"] = cap
-        config = SchedulerConfig(**values)
-        if self.strategy is None:
-            return config
-        # The settings given (not at their defaults) win over the strategy's.
-        given = {name: values[name] for name in values if values[name] != _SCHEDULER_DEFAULTS[name]}
-        return dataclasses.replace(apply_strategy(config, self.strategy), **given)
+        return configure(values, self.strategy)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -533,9 +528,6 @@ class TrainConfig:
                               f"loss weight it named before is kl_loss_coef (slime's k1 by default, kl_loss_type = "
                               f"'k3' for the former loss): rename the key")
         return config
-
-
-_SCHEDULER_DEFAULTS = {f.name: f.default for f in fields(TrainConfig) if f.name in SCHEDULER_SETTINGS}
 
 
 def _bad(name: str, value: Any, allowed: str) -> None:
