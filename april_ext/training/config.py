@@ -91,8 +91,9 @@ class TrainConfig:
     """Response token cap per sample; None: the counting task's longest answer, or 1024 with data."""
     strategy: str | None = None
     """A named long-tail strategy (april_ext.strategies.STRATEGIES: april, april_carry, seer, april_seer,
-    rollpacker, april_tail, sortedrl; docs/strategies.md): the scheduler settings it stands for, applied to the
-    run's; a scheduler setting given with a value other than its default wins over the strategy's."""
+    rollpacker, rollpacker_extra, april_tail, sortedrl; docs/strategies.md): the scheduler settings it stands
+    for, applied to the run's; a scheduler setting given with a value other than its default wins over the
+    strategy's, and the combination is what is validated."""
     partial_rollout: bool = True
     """APRIL (over-sample, abort when N groups are done, resume partials) vs the synchronous baseline (N' = N,
     batch refill, fixed over-sampling)."""
