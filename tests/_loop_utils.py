@@ -97,3 +97,18 @@ class ScriptedEngine:
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "weight_version": self.version}
+
+
+class SampleLengthEngine(ScriptedEngine):
+    """A ScriptedEngine whose sample ``sid`` (read from the rollout loop's request id, ``prefix-sid-n``)
+    generates ``length_of_sample(sid)`` tokens in all, across its resumes: token id 10 + position."""
+
+    def __init__(self, length_of_sample: Callable[[int], int], **kwargs: Any) -> None:
+        super().__init__(lambda ids: 0, **kwargs)
+        self.length_of_sample = length_of_sample
+
+    def generate(self, input_ids: Sequence[int], params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+        length = self.length_of_sample(int(str(request_id).split("-")[1]))
+        self.length_of = lambda ids: length  # read before the generator's first await
+        return super().generate(input_ids, params, request_id)

@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from _loop_utils import ScriptedEngine
+from _loop_utils import SampleLengthEngine, ScriptedEngine
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig, cli
@@ -97,19 +97,6 @@ def test_tail_share_is_the_time_spent_on_the_last_tenth_of_the_samples() -> None
     assert _tail_share([10] * 10) < 0.05
 
 
-class _LengthBySlot(ScriptedEngine):
-    """Sample slot ``k`` of a group (its id is in the request id) generates ``lengths[k]`` tokens."""
-
-    def __init__(self, lengths: list[int]) -> None:
-        super().__init__(lambda ids: 0)
-        self.lengths = lengths
-
-    def generate(self, input_ids, params=None, request_id=None):
-        slot = int(request_id.split("-")[1]) % len(self.lengths)
-        self.length_of = lambda ids: self.lengths[slot]  # read before the generator's first await
-        return super().generate(input_ids, params, request_id)
-
-
 def test_a_group_completed_by_its_cancelled_samples_abort_is_rewarded_in_the_same_step() -> None:
     # n = 2 of 3 slots: slots 0 and 1 finish first, slot 2 is cancelled while running and its abort completes
     # the group. The loop hands that group to the reward before deciding what runs next (it once saw nothing
@@ -117,7 +104,7 @@ def test_a_group_completed_by_its_cancelled_samples_abort_is_rewarded_in_the_sam
     config = SchedulerConfig(rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_batch_size=1,
                              max_response_len=60, tail_batching=True, tail_extra_samples=1)
     sched = Scheduler(config, ListDataSource([Prompt(f"p{i}", [1, 5, 4, 3]) for i in range(3)]))
-    engine = _LengthBySlot([2, 3, 50])
+    engine = SampleLengthEngine(lambda sid: [2, 3, 50][sid % 3])
     loop = RolloutLoop(engine, sched, lambda prompt, response: 1.0)
 
     async def steps() -> list[Any]:

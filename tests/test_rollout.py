@@ -150,6 +150,38 @@ def test_slow_reward_of_a_surplus_group_does_not_delay_the_abort(kind):
     assert second.metrics.scheduler["carried_token_ratio"] == 1.0
 
 
+@pytest.mark.parametrize("policy", ["restart", "drop"])
+def test_a_surplus_groups_pending_reward_is_in_before_the_next_step_can_take_the_group_back(policy):
+    """Group 1 completes first but its reward takes 0.2 s; group 0 completes later and makes step 0. At step 1
+    group 1's tokens are past max_staleness 0, so begin_step restarts or drops it: its reward must have reached
+    the scheduler before (it once arrived after and failed the run with InvalidStateError / UnknownIdError)."""
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=1, n_samples_per_prompt=1, over_sampling_batch_size=2,
+                                      max_response_len=50, max_staleness=0, staleness_policy=policy),
+                      _scripted_data([3, 1, 2, 2, 2, 2]))
+
+    async def reward(prompt: Prompt, response: np.ndarray) -> float:
+        if prompt.id == "p1":
+            await asyncio.sleep(0.2)
+        return 1.0
+
+    async def run():
+        engine = ScriptedEngine(_length, delay=0.001)
+        loop = RolloutLoop(engine, sched, reward)
+        batches = []
+        for version in range(3):
+            batches.append((await loop.run_step(version)).batch)
+            await engine.update_weights({}, version + 1)
+        await loop.drain_rewards()
+        return batches
+
+    batches = asyncio.run(run())
+    # Rewarded before step 1, group 1 is accepted surplus: its tokens are too stale for step 1 under either
+    # policy, so it is not trained with them.
+    assert batches[0].prompt_ids == ["p0"]
+    assert all(b.n_groups == 1 and b.versions.max() <= b.policy_version for b in batches)
+    assert all(int(b.versions[b.loss_mask.astype(bool)].min()) == b.policy_version for b in batches)
+
+
 def test_abort_results_deliver_tokens_the_stream_never_sent():
     engine = ScriptedEngine(_length, delay=0.002, abort_extra_tokens=2)
     sched = Scheduler(SchedulerConfig(rollout_batch_size=1, n_samples_per_prompt=1, over_sampling_batch_size=2,

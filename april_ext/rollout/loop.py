@@ -161,6 +161,10 @@ class RolloutLoop:
         self._finish_events: list[tuple[int, FinishReason]] = []
         self._carry = cfg.step_boundary == "carry"
         self._surplus = cfg.tail_extra_samples > 0
+        # begin_step may take back a completed group (tail batching's restarts, staleness restart / drop): one
+        # popped for reward must have its reward in first (docs/scheduler.md, "Staleness").
+        self._rewards_before_step = cfg.tail_batching_restart or (
+            cfg.max_staleness is not None and cfg.staleness_policy in ("restart", "drop"))
         self._paused = False
         self._inflight = 0
         self._area = 0.0
@@ -185,6 +189,8 @@ class RolloutLoop:
         self._area = 0.0
         # Chunks the carried samples produced before the last pause reach the scheduler with their version.
         self._flush()
+        if self._rewards_before_step:
+            await self.drain_rewards()
         sched.begin_step(policy_version)
         engine_steps = self._engine_steps()
         start = self._last_change = self.clock()
