@@ -429,7 +429,8 @@ class Scheduler:
         return out
 
     def report_rewards(self, group_id: int, rewards: Sequence[float], accepted: bool = True) -> None:
-        """Rewards of a completed group (one per sample) and the filter's verdict; rejected groups are dropped."""
+        """Rewards of a completed group (one per sample) and the filter's verdict; rejected groups are dropped.
+        A group dropped (surplus, stale) after it was handed out and before this report: ignored, once."""
         self._core.report_rewards(int(group_id), _array(rewards, np.float32, "rewards"), bool(accepted))
 
     # ------------------------------------------------------------------ introspection

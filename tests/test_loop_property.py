@@ -11,10 +11,12 @@ import asyncio
 from typing import Any
 
 from _loop_utils import SampleLengthEngine
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig
+from april_ext.algorithms import reject_uniform_groups
+from april_ext.errors import ConfigError
 from april_ext.rollout import RolloutLoop
 
 CAP = 24
@@ -23,9 +25,15 @@ CAP = 24
 @st.composite
 def _settings(draw: st.DrawFn) -> dict[str, Any]:
     n_groups = draw(st.integers(1, 3))
+    n = draw(st.integers(1, 3))
     tail = draw(st.booleans())
+    adaptive = draw(st.booleans())
     return dict(
-        rollout_batch_size=n_groups, n_samples_per_prompt=draw(st.integers(1, 3)),
+        rollout_batch_size=n_groups, n_samples_per_prompt=n,
+        over_sampling="adaptive" if adaptive else "fixed",
+        target_inflight_samples=n * draw(st.integers(1, 4)) if adaptive else None,
+        max_inflight_samples=draw(st.sampled_from([None, n, 2 * n + 1])),
+        keep_surplus=draw(st.booleans()), resume_order=draw(st.sampled_from(["oldest_first", "longest_first"])),
         over_sampling_batch_size=n_groups + draw(st.integers(0, 2)), max_response_len=CAP,
         refill=draw(st.sampled_from(["batch", "continuous"])),
         step_boundary=draw(st.sampled_from(["abort", "carry"])),
@@ -37,29 +45,41 @@ def _settings(draw: st.DrawFn) -> dict[str, Any]:
         staleness_policy=draw(st.sampled_from(["keep", "mask", "restart", "drop"])))
 
 
-async def _run(config: SchedulerConfig, lengths: list[int], steps: int) -> list[Any]:
+async def _run(config: SchedulerConfig, lengths: list[int], steps: int, filtered: bool) -> list[Any]:
     sched = Scheduler(config, ListDataSource([Prompt(f"p{i}", [1, 5, 4, 3]) for i in range(200)]))
     engine = SampleLengthEngine(lambda sid: lengths[sid % len(lengths)])
-    loop = RolloutLoop(engine, sched, lambda prompt, response: 1.0, engine_capacity=8)
-    batches = []
+    # Rewards by length parity, so that DAPO's filter rejects the groups whose lengths all share one.
+    loop = RolloutLoop(engine, sched, lambda prompt, response: float(len(response) % 2), engine_capacity=8,
+                       group_filter=reject_uniform_groups if filtered else None)
+    results = []
     for version in range(steps):
-        batches.append((await asyncio.wait_for(loop.run_step(version), 20)).batch)
+        results.append(await asyncio.wait_for(loop.run_step(version), 20))
         await engine.update_weights({}, version + 1)
     await loop.abort_carried()
     await loop.drain_rewards()
-    return batches
+    return results
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=_settings(), lengths=st.lists(st.integers(1, CAP + 4), min_size=1, max_size=13))
-def test_the_loop_ends_every_step_with_exactly_its_groups_and_every_token_once(config, lengths) -> None:
-    config = SchedulerConfig(**config)
+@given(config=_settings(), lengths=st.lists(st.integers(1, CAP + 4), min_size=1, max_size=13),
+       filtered=st.booleans())
+def test_the_loop_ends_every_step_with_exactly_its_groups_and_every_token_once(config, lengths, filtered) -> None:
+    try:
+        config = SchedulerConfig(**config)
+    except ConfigError:
+        assume(False)  # a combination the scheduler refuses (e.g. adaptive over-sampling with batch refill)
     n = config.n_samples_per_prompt
     width = n + config.tail_extra_samples
-    batches = asyncio.run(_run(config, lengths, steps=5))
+    results = asyncio.run(_run(config, lengths, steps=5, filtered=filtered))
     trained: set[int] = set()
-    for batch in batches:
-        assert batch.n_groups == config.rollout_batch_size and batch.n_samples == batch.n_groups * n
+    for result in results:
+        batch = result.batch
+        # The filter may use up the 200 prompts (every group uniform): then a step is short, never long.
+        full = not result.metrics.scheduler["data_exhausted"]
+        assert batch.n_groups == config.rollout_batch_size if full else batch.n_groups <= config.rollout_batch_size
+        assert batch.n_samples == batch.n_groups * n
+        if filtered:
+            assert all(len(set(batch.rewards[i * n:(i + 1) * n].tolist())) == 2 for i in range(batch.n_groups))
         sids = batch.sample_ids.tolist()
         assert len(set(sids)) == len(sids)
         groups = {sid // width for sid in sids}

@@ -336,6 +336,31 @@ def test_keep_surplus_false_drops_completed_extras():
     assert st["surplus_dropped"] == 1 and st["surplus_groups"] == 0
 
 
+@pytest.mark.parametrize("how", ["surplus", "stale"])
+def test_a_group_dropped_while_its_reward_is_due_takes_that_reward_once(how):
+    # Group 1 is handed out for reward, then dropped before the reward comes: as surplus at take_batch
+    # (keep_surplus=False) or at the next begin_step as stale (max_staleness 0, drop). The loop's late report
+    # is ignored; a second one is an unknown group again.
+    settings = dict(keep_surplus=False) if how == "surplus" else dict(max_staleness=0, staleness_policy="drop")
+    sched = make(rollout_batch_size=1, over_sampling_batch_size=2, **settings)
+    sched.begin_step(0)
+    sched.dispatch()
+    finish_group(sched, 1, 2)
+    late = sched.pop_completed_groups()
+    finish_group(sched, 0, 2)
+    reward_all(sched)
+    sched.take_batch()
+    if how == "stale":
+        sched.begin_step(1)
+        assert sched.stats()["groups_dropped_stale"] == 1
+    else:
+        assert sched.stats()["surplus_dropped"] == 1
+    sched.report_rewards(late[0].group_id, [1.0, 0.0])
+    assert sched.stats()["groups_accepted"] == (1 if how == "surplus" else 0)  # the step's own group only
+    with pytest.raises(UnknownIdError, match="group id 1 is not known"):
+        sched.report_rewards(late[0].group_id, [1.0, 0.0])
+
+
 def test_baseline_without_partial_rollout_aborts_nothing():
     cap = 2048
     sched = Scheduler(SchedulerConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_batch_size=4,

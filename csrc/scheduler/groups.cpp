@@ -73,6 +73,12 @@ void Scheduler::erase_group(int64_t group_id) {
   s_.groups.erase(group_id);
 }
 
+void Scheduler::drop_group(int64_t group_id) {
+  const Group& g = s_.groups.at(group_id);
+  if (g.state == GroupState::Completed && g.popped) dropped_unrewarded_.insert(group_id);
+  erase_group(group_id);
+}
+
 std::vector<CompletedGroup> Scheduler::pop_completed_groups() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<CompletedGroup> out;
@@ -98,6 +104,8 @@ std::vector<CompletedGroup> Scheduler::pop_completed_groups() {
 void Scheduler::report_rewards(int64_t group_id, const float* rewards, size_t count, bool accepted) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = s_.groups.find(group_id);
+  // Its reward was on its way when the group was dropped (surplus, stale): nothing to record.
+  if (it == s_.groups.end() && dropped_unrewarded_.erase(group_id) > 0) return;
   check(it != s_.groups.end(), ErrorKind::UnknownId,
         "report_rewards: group id " + std::to_string(group_id) +
             " is not known: never launched, or already trained, filtered or dropped for staleness");

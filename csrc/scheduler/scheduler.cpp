@@ -129,6 +129,7 @@ void Scheduler::deserialize(const std::string& bytes) {
   fresh.data_size = s_.data_size;  // the size belongs to the data source attached now
   s_ = std::move(fresh);
   pending_aborts_.clear();
+  dropped_unrewarded_.clear();
   index_.rebuild(s_.groups);
   settle_after_load();
 }

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "scheduler/config.h"
@@ -167,6 +168,8 @@ class Scheduler {
   void discard_cancelled(Sample& smp);
   void unlist(int64_t group_id);  // out of the completed and accepted queues
   void erase_group(int64_t group_id);
+  // erase_group for a group the scheduler gives up (surplus, stale): a reward still due for it is expected.
+  void drop_group(int64_t group_id);
   // Dispatch and refill (dispatch.cpp)
   int64_t groups_to_launch_locked() const;
   int64_t inflight_cap() const;  // most samples dispatched at once; INT64_MAX when uncapped
@@ -211,6 +214,10 @@ class Scheduler {
   // samples begin_step aborts (staleness, tail restarts) and cancelled surplus samples. Not persisted: a loaded
   // state has nothing in flight.
   std::vector<int64_t> pending_aborts_;
+  // Groups dropped (surplus at take_batch, staleness drop) after pop_completed_groups handed them out and
+  // before their rewards came: report_rewards ignores those once. Not persisted (a loop reports its pending
+  // rewards before a save).
+  std::unordered_set<int64_t> dropped_unrewarded_;
 };
 
 }  // namespace april::sched

@@ -52,7 +52,7 @@ void Scheduler::apply_staleness(int64_t group_id) {
   if (config_.staleness_policy == StalenessPolicy::Drop) {
     for (const auto& smp : g.samples) s_.stats.stale_tokens_discarded += static_cast<int64_t>(smp.tokens.size());
     s_.stats.groups_dropped_stale += 1;
-    erase_group(group_id);
+    drop_group(group_id);
     return;
   }
   for (auto& smp : g.samples) {

@@ -196,7 +196,7 @@ void Scheduler::drop_surplus() {
   for (const auto& [gid, g] : s_.groups) {
     if (g.state != GroupState::Active && in_round(g)) surplus.push_back(gid);
   }
-  for (int64_t gid : surplus) erase_group(gid);
+  for (int64_t gid : surplus) drop_group(gid);
   s_.stats.surplus_dropped += static_cast<int64_t>(surplus.size());
 }
 
