@@ -60,7 +60,7 @@ async def _run(config: SchedulerConfig, lengths: list[int], steps: int, filtered
     return results
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=_settings(), lengths=st.lists(st.integers(1, CAP + 4), min_size=1, max_size=13),
        filtered=st.booleans())
 def test_the_loop_ends_every_step_with_exactly_its_groups_and_every_token_once(config, lengths, filtered) -> None:
