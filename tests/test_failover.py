@@ -154,10 +154,14 @@ def test_a_worker_lost_mid_step_fails_over_and_rejoins_with_the_current_weights(
                 state = await _server_state(session, victim.url)
                 if not (state["requests_in_flight"] > 0 and state["generated_tokens"] > 0):
                     return False
-                # Direct mode: tokens generated there must also have reached this client (under load they lag),
-                # so the fault cuts requests with tokens, which come back as resumable partials.
-                return router is not None or any(r.url == victim.url and r.token_ids
-                                                 for r in engine._inflight.values())
+                # Tokens generated there must also have reached this client (under load they lag), so the fault
+                # cuts requests with tokens, which come back as resumable partials. Behind the router the client
+                # does not know which requests the victim holds: every request in flight must have tokens (the
+                # step's one wave of requests started together).
+                inflight = list(engine._inflight.values())
+                if router is not None:
+                    return bool(inflight) and all(r.token_ids for r in inflight)
+                return any(r.url == victim.url and r.token_ids for r in inflight)
 
             await _until(victim_busy, 60, f"{victim.url} runs requests")
             os.killpg(victim.process.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
