@@ -8,16 +8,24 @@ stalled with tail_extra_samples when a group completed by its cancelled samples'
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
+import numpy as np
+import torch
 from _loop_utils import SampleLengthEngine
+from _torch_threads import one_thread  # noqa: F401 (fixture)
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig
 from april_ext.algorithms import reject_uniform_groups
+from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.errors import ConfigError
+from april_ext.model import LlamaForCausalLM
+from april_ext.protocol import SamplingParams
 from april_ext.rollout import RolloutLoop
+from april_ext.tasks import CountingTask, CountingTaskConfig
 
 CAP = 24
 
@@ -90,3 +98,50 @@ def test_the_loop_ends_every_step_with_exactly_its_groups_and_every_token_once(c
             response = batch.tokens[start + batch.prompt_lens[i]:end].tolist()
             # Token id 10 + position: a lost token leaves a gap, a duplicated one a repeat.
             assert response == [10 + p for p in range(min(lengths[sid % len(lengths)], CAP))]
+
+
+TASK = CountingTask(CountingTaskConfig(n_symbols=2, max_count=24, median_count=3, sigma=1.0, seed=2))
+MODEL = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, max_position_embeddings=96))
+MODEL.init_weights(0)
+_tags = itertools.count()
+
+
+async def _embedded(config: SchedulerConfig, slots: int, steps: int) -> list[Any]:
+    sched = Scheduler(config, TASK)
+    core = EngineCore(MODEL, EngineConfig(block_size=4, num_blocks=512, max_num_seqs=slots,
+                                          memory_tag_prefix=f"loop-property-{next(_tags)}-"))
+    batches = []
+    async with AsyncEngine(core) as engine:
+        loop = RolloutLoop(engine, sched, TASK.reward, sampling=SamplingParams(stop_token_ids=(TASK.eos_id,)),
+                           seed=7, engine_capacity=slots)
+        for version in range(steps):
+            batches.append((await asyncio.wait_for(loop.run_step(version), 60)).batch)
+            await engine.update_weights({}, version + 1)  # a new version, the same weights
+        await loop.abort_carried()
+        await loop.drain_rewards()
+    return batches
+
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # one_thread: for all
+@given(config=_settings(), slots=st.sampled_from([3, 8, 64]))
+def test_over_the_embedded_engine_every_trained_token_is_the_models_with_its_logprob(config, slots, one_thread):
+    """The embedded engine (paused in place for carry, its prefix cache for chunks, re-prefill on resume) under
+    the drawn settings: every trained response, scored again by the model in one forward pass, has the
+    behavior logprob the batch holds at every token (a token lost, duplicated or generated over the wrong KV
+    would change the rest), and every step has its N groups."""
+    config = {**config, "max_response_len": CAP, "tail_extra_samples": min(config["tail_extra_samples"], 1)}
+    try:
+        config = SchedulerConfig(**config)
+    except ConfigError:
+        assume(False)
+    batches = asyncio.run(_embedded(config, slots, steps=3))
+    for batch in batches:
+        assert batch.n_groups == config.rollout_batch_size
+        with torch.inference_mode():
+            for i in range(batch.n_samples):
+                start, end, plen = int(batch.offsets[i]), int(batch.offsets[i + 1]), int(batch.prompt_lens[i])
+                ids = torch.as_tensor(batch.tokens[start:end], dtype=torch.int64)
+                logprobs = torch.log_softmax(MODEL(ids).float(), dim=-1)[plen - 1:-1]
+                rescored = logprobs.gather(-1, ids[plen:, None]).squeeze(-1).numpy()
+                np.testing.assert_allclose(batch.behavior_logprobs[start + plen:end], rescored, atol=2e-3)
