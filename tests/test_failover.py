@@ -134,7 +134,9 @@ def test_a_worker_lost_mid_step_fails_over_and_rejoins_with_the_current_weights(
     save_pretrained(served, ckpt)
     weights = {name: p.detach().clone() for name, p in trained.named_parameters()}
     prompts = {i: [(7 * i + j) % 101 for j in range(3 + i % 4)] for i in range(40)}
-    config = SchedulerConfig(rollout_batch_size=3, n_samples_per_prompt=2, over_sampling_batch_size=4,
+    # N' = N: the step needs every group, so the victim's requests must be resumed within it (with surplus
+    # groups the other worker alone could complete the step, as it did behind the router's uneven routing).
+    config = SchedulerConfig(rollout_batch_size=4, n_samples_per_prompt=2, over_sampling_batch_size=4,
                              max_response_len=RESPONSE_LEN)
     scheduler = Scheduler(config, ListDataSource([Prompt(i, ids) for i, ids in prompts.items()]))
 
@@ -218,7 +220,7 @@ def test_a_worker_lost_mid_step_fails_over_and_rejoins_with_the_current_weights(
     health = out["health"]
     assert sorted(health["live"]) == sorted([victim_url, other_url]) and health["removed"] == {}
     assert (health["removals"], health["rejoins"]) == (1, 1)
-    assert out["second"].batch.n_groups == 3
+    assert out["second"].batch.n_groups == 4
     # What a training run's metrics row gets (progress line: workers=live/all).
     pool_keys = ("engine/workers_live", "engine/workers_removed", "engine/worker_removals", "engine/worker_rejoins")
     assert [out["metrics_removed"][k] for k in pool_keys] == [1, 1, 1, 0]
