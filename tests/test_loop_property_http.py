@@ -1,0 +1,102 @@
+"""The real RolloutLoop over the SGLang adapter and an embedded server on loopback (HTTP streaming, aborts by id
+and all, pause in place and continue for carry, weight updates), with settings drawn by hypothesis: every step
+has its N groups, no group is trained twice, and every trained token, rescored by a copy of the served model in
+one forward pass, has the behavior logprob the batch holds (a token lost or duplicated on the wire, or generated
+over the wrong KV, would change the rest)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _engine_utils import tiny_model
+from _sglang_utils import live_server
+from _torch_threads import one_torch_thread
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig
+from april_ext.errors import ConfigError
+from april_ext.protocol import SamplingParams
+from april_ext.rollout import RolloutLoop
+from april_ext.server import ServerThread
+from april_ext.sglang import SGLangEngine, SGLangEngineConfig
+
+CAP = 20
+REFERENCE = tiny_model()  # the served weights (the server owns its own copy)
+WEIGHTS = {name: p.detach().clone() for name, p in REFERENCE.named_parameters()}
+PROMPTS = [Prompt(i, [(7 * i + j) % 101 for j in range(3 + i % 4)]) for i in range(300)]
+# Stop tokens make the lengths vary, so that samples are still running when a step's groups are done.
+SAMPLING = SamplingParams(temperature=1.0, stop_token_ids=tuple(range(0, 101, 7)))
+_versions = itertools.count(1)  # the server's weight version only grows, across examples too
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    with one_torch_thread(), live_server(tiny_model(), max_num_seqs=12) as s:
+        yield s
+
+
+@st.composite
+def _settings(draw: st.DrawFn) -> dict[str, Any]:
+    n_groups = draw(st.integers(1, 3))
+    tail = draw(st.booleans())
+    return dict(
+        rollout_batch_size=n_groups, n_samples_per_prompt=draw(st.integers(1, 3)),
+        over_sampling_batch_size=n_groups + draw(st.integers(0, 2)), max_response_len=CAP,
+        refill=draw(st.sampled_from(["batch", "continuous"])),
+        step_boundary=draw(st.sampled_from(["abort", "carry"])),
+        dispatch_order=draw(st.sampled_from(["fifo", "longest_predicted_first"])),
+        chunk_tokens=draw(st.sampled_from([None, 4])), keep_surplus=draw(st.booleans()),
+        tail_batching=tail, tail_batching_restart=tail and draw(st.booleans()),
+        tail_extra_samples=draw(st.integers(0, 1)) if tail else 0,
+        max_staleness=draw(st.sampled_from([None, 0, 1])),
+        staleness_policy=draw(st.sampled_from(["keep", "restart", "drop"])))
+
+
+async def _steps(url: str, config: SchedulerConfig, seed: int, steps: int) -> list[Any]:
+    sched = Scheduler(config, ListDataSource(PROMPTS))
+    batches = []
+    async with SGLangEngine(SGLangEngineConfig(worker_urls=(url,))) as engine:
+        loop = RolloutLoop(engine, sched, lambda prompt, response: float(len(response) % 2), sampling=SAMPLING,
+                           seed=seed)
+        version = next(_versions)
+        await engine.update_weights(WEIGHTS, version)
+        for _ in range(steps):
+            batches.append((await asyncio.wait_for(loop.run_step(version), 60)).batch)
+            version = next(_versions)
+            await engine.update_weights(WEIGHTS, version)  # a new version, the same weights
+        await loop.abort_carried()
+        await loop.drain_rewards()
+    return batches
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # one server for all
+@given(config=_settings(), seed=st.integers(0, 1000))
+def test_over_http_every_step_has_its_groups_and_every_token_its_logprob(server, config, seed) -> None:
+    try:
+        config = SchedulerConfig(**config)
+    except ConfigError:
+        assume(False)
+    with one_torch_thread():
+        batches = asyncio.run(_steps(server.url, config, seed, steps=3))
+    trained: set[int] = set()
+    width = config.n_samples_per_prompt + config.tail_extra_samples
+    for batch in batches:
+        assert batch.n_groups == config.rollout_batch_size
+        groups = {sid // width for sid in batch.sample_ids.tolist()}
+        assert len(groups) == batch.n_groups and not groups & trained
+        trained |= groups
+        with torch.inference_mode():
+            for i in range(batch.n_samples):
+                start, end, plen = int(batch.offsets[i]), int(batch.offsets[i + 1]), int(batch.prompt_lens[i])
+                ids = torch.as_tensor(batch.tokens[start:end], dtype=torch.int64)
+                logprobs = torch.log_softmax(REFERENCE(ids).float(), dim=-1)[plen - 1:-1]
+                rescored = logprobs.gather(-1, ids[plen:, None]).squeeze(-1).numpy()
+                np.testing.assert_allclose(batch.behavior_logprobs[start + plen:end], rescored, atol=2e-3)
