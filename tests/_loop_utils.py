@@ -44,9 +44,9 @@ class ScriptedEngine:
         prompt_len = next(i for i, t in enumerate(input_ids) if t == 3) + 1  # up to the counting task's SEP
         done = len(input_ids) - prompt_len
         target = min(self.length_of(input_ids), done + params.max_new_tokens)
-        state = {"tokens": [], "versions": [], "aborted": False}
+        state = {"tokens": [], "versions": [], "aborted": False, "done": done, "target": target}
         self._running[rid] = state
-        preempt_at = self.preempt_first_after if self.requests == 0 else None
+        preempt_at = self.preempt_first_after if self.requests == 0 else self._preempt_at(self.requests)
         self.requests += 1
         while True:
             await asyncio.sleep(self.delay)
@@ -77,11 +77,19 @@ class ScriptedEngine:
         for rid in ids:
             state = self._running.pop(rid)
             state["aborted"] = True
-            extra = [99] * self.abort_extra_tokens
+            extra = self._abort_extra(state)
             tokens = state["tokens"] + extra
             outputs.append(GenerationOutput(rid, [], tokens, [-0.5] * len(tokens),
                                             state["versions"] + [self.version] * len(extra), FinishReason.ABORT))
         return outputs
+
+    def _preempt_at(self, request: int) -> int | None:
+        """After how many tokens the engine itself ends request number ``request`` (from 0) with ABORT."""
+        return None
+
+    def _abort_extra(self, state: dict[str, Any]) -> list[int]:
+        """Tokens an abort result carries that the request's stream never delivered."""
+        return [99] * self.abort_extra_tokens
 
     async def update_weights(self, weights: Any, version: int) -> None:
         self.version = version
@@ -101,11 +109,21 @@ class ScriptedEngine:
 
 class SampleLengthEngine(ScriptedEngine):
     """A ScriptedEngine whose sample ``sid`` (read from the rollout loop's request id, ``prefix-sid-n``)
-    generates ``length_of_sample(sid)`` tokens in all, across its resumes: token id 10 + position."""
+    generates ``length_of_sample(sid)`` tokens in all, across its resumes: token id 10 + position. An abort
+    result carries up to ``abort_extra_tokens`` more of the same sequence (generated, not streamed yet), and
+    with ``preempt_every=k`` the engine itself ends every k-th request with ABORT after 2 tokens."""
 
-    def __init__(self, length_of_sample: Callable[[int], int], **kwargs: Any) -> None:
+    def __init__(self, length_of_sample: Callable[[int], int], *, preempt_every: int = 0, **kwargs: Any) -> None:
         super().__init__(lambda ids: 0, **kwargs)
         self.length_of_sample = length_of_sample
+        self.preempt_every = preempt_every
+
+    def _preempt_at(self, request: int) -> int | None:
+        return 2 if self.preempt_every and request % self.preempt_every == self.preempt_every - 1 else None
+
+    def _abort_extra(self, state: dict[str, Any]) -> list[int]:
+        position = state["done"] + len(state["tokens"])
+        return [10 + p for p in range(position, min(position + self.abort_extra_tokens, state["target"]))]
 
     def generate(self, input_ids: Sequence[int], params: SamplingParams | None = None,
                  request_id: str | None = None) -> AsyncIterator[GenerationChunk]:

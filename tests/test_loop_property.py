@@ -53,9 +53,12 @@ def _settings(draw: st.DrawFn) -> dict[str, Any]:
         staleness_policy=draw(st.sampled_from(["keep", "mask", "restart", "drop"])))
 
 
-async def _run(config: SchedulerConfig, lengths: list[int], steps: int, filtered: bool) -> list[Any]:
+async def _run(config: SchedulerConfig, lengths: list[int], steps: int, filtered: bool,
+               engine_faults: tuple[int, int]) -> list[Any]:
     sched = Scheduler(config, ListDataSource([Prompt(f"p{i}", [1, 5, 4, 3]) for i in range(200)]))
-    engine = SampleLengthEngine(lambda sid: lengths[sid % len(lengths)])
+    lag, preempt_every = engine_faults
+    engine = SampleLengthEngine(lambda sid: lengths[sid % len(lengths)], abort_extra_tokens=lag,
+                                preempt_every=preempt_every)
     # Rewards by length parity, so that DAPO's filter rejects the groups whose lengths all share one.
     loop = RolloutLoop(engine, sched, lambda prompt, response: float(len(response) % 2), engine_capacity=8,
                        group_filter=reject_uniform_groups if filtered else None)
@@ -70,15 +73,18 @@ async def _run(config: SchedulerConfig, lengths: list[int], steps: int, filtered
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=_settings(), lengths=st.lists(st.integers(1, CAP + 4), min_size=1, max_size=13),
-       filtered=st.booleans())
-def test_the_loop_ends_every_step_with_exactly_its_groups_and_every_token_once(config, lengths, filtered) -> None:
+       filtered=st.booleans(), engine_faults=st.tuples(st.integers(0, 3), st.sampled_from([0, 3, 7])))
+def test_the_loop_ends_every_step_with_exactly_its_groups_and_every_token_once(config, lengths, filtered,
+                                                                             engine_faults) -> None:
+    """engine_faults: abort results carrying up to that many tokens the stream had not delivered (an HTTP
+    engine's last response), and the engine ending every k-th request itself (memory pressure)."""
     try:
         config = SchedulerConfig(**config)
     except ConfigError:
         assume(False)  # a combination the scheduler refuses (e.g. adaptive over-sampling with batch refill)
     n = config.n_samples_per_prompt
     width = n + config.tail_extra_samples
-    results = asyncio.run(_run(config, lengths, steps=5, filtered=filtered))
+    results = asyncio.run(_run(config, lengths, steps=5, filtered=filtered, engine_faults=engine_faults))
     trained: set[int] = set()
     for result in results:
         batch = result.batch
