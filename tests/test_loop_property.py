@@ -54,16 +54,31 @@ def _settings(draw: st.DrawFn) -> dict[str, Any]:
 
 
 async def _run(config: SchedulerConfig, lengths: list[int], steps: int, filtered: bool,
-               engine_faults: tuple[int, int]) -> list[Any]:
-    sched = Scheduler(config, ListDataSource([Prompt(f"p{i}", [1, 5, 4, 3]) for i in range(200)]))
+               engine_faults: tuple[int, int], restart_at: int | None) -> list[Any]:
+    """``steps`` steps; with ``restart_at``, the run stops after that many (its scheduler state saved, its
+    engine and loop abandoned, as a crash after a checkpoint) and a new one continues from the state."""
     lag, preempt_every = engine_faults
-    engine = SampleLengthEngine(lambda sid: lengths[sid % len(lengths)], abort_extra_tokens=lag,
-                                preempt_every=preempt_every)
-    # Rewards by length parity, so that DAPO's filter rejects the groups whose lengths all share one.
-    loop = RolloutLoop(engine, sched, lambda prompt, response: float(len(response) % 2), engine_capacity=8,
-                       group_filter=reject_uniform_groups if filtered else None)
+
+    def start(state: dict[str, Any] | None, version: int) -> tuple[Scheduler, SampleLengthEngine, RolloutLoop]:
+        sched = Scheduler(config, ListDataSource([Prompt(f"p{i}", [1, 5, 4, 3]) for i in range(200)]))
+        if state is not None:
+            sched.load_state_dict(state)
+        engine = SampleLengthEngine(lambda sid: lengths[sid % len(lengths)], abort_extra_tokens=lag,
+                                    preempt_every=preempt_every)
+        engine.version = version
+        # Rewards by length parity, so that DAPO's filter rejects the groups whose lengths all share one.
+        loop = RolloutLoop(engine, sched, lambda prompt, response: float(len(response) % 2), engine_capacity=8,
+                           group_filter=reject_uniform_groups if filtered else None)
+        return sched, engine, loop
+
+    sched, engine, loop = start(None, 0)
     results = []
     for version in range(steps):
+        if version == restart_at:
+            await loop.drain_rewards()  # as a run does before it saves
+            state = sched.state_dict()
+            await loop.abort_carried()  # the old run's streams end; its scheduler is gone with it
+            sched, engine, loop = start(state, version)
         results.append(await asyncio.wait_for(loop.run_step(version), 20))
         await engine.update_weights({}, version + 1)
     await loop.abort_carried()
@@ -73,18 +88,21 @@ async def _run(config: SchedulerConfig, lengths: list[int], steps: int, filtered
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=_settings(), lengths=st.lists(st.integers(1, CAP + 4), min_size=1, max_size=13),
-       filtered=st.booleans(), engine_faults=st.tuples(st.integers(0, 3), st.sampled_from([0, 3, 7])))
+       filtered=st.booleans(), engine_faults=st.tuples(st.integers(0, 3), st.sampled_from([0, 3, 7])),
+       restart_at=st.sampled_from([None, 1, 3]))
 def test_the_loop_ends_every_step_with_exactly_its_groups_and_every_token_once(config, lengths, filtered,
-                                                                             engine_faults) -> None:
+                                                                             engine_faults, restart_at) -> None:
     """engine_faults: abort results carrying up to that many tokens the stream had not delivered (an HTTP
-    engine's last response), and the engine ending every k-th request itself (memory pressure)."""
+    engine's last response), and the engine ending every k-th request itself (memory pressure). restart_at:
+    the run continues from its saved scheduler state in a new loop and engine before that step."""
     try:
         config = SchedulerConfig(**config)
     except ConfigError:
         assume(False)  # a combination the scheduler refuses (e.g. adaptive over-sampling with batch refill)
     n = config.n_samples_per_prompt
     width = n + config.tail_extra_samples
-    results = asyncio.run(_run(config, lengths, steps=5, filtered=filtered, engine_faults=engine_faults))
+    results = asyncio.run(_run(config, lengths, steps=5, filtered=filtered, engine_faults=engine_faults,
+                               restart_at=restart_at))
     trained: set[int] = set()
     for result in results:
         batch = result.batch
