@@ -262,3 +262,11 @@ def test_a_strategy_that_carries_sets_up_the_run_for_carry(tmp_path, one_thread)
     with pytest.raises(ConfigError, match="step_boundary='carry' with colocate needs the embedded engine"):
         asyncio.run(TrainingRun(_tiny_run(tmp_path, strategy="april_carry", colocate=True, engine="sglang",
                                           sglang_urls=("http://127.0.0.1:1",), model=str(tmp_path))).__aenter__())
+
+
+def test_the_compare_summary_keeps_a_long_strategy_name_apart_from_the_baseline(capsys) -> None:
+    from april_ext.training.command import _print_summary
+
+    _print_summary({"baseline": {"steps": 300}, "rollpacker_extra": {"steps": 300}})
+    header, steps = capsys.readouterr().out.splitlines()[:2]
+    assert header.split() == ["baseline", "rollpacker_extra"] and steps.split() == ["steps", "300", "300"]

@@ -230,9 +230,10 @@ def _print_summary(summaries: dict[str, dict[str, float]]) -> None:
             ("tail (last 10%)", "tail_share", "{:.1%}"),
             ("tokens / engine step", "tokens_per_engine_step", "{:.1f}"), ("engine bubble", "bubble", "{:.1%}"))
     names = list(summaries)
-    print(f"{'':22s}" + "".join(f"{n:>14s}" for n in names))
+    width = max(14, *(len(n) + 2 for n in names))  # a long strategy name still leaves a gap
+    print(f"{'':22s}" + "".join(f"{n:>{width}s}" for n in names))
     for label, key, fmt in rows:
-        cells = "".join(f"{fmt.format(summaries[n][key]) if key in summaries[n] else '-':>14s}" for n in names)
+        cells = "".join(f"{fmt.format(summaries[n][key]) if key in summaries[n] else '-':>{width}s}" for n in names)
         print(f"{label:22s}{cells}")
 
 
