@@ -6,6 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
+import torch
+
 from april_ext.batch import FinishReason
 from april_ext.protocol import GenerationChunk, GenerationOutput, SamplingParams
 
@@ -130,3 +133,15 @@ class SampleLengthEngine(ScriptedEngine):
         length = self.length_of_sample(int(str(request_id).split("-")[1]))
         self.length_of = lambda ids: length  # read before the generator's first await
         return super().generate(input_ids, params, request_id)
+
+
+def assert_logprobs_are_the_models(model: Any, batch: Any) -> None:
+    """Every response token of ``batch``, rescored by ``model`` (temperature 1) in one forward pass, has the
+    behavior logprob the batch holds: a token lost, duplicated or generated over the wrong KV changes the rest."""
+    with torch.inference_mode():
+        for i in range(batch.n_samples):
+            start, end, plen = int(batch.offsets[i]), int(batch.offsets[i + 1]), int(batch.prompt_lens[i])
+            ids = torch.as_tensor(batch.tokens[start:end], dtype=torch.int64)
+            logprobs = torch.log_softmax(model(ids).float(), dim=-1)[plen - 1:-1]
+            rescored = logprobs.gather(-1, ids[plen:, None]).squeeze(-1).numpy()
+            np.testing.assert_allclose(batch.behavior_logprobs[start + plen:end], rescored, atol=2e-3)

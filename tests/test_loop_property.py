@@ -11,9 +11,7 @@ import asyncio
 import itertools
 from typing import Any
 
-import numpy as np
-import torch
-from _loop_utils import SampleLengthEngine
+from _loop_utils import SampleLengthEngine, assert_logprobs_are_the_models
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -162,10 +160,4 @@ def test_over_the_embedded_engine_every_trained_token_is_the_models_with_its_log
     batches = asyncio.run(_embedded(config, slots, steps=3))
     for batch in batches:
         assert batch.n_groups == config.rollout_batch_size
-        with torch.inference_mode():
-            for i in range(batch.n_samples):
-                start, end, plen = int(batch.offsets[i]), int(batch.offsets[i + 1]), int(batch.prompt_lens[i])
-                ids = torch.as_tensor(batch.tokens[start:end], dtype=torch.int64)
-                logprobs = torch.log_softmax(MODEL(ids).float(), dim=-1)[plen - 1:-1]
-                rescored = logprobs.gather(-1, ids[plen:, None]).squeeze(-1).numpy()
-                np.testing.assert_allclose(batch.behavior_logprobs[start + plen:end], rescored, atol=2e-3)
+        assert_logprobs_are_the_models(MODEL, batch)

@@ -11,10 +11,9 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
 from _engine_utils import tiny_model
+from _loop_utils import assert_logprobs_are_the_models
 from _sglang_utils import live_server
 from _torch_threads import one_torch_thread
 from hypothesis import HealthCheck, assume, given, settings
@@ -95,10 +94,4 @@ def test_over_http_every_step_has_its_groups_and_every_token_its_logprob(server,
         groups = {sid // width for sid in batch.sample_ids.tolist()}
         assert len(groups) == batch.n_groups and not groups & trained
         trained |= groups
-        with torch.inference_mode():
-            for i in range(batch.n_samples):
-                start, end, plen = int(batch.offsets[i]), int(batch.offsets[i + 1]), int(batch.prompt_lens[i])
-                ids = torch.as_tensor(batch.tokens[start:end], dtype=torch.int64)
-                logprobs = torch.log_softmax(REFERENCE(ids).float(), dim=-1)[plen - 1:-1]
-                rescored = logprobs.gather(-1, ids[plen:, None]).squeeze(-1).numpy()
-                np.testing.assert_allclose(batch.behavior_logprobs[start + plen:end], rescored, atol=2e-3)
+        assert_logprobs_are_the_models(REFERENCE, batch)
