@@ -91,7 +91,18 @@ def run_layout(out: str, name: str) -> None:
     # HF -> sharded -> gathered HF only slices and concatenates: bit-exact.
     round_trip = (sorted(n for n, _ in exported) == sorted(loaded)
                   and all(torch.equal(t, loaded[n]) for n, t in exported))
-    result = {"round_trip": round_trip, "logprobs": trainer.token_logprobs(batches[0]),
+    # Each stage's export, by the stage's ranks alone: one part per stage (the same on each of its ranks), the
+    # parts together the whole export.
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (trainer.pipeline_stage[0], dict(trainer.export_stage_weights(to_cpu=True))))
+    by_stage = dict(parts)
+    whole = dict(exported)
+    staged = (all(part.keys() == by_stage[s].keys() and all(torch.equal(t, by_stage[s][n]) for n, t in part.items())
+                  for s, part in parts)
+              and len(by_stage) == trainer.pipeline_stage[1]
+              and sum(len(p) for p in by_stage.values()) == len(whole)
+              and all(torch.equal(t, whole[n]) for p in by_stage.values() for n, t in p.items()))
+    result = {"round_trip": round_trip, "staged": staged, "logprobs": trainer.token_logprobs(batches[0]),
               "metrics": [trainer.train_step(b) for b in batches],
               "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
     if dist.get_rank() == 0:

@@ -61,6 +61,7 @@ def reference() -> Reference:
 def check_layout(out: Path, name: str, expected: Reference) -> None:
     got = torch.load(out / f"{name}.pt", weights_only=False)
     assert got["round_trip"] is True, f"{name}: the weights gathered right after loading differ from the HF ones"
+    assert got["staged"] is True, f"{name}: the pipeline stages' exports are not the parts of the whole export"
     check(got, name, expected[layout_key(name)])
 
 

@@ -5,6 +5,8 @@ real sglang-router and embedded engines (gloo on CPU).
 - 2 ranks (DDP), 2 engines: after each step every engine reports the step's weight version and generates
   greedily as a reference model loaded with the trainer's export; every byte came from rank 0's sender, none
   from the driver's.
+- Megatron ranks with pipeline parallelism (PP=2): each stage's first rank hosts a weight group of its own and
+  broadcasts only its stage, which only its stage's ranks gather; the engines generate as the whole export.
 - An engine's server SIGKILLed while rank 0 broadcasts: the update goes again to the engine left, the run
   goes on, and the engine restarted by Ray rejoins with the current weights (exported and broadcast again).
 """
@@ -23,7 +25,7 @@ import torch
 from _ray_utils import RAY, TINY, label, needs, ray_cluster  # noqa: F401 (fixture)
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
-from april_ext.cluster.rank_broadcast import RankZeroHost
+from april_ext.cluster.rank_broadcast import RankHost
 from april_ext.model import load_pretrained
 from april_ext.training import TrainConfig, TrainingRun
 
@@ -67,6 +69,24 @@ def _engine_view(url: str) -> tuple[str, list[list[int]]]:
     return label(url), outputs
 
 
+async def _train_and_view(run: TrainingRun) -> dict:
+    """Runs every step; after each, every engine's view and the greedy continuations of a model loaded with the
+    trainer's export."""
+    seen: dict = {"views": [], "references": []}
+    while not run.done:
+        await run.step()
+        reference = _reference(run)
+        seen["references"].append([_greedy_reference(reference, p) for p in PROMPTS])
+        seen["views"].append([await asyncio.to_thread(_engine_view, s.url) for s in run.engine.pool.slots])
+    return seen
+
+
+def _check_views(seen: dict, engines: int) -> None:
+    """After each step, every engine reported the step's version and generated as the trainer's export."""
+    for step, (views, reference) in enumerate(zip(seen["views"], seen["references"], strict=True), start=1):
+        assert views == [(str(step), reference)] * engines, step
+
+
 def test_rank_0_broadcasts_every_update_and_the_engines_generate_as_its_export(tmp_path) -> None:
     config = TrainConfig(**TINY, **RAY, num_steps=3, output_dir=str(tmp_path / "run"), actor_num_gpus_per_node=2,
                          rollout_num_gpus=2)
@@ -75,25 +95,52 @@ def test_rank_0_broadcasts_every_update_and_the_engines_generate_as_its_export(t
         async with TrainingRun(config) as run:
             engine, trainer = run.engine, run.trainer
             model_bytes = sum(p.numel() * p.element_size() for p in _reference(run).parameters())
-            seen: dict = {"views": [], "references": []}
-            while not run.done:
-                await run.step()
-                reference = _reference(run)
-                seen["references"].append([_greedy_reference(reference, p) for p in PROMPTS])
-                seen["views"].append([await asyncio.to_thread(_engine_view, s.url) for s in engine.pool.slots])
+            seen = await _train_and_view(run)
             seen["rank0_sent"] = trainer.weight_bytes_sent()
             seen["driver_sent"] = engine.inner._broadcaster.local.sender.bytes_sent
-            seen["host"] = engine.inner._broadcaster._group.host
+            seen["host"] = engine.inner._broadcaster._groups[0].host
             seen["model_bytes"] = model_bytes
             await run.finish()
             return seen
 
     seen = asyncio.run(asyncio.wait_for(run(), 600))  # a hang fails the test instead of stalling the suite
-    for step, (views, reference) in enumerate(zip(seen["views"], seen["references"]), start=1):
-        assert views == [(str(step), reference)] * 2, step
+    _check_views(seen, engines=2)
     # Rank 0 sent each update's weights, once per update; the driver's own sender sent nothing.
-    assert isinstance(seen["host"], RankZeroHost)
+    assert isinstance(seen["host"], RankHost)
     assert seen["rank0_sent"] == 3 * seen["model_bytes"] and seen["driver_sent"] == 0
+
+
+def test_each_pipeline_stage_first_rank_broadcasts_its_stage(tmp_path) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
+    import ray
+
+    config = TrainConfig(**{**TINY, "num_layers": 2}, **RAY, trainer="megatron", pipeline_model_parallel_size=2,
+                         num_steps=2, output_dir=str(tmp_path / "run"), actor_num_gpus_per_node=2,
+                         rollout_num_gpus=2)
+
+    async def run() -> dict:
+        async with TrainingRun(config) as run:
+            engine, trainer = run.engine, run.trainer
+            seen = await _train_and_view(run)
+            exported = dict(trainer.export_weights())
+            seen["stage_bytes"] = [sum(t.numel() * t.element_size() for n, t in exported.items()
+                                       if _stage_of(n) == stage) for stage in (0, 1)]
+            seen["sent"] = ray.get([a.weight_bytes_sent.remote() for a in trainer.actors])
+            seen["hosts"] = [(g.host.rank, g.name) for _, g in sorted(engine.inner._broadcaster._groups.items())]
+            await run.finish()
+            return seen
+
+    seen = asyncio.run(asyncio.wait_for(run(), 600))  # a hang fails the test instead of stalling the suite
+    _check_views(seen, engines=2)
+    # Two groups, one per stage, hosted by each stage's rank; each rank sent its own stage, once per update.
+    assert [rank for rank, _ in seen["hosts"]] == [0, 1] and seen["hosts"][0][1] != seen["hosts"][1][1]
+    assert seen["sent"] == [2 * b for b in seen["stage_bytes"]] and min(seen["stage_bytes"]) > 0
+
+
+def _stage_of(name: str) -> int:
+    """The stage of a 2-layer model split in two that holds HF tensor ``name``: the embedding and layer 0 on
+    the first, layer 1, the final norm and the output layer on the last."""
+    return 0 if name.startswith(("model.embed_tokens.", "model.layers.0.")) else 1
 
 
 def test_an_engine_killed_while_rank_0_broadcasts_is_left_out_then_rejoins_with_current_weights(
@@ -101,14 +148,14 @@ def test_an_engine_killed_while_rank_0_broadcasts_is_left_out_then_rejoins_with_
     config = TrainConfig(**{**TINY, "rollout_batch_size": 4}, **RAY, num_steps=4, output_dir=str(tmp_path / "run"),
                          actor_num_gpus_per_node=1, rollout_num_gpus=2, weight_sync_timeout_s=20.0)
     armed: list = []
-    send = RankZeroHost.send
+    send = RankHost.send
 
     async def send_then_fault(self, name: str) -> None:
         if armed:
             armed.pop()()
         await send(self, name)
 
-    monkeypatch.setattr(RankZeroHost, "send", send_then_fault)
+    monkeypatch.setattr(RankHost, "send", send_then_fault)
 
     async def run() -> dict:
         async with TrainingRun(config) as run:

@@ -23,7 +23,7 @@ import torch
 from april_ext.batch import TrainingBatch
 from april_ext.cluster.process_memory import rss_bytes
 from april_ext.errors import InvalidStateError
-from april_ext.protocol.trainer import Trainer
+from april_ext.protocol.trainer import StagedTrainer, Trainer
 from april_ext.sglang.broadcast import BucketMeta, WeightSender, buckets
 from april_ext.sglang.weights import post_tensors
 from april_ext.trainer import distributed
@@ -75,13 +75,19 @@ class TrainerRank:
     def version(self) -> int:
         return self.trainer.version
 
+    def stage(self) -> tuple[int, int]:
+        """(this rank's pipeline stage, the number of stages): (0, 1) for a trainer without stages."""
+        trainer = self.trainer
+        return trainer.pipeline_stage if isinstance(trainer, StagedTrainer) else (0, 1)
+
     def train_step(self, batch: TrainingBatch) -> tuple[dict[str, float], int]:
         # Arrays from the object store are read-only views of shared memory; the trainer gets its own.
         metrics = self.trainer.train_step(copy.deepcopy(batch))
         return metrics, self.trainer.version
 
-    def begin_export(self, to_cpu: bool, send: bool, version: int | None = None) -> int | None:
-        """Every rank exports (with model parallelism a collective, gathered while the export is read).
+    def begin_export(self, to_cpu: bool, send: bool, version: int | None = None, stage: bool = False) -> int | None:
+        """Every rank exports (with model parallelism a collective, gathered while the export is read);
+        ``stage``: only this rank's pipeline stage, with only the stage's ranks (StagedTrainer).
         ``send``: this rank's export is wanted, and ``next_bucket`` hands it out (returns its version);
         otherwise this rank reads it to the end here, taking part in the gather, and keeps nothing.
         ``to_cpu``: host copies (what goes through the object store), else the trainer's own tensors
@@ -89,7 +95,9 @@ class TrainerRank:
         ``version``: the weights must be that version (a rank's calls run one at a time, so no train step
         comes between this check and the export)."""
         self._check_version(version)
-        weights = self.trainer.export_weights(to_cpu=to_cpu)
+        trainer = self.trainer
+        weights = (trainer.export_stage_weights(to_cpu=to_cpu) if stage and isinstance(trainer, StagedTrainer)
+                   else trainer.export_weights(to_cpu=to_cpu))
         if not send:
             collections.deque(weights, maxlen=0)
             return None

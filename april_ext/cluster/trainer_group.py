@@ -21,17 +21,11 @@ from typing import Any
 
 from april_ext.batch import TrainingBatch
 from april_ext.cluster.errors import ClusterError
-from april_ext.cluster.rank_broadcast import (
-    RankExport,
-    RankZeroHost,
-    RankZeroPoster,
-    RankZeroSource,
-    rank_result,
-)
+from april_ext.cluster.rank_broadcast import RankExport, RankHost, RankZeroPoster, StageSource, rank_result
 from april_ext.cluster.session import RaySession
 from april_ext.cluster.trainer_actor import TrainerRank
 from april_ext.errors import AprilError, InvalidStateError
-from april_ext.sglang.broadcast import BucketMeta
+from april_ext.sglang.broadcast import BucketMeta, StagedSource
 from april_ext.training.config import TrainConfig
 from april_ext.training.trainers import InitialWeights
 
@@ -46,7 +40,9 @@ _FAILURE_GRACE_S = 5.0
 
 
 class TrainerGroup:
-    """The Trainer protocol over the rank actors (``actors[r]`` is rank r). ``pids[r]``: rank r's process."""
+    """The Trainer protocol over the rank actors (``actors[r]`` is rank r). ``pids[r]``: rank r's process.
+    ``stages[s]``: the ranks of pipeline stage s, in order (one stage of every rank without pipeline
+    parallelism); the first of each is the host of its stage's weight group."""
 
     def __init__(self, actors: list[Any], pids: list[int], version: int, timeout_s: float) -> None:
         self.actors = actors
@@ -55,7 +51,15 @@ class TrainerGroup:
         self._version = version
         # Ends an export the ranks are still in (see export_weights, begin_broadcast_export).
         self._open_export: Callable[[], None] | None = None
-        self.weight_host = RankZeroHost(actors[0])
+        self.stages: list[list[int]] = [list(range(len(actors)))]
+        self.weight_hosts = [RankHost(actors[0], 0)]
+
+    def set_stages(self, stages: list[tuple[int, int]]) -> None:
+        """The ranks' (pipeline stage, number of stages), in rank order: each stage's first rank hosts its
+        weight group."""
+        count = stages[0][1]
+        self.stages = [[r for r, (stage, _) in enumerate(stages) if stage == s] for s in range(count)]
+        self.weight_hosts = [RankHost(self.actors[ranks[0]], ranks[0]) for ranks in self.stages]
 
     @property
     def version(self) -> int:
@@ -70,10 +74,13 @@ class TrainerGroup:
             self._open_export()
         return self._wait(what, calls)
 
-    def _wait(self, what: str, calls: list[Any]) -> list[Any]:
+    def _wait(self, what: str, calls: list[Any], ranks: list[int] | None = None) -> list[Any]:
+        """As _all, without reading an open export first; ``calls[i]`` is rank ``ranks[i]``'s (rank i's
+        without ``ranks``)."""
         import ray
 
-        pending = {ref: rank for rank, ref in enumerate(calls)}
+        ranks = ranks if ranks is not None else list(range(len(calls)))
+        pending = {ref: rank for rank, ref in zip(ranks, calls)}
         results: dict[int, Any] = {}
         failures: dict[int, Exception] = {}
         deadline = time.monotonic() + self.timeout_s
@@ -93,7 +100,7 @@ class TrainerGroup:
                 failures[rank] = err
         if failures:
             raise self._failure(what, failures)
-        return [results[r] for r in range(len(calls))]
+        return [results[r] for r in ranks]
 
     def _failure(self, what: str, failures: dict[int, Exception]) -> Exception:
         """The error of a failed call: a rank that died, else the first failing rank's error (an april_ext
@@ -119,12 +126,13 @@ class TrainerGroup:
         return metrics
 
     def export_weights(self, *, to_cpu: bool = False) -> RankExport:
-        """Rank 0's export, in two forms (RankExport): a stream the driver pulls bucket by bucket
+        """Rank 0's export, in three forms (RankExport): a stream the driver pulls bucket by bucket
         (weight_sync_bucket_mb each) while every rank gathers it, so the driver and rank 0 hold about one
-        bucket at a time; or ``source``, broadcast by rank 0 itself (weight_sync="broadcast"), or ``poster``,
-        posted by rank 0 itself (weight_sync="tensor"). Nothing is exported until one of them is read."""
-        return RankExport(self._version, self._reading(to_cpu), RankZeroSource(self, self.weight_host),
-                          RankZeroPoster(self))
+        bucket at a time; or ``source``, broadcast by each pipeline stage's first rank itself, stage by stage
+        (weight_sync="broadcast"); or ``poster``, posted by rank 0 itself (weight_sync="tensor"). Nothing is
+        exported until one of them is read."""
+        source = StagedSource(tuple(StageSource(self, host, s) for s, host in enumerate(self.weight_hosts)))
+        return RankExport(self._version, self._reading(to_cpu), source, RankZeroPoster(self))
 
     def _reading(self, to_cpu: bool) -> Iterator[tuple[str, Any]]:
         if self._open_export is not None:
@@ -146,27 +154,30 @@ class TrainerGroup:
         self._open_export = None
         self._wait("export_weights", calls)  # the other ranks' part of the gather ended too
 
-    async def begin_broadcast_export(self, version: int) -> None:
-        """weight_sync="broadcast": every rank exports the current weights (which must be ``version``), rank 0
-        keeping its export for next_broadcast_bucket. An export still open (an update that failed midway) is
-        read to its end by rank 0 first."""
+    async def begin_broadcast_export(self, version: int, stage: int = 0) -> None:
+        """weight_sync="broadcast": the ranks of pipeline stage ``stage`` export their stage of the current
+        weights (which must be ``version``), its first rank keeping its export for next_broadcast_bucket; the
+        other stages' ranks take no part. An export still open (an update that failed midway) is read to its
+        end first."""
         if self._open_export is not None:
             self._open_export()
-        calls = [a.begin_export.remote(False, r == 0, version) for r, a in enumerate(self.actors)]
-        await rank_result(calls[0], "export_weights")
+        ranks = self.stages[stage]
+        calls = [self.actors[r].begin_export.remote(False, r == ranks[0], version, True) for r in ranks]
+        await rank_result(calls[0], "export_weights", ranks[0])
 
         def end() -> None:
             self._open_export = None
-            self._wait("export_weights", [self.actors[0].end_export.remote(), *calls[1:]])
+            self._wait("export_weights", [self.actors[ranks[0]].end_export.remote(), *calls[1:]], ranks)
 
         self._open_export = end
 
-    async def next_broadcast_bucket(self) -> BucketMeta | None:
-        """The next bucket of rank 0's export, held there for the broadcast: its names, dtypes and shapes, or
-        None after the last (the other ranks' part of the export has ended then)."""
+    async def next_broadcast_bucket(self, stage: int = 0) -> BucketMeta | None:
+        """The next bucket of stage ``stage``'s export, held by its first rank for the broadcast: its names,
+        dtypes and shapes, or None after the last (the stage's other ranks' part of the export has ended then)."""
         if self._open_export is None:
             raise InvalidStateError("next_broadcast_bucket: no export is open (begin_broadcast_export first)")
-        meta = await rank_result(self.actors[0].next_bucket_held.remote(), "export_weights")
+        first = self.stages[stage][0]
+        meta = await rank_result(self.actors[first].next_bucket_held.remote(), "export_weights", first)
         if meta is None:
             self._open_export()
         return meta
@@ -188,8 +199,8 @@ class TrainerGroup:
         return names
 
     def weight_bytes_sent(self) -> int:
-        """Bytes rank 0 has broadcast or posted to the engines."""
-        return self._all("weight_bytes_sent", [self.actors[0].weight_bytes_sent.remote()])[0]
+        """Bytes the ranks have broadcast or posted to the engines (each stage's first rank, or rank 0)."""
+        return sum(self._all("weight_bytes_sent", [a.weight_bytes_sent.remote() for a in self.actors]))
 
     def save_checkpoint(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
         self._all("save_checkpoint", [a.save_checkpoint.remote(os.fspath(path), extra) for a in self.actors])
@@ -237,6 +248,7 @@ def start_trainer_group(session: RaySession, config: TrainConfig, initial: Initi
         shipped = initial if isinstance(initial, str) else ray.put(initial)
         group.pids = group._all("setup", [a.setup.remote(master, shipped, memory_tag_prefix) for a in actors])
         group._version = group._all("version", [a.version.remote() for a in actors])[0]
+        group.set_stages(group._all("stage", [a.stage.remote() for a in actors]))
         logger.info("trainer: %d ranks on Ray (pids %s), rendezvous %s:%d", len(actors), group.pids, *master)
         yield group
     finally:

@@ -11,7 +11,7 @@ from april_ext.protocol.memory_tags import MEMORY_TAGS, memory_tags
 from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
 from april_ext.protocol.rollout_engine import HOLD_MODES, Clock, PausableEngine, RolloutEngine, ServableEngine, engine_clock
 from april_ext.protocol.sampling_params import SamplingParams
-from april_ext.protocol.trainer import ExportedWeights, Trainer
+from april_ext.protocol.trainer import ExportedWeights, StagedTrainer, Trainer
 
 __all__ = [
     "HOLD_MODES",
@@ -25,6 +25,7 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "ServableEngine",
+    "StagedTrainer",
     "Trainer",
     "engine_clock",
     "memory_tags",

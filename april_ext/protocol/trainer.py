@@ -67,3 +67,19 @@ class Trainer(Protocol):
     def onload(self) -> None:
         """Restores the memory released by ``offload``."""
         ...
+
+
+@runtime_checkable
+class StagedTrainer(Protocol):
+    """A trainer split into pipeline stages (Megatron with pipeline_model_parallel_size > 1 too, as one stage):
+    each stage's part of the weights can be exported by that stage's ranks alone, so that each stage's first
+    rank sends its part to the engines itself (the collective weight update, one group per stage)."""
+
+    @property
+    def pipeline_stage(self) -> tuple[int, int]:
+        """(this rank's stage, the number of stages)."""
+        ...
+
+    def export_stage_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
+        """This stage's part of ``export_weights`` (the stages' parts, in stage order, are the whole)."""
+        ...

@@ -11,9 +11,11 @@ process that holds the tensors need not be the one that talks to the workers.
   to every worker and has the sender broadcast the bucket meanwhile, then closes the session.
 
 The two meet through a BroadcastSource: the weights of one version, read bucket by bucket from the first
-tensor as often as asked (a retry reads them again), and the GroupHost that sends them. The group is built
-on the first update and built again when the worker list or the host changes, after a failed update, or when
-reset() says a worker came back (a restarted server has left the group).
+tensor as often as asked (a retry reads them again), and the GroupHost that sends them. A StagedSource is
+the weights in parts, each with its own host (a pipeline stage's first rank sends its stage's part): one
+group per part, every worker in each, the parts sent in turn, each in its own session. A group is built on
+the first update and built again when the worker list or its host changes, after a failed update, or when
+reset() says a worker came back (a restarted server has left the groups).
 
 Every wait is bounded by timeout_s: a worker that does not join, or dies or stalls mid-broadcast, raises
 WeightBroadcastError naming it (an HTTP failure at once, a silent peer when the group's timeout expires);
@@ -23,6 +25,7 @@ nothing hangs. gloo carries CPU tensors, nccl CUDA ones (the backend follows the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import uuid
@@ -196,6 +199,18 @@ class LocalSource:
         return None if bucket is None else self.host.sender.hold(bucket)
 
 
+@dataclass(frozen=True)
+class StagedSource:
+    """The weights of one update in parts, each read and sent by its own host (a pipeline stage's first
+    trainer rank), in order; the parts' names together are the whole model's."""
+
+    parts: tuple[BroadcastSource, ...]
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise InvalidArgumentError("StagedSource needs at least one part")
+
+
 @dataclass
 class _Group:
     host: GroupHost
@@ -215,26 +230,36 @@ class WeightBroadcaster:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.local = LocalHost(WeightSender(timeout_s), master_address)
-        self._group: _Group | None = None
+        self._groups: dict[int, _Group] = {}  # by part (a StagedSource's index; 0 otherwise)
 
-    async def push(self, weights: Named | BroadcastSource, version: int, *, flush_cache: bool = True) -> list[str]:
+    async def push(self, weights: Named | BroadcastSource | StagedSource, version: int, *,
+                   flush_cache: bool = True) -> list[str]:
         """Loads the weights on every worker, labelled str(version), and returns their names; flush_cache as
         SGLang's field (False while requests are held by an in_place pause). Named tensors are broadcast from
         this process (held for the whole update: the retry below sends them again); a BroadcastSource from
-        its host, which reads them bucket by bucket. With failover, a worker found gone during the update
-        leaves the pool as on every other call, and the update goes again to the workers left (a new group),
-        reading the weights again from the first tensor."""
-        source = weights if isinstance(weights, BroadcastSource) else LocalSource(weights, self.local,
-                                                                                  self.bucket_bytes)
-        async with source.host.lock:
+        its host, which reads them bucket by bucket; a StagedSource part by part, each from its host. With
+        failover, a worker found gone during the update leaves the pool as on every other call, and the update
+        goes again to the workers left (new groups), reading the weights again from the first tensor."""
+        if isinstance(weights, StagedSource):
+            sources = list(weights.parts)
+        elif isinstance(weights, BroadcastSource):
+            sources = [weights]
+        else:
+            sources = [LocalSource(weights, self.local, self.bucket_bytes)]
+        async with contextlib.AsyncExitStack() as held:
+            for host in dict.fromkeys(s.host for s in sources):
+                await held.enter_async_context(host.lock)
             while True:
                 try:
-                    return await self._push_once(source, version, flush_cache)
+                    names: list[str] = []
+                    for part, source in enumerate(sources):
+                        names += await self._push_once(part, source, version, flush_cache)
+                    return sorted(names)
                 except WeightBroadcastError as exc:
                     if not exc.worker_gone:
                         raise
 
-    async def _push_once(self, source: BroadcastSource, version: int, flush_cache: bool) -> list[str]:
+    async def _push_once(self, part: int, source: BroadcastSource, version: int, flush_cache: bool) -> list[str]:
         try:
             urls = tuple(await self._workers.worker_urls())
             profiles = await self._workers.profiles()
@@ -247,11 +272,11 @@ class WeightBroadcaster:
         await self._bounded(source.rewind(version), "reading the weights")
         bucket = await self._bounded(source.next_bucket(), "reading the weights")
         if bucket is None:
-            raise InvalidArgumentError("a weight broadcast needs at least one tensor")
-        group = self._group
+            raise InvalidArgumentError("a weight broadcast needs at least one tensor in each part")
+        group = self._groups.get(part)
         if (group is None or not group.usable or group.urls != urls or group.backend != bucket.backend
                 or group.host is not source.host):
-            group = await self._build(source.host, urls, bucket.backend)
+            group = await self._build(part, source.host, urls, bucket.backend)
         names: list[str] = []
         try:
             try:
@@ -267,17 +292,17 @@ class WeightBroadcaster:
         except BaseException:
             group.usable = False  # a broken group carries no further broadcast: the next update builds a new one
             raise
-        return sorted(names)
+        return names
 
     def reset(self) -> None:
-        """A worker restarted and left the group: the next update builds a new one."""
-        if self._group is not None:
-            self._group.usable = False
+        """A worker restarted and left the groups: the next update builds new ones."""
+        for group in self._groups.values():
+            group.usable = False
 
     async def close(self) -> None:
-        """Leaves the group on every worker and on its host (best effort: the workers may be gone)."""
-        group, self._group = self._group, None
-        if group is not None:
+        """Leaves the groups on every worker and on their hosts (best effort: the workers may be gone)."""
+        groups, self._groups = self._groups, {}
+        for group in groups.values():
             await self._leave(group, group.urls)
 
     async def _leave(self, group: _Group, urls: Sequence[str]) -> None:
@@ -289,8 +314,8 @@ class WeightBroadcaster:
         except WeightBroadcastError as exc:
             logger.warning("%s", exc)
 
-    async def _build(self, host: GroupHost, urls: tuple[str, ...], backend: str) -> _Group:
-        old, self._group = self._group, None
+    async def _build(self, part: int, host: GroupHost, urls: tuple[str, ...], backend: str) -> _Group:
+        old = self._groups.pop(part, None)
         if old is not None:  # left by the workers still listed (one that left the list may not answer)
             await self._leave(old, [u for u in old.urls if u in urls])
         address, port = await self._bounded(host.endpoint(urls), "choosing the weight group's rendezvous")
@@ -301,8 +326,8 @@ class WeightBroadcaster:
             "master_address": address, "master_port": port, "rank_offset": 1 + i, "world_size": world,
             "group_name": name, "backend": backend}, idempotent=False) for i, u in enumerate(urls)}
         await self._together(joined, calls, f"joining weight group {name!r} at {address}:{port}")
-        self._group = _Group(host, name, urls, backend)
-        return self._group
+        self._groups[part] = _Group(host, name, urls, backend)
+        return self._groups[part]
 
     async def _send(self, group: _Group, bucket: BucketMeta, version: int, flush_cache: bool) -> None:
         body = {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes, "group_name": group.name,
@@ -413,5 +438,5 @@ def _free_port(address: str) -> int:
         return sock.getsockname()[1]
 
 
-__all__ = ["BroadcastSource", "BucketMeta", "GroupHost", "LocalHost", "LocalSource", "WeightBroadcastError",
-           "WeightBroadcaster", "WeightSender", "buckets", "master_address_for"]
+__all__ = ["BroadcastSource", "BucketMeta", "GroupHost", "LocalHost", "LocalSource", "StagedSource",
+           "WeightBroadcastError", "WeightBroadcaster", "WeightSender", "buckets", "master_address_for"]

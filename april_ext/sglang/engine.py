@@ -28,7 +28,7 @@ from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.protocol.sglang_wire import PAUSE_MODES
 from april_ext.sglang.aborts import Aborter
 from april_ext.sglang.background import cancel_and_wait
-from april_ext.sglang.broadcast import BroadcastSource, WeightBroadcaster
+from april_ext.sglang.broadcast import BroadcastSource, StagedSource, WeightBroadcaster
 from april_ext.sglang.client import HTTPClient, refused
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangConnectionError, SGLangHTTPError
@@ -258,11 +258,12 @@ class SGLangEngine:
         (SGLangEngineConfig.weight_sync). A stream of named tensors (an ExportedWeights) is read once:
         the disk sync and the tensor sync without failover hold one bucket of it at a time; the tensor sync
         with failover keeps the whole of it for a rejoining worker, as the broadcast does for its retry.
-        A BroadcastSource (weight_sync "broadcast") or a TensorPoster ("tensor") is sent by the process that
-        holds the tensors; this one holds none of them, and keeps the source for a rejoining worker."""
+        A BroadcastSource or StagedSource (weight_sync "broadcast") or a TensorPoster ("tensor") is sent by the
+        processes that hold the tensors; this one holds none of them, and keeps the source for a rejoining worker."""
         check_weight_version(version)
         streamed = self.config.weight_sync == "disk" or (self.config.weight_sync == "tensor" and self._failover is None)
-        if not isinstance(weights, (str, os.PathLike, Mapping, BroadcastSource, TensorPoster)) and not streamed:
+        held_elsewhere = (BroadcastSource, StagedSource, TensorPoster)
+        if not isinstance(weights, (str, os.PathLike, Mapping, *held_elsewhere)) and not streamed:
             weights = dict(weights)
         async with self._weights_lock:
             # Requests held in place keep their KV: SGLang would fail the flush (it flushes only when idle).
@@ -419,10 +420,10 @@ class SGLangEngine:
 
 def _kept(weights: WeightsSource, weight_sync: str, weight_sync_dir: str | None) -> WeightsSource:
     """What a rejoining worker will load: the directory the weights are in (with weight_sync "disk" the
-    weight-sync directory holds the last tensors pushed), a BroadcastSource or TensorPoster itself (its holder
-    exports them again), else a CPU copy of the tensors (a trainer exports its live parameters, which its next update
-    changes in place)."""
-    if isinstance(weights, (str, os.PathLike, BroadcastSource, TensorPoster)):
+    weight-sync directory holds the last tensors pushed), a BroadcastSource, StagedSource or TensorPoster
+    itself (its holders export them again), else a CPU copy of the tensors (a trainer exports its live
+    parameters, which its next update changes in place)."""
+    if isinstance(weights, (str, os.PathLike, BroadcastSource, StagedSource, TensorPoster)):
         return weights
     if weight_sync == "disk":
         assert weight_sync_dir is not None  # SGLangEngineConfig requires it for "disk"

@@ -28,7 +28,7 @@ from april_ext.model.checkpoint import iter_safetensors, safetensors_files, save
 from april_ext.protocol import sglang_wire
 from april_ext.protocol.sglang_wire import encode_named_tensors
 from april_ext.errors import InvalidArgumentError
-from april_ext.sglang.broadcast import BroadcastSource, WeightBroadcaster, buckets
+from april_ext.sglang.broadcast import BroadcastSource, StagedSource, WeightBroadcaster, buckets
 from april_ext.sglang.client import HTTPClient
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangHTTPError
@@ -47,7 +47,7 @@ class TensorPoster(Protocol):
 
 
 WeightsSource = (Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike[str]
-                 | BroadcastSource | TensorPoster)
+                 | BroadcastSource | StagedSource | TensorPoster)
 
 
 async def push_weights(workers: WorkerPool, http: HTTPClient, weights: WeightsSource, version: int,
@@ -58,8 +58,9 @@ async def push_weights(workers: WorkerPool, http: HTTPClient, weights: WeightsSo
     requests (SGLang holds the update until they end, or runs it at once while paused); returns the names
     loaded. Named tensors are read once, in order: the disk and tensor syncs stream them in buckets of
     ``broadcaster.bucket_bytes`` (one bucket held at a time), the broadcast keeps them all for its retry. A
-    BroadcastSource (weight_sync "broadcast" only) is read bucket by bucket by its host, here nothing."""
-    if isinstance(weights, BroadcastSource):
+    BroadcastSource (weight_sync "broadcast" only) is read bucket by bucket by its host, here nothing; a
+    StagedSource part by part, each by its own host."""
+    if isinstance(weights, (BroadcastSource, StagedSource)):
         if weight_sync != "broadcast":
             raise InvalidArgumentError(f"weights broadcast by their holder need weight_sync='broadcast', not "
                                        f"{weight_sync!r}")

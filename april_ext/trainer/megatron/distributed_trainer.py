@@ -438,6 +438,21 @@ class DistributedMegatronTrainer:
         tensors = ((name, t.to("cpu", copy=True) if to_cpu else t) for name, t in self.iter_hf_weights())
         return ExportedWeights(version=self._version, tensors=tensors)
 
+    @property
+    def pipeline_stage(self) -> tuple[int, int]:
+        """(this rank's pipeline stage, the number of stages)."""
+        from megatron.core import parallel_state
+
+        return (parallel_state.get_pipeline_model_parallel_rank(),
+                parallel_state.get_pipeline_model_parallel_world_size())
+
+    def export_stage_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
+        """This rank's pipeline stage of the current weights, as ``export_weights`` (gathered while read) but
+        a collective of the stage's ranks only, so that each stage's first rank can send its part itself."""
+        tensors = ((name, t.to("cpu", copy=True) if to_cpu else t)
+                   for name, t in sharded.iter_stage_hf_weights(self.gpt, self.config.model))
+        return ExportedWeights(version=self._version, tensors=tensors)
+
     # ----- checkpoints ------------------------------------------------------------------------------------
 
     def save_checkpoint(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:

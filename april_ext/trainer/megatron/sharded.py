@@ -318,18 +318,14 @@ def iter_hf_weights(gpt: nn.Module, config: ModelConfig) -> Iterator[tuple[str, 
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     ranks = dist.get_process_group_ranks(pp_group)
-    names = global_names(gpt)
-    n_local = _local_experts(gpt)
     for stage in range(pp_size):
         mine = stage == pp_rank
-        local = [(n, p) for n, p in gpt.named_parameters()
-                 if not (config.tie_word_embeddings and names[n] == "output_layer.weight")] if mine else []
+        local = _exported_parameters(gpt, config) if mine else []
         count = [len(local)]
         if pp_size > 1:
             dist.broadcast_object_list(count, src=ranks[stage], group=pp_group)
         for i in range(count[0]):
-            if mine:
-                pieces = _gather(local[i][1], local[i][0], names[local[i][0]], n_local, config)
+            pieces = _gather(*local[i], config) if mine else []
             if pp_size > 1:
                 # Names and shapes are known only on the stage that holds the parameter.
                 meta = [[(n, tuple(t.shape), t.dtype) for n, t in pieces] if mine else None]
@@ -338,14 +334,36 @@ def iter_hf_weights(gpt: nn.Module, config: ModelConfig) -> Iterator[tuple[str, 
                     pieces = [(n, torch.empty(shape, dtype=dtype, device=_device())) for n, shape, dtype in meta[0]]
                 for _, tensor in pieces:
                     dist.broadcast(tensor.contiguous() if mine else tensor, src=ranks[stage], group=pp_group)
-            while pieces:
-                name, tensor = pieces.pop(0)
-                yield from _to_hf(name, tensor, config)
-                del tensor  # not held while the next parameter is gathered
+            yield from _converted(pieces, config)
+
+
+def iter_stage_hf_weights(gpt: nn.Module, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """This pipeline stage's part of the model in HF names, one tensor at a time, on every rank of the stage
+    (a collective of the stage's tensor- and expert-parallel ranks only: the stages export at once, or in
+    turn, each without the others). Over every stage, the tensors of ``iter_hf_weights``."""
+    for param in _exported_parameters(gpt, config):
+        yield from _converted(_gather(*param, config), config)
+
+
+def _exported_parameters(gpt: nn.Module, config: ModelConfig) -> list[tuple[torch.Tensor, str, str, int]]:
+    """This stage's exported parameters (all but a tied output layer), as ``_gather``'s arguments but the config."""
+    names = global_names(gpt)
+    n_local = _local_experts(gpt)
+    return [(p, n, names[n], n_local) for n, p in gpt.named_parameters()
+            if not (config.tie_word_embeddings and names[n] == "output_layer.weight")]
+
+
+def _converted(pieces: list[tuple[str, torch.Tensor]], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of gathered parameters, each dropped once yielded."""
+    while pieces:
+        name, tensor = pieces.pop(0)
+        yield from _to_hf(name, tensor, config)
+        del tensor  # not held while the next parameter is gathered
 
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-__all__ = ["HFWeights", "global_names", "is_expert", "iter_hf_weights", "load_hf_weights", "padded_vocab_size"]
+__all__ = ["HFWeights", "global_names", "is_expert", "iter_hf_weights", "iter_stage_hf_weights", "load_hf_weights",
+           "padded_vocab_size"]
