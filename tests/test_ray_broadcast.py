@@ -9,6 +9,7 @@ real sglang-router and embedded engines (gloo on CPU).
   broadcasts only its stage, which only its stage's ranks gather; the engines generate as the whole export.
 - An engine's server SIGKILLed while rank 0 broadcasts: the update goes again to the engine left, the run
   goes on, and the engine restarted by Ray rejoins with the current weights (exported and broadcast again).
+- weight_sync="tensor", colocated, 2 ranks of data parallel: each rank posts its export to the engine beside it.
 """
 
 from __future__ import annotations
@@ -197,9 +198,11 @@ def test_an_engine_killed_while_rank_0_broadcasts_is_left_out_then_rejoins_with_
     assert seen["labels"] == ["4"] and len(seen["listed"]) == 2
 
 
-def test_colocated_rank_0_posts_its_export_to_its_engine_with_the_tensor_path(tmp_path) -> None:
+def test_colocated_ranks_each_post_their_export_to_the_engine_beside_them_with_the_tensor_path(tmp_path) -> None:
+    import ray
+
     config = TrainConfig(**{**TINY, **RAY, "weight_sync": "tensor"}, colocate=True, num_steps=2,
-                         output_dir=str(tmp_path / "run"))
+                         actor_num_gpus_per_node=2, output_dir=str(tmp_path / "run"))
 
     async def run() -> dict:
         async with TrainingRun(config) as run:
@@ -208,19 +211,19 @@ def test_colocated_rank_0_posts_its_export_to_its_engine_with_the_tensor_path(tm
             seen: dict = {"views": [], "references": []}
             while not run.done:
                 await run.step()
-                await run.memory.to_rollout()  # the engine resident, the trainer paused: as for a rollout
-                seen["views"].append(await asyncio.to_thread(_engine_view, engine.pool.slots[0].url))
+                await run.memory.to_rollout()  # the engines resident, the trainer paused: as for a rollout
+                seen["views"].append([await asyncio.to_thread(_engine_view, s.url) for s in engine.pool.slots])
                 await run.memory.to_training()
                 seen["references"].append([_greedy_reference(_reference(run), p) for p in PROMPTS])
-            seen["rank0_sent"] = trainer.weight_bytes_sent()
+            seen["sent"] = ray.get([a.weight_bytes_sent.remote() for a in trainer.actors])
             seen["kept"] = engine.inner._weights
             seen["model_bytes"] = model_bytes
             await run.finish()
             return seen
 
     seen = asyncio.run(asyncio.wait_for(run(), 600))  # a hang fails the test instead of stalling the suite
-    for step, (view, reference) in enumerate(zip(seen["views"], seen["references"]), start=1):
-        assert view == (str(step), reference), step
-    # Rank 0 posted both updates; the driver keeps no tensor for a rejoining engine, only rank 0's poster.
-    assert seen["rank0_sent"] == 2 * seen["model_bytes"]
-    assert type(seen["kept"]).__name__ == "RankZeroPoster"
+    _check_views(seen, engines=2)
+    # Each rank (DDP, colocated: gradients averaged in its memory tag) posted each update once, to its own
+    # engine; the driver keeps no tensor for a rejoining engine, only the ranks' poster.
+    assert seen["sent"] == [2 * seen["model_bytes"]] * 2
+    assert type(seen["kept"]).__name__ == "RankPoster"

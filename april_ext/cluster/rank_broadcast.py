@@ -9,9 +9,9 @@ keeps the HTTP side (the SGLangEngine's WeightBroadcaster: the groups' init on e
 sending rank holds about one bucket at a time; the driver none. A retry (an engine gone mid-update) or an
 engine that rejoins has the trainer export the same weights again.
 
-weight_sync="tensor": rank 0 posts its export to the engines the driver names, /update_weights_from_tensor
-per bucket (april_ext.sglang.weights.post_tensors), e.g. to the engine that shares its device in a
-colocated run; the driver keeps the engines' list and the version.
+weight_sync="tensor": the ranks post their export to the engines the driver names, /update_weights_from_tensor
+per bucket (april_ext.sglang.weights.post_tensors): in a colocated run each rank to the engine that shares its
+device, all at once; otherwise rank 0 to every engine. The driver keeps the engines' list and the version.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ class StageSource:
         return await self.group.next_broadcast_bucket(self.stage)
 
 
-class RankZeroPoster:
-    """The TensorPoster of a Ray run: the trainer group's current weights, posted by rank 0."""
+class RankPoster:
+    """The TensorPoster of a Ray run: the trainer group's current weights, posted by the ranks
+    (TrainerGroup.post_tensors)."""
 
     def __init__(self, group: TrainerGroup) -> None:
         self.group = group
@@ -100,12 +101,12 @@ class RankZeroPoster:
 class RankExport(ExportedWeights):
     """TrainerGroup.export_weights(): rank 0's export as a stream the driver pulls (read lazily: nothing moves
     until it is iterated); ``source``, the same weights broadcast by each pipeline stage's first rank, and
-    ``poster``, posted by rank 0, without passing the driver."""
+    ``poster``, posted by the ranks, without passing the driver."""
 
-    def __init__(self, version: int, tensors: Any, source: StagedSource, poster: RankZeroPoster) -> None:
+    def __init__(self, version: int, tensors: Any, source: StagedSource, poster: RankPoster) -> None:
         super().__init__(version, tensors)
         self.source = source
         self.poster = poster
 
 
-__all__ = ["RankExport", "RankHost", "RankZeroPoster", "StageSource", "rank_result"]
+__all__ = ["RankExport", "RankHost", "RankPoster", "StageSource", "rank_result"]

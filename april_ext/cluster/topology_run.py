@@ -60,6 +60,9 @@ class RayTopologyRun:
         initial = write_hf_checkpoint(trainer, model_config, os.path.join(root, "initial_model"),
                                       shard_bytes=int(config.weight_sync_bucket_mb * 2**20))
         pool = await EnginePool.start(self._session, config, initial, trainer.version)
+        if self.topology.colocate and isinstance(trainer, TrainerGroup):
+            # Engine i sits in trainer rank i's bundle (Topology.engine): that rank posts its weights to it.
+            trainer.engine_owner = lambda url: next((s.index for s in pool.slots if s.url == url), None)
         try:
             async with SGLangEngine(client_config(config, pool, trainer.version, root)) as inner, \
                     RayEngine(inner, pool) as engine:

@@ -21,7 +21,7 @@ from typing import Any
 
 from april_ext.batch import TrainingBatch
 from april_ext.cluster.errors import ClusterError
-from april_ext.cluster.rank_broadcast import RankExport, RankHost, RankZeroPoster, StageSource, rank_result
+from april_ext.cluster.rank_broadcast import RankExport, RankHost, RankPoster, StageSource, rank_result
 from april_ext.cluster.session import RaySession
 from april_ext.cluster.trainer_actor import TrainerRank
 from april_ext.errors import AprilError, InvalidStateError
@@ -53,6 +53,8 @@ class TrainerGroup:
         self._open_export: Callable[[], None] | None = None
         self.stages: list[list[int]] = [list(range(len(actors)))]
         self.weight_hosts = [RankHost(actors[0], 0)]
+        # Colocated runs: the rank whose device an engine (by url) shares, which posts its weights to it.
+        self.engine_owner: Callable[[str], int | None] | None = None
 
     def set_stages(self, stages: list[tuple[int, int]]) -> None:
         """The ranks' (pipeline stage, number of stages), in rank order: each stage's first rank hosts its
@@ -129,10 +131,10 @@ class TrainerGroup:
         """Rank 0's export, in three forms (RankExport): a stream the driver pulls bucket by bucket
         (weight_sync_bucket_mb each) while every rank gathers it, so the driver and rank 0 hold about one
         bucket at a time; or ``source``, broadcast by each pipeline stage's first rank itself, stage by stage
-        (weight_sync="broadcast"); or ``poster``, posted by rank 0 itself (weight_sync="tensor"). Nothing is
-        exported until one of them is read."""
+        (weight_sync="broadcast"); or ``poster``, posted by the ranks themselves (weight_sync="tensor": see
+        post_tensors). Nothing is exported until one of them is read."""
         source = StagedSource(tuple(StageSource(self, host, s) for s, host in enumerate(self.weight_hosts)))
-        return RankExport(self._version, self._reading(to_cpu), source, RankZeroPoster(self))
+        return RankExport(self._version, self._reading(to_cpu), source, RankPoster(self))
 
     def _reading(self, to_cpu: bool) -> Iterator[tuple[str, Any]]:
         if self._open_export is not None:
@@ -183,20 +185,27 @@ class TrainerGroup:
         return meta
 
     async def post_tensors(self, urls: list[str], version: int, flush_cache: bool) -> list[str]:
-        """weight_sync="tensor": rank 0 posts the current weights (which must be ``version``) to ``urls``,
-        /update_weights_from_tensor per bucket, while the other ranks export (and drop) theirs; the names
-        loaded. Waits at most ray_timeout_s."""
+        """weight_sync="tensor": the current weights (which must be ``version``) posted to ``urls``,
+        /update_weights_from_tensor per bucket: each engine's by the rank that shares its device (engine_owner,
+        colocated runs: all ranks at once, each to its own), the others' by rank 0, while the ranks that post
+        nothing export (and drop) theirs; the names loaded. Waits at most ray_timeout_s."""
         if self._open_export is not None:
             self._open_export()
-        calls = [a.post_tensors.remote(urls, version, flush_cache) if r == 0
+        owned: dict[int, list[str]] = {}
+        for url in urls:
+            owner = self.engine_owner(url) if self.engine_owner is not None else None
+            owned.setdefault(0 if owner is None else owner, []).append(url)
+        calls = [a.post_tensors.remote(owned[r], version, flush_cache) if r in owned
                  else a.begin_export.remote(False, False, version) for r, a in enumerate(self.actors)]
+        posting = sorted(owned)
         try:
-            names = await asyncio.wait_for(rank_result(calls[0], "posting weights"), self.timeout_s)
+            names = await asyncio.wait_for(asyncio.gather(*(rank_result(calls[r], "posting weights", r)
+                                                             for r in posting)), self.timeout_s)
         except asyncio.TimeoutError:
-            raise ClusterError(f"trainer rank 0 did not post the weights to {urls} within ray_timeout_s="
+            raise ClusterError(f"trainer ranks {posting} did not post the weights to {urls} within ray_timeout_s="
                                f"{self.timeout_s} s") from None
         self._wait("export_weights", calls)  # the other ranks' part of the export ended too
-        return names
+        return names[0]
 
     def weight_bytes_sent(self) -> int:
         """Bytes the ranks have broadcast or posted to the engines (each stage's first rank, or rank 0)."""

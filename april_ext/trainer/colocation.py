@@ -10,9 +10,9 @@ from april_ext.model import LlamaForCausalLM
 
 
 def move_to_region(models: list[LlamaForCausalLM], params: list[torch.nn.Parameter], tag: str,
-                   device: torch.device) -> None:
+                   device: torch.device) -> list[torch.Tensor]:
     """The models' parameters into the tag (backed up), and one flat gradient buffer per dtype for
-    ``params`` (not backed up)."""
+    ``params`` (not backed up); returns the buffers (each ``.grad`` of ``params`` is a view of one)."""
     from april_ext import memory
 
     for model in models:
@@ -21,6 +21,7 @@ def move_to_region(models: list[LlamaForCausalLM], params: list[torch.nn.Paramet
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
     for p in params:
         by_dtype.setdefault(p.dtype, []).append(p)
+    buffers = []
     for dtype, group in by_dtype.items():
         flat = memory.empty(sum(p.numel() for p in group), dtype, tag=tag, device=device, cpu_backup=False)
         flat.zero_()
@@ -28,6 +29,8 @@ def move_to_region(models: list[LlamaForCausalLM], params: list[torch.nn.Paramet
         for p in group:
             p.grad = flat[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
+        buffers.append(flat)
+    return buffers
 
 
 def move_optimizer_to_region(optimizer: torch.optim.Optimizer, tag: str) -> None:

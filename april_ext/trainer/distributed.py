@@ -92,4 +92,22 @@ def sum_across_ranks(sums: dict[str, float]) -> dict[str, float]:
     return total
 
 
-__all__ = ["initialize", "launched_by_torchrun", "rank_slice", "shutdown", "sum_across_ranks", "world"]
+def broadcast_from_rank_0(tensors: list[torch.Tensor]) -> None:
+    """Every rank's ``tensors`` become rank 0's, in place (a collective), as DistributedDataParallel does to a
+    module's parameters when it wraps them."""
+    with torch.no_grad():
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=0)
+
+
+def average_across_ranks(tensors: list[torch.Tensor]) -> None:
+    """Each tensor, in place, the mean of its values over every rank (a collective), as DistributedDataParallel
+    averages a gradient bucket: divided by the world size, then summed."""
+    size = dist.get_world_size()
+    for tensor in tensors:
+        tensor.div_(size)
+        dist.all_reduce(tensor)
+
+
+__all__ = ["average_across_ranks", "broadcast_from_rank_0", "initialize", "launched_by_torchrun", "rank_slice",
+           "shutdown", "sum_across_ranks", "world"]

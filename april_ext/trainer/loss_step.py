@@ -1,11 +1,12 @@
 """The loss of one minibatch, micro-batch by micro-batch: forward, policy loss, backward (gradients
 accumulate), and the metrics a train_step reports.
 
-Data parallel (dp_size > 1, ``model`` wrapped in DistributedDataParallel): data-parallel rank r trains the
-r-th of dp_size consecutive slices of each minibatch. Its loss is its slice's share of the minibatch loss
-(aggregation weights over the whole minibatch) times dp_size, and DDP averages the gradients over the
-ranks, so the update equals one process training the whole minibatch (DistributedMegatronTrainer's
-convention). Gradients are reduced once per minibatch, after its last micro-batch."""
+Data parallel (dp_size > 1, ``model`` wrapped in DistributedDataParallel, or a colocated trainer's plain
+model): data-parallel rank r trains the r-th of dp_size consecutive slices of each minibatch. Its loss is
+its slice's share of the minibatch loss (aggregation weights over the whole minibatch) times dp_size, and
+the gradients are averaged over the ranks (by DDP, or by the colocated trainer after accumulate_gradients),
+so the update equals one process training the whole minibatch (DistributedMegatronTrainer's convention).
+Gradients are reduced once per minibatch, after its last micro-batch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from april_ext.algorithms import AlgorithmConfig, PolicyLossInputs, aggregation_weights, policy_loss
 from april_ext.batch import TrainingBatch
@@ -52,7 +54,7 @@ class LossStep:
         for i, (a, b) in enumerate(runs):
             a, b = a + m0, b + m0
             # Ranks may run different numbers of micro-batches: only the last backward reduces gradients.
-            defer = self.dp_size > 1 and i < len(runs) - 1
+            defer = isinstance(self.model, DistributedDataParallel) and i < len(runs) - 1
             with self.model.no_sync() if defer else contextlib.nullcontext():  # type: ignore[operator]
                 self._micro_batch(inputs, a, b, weights[int(offsets[a]) - t0:int(offsets[b]) - t0], old_logprobs,
                                   sums)

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from april_ext.algorithms import AlgorithmConfig
 from april_ext.batch import TrainingBatch
-from april_ext.errors import ConfigError, InvalidStateError
+from april_ext.errors import InvalidStateError
 from april_ext.model import LlamaForCausalLM, iter_safetensors, save_pretrained
 from april_ext.model.checkpoint import iter_safetensors_file, save_safetensors
 from april_ext.protocol.trainer import ExportedWeights
@@ -71,11 +71,11 @@ class TorchTrainer:
         self.model.train()
         self.dp_rank, self.dp_size = distributed.world()
         self._ddp: DistributedDataParallel | None = None
-        if self.dp_size > 1:
-            if self.config.colocated:
-                raise ConfigError("TrainerConfig.colocated is not supported with data parallel (a world of "
-                                  f"{self.dp_size} ranks): DistributedDataParallel's gradient buckets live "
-                                  "outside the trainer's memory tag")
+        if self.dp_size > 1 and self.config.colocated:
+            # DistributedDataParallel's gradient buckets would live outside the trainer's memory tag, so a
+            # colocated trainer all-reduces its own flat gradient buffers (in the tag) instead, as DDP does.
+            distributed.broadcast_from_rank_0(list(self.model.parameters()))
+        elif self.dp_size > 1:
             device_ids = None
             if self.device.type == "cuda":
                 # "cuda" without an index is the rank's GPU (distributed.initialize sets it from LOCAL_RANK).
@@ -100,9 +100,10 @@ class TorchTrainer:
         self.step = 0
         self.offloaded = False
         self._optimizer_in_region = False
+        self._grad_buffers: list[torch.Tensor] = []
         if self.config.colocated:
             models = [self.model] if self.ref_model is None else [self.model, self.ref_model]
-            colocation.move_to_region(models, self.params, self.config.memory_tag, self.device)
+            self._grad_buffers = colocation.move_to_region(models, self.params, self.config.memory_tag, self.device)
 
     @property
     def version(self) -> int:
@@ -131,6 +132,8 @@ class TorchTrainer:
         clip = self.config.grad_clip if self.config.grad_clip is not None else math.inf
         for s0, s1 in parts:
             self._loss.accumulate_gradients(inputs, s0, s1, old_logprobs, sums)
+            if self.dp_size > 1 and self._ddp is None:
+                distributed.average_across_ranks(self._grad_buffers)
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, clip)))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
