@@ -197,11 +197,13 @@ class RolloutLoop:
         requests = resumed = aborted = 0
         self._finished_at = []
         if self._carry:
-            # Carried samples past the staleness bound come back (restart / drop); the rest continue.
+            # Carried samples past the staleness bound come back (restart / drop); the rest continue. The engine
+            # continues first: a request that reached an SGLang server after the pause waits at its gate, not
+            # yet in flight, where no abort finds it until generation continues.
+            await self._continue()
             stale = sched.samples_to_abort()
             aborted += len(stale)
             await self._abort(stale)
-            await self._continue()
         while True:
             self._raise_failures()
             self._flush()
