@@ -134,7 +134,7 @@ def test_a_stale_carried_request_that_reached_the_server_during_the_pause_is_abo
             for version in range(1, 5):
                 await engine.update_weights(WEIGHTS, version)
                 batches.append((await asyncio.wait_for(loop.run_step(version), 30)).batch)
-            await loop.abort_carried()
+            await asyncio.wait_for(loop.abort_carried(), 30)
             await loop.drain_rewards()
         return batches
 

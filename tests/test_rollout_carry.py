@@ -22,6 +22,30 @@ TASK = CountingTask(CountingTaskConfig(n_symbols=2, max_count=24, median_count=3
 _prefixes = itertools.count()
 
 
+class _RecordingEngine(AsyncEngine):
+    """Records each abort made while the engine is paused in place: an SGLang server cannot abort a request
+    that reached it after the pause (it waits at the server's gate, not yet in flight), so the loop must
+    continue the engine before it aborts anything."""
+
+    def __init__(self, core: EngineCore) -> None:
+        super().__init__(core)
+        self.paused = False
+        self.aborts_while_paused: list[object] = []
+
+    async def pause_generation(self, mode: str = "in_place") -> None:
+        await super().pause_generation(mode)
+        self.paused = True
+
+    async def continue_generation(self) -> None:
+        self.paused = False
+        await super().continue_generation()
+
+    async def abort(self, request_ids=None):  # type: ignore[no-untyped-def]
+        if self.paused:
+            self.aborts_while_paused.append(request_ids)
+        return await super().abort(request_ids)
+
+
 async def _run(steps: int, **scheduler: object) -> tuple[list, list[dict], dict]:
     model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, max_position_embeddings=96))
     model.init_weights(0)
@@ -30,7 +54,7 @@ async def _run(steps: int, **scheduler: object) -> tuple[list, list[dict], dict]
     core = EngineCore(model, EngineConfig(num_blocks=256, max_num_seqs=64,
                                           memory_tag_prefix=f"carry-loop-{next(_prefixes)}-"))
     results, between = [], []
-    async with AsyncEngine(core) as engine:
+    async with _RecordingEngine(core) as engine:
         loop = RolloutLoop(engine, sched, TASK.reward, sampling=SamplingParams(stop_token_ids=(TASK.eos_id,)),
                            seed=3, engine_capacity=64)
         for version in range(steps):
@@ -42,7 +66,8 @@ async def _run(steps: int, **scheduler: object) -> tuple[list, list[dict], dict]
                             "generated_while_paused": engine.stats().generated_tokens - held.generated_tokens})
         await loop.abort_carried()
         await loop.drain_rewards()
-        final = {"engine": core.stats(), "running": core.stats().running, "streams": loop.carried}
+        final = {"engine": core.stats(), "running": core.stats().running, "streams": loop.carried,
+                 "aborts_while_paused": engine.aborts_while_paused}
     return results, between, final
 
 
@@ -65,6 +90,7 @@ def test_carry_keeps_running_samples_in_the_engine_across_the_update(one_thread)
                for r in results[1:])
     assert final["engine"].preemptions == 0
     assert final["running"] == 0 and final["streams"] == 0  # abort_carried ended them
+    assert between[-1]["carried"] > 0 and final["aborts_while_paused"] == []  # after continuing the engine
 
 
 def test_abort_re_prefills_what_carry_keeps(one_thread):
@@ -76,8 +102,10 @@ def test_abort_re_prefills_what_carry_keeps(one_thread):
 
 
 def test_carried_samples_past_the_staleness_bound_are_restarted(one_thread):
-    results, between, _ = asyncio.run(_run(4, step_boundary="carry", max_staleness=0, staleness_policy="restart"))
+    results, between, final = asyncio.run(_run(4, step_boundary="carry", max_staleness=0, staleness_policy="restart"))
     assert sum(r.metrics.aborted_samples for r in results[1:]) > 0
+    # The stale carried samples, and at the end every carried one, were aborted after the engine continued.
+    assert sum(b["carried"] for b in between) > 0 and final["aborts_while_paused"] == []
     for r in results:
         trained = r.batch.loss_mask.astype(bool)
         # Every token trained on comes from the policy of its step: stale carried samples started over.

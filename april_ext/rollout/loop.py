@@ -270,9 +270,9 @@ class RolloutLoop:
 
     async def abort_carried(self) -> None:
         """Ends the carried samples (at the end of a run): aborted in the engine, their tokens handed to the
-        scheduler as partials."""
-        await self._abort(None)
+        scheduler as partials. The engine continues first, as at the start of a step (see run_step)."""
         await self._continue()
+        await self._abort(None)
 
     async def drain_rewards(self) -> None:
         """Hands the chunks received so far to the scheduler and waits for every pending reward task (its
