@@ -1,7 +1,7 @@
 """Weight sync of a Ray run: time per GB and the memory it takes, by path.
 
     RAY_AUTH_MODE=disabled OMP_NUM_THREADS=1 python bench/bench_ray_weight_sync.py [--hidden 1024 --layers 4]
-        [--ranks 1 --engines 2 --rounds 3 --bucket-mb 64]
+        [--ranks 1 --engines 2 --rounds 3 --bucket-mb 64] [--pipeline 2]
 
 Two runs of the same topology on one local Ray cluster started here (trainer actors, embedded engines behind
 the router),
@@ -13,7 +13,9 @@ each sees the same machine load:
 - "disk": the other run's sync (rank 0's export pulled through the driver, written to the weight-sync
   directory, loaded by every engine).
 Each sync is timed from the call until every engine loaded the weights (best and median of the rounds after
-a warm-up). Meanwhile the resident memory (cluster.process_memory.rss_bytes, sampled every 5 ms) of the
+a warm-up). With --pipeline P the trainer is Megatron split into P pipeline stages (P ranks at least), and
+"broadcast from rank 0" is each stage's first rank broadcasting its own layers, one weight group per stage
+(docs/scaling.md); the driver's path gathers the whole model to rank 0 first. Meanwhile the resident memory (cluster.process_memory.rss_bytes, sampled every 5 ms) of the
 driver and of trainer rank 0 is watched: the table shows its largest rise over the value before the sync,
 over every round (the warm-up's too: a process's allocator keeps memory freed by one round for the next, so
 later rounds show less than the path allocates).
@@ -76,9 +78,11 @@ async def timed(run: TrainingRun, pulled: bool) -> tuple[float, dict[str, float]
 
 async def measure(args: argparse.Namespace, tmp: str) -> dict[str, list[tuple[float, dict[str, float]]]]:
     work = dict(hidden_size=args.hidden, num_layers=args.layers, num_blocks=64, max_num_seqs=16, progress=False,
-                plots=False, num_threads=1, ray=True, ray_num_cpus_per_actor=0.25, actor_num_gpus_per_node=args.ranks,
-                rollout_num_gpus=args.engines, weight_sync_bucket_mb=args.bucket_mb, weight_sync_timeout_s=300.0,
-                ray_timeout_s=600.0)
+                plots=False, num_threads=1, ray=True, ray_num_cpus_per_actor=0.25,
+                actor_num_gpus_per_node=max(args.ranks, args.pipeline), rollout_num_gpus=args.engines,
+                weight_sync_bucket_mb=args.bucket_mb, weight_sync_timeout_s=300.0, ray_timeout_s=600.0)
+    if args.pipeline > 1:
+        work.update(trainer="megatron", pipeline_model_parallel_size=args.pipeline)
     runs = {sync: await TrainingRun(TrainConfig(**work, weight_sync=sync, output_dir=os.path.join(tmp, sync)))
             .__aenter__() for sync in ("broadcast", "disk")}
     paths = {"broadcast from rank 0": (runs["broadcast"], False),
@@ -102,6 +106,7 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--pipeline", type=int, default=1, help="Megatron pipeline stages (1: the torch trainer)")
     args = parser.parse_args()
     import ray
 
@@ -116,8 +121,8 @@ def main() -> None:
                        if f.endswith(".safetensors"))
     finally:
         ray.shutdown()
-    print(f"model: {size / MIB:.1f} MiB; {args.ranks} rank(s), {args.engines} engines, {args.bucket_mb} MiB buckets, "
-          f"{args.rounds} rounds after a warm-up")
+    print(f"model: {size / MIB:.1f} MiB; {max(args.ranks, args.pipeline)} rank(s), {args.pipeline} pipeline "
+          f"stage(s), {args.engines} engines, {args.bucket_mb} MiB buckets, {args.rounds} rounds after a warm-up")
     print("| path | best s | median s | s per GB (best) | driver RSS rise MiB (max) | rank 0 RSS rise MiB (max) |")
     print("|---|---|---|---|---|---|")
     for name, rows in results.items():
