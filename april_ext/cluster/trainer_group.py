@@ -51,8 +51,9 @@ class TrainerGroup:
         self._version = version
         # Ends an export the ranks are still in (see export_weights, begin_broadcast_export).
         self._open_export: Callable[[], None] | None = None
-        self.stages: list[list[int]] = [list(range(len(actors)))]
-        self.weight_hosts = [RankHost(actors[0], 0)]
+        self.stages: list[list[int]] = []
+        self.weight_hosts: list[RankHost] = []
+        self.set_stages([(0, 1)] * len(actors))
         # Colocated runs: the rank whose device an engine (by url) shares, which posts its weights to it.
         self.engine_owner: Callable[[str], int | None] | None = None
 

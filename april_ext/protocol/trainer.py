@@ -71,7 +71,7 @@ class Trainer(Protocol):
 
 @runtime_checkable
 class StagedTrainer(Protocol):
-    """A trainer split into pipeline stages (Megatron with pipeline_model_parallel_size > 1 too, as one stage):
+    """A trainer split into pipeline stages (Megatron; pipeline_model_parallel_size 1 is one stage):
     each stage's part of the weights can be exported by that stage's ranks alone, so that each stage's first
     rank sends its part to the engines itself (the collective weight update, one group per stage)."""
 

@@ -251,15 +251,13 @@ class WeightBroadcaster:
                 await held.enter_async_context(host.lock)
             while True:
                 try:
-                    names: list[str] = []
-                    for part, source in enumerate(sources):
-                        names += await self._push_once(part, source, version, flush_cache)
-                    return sorted(names)
+                    return await self._push_once(sources, version, flush_cache)
                 except WeightBroadcastError as exc:
                     if not exc.worker_gone:
                         raise
 
-    async def _push_once(self, part: int, source: BroadcastSource, version: int, flush_cache: bool) -> list[str]:
+    async def _push_once(self, sources: list[BroadcastSource], version: int, flush_cache: bool) -> list[str]:
+        """One attempt: every part to the workers listed now (the same workers get every part)."""
         try:
             urls = tuple(await self._workers.worker_urls())
             profiles = await self._workers.profiles()
@@ -269,6 +267,14 @@ class WeightBroadcaster:
         if old:
             raise InvalidArgumentError(f"weight_sync='broadcast' speaks SGLang {sglang_wire.SGLANG_RELEASE}'s "
                                        f"collective update; {', '.join(old)} predate it: use weight_sync='disk'")
+        names: list[str] = []
+        for part, source in enumerate(sources):
+            names += await self._push_part(part, source, urls, version, flush_cache)
+        return sorted(names)
+
+    async def _push_part(self, part: int, source: BroadcastSource, urls: tuple[str, ...], version: int,
+                         flush_cache: bool) -> list[str]:
+        """One part, in its group, inside a session of its own on every worker; the names sent."""
         await self._bounded(source.rewind(version), "reading the weights")
         bucket = await self._bounded(source.next_bucket(), "reading the weights")
         if bucket is None:

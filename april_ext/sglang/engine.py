@@ -40,6 +40,9 @@ from april_ext.sglang.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
 
+# Weights sent by the processes that hold them (a trainer rank), not by this one.
+_HELD_ELSEWHERE = (BroadcastSource, StagedSource, TensorPoster)
+
 # weight_versions() for a server whose release labels no weights (SGLang 0.4.x).
 UNLABELLED = "unlabelled"
 
@@ -262,8 +265,7 @@ class SGLangEngine:
         processes that hold the tensors; this one holds none of them, and keeps the source for a rejoining worker."""
         check_weight_version(version)
         streamed = self.config.weight_sync == "disk" or (self.config.weight_sync == "tensor" and self._failover is None)
-        held_elsewhere = (BroadcastSource, StagedSource, TensorPoster)
-        if not isinstance(weights, (str, os.PathLike, Mapping, *held_elsewhere)) and not streamed:
+        if not isinstance(weights, (str, os.PathLike, Mapping, *_HELD_ELSEWHERE)) and not streamed:
             weights = dict(weights)
         async with self._weights_lock:
             # Requests held in place keep their KV: SGLang would fail the flush (it flushes only when idle).
@@ -423,7 +425,7 @@ def _kept(weights: WeightsSource, weight_sync: str, weight_sync_dir: str | None)
     weight-sync directory holds the last tensors pushed), a BroadcastSource, StagedSource or TensorPoster
     itself (its holders export them again), else a CPU copy of the tensors (a trainer exports its live
     parameters, which its next update changes in place)."""
-    if isinstance(weights, (str, os.PathLike, BroadcastSource, StagedSource, TensorPoster)):
+    if isinstance(weights, (str, os.PathLike, *_HELD_ELSEWHERE)):
         return weights
     if weight_sync == "disk":
         assert weight_sync_dir is not None  # SGLangEngineConfig requires it for "disk"
