@@ -222,9 +222,14 @@ def test_resumed_baseline_run_equals_an_uninterrupted_one(tmp_path):
     straight = train(tiny(tmp_path, "a", partial_rollout=False, num_steps=4))
     train(tiny(tmp_path, "b", partial_rollout=False, num_steps=2))
     resumed = train(tiny(tmp_path, "b", partial_rollout=False, num_steps=4, resume=True))
-    keys = ("rollout/reward_mean", "rollout/generated_tokens", "rollout/response_lens", "train/loss",
-            "train/grad_norm")
-    assert [[r[k] for k in keys] for r in resumed.history] == [[r[k] for k in keys] for r in straight.history]
+    # The groups of a step enter the batch in the order they complete, which the engine thread's timing can
+    # swap for groups finishing together (seen once in CI): lengths compared as multisets, losses within fp32
+    # summation order.
+    assert len(resumed.history) == len(straight.history)
+    for mine, theirs in zip(resumed.history, straight.history):
+        assert sorted(mine["rollout/response_lens"]) == sorted(theirs["rollout/response_lens"])
+        for key in ("rollout/reward_mean", "rollout/generated_tokens", "train/loss", "train/grad_norm"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
 
 
 def test_reinforce_plus_plus_with_kl_shaping_and_the_decoupled_loss_runs_under_april(tmp_path):
