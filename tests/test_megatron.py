@@ -16,6 +16,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 import torch.distributed as dist  # noqa: E402
 from _megatron_runtime import megatron_runtime  # noqa: E402, F401 - the module's runtime (autouse)
 from _trainer_utils import make_batch, make_model  # noqa: E402
+from _update_bound import OptimizerRecord, assert_same_gradients, assert_weights_within_adam_bound  # noqa: E402
 
 from april_ext.algorithms import AlgorithmConfig  # noqa: E402
 from april_ext.engine import EngineConfig, EngineCore  # noqa: E402
@@ -121,25 +122,96 @@ SHAPED = AlgorithmConfig.reinforce_plus_plus(kl_coef=0.2, kl_loss_coef=0.05, kl_
                                              behav_imp_weight_cap=3.0, max_staleness=None)
 
 
-@pytest.mark.parametrize("minibatches, algorithm", [(1, None), (2, None), (1, SHAPED), (2, SHAPED)])
-def test_train_step_matches_the_torch_trainer(minibatches: int, algorithm: AlgorithmConfig | None) -> None:
+def train_both(minibatches: int, algorithm: AlgorithmConfig | None, plant: str | None = None
+               ) -> tuple[list[tuple[dict, dict]], TorchTrainer, MegatronTrainer, OptimizerRecord, OptimizerRecord]:
+    """Two steps of the torch and the Megatron trainer from the same weights on the same batches: their
+    metrics and what their optimizers saw. ``plant`` puts a defect into the Megatron side (PLANTED)."""
     model = make_model(3)
     config = trainer_config(minibatches=minibatches, **({"algorithm": algorithm} if algorithm else {}))
     torch_trainer = TorchTrainer(copy.deepcopy(model), config)
     megatron = MegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=config), model.named_parameters())
+    if plant is not None:
+        PLANTED[plant](megatron)
+    expected_record, got_record = OptimizerRecord(torch_trainer), OptimizerRecord(megatron)
+    metrics = []
     for step in range(2):
         batch = make_batch(model, step, seed=step)
-        expected = torch_trainer.train_step(batch)
-        got = megatron.train_step(batch)
-        for key in ("loss", "grad_norm", "entropy", "n_loss_tokens", "optimizer_steps", "version"):
-            assert got[key] == pytest.approx(expected[key], rel=TOL["rtol"], abs=TOL["atol"] / 10), (step, key)
-    assert megatron.version == torch_trainer.version == 2
+        metrics.append((torch_trainer.train_step(batch), megatron.train_step(batch)))
+    return metrics, torch_trainer, megatron, expected_record, got_record
+
+
+def check_same_update(torch_trainer: TorchTrainer, megatron: MegatronTrainer, expected_record: OptimizerRecord,
+                      got_record: OptimizerRecord) -> None:
+    """The gradients each optimizer step was fed, then the weights within what Adam makes of their
+    differences (tests/_update_bound.py: no tolerance sits on reduction-order noise)."""
+    assert_same_gradients(got_record, expected_record)
     ours = dict(torch_trainer.export_weights(to_cpu=True).tensors)
     exported = megatron.export_weights(to_cpu=True)
     theirs = list(exported)  # an export streams once
-    assert exported.version == 2 and [n for n, _ in theirs] == list(ours)
-    for key, tensor in theirs:
-        torch.testing.assert_close(tensor, ours[key], rtol=1e-4, atol=1e-5)
+    assert exported.version == torch_trainer.version and [n for n, _ in theirs] == list(ours)
+    assert_weights_within_adam_bound(dict(theirs), ours, got_record, expected_record)
+
+
+def _scale_one_gradient(megatron: MegatronTrainer) -> None:
+    param = megatron.model.gpt.decoder.layers[1].mlp.linear_fc2.weight
+
+    def scale(*_: object) -> None:
+        param.grad.mul_(1.01)
+
+    megatron.optimizer.register_step_pre_hook(scale)
+
+
+def _transpose_one_weight(megatron: MegatronTrainer) -> None:
+    weight = megatron.model.gpt.decoder.layers[0].self_attention.linear_proj.weight
+    assert weight.shape[0] == weight.shape[1]
+    with torch.no_grad():
+        weight.copy_(weight.t().clone())
+
+
+def _drop_one_micro_batch(megatron: MegatronTrainer) -> None:
+    loss, calls = megatron._loss, [0]
+    run = loss._micro_batch
+
+    def skipping(*args: object) -> None:
+        calls[0] += 1
+        if calls[0] != 2:
+            run(*args)
+
+    object.__setattr__(loss, "_micro_batch", skipping)
+
+
+PLANTED = {"gradient_scaled_by_1.01": _scale_one_gradient, "one_layer_weight_transposed": _transpose_one_weight,
+           "one_micro_batch_dropped": _drop_one_micro_batch}
+
+
+@pytest.mark.parametrize("minibatches, algorithm", [(1, None), (2, None), (1, SHAPED), (2, SHAPED)])
+def test_train_step_matches_the_torch_trainer(minibatches: int, algorithm: AlgorithmConfig | None) -> None:
+    metrics, torch_trainer, megatron, expected_record, got_record = train_both(minibatches, algorithm)
+    for step, (expected, got) in enumerate(metrics):
+        for key in ("loss", "grad_norm", "entropy", "n_loss_tokens", "optimizer_steps", "version"):
+            assert got[key] == pytest.approx(expected[key], rel=TOL["rtol"], abs=TOL["atol"] / 10), (step, key)
+    assert megatron.version == torch_trainer.version == 2
+    assert len(got_record.gradients) == 2 * minibatches
+    check_same_update(torch_trainer, megatron, expected_record, got_record)
+
+
+@pytest.mark.parametrize("plant", PLANTED)
+def test_the_comparison_with_the_torch_trainer_fails_on_a_planted_defect(plant: str) -> None:
+    """The gradient and weight checks alone (not the metrics) catch each defect."""
+    _, torch_trainer, megatron, expected_record, got_record = train_both(2, SHAPED, plant)
+    with pytest.raises(AssertionError):
+        check_same_update(torch_trainer, megatron, expected_record, got_record)
+
+
+def test_the_weight_bound_fails_on_weights_a_hundred_thousandth_off() -> None:
+    _, torch_trainer, megatron, expected_record, got_record = train_both(2, SHAPED)
+    ours = dict(torch_trainer.export_weights(to_cpu=True).tensors)
+    theirs = dict(megatron.export_weights(to_cpu=True))
+    assert_weights_within_adam_bound(theirs, ours, got_record, expected_record)
+    for name in ("model.layers.0.self_attn.o_proj.weight", "model.norm.weight"):
+        with pytest.raises(AssertionError, match=name):
+            assert_weights_within_adam_bound({**theirs, name: theirs[name] * (1 + 1e-5)}, ours, got_record,
+                                             expected_record)
 
 
 def test_exported_weights_load_into_the_engine() -> None:

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from _megatron_runtime import megatron_runtime  # noqa: E402, F401 - the module's runtime (autouse)
 from _trainer_utils import TASK, make_batch  # noqa: E402
+from _update_bound import OptimizerRecord, assert_same_gradients, assert_weights_within_adam_bound  # noqa: E402
 
 from april_ext.algorithms import AlgorithmConfig  # noqa: E402
 from april_ext.model import LlamaForCausalLM, ModelConfig, iter_safetensors  # noqa: E402
@@ -103,13 +104,14 @@ def test_moe_train_steps_match_the_torch_trainer() -> None:
                              algorithm=AlgorithmConfig(kl_loss_coef=0.05, kl_loss_type="k3", max_staleness=None))
     reference = TorchTrainer(copy.deepcopy(model), settings)
     megatron = MegatronTrainer(MegatronTrainerConfig(model=config, trainer=settings), model.named_parameters())
+    expected_record, got_record = OptimizerRecord(reference), OptimizerRecord(megatron)
     for step in range(2):
         batch = make_batch(model, step, seed=step)
         expected, got = reference.train_step(batch), megatron.train_step(batch)
         for key in ("loss", "grad_norm", "entropy", "n_loss_tokens"):
             assert got[key] == pytest.approx(expected[key], rel=TOL["rtol"], abs=TOL["atol"] / 10), (step, key)
+    # The router's and experts' gradients, then the weights within Adam's bound (tests/_update_bound.py).
+    assert_same_gradients(got_record, expected_record)
     ours = dict(reference.export_weights(to_cpu=True).tensors)
-    exported = list(megatron.export_weights(to_cpu=True))
-    assert sorted(n for n, _ in exported) == sorted(ours)
-    for key, tensor in exported:
-        torch.testing.assert_close(tensor, ours[key], rtol=1e-4, atol=1e-5)
+    exported = dict(megatron.export_weights(to_cpu=True))
+    assert_weights_within_adam_bound(exported, ours, got_record, expected_record)
