@@ -26,8 +26,8 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
 
 
 def safetensors_files(directory: str | os.PathLike[str]) -> list[str]:
-    """The safetensors files of a checkpoint directory: the index's shards, else model.safetensors,
-    else every *.safetensors file."""
+    """The safetensors files of a checkpoint directory: the index's shards (PersistenceError naming one that
+    is missing), else model.safetensors, else every *.safetensors file."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise InvalidArgumentError(f"checkpoint path {directory!r} is not a directory")
@@ -35,11 +35,14 @@ def safetensors_files(directory: str | os.PathLike[str]) -> list[str]:
     if os.path.exists(index):
         try:
             with open(index, encoding="utf-8") as handle:
-                shards = sorted(set(json.load(handle)["weight_map"].values()))
+                weight_map = dict(json.load(handle)["weight_map"])
         except OSError as err:
             raise PersistenceError(f"reading {index!r} failed: {err}") from None
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise CorruptStateError(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from None
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            _check_shard(directory, shard, weight_map)
         return [os.path.join(directory, shard) for shard in shards]
     if os.path.exists(os.path.join(directory, _SINGLE)):
         return [os.path.join(directory, _SINGLE)]
@@ -47,6 +50,17 @@ def safetensors_files(directory: str | os.PathLike[str]) -> list[str]:
     if not files:
         raise InvalidArgumentError(f"checkpoint directory {directory!r} holds no .safetensors file")
     return [os.path.join(directory, f) for f in files]
+
+
+def _check_shard(directory: str, shard: str, weight_map: dict[str, str]) -> None:
+    """PersistenceError naming a shard the index lists that the directory lacks, with the tensors it holds:
+    every layout needs them all (read whole, or sliced by the ranks whose parameters they make)."""
+    if os.path.isfile(os.path.join(directory, shard)):
+        return
+    held = sorted(name for name, file in weight_map.items() if file == shard)
+    raise PersistenceError(f"{os.path.join(directory, shard)}: missing from the checkpoint; {_INDEX} puts "
+                           f"{len(held)} tensor(s) in it, such as {', '.join(held[:3])}, and the model "
+                           f"needs every one: restore the file (or the whole directory)")
 
 
 def iter_safetensors(directory: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,15 +74,10 @@ def verify_manifest(root: str) -> bool:
     """Checks every file listed in ``root/manifest.json`` (present, same size, same sha256): raises
     CorruptStateError naming the first damaged or missing file, or a damaged manifest. Returns False
     when there is no manifest (a checkpoint written before manifests existed), True when verified."""
-    manifest = os.path.join(root, MANIFEST_FILE)
-    if not os.path.exists(manifest):
+    files = _manifest_files(root)
+    if files is None:
         return False
-    raw = read_json(manifest)
-    files = raw.get("files") if isinstance(raw, dict) and raw.get("format") == MANIFEST_FORMAT else None
-    if not isinstance(files, dict) or not all(
-            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
-            for e in files.values()):
-        raise CorruptStateError(f"{manifest}: not a {MANIFEST_FORMAT} manifest")
+    manifest = os.path.join(root, MANIFEST_FILE)
     for rel, expected in sorted(files.items()):
         path = os.path.join(root, *rel.split("/"))
         if not os.path.isfile(path):
@@ -93,6 +89,26 @@ def verify_manifest(root: str) -> bool:
             raise CorruptStateError(f"{path}: damaged: sha256 {digest.sha256} differs from the manifest's "
                                     f"{expected['sha256']}")
     return True
+
+
+def _manifest_files(root: str) -> dict[str, dict[str, Any]] | None:
+    """The manifest's entries (relative path -> size and sha256); None without a manifest."""
+    manifest = os.path.join(root, MANIFEST_FILE)
+    if not os.path.exists(manifest):
+        return None
+    raw = read_json(manifest)
+    files = raw.get("files") if isinstance(raw, dict) and raw.get("format") == MANIFEST_FORMAT else None
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+            for e in files.values()):
+        raise CorruptStateError(f"{manifest}: not a {MANIFEST_FORMAT} manifest")
+    return files
+
+
+def _absent_file(root: str) -> str | None:
+    """The first file the manifest lists that is not under ``root`` (nothing is read: no checksum)."""
+    paths = (os.path.join(root, *rel.split("/")) for rel in sorted(_manifest_files(root) or {}))
+    return next((path for path in paths if not os.path.isfile(path)), None)
 
 
 class CheckpointManager:
@@ -168,6 +184,22 @@ class CheckpointManager:
             raise CorruptStateError(f"every checkpoint under {self.directory!r} is damaged: "
                                     + "; ".join(damaged.values()))
         return None
+
+    def check_resumable(self, check_trainer: Callable[[str], None]) -> None:
+        """Before a run starts (its ranks launched, its model built): the file presence part of
+        ``restore_newest``, reading no file's bytes. The checkpoint it would load, the newest whose
+        manifest's files are all there, has its trainer directory checked by ``check_trainer`` (which
+        raises, e.g. PersistenceError for a sharded checkpoint lacking a shard); CorruptStateError when every
+        checkpoint lacks a file, as ``restore_newest`` would raise."""
+        lacking = []
+        for info in reversed(self.list()):
+            absent = _absent_file(info.path)
+            if absent is None:
+                check_trainer(os.path.join(info.path, _TRAINER_DIR))
+                return
+            lacking.append(f"{absent}: missing (listed in {os.path.join(info.path, MANIFEST_FILE)})")
+        if lacking:
+            raise CorruptStateError(f"every checkpoint under {self.directory!r} is damaged: " + "; ".join(lacking))
 
     def _prune(self) -> None:
         for info in self.list()[:-self.keep]:

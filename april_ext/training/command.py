@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
 from april_ext.errors import ConfigError, InvalidStateError
+from april_ext.model.checkpoint import safetensors_files
 from april_ext.settings import add_flag, settings
 from april_ext.trainer.distributed import launched_by_torchrun
+from april_ext.trainer.megatron.checkpoint_files import Layout, check_files
+from april_ext.training.checkpoint import CheckpointManager
 from april_ext.training.config import PARALLEL_SETTINGS, SCHEDULER_SETTINGS, TrainConfig
 from april_ext.training.ranks import check_world
 
@@ -142,18 +146,16 @@ def run(args: argparse.Namespace) -> int:
     from april_ext.training.run import train, train_side_by_side
 
     config = config_from_args(args)
-    if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        raise ConfigError(f"--nproc-per-node {args.nproc_per_node} is not allowed: an int >= 1")
-    # --nproc-per-node 1 is this process (a world of one), not a launch.
-    if (args.nproc_per_node or 1) > 1 or launched_by_torchrun():
-        if args.compare:
-            raise ConfigError("--compare runs in one process; leave out --nproc-per-node and torchrun")
-        if not launched_by_torchrun():
-            return _launch(config, args.nproc_per_node, args.argv)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if args.nproc_per_node not in (None, local):
-            raise ConfigError(f"--nproc-per-node {args.nproc_per_node} under torchrun, which started {local} "
-                              f"ranks on this machine; leave the flag out under torchrun")
+    world = _world_size(args)
+    if args.compare and world > 1:
+        raise ConfigError("--compare runs in one process; leave out --nproc-per-node and torchrun")
+    if args.compare and config.engine == "sglang" and not config.sglang_launch:
+        raise ConfigError("--compare with engine='sglang' needs sglang_launch=true: the two runs cannot share "
+                          f"servers (each aborts every request at the end of its steps); got engine='sglang' with "
+                          f"sglang_urls={list(config.sglang_urls)} sglang_router_url={config.sglang_router_url!r}")
+    check_before_start(config, world)
+    if world > 1 and not launched_by_torchrun():
+        return _launch(args.nproc_per_node, args.argv)
     if not args.compare:
         result = train(config)
         if result is None:  # a rank that followed rank 0's trainer: rank 0 reports
@@ -161,10 +163,6 @@ def run(args: argparse.Namespace) -> int:
         _print_summary({"run": result.summary})
         print(f"metrics: {os.path.join(result.output_dir, 'metrics.jsonl')}  checkpoint: {result.checkpoint}")
         return 0
-    if config.engine == "sglang" and not config.sglang_launch:
-        raise ConfigError("--compare with engine='sglang' needs sglang_launch=true: the two runs cannot share "
-                          f"servers (each aborts every request at the end of its steps); got engine='sglang' with "
-                          f"sglang_urls={list(config.sglang_urls)} sglang_router_url={config.sglang_router_url!r}")
     from april_ext.plots import plot_compare
 
     # Side by side: the two runs take steps in turn, so both see the same machine load.
@@ -192,10 +190,47 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(config: TrainConfig, nproc: int, argv: list[str]) -> int:
+def _world_size(args: argparse.Namespace) -> int:
+    """The run's ranks: --nproc-per-node's (1, or none: this process alone), or torchrun's world."""
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node} is not allowed: an int >= 1")
+    if not launched_by_torchrun():
+        return args.nproc_per_node or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if args.nproc_per_node not in (None, local):
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node} under torchrun, which started {local} "
+                          f"ranks on this machine; leave the flag out under torchrun")
+    return int(os.environ["WORLD_SIZE"])
+
+
+def check_before_start(config: TrainConfig, world_size: int) -> None:
+    """Refuses, before any rank starts or builds a model, a run in ``world_size`` ranks that would fail
+    there on every rank: a parallel layout that does not fit the model or the world (ConfigError naming the
+    flag), a model directory or resume checkpoint lacking a file (PersistenceError naming it)."""
+    from april_ext.training.run import run_model_config
+
+    model = run_model_config(config) if config.trainer == "megatron" else None
+    dp = check_world(config, world_size, model)
+    if config.model is not None:
+        safetensors_files(config.model)
+    if config.resume_dir is not None:
+        CheckpointManager(config.resume_dir, keep=config.keep_checkpoints).check_resumable(
+            _trainer_files_check(config, world_size, dp))
+
+
+def _trainer_files_check(config: TrainConfig, world_size: int, dp: int) -> Callable[[str], None]:
+    """What a checkpoint's trainer directory must hold: across ranks, a Megatron trainer's distributed
+    checkpoint every file (its load would fail on the ranks reading a missing shard); the other trainers'
+    files are covered by the checkpoint's manifest."""
+    if config.trainer != "megatron" or world_size == 1:
+        return lambda directory: None
+    requested = Layout.of(config.parallel_config(), dp)
+    return lambda directory: check_files(directory, requested)
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
     """The same command line in ``nproc`` ranks started by torchrun (its standalone rendezvous on this
     machine); each rank's errors are printed by that rank."""
-    check_world(config, nproc)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
@@ -237,4 +272,4 @@ def _print_summary(summaries: dict[str, dict[str, float]]) -> None:
         print(f"{label:22s}{cells}")
 
 
-__all__ = ["add_parser", "config_from_args", "run"]
+__all__ = ["add_parser", "check_before_start", "config_from_args", "run"]

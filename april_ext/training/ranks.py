@@ -33,8 +33,10 @@ import torch.distributed as dist
 
 from april_ext.batch import TrainingBatch
 from april_ext.errors import ConfigError, InvalidStateError
+from april_ext.model import ModelConfig
 from april_ext.protocol.trainer import ExportedWeights, Trainer
 from april_ext.trainer import distributed
+from april_ext.trainer.megatron.parallel import validate_layout
 from april_ext.training.config import TrainConfig
 from april_ext.training.trainers import InitialWeights, TrainerFactory, build_trainer
 
@@ -52,19 +54,27 @@ class _Command:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def check_world(config: TrainConfig, world_size: int) -> int:
+def check_world(config: TrainConfig, world_size: int, model: ModelConfig | None = None) -> int:
     """The data-parallel size of ``config``'s run in a world of ``world_size`` ranks; ConfigError when the
-    layout does not fit it (tensor x pipeline x context parallel must divide it; the torch trainer is data
-    parallel over any world; the distributed optimizer needs more than one rank) or an optimizer step has fewer samples than data-parallel ranks."""
+    layout does not fit it (with ``model``, the architecture the run trains, first when the layout cannot
+    split it: trainer.megatron.parallel.validate_layout; tensor x pipeline x context parallel must divide the
+    world; the torch trainer is data parallel over any world; the distributed optimizer needs more than one
+    rank) or an optimizer step has fewer samples than data-parallel ranks."""
     dp = world_size
     if config.trainer != "torch":
         split = config.parallel_config()
+        if model is not None:
+            validate_layout(split, model)
         if world_size % split.model_parallel_size:
             launch = ("launch it with --nproc-per-node or torchrun" if world_size == 1
                       else "change --nproc-per-node / torchrun's world")
             raise ConfigError(f"the run has {world_size} rank(s), not a multiple of tensor x pipeline x context "
                               f"parallel = {split.tensor_model_parallel_size} x {split.pipeline_model_parallel_size}"
-                              f" x {split.context_parallel_size}: {launch}")
+                              f" x {split.context_parallel_size} = {split.model_parallel_size} "
+                              f"(--tensor-model-parallel-size {split.tensor_model_parallel_size}, "
+                              f"--pipeline-model-parallel-size {split.pipeline_model_parallel_size}; data parallel "
+                              f"takes the rest of the world): {launch} ({split.model_parallel_size} ranks or a "
+                              f"multiple)")
         dp = split.data_parallel_size(world_size)
         if split.use_distributed_optimizer and world_size == 1:
             # MegatronTrainer (a world of one) has no distributed optimizer: the flag would be ignored.

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ import torch
 from april_ext.algorithms import reject_uniform_groups
 from april_ext.data_source import DataSource, Prompt
 from april_ext.errors import ConfigError, InvalidArgumentError
-from april_ext.model import LlamaForCausalLM
+from april_ext.model import LlamaForCausalLM, ModelConfig
 from april_ext.persistence import atomic_write_json, atomic_write_text
 from april_ext.protocol import RolloutEngine, SamplingParams, Trainer
 from april_ext.rollout import GroupFilter, RewardFn, RolloutLoop, scheduler_config_for
@@ -57,6 +57,9 @@ from april_ext.training.trainers import (
     build_trainer,
     initial_model_config,
 )
+
+if TYPE_CHECKING:
+    from april_ext.tasks import CountingTask
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -93,30 +96,42 @@ class _Task:
     """Token ids to text (data runs: the tokenizer's, without special tokens)."""
 
 
+def run_model_config(config: TrainConfig) -> ModelConfig:
+    """The architecture the run trains, known without building it: the model directory's config.json, else
+    the counting task's tiny model."""
+    if config.model is not None:
+        return ModelConfig.from_pretrained(config.model)
+    return _counting_model_config(config, _counting_task(config, config.seed))
+
+
+def _counting_task(config: TrainConfig, seed: int) -> CountingTask:
+    from april_ext.tasks import CountingTask, CountingTaskConfig
+
+    return CountingTask(CountingTaskConfig(
+        n_symbols=config.counting_symbols, max_count=config.counting_max_count,
+        median_count=config.counting_median, sigma=config.counting_sigma, seed=seed))
+
+
+def _counting_model_config(config: TrainConfig, task: CountingTask) -> ModelConfig:
+    max_len = config.max_response_len or task.max_response_len()
+    return task.model_config(hidden_size=config.hidden_size, intermediate_size=3 * config.hidden_size,
+                             num_hidden_layers=config.num_layers, max_position_embeddings=8 + max_len + 8)
+
+
 def _build_task(config: TrainConfig) -> _Task:
     if config.task == "counting":
-        from april_ext.tasks import CountingTask, CountingTaskConfig
-
-        def counting(seed: int) -> CountingTask:
-            return CountingTask(CountingTaskConfig(
-                n_symbols=config.counting_symbols, max_count=config.counting_max_count,
-                median_count=config.counting_median, sigma=config.counting_sigma, seed=seed))
-
-        task = counting(config.seed)
-        longest = task.max_response_len()
-        max_len = config.max_response_len or longest
+        task = _counting_task(config, config.seed)
+        max_len = config.max_response_len or task.max_response_len()
 
         def initial_weights() -> InitialWeights:
             if config.model is not None:
                 return config.model
-            model = LlamaForCausalLM(task.model_config(
-                hidden_size=config.hidden_size, intermediate_size=3 * config.hidden_size,
-                num_hidden_layers=config.num_layers, max_position_embeddings=8 + max_len + 8))
+            model = LlamaForCausalLM(_counting_model_config(config, task))
             model.init_weights(config.seed)
             return model
 
         return _Task(task, task.reward, (task.eos_id,), max_len, initial_weights,
-                     lambda: counting(config.seed + 1).prompts(0, config.eval_counting_prompts))
+                     lambda: _counting_task(config, config.seed + 1).prompts(0, config.eval_counting_prompts))
     from april_ext.data import DatasetConfig, PromptDataset, load_tokenizer
     from april_ext.tasks import MathReward
 

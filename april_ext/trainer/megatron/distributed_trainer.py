@@ -42,6 +42,7 @@ import torch.distributed as dist
 from april_ext.algorithms import PolicyLossInputs, aggregation_weights, policy_loss
 from april_ext.batch import TrainingBatch
 from april_ext.errors import (
+    AprilError,
     ConfigError,
     CorruptStateError,
     InvalidArgumentError,
@@ -62,7 +63,7 @@ from april_ext.trainer.batching import (
 from april_ext.trainer.config import TrainerConfig
 from april_ext.trainer.logprobs import use_bf16_autocast
 from april_ext.trainer.loss_step import step_metrics
-from april_ext.trainer.megatron import compat, parallel, sharded
+from april_ext.trainer.megatron import checkpoint_files, compat, parallel, sharded
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 from april_ext.trainer.megatron.trainer import MegatronTrainerConfig
 
@@ -136,9 +137,8 @@ class DistributedMegatronTrainer:
         if self.bf16 and self.device.type != "cuda":
             raise ConfigError("TrainerConfig.mixed_precision='bf16' needs a GPU in the distributed Megatron trainer "
                               "(bf16 parameters with fp32 main parameters)")
-        if model_config.num_experts and par.tensor_model_parallel_size > 1 and not par.sequence_parallel:
-            raise ConfigError("a mixture-of-experts model with tensor_model_parallel_size > 1 needs "
-                              "sequence_parallel=True (megatron-core's MoE layer refuses to train without it)")
+        # Before any rank builds: megatron-core's own refusals name neither the flag nor the model's numbers.
+        parallel.validate_layout(par, model_config)
         if par.optimizer_cpu_offload and self.device.type != "cuda":
             raise ConfigError(f"MegatronParallelConfig.optimizer_cpu_offload=True needs a GPU, and this trainer runs on "
                               f"{self.device.type}: megatron-core's HybridDeviceOptimizer copies between the GPU and "
@@ -465,7 +465,8 @@ class DistributedMegatronTrainer:
         checkpoint.check_extra(extra or {}, "extra")
         state = self._sharded_state(loading=False)
         state["trainer"] = {"format": CHECKPOINT_FORMAT, "version": self._version, "step": self.step,
-                            "padded_vocab_size": self.padded_vocab_size, "extra": extra or {}}
+                            "padded_vocab_size": self.padded_vocab_size, "layout": self.layout.to_dict(),
+                            "extra": extra or {}}
         with contextlib.ExitStack() as stack:
             temp = [stack.enter_context(atomic_directory(path)) if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(temp, src=0)
@@ -478,6 +479,7 @@ class DistributedMegatronTrainer:
         from megatron.core import dist_checkpointing
 
         path = os.fspath(path)
+        self._check_files(path)
         common = dist_checkpointing.load_common_state_dict(path)
         trainer = common.get("trainer") if isinstance(common, dict) else None
         if not isinstance(trainer, dict) or trainer.get("format") != CHECKPOINT_FORMAT:
@@ -497,6 +499,24 @@ class DistributedMegatronTrainer:
         self._version = int(trainer["version"])
         self.step = int(trainer["step"])
         return dict(trainer["extra"])
+
+    @property
+    def layout(self) -> checkpoint_files.Layout:
+        return checkpoint_files.Layout.of(self.config.parallel, self.dp_size)
+
+    def _check_files(self, path: str) -> None:
+        """Rank 0 checks that the checkpoint has every file and tells the others, so that every rank raises
+        its error (PersistenceError naming the file) instead of the ranks reading a missing shard failing
+        inside the load."""
+        verdict: list[AprilError | None] = [None]
+        if dist.get_rank() == 0:
+            try:
+                checkpoint_files.check_files(path, self.layout)
+            except AprilError as err:
+                verdict[0] = err
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise verdict[0]
 
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
         model = self.gpt.sharded_state_dict()

@@ -4,7 +4,8 @@
 Under ``torchrun`` every rank calls ``initialize``; the data-parallel size is what the world leaves after
 tensor x pipeline x context parallel. The process group is trainer.distributed's (torchrun's environment
 or a world of one; nccl with a GPU, gloo on a CPU; every collective has the config's timeout, so a rank
-that dies makes the others fail instead of waiting forever).
+that dies makes the others fail instead of waiting forever). ``validate_layout`` refuses a layout the model
+cannot be split by before anything is built (``april-ext train`` calls it before it launches ranks).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from april_ext.errors import ConfigError, InvalidStateError
+from april_ext.model import ModelConfig
 from april_ext.trainer import distributed
 from april_ext.trainer.megatron import compat
 
@@ -65,7 +67,9 @@ class MegatronParallelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"MegatronParallelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ConfigError("MegatronParallelConfig.sequence_parallel needs tensor_model_parallel_size > 1")
+            raise ConfigError("MegatronParallelConfig.sequence_parallel needs tensor_model_parallel_size > 1: "
+                              "--sequence-parallel splits the tokens over the tensor-parallel ranks, and "
+                              "--tensor-model-parallel-size is 1; give it 2 or more, or leave out --sequence-parallel")
         self._check_offload()
         if (not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool)
                 or not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
@@ -96,13 +100,80 @@ class MegatronParallelConfig:
         """The data-parallel size of a world of ``world_size`` ranks."""
         if world_size % self.model_parallel_size:
             raise ConfigError(f"the world has {world_size} ranks, not a multiple of tensor x pipeline x context "
-                              f"parallel = {self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size}"
-                              f" x {self.context_parallel_size}")
+                              f"parallel = {self._split_sizes()}: the data-parallel size is the world divided by "
+                              f"{self.model_parallel_size}; allowed: a world (--nproc-per-node, or torchrun's) of "
+                              f"a multiple of {self.model_parallel_size} ranks")
         dp = world_size // self.model_parallel_size
         if (dp * self.context_parallel_size) % self.expert_model_parallel_size:
-            raise ConfigError(f"expert_model_parallel_size={self.expert_model_parallel_size} must divide the "
-                              f"data x context parallel size {dp * self.context_parallel_size}")
+            raise ConfigError(f"--expert-model-parallel-size {self.expert_model_parallel_size} must divide the data x "
+                              f"context parallel size {dp * self.context_parallel_size} (a world of {world_size} "
+                              f"ranks over tensor x pipeline x context parallel = {self._split_sizes()}): expert-"
+                              f"parallel ranks are data-parallel ranks; allowed: "
+                              f"{_divisors(dp * self.context_parallel_size)}")
         return dp
+
+    def _split_sizes(self) -> str:
+        return (f"{self.tensor_model_parallel_size} x {self.pipeline_model_parallel_size} x "
+                f"{self.context_parallel_size} = {self.model_parallel_size}")
+
+
+def validate_layout(parallel: MegatronParallelConfig, model: ModelConfig) -> None:
+    """ConfigError naming the flag, its value, the model's numbers and what is allowed when ``parallel`` cannot
+    split ``model``: what megatron-core (or this package's weight loading) would otherwise refuse on every
+    rank once the model is being built. The world's size is checked by ``data_parallel_size``."""
+    _check_tensor_split(parallel, model)
+    _check_pipeline_split(parallel, model)
+    _check_expert_split(parallel, model)
+
+
+def _check_tensor_split(parallel: MegatronParallelConfig, model: ModelConfig) -> None:
+    tp = parallel.tensor_model_parallel_size
+    assert model.num_key_value_heads is not None
+    # megatron-core also takes a TP that is a multiple of the KV heads (replicating them), but the sharded
+    # weight loading reads whole query groups per rank.
+    sizes = {"{} attention heads (num_attention_heads)": model.num_attention_heads,
+             "{} KV heads (num_key_value_heads)": model.num_key_value_heads}
+    if not all(model.is_moe_layer(i) for i in range(model.num_hidden_layers)):
+        sizes["MLP width {} (intermediate_size)"] = model.intermediate_size
+    if model.num_experts:
+        sizes["expert MLP width {} (moe_intermediate_size)"] = model.moe_intermediate_size
+    if any(size % tp for size in sizes.values()):
+        *most, last = (label.format(size) for label, size in sizes.items())
+        raise ConfigError(f"--tensor-model-parallel-size {tp} must divide the model's {', '.join(most)} and "
+                          f"{last}: each tensor-parallel rank holds an equal share of the heads, the KV heads and "
+                          f"the MLP columns; allowed: {_divisors(math.gcd(*sizes.values()))}")
+    if model.num_experts and tp > 1 and not parallel.sequence_parallel:
+        raise ConfigError(f"a mixture-of-experts model with tensor_model_parallel_size > 1 needs "
+                          f"sequence_parallel=True (--tensor-model-parallel-size {tp} without --sequence-parallel, "
+                          f"{model.num_experts} experts): megatron-core's MoE layer refuses to train without it; "
+                          f"add --sequence-parallel")
+
+
+def _check_pipeline_split(parallel: MegatronParallelConfig, model: ModelConfig) -> None:
+    pp, layers = parallel.pipeline_model_parallel_size, model.num_hidden_layers
+    if layers % pp:
+        verb = "is more than" if pp > layers else "does not divide"
+        # megatron-core's uneven first / last stages need flags this package does not expose.
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} {verb} the model's {layers} layers "
+                          f"(num_hidden_layers): every pipeline stage holds the same number of layers; "
+                          f"allowed: {_divisors(layers)}")
+
+
+def _check_expert_split(parallel: MegatronParallelConfig, model: ModelConfig) -> None:
+    ep, experts = parallel.expert_model_parallel_size, model.num_experts
+    if ep > 1 and not experts:
+        raise ConfigError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts model, and the model "
+                          f"(model_type {model.model_type!r}) is dense: num_experts is 0; allowed: 1")
+    if experts and experts % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the model's {experts} experts "
+                          f"(num_experts): each expert-parallel rank holds an equal share of every MoE layer's "
+                          f"experts; allowed: {_divisors(experts)}")
+
+
+def _divisors(n: int) -> str:
+    """'1, 2 or 4': the sizes that divide ``n``."""
+    found = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return found[0] if len(found) == 1 else f"{', '.join(found[:-1])} or {found[-1]}"
 
 
 def initialize(config: MegatronParallelConfig | None = None, seed: int = 0) -> None:
