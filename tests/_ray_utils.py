@@ -115,3 +115,11 @@ def checked_and_armed(run, trained_groups: set[int]) -> list:
 
     run.engine.generate = generate_then_fault
     return armed
+
+
+def ray_run(config):
+    """The TrainingRun of a Ray config, with the cluster layer's factories (as `april-ext train --ray`)."""
+    from april_ext.cluster import RayTopologyRun
+    from april_ext.training import TrainingRun
+
+    return TrainingRun(config, **RayTopologyRun(config).factories())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from april_ext import cli
-from april_ext.training.command import config_from_args
+from april_ext.cli.train import config_from_args
 
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_train_is_registered_and_help_lists_rl_flags(capsys):
-    assert "april_ext.training.command" in cli.COMMANDS
+    assert "april_ext.cli.train" in cli.COMMANDS
     with pytest.raises(SystemExit) as exc:
         cli.main(["train", "--help"])
     assert exc.value.code == 0

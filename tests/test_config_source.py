@@ -11,13 +11,13 @@ from dataclasses import dataclass, fields
 import pytest
 
 from april_ext import cli
+from april_ext.cli.train import config_from_args
 from april_ext.errors import ConfigError, InvalidArgumentError
 from april_ext.scheduler import SchedulerConfig
 from april_ext.settings import adopt, settings
 from april_ext.sim import command as sim_command
 from april_ext.sim.runner import MODE_SETTINGS, SimConfig
 from april_ext.training import TrainConfig, TrainingRun
-from april_ext.training.command import config_from_args
 
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 

@@ -14,6 +14,7 @@ from _loop_utils import SampleLengthEngine, ScriptedEngine
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext import ListDataSource, Prompt, Scheduler, SchedulerConfig, cli
+from april_ext.cli.train import config_from_args
 from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.errors import ConfigError
 from april_ext.model import LlamaForCausalLM
@@ -22,7 +23,6 @@ from april_ext.rollout import RolloutLoop, scheduler_config_for
 from april_ext.strategies import STRATEGIES, apply_strategy
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.training import TrainConfig, TrainingRun
-from april_ext.training.command import config_from_args
 
 
 def test_a_strategy_sets_its_scheduler_settings_for_the_task_cap() -> None:
@@ -265,7 +265,7 @@ def test_a_strategy_that_carries_sets_up_the_run_for_carry(tmp_path, one_thread)
 
 
 def test_the_compare_summary_keeps_a_long_strategy_name_apart_from_the_baseline(capsys) -> None:
-    from april_ext.training.command import _print_summary
+    from april_ext.cli.train import _print_summary
 
     _print_summary({"baseline": {"steps": 300}, "rollpacker_extra": {"steps": 300}})
     header, steps = capsys.readouterr().out.splitlines()[:2]

@@ -25,7 +25,7 @@ import signal
 import time
 
 import pytest
-from _ray_utils import RAY, TINY, checked_and_armed, needs, ray_cluster  # noqa: F401 (fixture)
+from _ray_utils import RAY, TINY, checked_and_armed, needs, ray_cluster, ray_run  # noqa: F401 (fixture)
 from _ray_utils import alive as _alive
 from _ray_utils import label as _label
 from _ray_utils import wait as _wait
@@ -33,7 +33,8 @@ from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.cluster import ClusterError
 from april_ext.cluster.router import Router
-from april_ext.training import TrainConfig, TrainingRun, train
+from april_ext.cluster import RayTopologyRun
+from april_ext.training import TrainConfig, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread", "ray_cluster"), needs("ray", "sglang_router")]
 
@@ -49,7 +50,7 @@ def test_two_ranks_and_two_engines_train_as_one_process_and_a_killed_engine_rejo
                          actor_num_gpus_per_node=2, rollout_num_gpus=2)
 
     async def run() -> tuple[list[dict], dict]:
-        async with TrainingRun(config) as run:
+        async with ray_run(config) as run:
             trainer, engine = run.trainer, run.engine
             assert len(trainer.pids) == 2 and len(engine.pool.slots) == 2 and engine.pool.states() == {0: "up", 1: "up"}
             for _ in range(2):
@@ -85,7 +86,7 @@ def test_a_killed_trainer_rank_stops_the_run_and_resume_completes_it(tmp_path) -
                          output_dir=str(tmp_path / "run"), actor_num_gpus_per_node=2, rollout_num_gpus=1)
 
     async def run_until_killed() -> float:
-        async with TrainingRun(config) as run:
+        async with ray_run(config) as run:
             await run.step()
             os.kill(run.trainer.pids[1], signal.SIGKILL)
             start = time.monotonic()
@@ -94,7 +95,8 @@ def test_a_killed_trainer_rank_stops_the_run_and_resume_completes_it(tmp_path) -
             return time.monotonic() - start
 
     assert asyncio.run(run_until_killed()) < config.ray_timeout_s
-    resumed = train(config.replace(resume=True))
+    resumed_config = config.replace(resume=True)
+    resumed = train(resumed_config, **RayTopologyRun(resumed_config).factories())
     assert resumed.resumed_from == 1
     assert [r["step"] for r in resumed.history] == [1, 2, 3]
     assert [r["engine/server_weight_versions"] for r in resumed.history[1:]] == [["2"], ["3"]]
@@ -109,7 +111,7 @@ def test_colocated_trainer_and_engine_memory_alternate_behind_a_given_router(tmp
     mib = 1 << 20
 
     async def run() -> dict[str, list[int]]:
-        async with TrainingRun(config) as run:
+        async with ray_run(config) as run:
             memory, trainer, engine = run.memory, run.trainer, run.engine
             assert list(engine.pool.router.workers()) == [engine.pool.slots[0].url]
             rss: dict[str, list[int]] = {"trainer": [], "engine": []}
@@ -151,7 +153,7 @@ def test_an_engine_server_killed_or_stopped_mid_step_fails_over_and_rejoins_with
                          weight_sync=weight_sync, weight_sync_timeout_s=120.0)  # a loaded machine: joins were slow
 
     async def run() -> dict:
-        async with TrainingRun(config) as run:
+        async with ray_run(config) as run:
             engine, seen, trained = run.engine, {}, set()
             armed = checked_and_armed(run, trained)
 

@@ -23,7 +23,7 @@ import urllib.request
 
 import pytest
 import torch
-from _ray_utils import RAY, TINY, label, needs, ray_cluster  # noqa: F401 (fixture)
+from _ray_utils import RAY, TINY, label, needs, ray_cluster, ray_run  # noqa: F401 (fixture)
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.cluster.rank_broadcast import RankHost
@@ -93,7 +93,7 @@ def test_rank_0_broadcasts_every_update_and_the_engines_generate_as_its_export(t
                          rollout_num_gpus=2)
 
     async def run() -> dict:
-        async with TrainingRun(config) as run:
+        async with ray_run(config) as run:
             engine, trainer = run.engine, run.trainer
             model_bytes = sum(p.numel() * p.element_size() for p in _reference(run).parameters())
             seen = await _train_and_view(run)
@@ -120,7 +120,7 @@ def test_each_pipeline_stage_first_rank_broadcasts_its_stage(tmp_path) -> None:
                          rollout_num_gpus=2)
 
     async def run() -> dict:
-        async with TrainingRun(config) as run:
+        async with ray_run(config) as run:
             engine, trainer = run.engine, run.trainer
             seen = await _train_and_view(run)
             exported = dict(trainer.export_weights())
@@ -170,7 +170,7 @@ def test_an_engine_killed_while_rank_0_broadcasts_is_left_out_then_rejoins_with_
     monkeypatch.setattr(RankHost, "send", send_then_fault)
 
     async def run() -> dict:
-        async with TrainingRun(config) as run:
+        async with ray_run(config) as run:
             engine, seen = run.engine, {}
             await run.step()
             killed = engine.pool.slots[0]
@@ -217,7 +217,7 @@ def test_colocated_ranks_each_post_their_export_to_the_engine_beside_them_with_t
                          actor_num_gpus_per_node=2, output_dir=str(tmp_path / "run"))
 
     async def run() -> dict:
-        async with TrainingRun(config) as run:
+        async with ray_run(config) as run:
             engine, trainer = run.engine, run.trainer
             model_bytes = sum(p.numel() * p.element_size() for p in _reference(run).parameters())
             seen: dict = {"views": [], "references": []}

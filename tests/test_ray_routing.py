@@ -18,7 +18,7 @@ import signal
 
 import pytest
 from _engine_utils import tiny_model
-from _ray_utils import RAY, TINY, checked_and_armed, generated_tokens, label, needs, ray_cluster, wait  # noqa: F401
+from _ray_utils import RAY, TINY, checked_and_armed, generated_tokens, label, needs, ray_cluster, ray_run, wait  # noqa: F401
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.batch import FinishReason
@@ -30,7 +30,7 @@ from april_ext.cluster.topology_run import client_config
 from april_ext.model import save_pretrained
 from april_ext.protocol import SamplingParams
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig
-from april_ext.training import TrainConfig, TrainingRun
+from april_ext.training import TrainConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread", "ray_cluster"), needs("ray")]
 
@@ -134,7 +134,7 @@ def test_a_run_routed_by_load_survives_an_engine_killed_mid_step_which_rejoins_a
                          output_dir=str(tmp_path / "run"), rollout_num_gpus=2, sglang_worker_timeout_s=3.0)
 
     async def run() -> dict:
-        async with TrainingRun(config) as run:
+        async with ray_run(config) as run:
             engine, seen, trained = run.engine, {}, set()
             armed = checked_and_armed(run, trained)
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from april_ext import ConfigError
+from april_ext.cli.train import add_parser, config_from_args
 from april_ext.cluster import Placement, Topology
 from april_ext.training import TrainConfig
-from april_ext.training.command import add_parser, config_from_args
 
 
 def topology(**changes) -> Topology:
@@ -140,3 +140,12 @@ def test_a_megatron_trainer_actor_reads_the_checkpoint_directory_without_buildin
     saved = dict(iter_safetensors(tmp_path / "hf"))
     assert exported.keys() == saved.keys()
     assert all(torch.equal(exported[name], tensor) for name, tensor in saved.items())
+
+
+def test_a_ray_run_without_the_cluster_factories_says_where_they_come_from(tmp_path) -> None:
+    from april_ext.training import TrainingRun, train
+
+    config = TrainConfig(ray=True, output_dir=str(tmp_path))
+    for start in (lambda: TrainingRun(config), lambda: train(config)):
+        with pytest.raises(ConfigError, match=r"RayTopologyRun\(config\)\.factories\(\)"):
+            start()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from april_ext import cli
+from april_ext.cli.train import SLIME_ALIASES, config_from_args
 from april_ext.errors import ConfigError
-from april_ext.training.command import SLIME_ALIASES, config_from_args
 from april_ext.training.config import TrainConfig
 from april_ext.training.trainers import algorithm_config, trainer_config
 

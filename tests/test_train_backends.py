@@ -18,11 +18,11 @@ from _torch_threads import one_thread  # noqa: F401 (fixture)
 from _trainer_utils import cli_flags
 
 from april_ext import ConfigError, cli, memory
+from april_ext.cli.train import config_from_args
 from april_ext.model import LlamaForCausalLM, iter_safetensors, load_pretrained
 from april_ext.sglang import SGLangLaunchError
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.training import TrainConfig, TrainingRun, train
-from april_ext.training.command import config_from_args
 from april_ext.training.config import SCHEDULER_SETTINGS
 
 pytestmark = pytest.mark.usefixtures("one_thread")

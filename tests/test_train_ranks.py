@@ -17,10 +17,10 @@ from _torch_threads import one_thread  # noqa: F401 (fixture)
 from _trainer_utils import cli_flags
 
 from april_ext import cli
+from april_ext.cli.train import config_from_args
 from april_ext.errors import ConfigError
 from april_ext.model import ModelConfig, iter_safetensors
 from april_ext.training import TrainConfig, train
-from april_ext.training.command import config_from_args
 from april_ext.training.ranks import check_world
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -34,6 +34,10 @@ class RayTopologyRun:
         self.trainer: TrainerGroup | None = None
         self.engine: RayEngine | None = None
 
+    def factories(self) -> dict[str, Any]:
+        """TrainingRun's (and train()'s) factory keywords."""
+        return {"trainer_factory": self.trainer_factory, "engine_factory": self.engine_factory}
+
     @contextlib.contextmanager
     def trainer_factory(self, config: TrainConfig, initial: InitialWeights, memory_tag_prefix: str) -> Iterator[Trainer]:
         with RaySession(config, self.topology) as session:

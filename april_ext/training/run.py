@@ -191,29 +191,37 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(config: TrainConfig) -> TrainResult | None:
+def train(config: TrainConfig, *, trainer_factory: TrainerFactory = build_trainer,
+          engine_factory: EngineFactory = build_engine) -> TrainResult | None:
     """Runs (or resumes) a training run to ``num_steps`` steps or until the data runs out. Under torchrun
     every rank calls it: rank 0 runs the training and returns its result, the others follow its trainer
-    (training.ranks) and return None."""
+    (training.ranks) and return None. The factories as in TrainingRun."""
     if launched_by_torchrun():
-        return ranks.run_on_ranks(config, lambda factory: asyncio.run(train_async(config, factory)),
-                                  lambda: _build_task(config).initial_weights())
+        return ranks.run_on_ranks(
+            config, lambda factory: asyncio.run(train_async(config, factory, engine_factory)),
+            lambda: _build_task(config).initial_weights())
     ranks.check_world(config, 1)
-    return asyncio.run(train_async(config))
+    return asyncio.run(train_async(config, trainer_factory, engine_factory))
 
 
-async def train_async(config: TrainConfig, trainer_factory: TrainerFactory = build_trainer) -> TrainResult:
-    async with TrainingRun(config, trainer_factory=trainer_factory) as run:
+async def train_async(config: TrainConfig, trainer_factory: TrainerFactory = build_trainer,
+                      engine_factory: EngineFactory = build_engine) -> TrainResult:
+    async with TrainingRun(config, trainer_factory=trainer_factory, engine_factory=engine_factory) as run:
         while not run.done:
             await run.step()
         return await run.finish()
 
 
-async def train_side_by_side(configs: dict[str, TrainConfig]) -> dict[str, TrainResult]:
+FactoriesFor = Callable[[TrainConfig], dict[str, Any]]
+"""A run's config -> TrainingRun's factory keywords (``trainer_factory``, ``engine_factory``)."""
+
+
+async def train_side_by_side(configs: dict[str, TrainConfig],
+                             factories_for: FactoriesFor = lambda _: {}) -> dict[str, TrainResult]:
     """Several runs in one process, stepping in turn (one step of each, then the next round), so that
     they see the same machine load and their throughput ratio is fair on a busy machine."""
     async with contextlib.AsyncExitStack() as stack:
-        runs = {name: await stack.enter_async_context(TrainingRun(cfg, bar_position=i))
+        runs = {name: await stack.enter_async_context(TrainingRun(cfg, bar_position=i, **factories_for(cfg)))
                 for i, (name, cfg) in enumerate(configs.items())}
         while not all(run.done for run in runs.values()):
             for run in runs.values():
@@ -230,7 +238,9 @@ class TrainingRun:
 
     ``trainer_factory`` / ``engine_factory`` build the trainer and the engine (by default from
     ``cfg.trainer`` / ``cfg.engine``); the run takes any objects satisfying the Trainer and
-    RolloutEngine protocols."""
+    RolloutEngine protocols. A run on Ray (``cfg.ray``) takes the cluster layer's, which sits above this
+    one: ``TrainingRun(cfg, **april_ext.cluster.RayTopologyRun(cfg).factories())`` (what ``april-ext
+    train --ray`` passes)."""
 
     def __init__(self, config: TrainConfig, *, bar_position: int = 0, trainer_factory: TrainerFactory = build_trainer,
                  engine_factory: EngineFactory = build_engine) -> None:
@@ -243,11 +253,10 @@ class TrainingRun:
         self.data_exhausted = False
         self.steps_done = 0
         self.memory_tag_prefix = f"run{next(_run_ids)}-"
-        if config.ray:  # trainer ranks and engines as Ray actors (april_ext.cluster, docs/scaling.md)
-            from april_ext.cluster import RayTopologyRun
-
-            cluster = RayTopologyRun(config)
-            trainer_factory, engine_factory = cluster.trainer_factory, cluster.engine_factory
+        if config.ray and (trainer_factory is build_trainer or engine_factory is build_engine):
+            raise ConfigError("TrainConfig.ray runs the trainer ranks and engines as Ray actors, which the "
+                              "cluster layer builds: pass april_ext.cluster.RayTopologyRun(config).factories() "
+                              "to TrainingRun / train(), or run `april-ext train --ray`")
         self._trainer_factory = trainer_factory
         self._engine_factory = engine_factory
         self._stack = contextlib.AsyncExitStack()

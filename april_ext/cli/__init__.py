@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from april_ext.errors import AprilError
 
 COMMANDS: list[str] = [
-    "april_ext.training.command",
+    "april_ext.cli.train",
     "april_ext.sim.command",
     "april_ext.server.cli",
 ]
@@ -39,7 +39,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         print(f"april-ext {args.command}{where}: error: {err}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,7 @@
-"""``april-ext train``: flags for every TrainConfig field, an optional TOML config, and --compare."""
+"""``april-ext train``: flags for every TrainConfig field, an optional TOML config, and --compare.
+
+It sits at the top of the package: it chooses the run's factories (the cluster layer's for --ray), so the
+training layer below never imports the cluster layer that builds on it."""
 
 from __future__ import annotations
 
@@ -157,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     if world > 1 and not launched_by_torchrun():
         return _launch(args.nproc_per_node, args.argv)
     if not args.compare:
-        result = train(config)
+        result = train(config, **_factories(config))
         if result is None:  # a rank that followed rank 0's trainer: rank 0 reports
             return 0
         _print_summary({"run": result.summary})
@@ -173,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
                              save=None if config.save is None else os.path.join(config.save, name),
                              sglang_weight_sync_dir=None if config.sglang_weight_sync_dir is None
                              else os.path.join(config.sglang_weight_sync_dir, name))
-        for name, partial in (("baseline", False), (label, True))}))
+        for name, partial in (("baseline", False), (label, True))}, _factories))
     _print_summary({name: {**r.summary, **_engine_figures(r.history, config.max_num_seqs)}
                     for name, r in results.items()})
     base, ours = results["baseline"].summary, results[label].summary
@@ -188,6 +191,16 @@ def run(args: argparse.Namespace) -> int:
         path = plot_compare({n: r.history for n, r in results.items()}, os.path.join(config.output_dir, "compare.png"))
         print(f"plot: {path}")
     return 0
+
+
+def _factories(config: TrainConfig) -> dict[str, Any]:
+    """The trainer and engine factories of the run: trainer ranks and engines as Ray actors with --ray
+    (docs/scaling.md), else the training layer's defaults."""
+    if not config.ray:
+        return {}
+    from april_ext.cluster import RayTopologyRun
+
+    return RayTopologyRun(config).factories()
 
 
 def _world_size(args: argparse.Namespace) -> int:
