@@ -10,7 +10,7 @@ from _engine_utils import GREEDY, engine, greedy_reference, prompts, tiny_model
 from april_ext.batch import FinishReason
 from april_ext.engine import AsyncEngine
 from april_ext.errors import InvalidArgumentError, InvalidStateError, UnknownIdError
-from april_ext.protocol import SamplingParams
+from april_ext.protocol import LockstepEngine, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +129,53 @@ def test_calls_need_a_started_engine(model) -> None:
             await eng.abort()
 
     asyncio.run(main())
+
+
+def test_lockstep_runs_one_model_step_per_release_after_the_calls_sent_before_it(model) -> None:
+    """set_lockstep(True): no model step runs until release_step(); each release runs one, after every request
+    and abort sent before it; its future is done once the step's chunks reached their streams. The tokens are
+    those of free-running generation."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    batch = prompts(3, seed=30, high=10)
+
+    async def main():
+        async with AsyncEngine(engine(model)) as eng:
+            assert isinstance(eng, LockstepEngine)
+            await eng.set_lockstep(True)
+            got: dict[str, list] = {}
+
+            async def consume(rid: str, prompt: list[int]) -> None:
+                got[rid] = []
+                async for chunk in eng.generate(prompt, params, request_id=rid):
+                    got[rid].append(chunk)
+
+            tasks = [asyncio.create_task(consume(f"r{i}", p)) for i, p in enumerate(batch[:2])]
+            await asyncio.sleep(0.05)
+            assert eng.stats().steps == 0 and eng.stats().waiting == 2 and not eng.lockstep_busy()
+            release = eng.release_step()
+            assert eng.lockstep_busy() and eng.release_step() is release
+            await release
+            assert eng.stats().steps == 1 and not eng.lockstep_busy()
+            assert [len(got[r]) for r in ("r0", "r1")] == [1, 1]  # chunks are in the streams
+            await asyncio.sleep(0.05)
+            assert eng.stats().steps == 1  # nothing runs ahead
+            # Sent before the next release: a new request joins step 2, r0 is aborted before it.
+            tasks.append(asyncio.create_task(consume("r2", batch[2])))
+            await asyncio.sleep(0)
+            aborted = await eng.abort("r0")
+            await eng.release_step()
+            assert eng.stats().steps == 2 and len(aborted[0].token_ids) == 1
+            assert [len(got[r]) for r in ("r0", "r1", "r2")] == [2, 2, 1]  # r0: its token, then the abort end
+            for _ in range(3):
+                await eng.release_step()
+            assert eng.stats().steps == 5 and sum(len(c.token_ids) for c in got["r2"]) == 4
+            await eng.set_lockstep(False)  # free running again: the rest run to the end
+            await asyncio.gather(*tasks)
+            return got, aborted
+
+    got, aborted = asyncio.run(main())
+    assert got["r0"][-1].finish_reason is FinishReason.ABORT
+    assert aborted[0].token_ids == greedy_reference(model, batch[0], 1)
+    for rid, prompt in (("r1", batch[1]), ("r2", batch[2])):
+        assert [t for c in got[rid] for t in c.token_ids] == greedy_reference(model, prompt, 6)
+        assert got[rid][-1].finish_reason is FinishReason.LENGTH

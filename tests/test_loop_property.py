@@ -128,14 +128,15 @@ MODEL.init_weights(0)
 _tags = itertools.count()
 
 
-async def _embedded(config: SchedulerConfig, slots: int, steps: int) -> list[Any]:
+async def _embedded(config: SchedulerConfig, slots: int, steps: int, deterministic: bool = False) -> list[Any]:
     sched = Scheduler(config, TASK)
     core = EngineCore(MODEL, EngineConfig(block_size=4, num_blocks=512, max_num_seqs=slots,
                                           memory_tag_prefix=f"loop-property-{next(_tags)}-"))
     batches = []
     async with AsyncEngine(core) as engine:
         loop = RolloutLoop(engine, sched, TASK.reward, sampling=SamplingParams(stop_token_ids=(TASK.eos_id,)),
-                           seed=7, engine_capacity=slots)
+                           seed=7, engine_capacity=slots, deterministic=deterministic)
+        assert loop.deterministic == deterministic
         for version in range(steps):
             batches.append((await asyncio.wait_for(loop.run_step(version), 60)).batch)
             await engine.update_weights({}, version + 1)  # a new version, the same weights
@@ -146,18 +147,19 @@ async def _embedded(config: SchedulerConfig, slots: int, steps: int) -> list[Any
 
 @settings(max_examples=20, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # one_thread: for all
-@given(config=_settings(), slots=st.sampled_from([3, 8, 64]))
-def test_over_the_embedded_engine_every_trained_token_is_the_models_with_its_logprob(config, slots, one_thread):
+@given(config=_settings(), slots=st.sampled_from([3, 8, 64]), deterministic=st.booleans())
+def test_over_the_embedded_engine_every_trained_token_is_the_models_with_its_logprob(config, slots, deterministic,
+                                                                                   one_thread):
     """The embedded engine (paused in place for carry, its prefix cache for chunks, re-prefill on resume) under
-    the drawn settings: every trained response, scored again by the model in one forward pass, has the
-    behavior logprob the batch holds at every token (a token lost, duplicated or generated over the wrong KV
-    would change the rest), and every step has its N groups."""
+    the drawn settings, free-running or in lockstep with the loop (deterministic): every trained response, scored
+    again by the model in one forward pass, has the behavior logprob the batch holds at every token (a token
+    lost, duplicated or generated over the wrong KV would change the rest), and every step has its N groups."""
     config = {**config, "max_response_len": CAP, "tail_extra_samples": min(config["tail_extra_samples"], 1)}
     try:
         config = SchedulerConfig(**config)
     except ConfigError:
         assume(False)
-    batches = asyncio.run(_embedded(config, slots, steps=3))
+    batches = asyncio.run(_embedded(config, slots, steps=3, deterministic=deterministic))
     for batch in batches:
         assert batch.n_groups == config.rollout_batch_size
         assert_logprobs_are_the_models(MODEL, batch)

@@ -4,6 +4,7 @@ abort results carrying unstreamed tokens, the group filter, a virtual clock, dat
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import numpy as np
@@ -97,6 +98,67 @@ def test_baseline_waits_for_every_sample_and_aborts_nothing(one_thread):
         assert m.scheduler["carried_token_ratio"] == 0.0 and m.scheduler["buffered_groups"] == 0
         # Every generated token is in the batch: nothing is left over.
         assert m.generated_tokens == int(r.batch.response_lens.sum())
+
+
+async def _deterministic_run(step_boundary: str, jitter: int | None, steps: int = 5) -> list:
+    """APRIL (N' = 3N) over the embedded engine with deterministic=True. jitter: the seed of random sleeps (up to
+    3 ms) before each of the engine's model steps and in each reward call (a worker thread); None: none."""
+    model = LlamaForCausalLM(TASK.model_config(hidden_size=32, intermediate_size=64, max_position_embeddings=64))
+    model.init_weights(0)
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=4, over_sampling_batch_size=6,
+                                      max_response_len=40, step_boundary=step_boundary), TASK)
+    core = EngineCore(model, EngineConfig(num_blocks=256, max_num_seqs=64,
+                                          memory_tag_prefix=f"det-{step_boundary}-{jitter}-"))
+    rng = random.Random(jitter)
+
+    def pause() -> None:
+        if jitter is not None:
+            time.sleep(rng.random() * 0.003)
+
+    step = core.step
+    core.step = lambda: (pause(), step())[1]  # type: ignore[method-assign]
+
+    def reward(prompt: Prompt, response: np.ndarray) -> float:
+        pause()
+        return TASK.reward(prompt, response)
+
+    out = []
+    async with AsyncEngine(core) as engine:
+        loop = RolloutLoop(engine, sched, reward, sampling=SamplingParams(stop_token_ids=(TASK.eos_id,)),
+                           seed=3, engine_capacity=64, deterministic=True)
+        assert loop.deterministic
+        for version in range(steps):
+            r = await loop.run_step(version)
+            b, m = r.batch, r.metrics
+            out.append({
+                "arrays": [getattr(b, k).tolist() for k in ("tokens", "offsets", "behavior_logprobs", "versions",
+                                                            "rewards", "sample_ids", "loss_mask")],
+                "metrics": [m.generated_tokens, m.requests, m.resumed_requests, m.aborted_samples, m.engine_steps],
+                "scheduler": {k: None if v != v else v for k, v in m.scheduler.items()}})  # NaN: None
+            await engine.update_weights({}, version + 1)
+        await loop.abort_carried()
+        await loop.drain_rewards()
+    return out
+
+
+@pytest.mark.parametrize("step_boundary", ["abort", "carry"])
+def test_deterministic_rollouts_repeat_whatever_the_engine_and_reward_timing(one_thread, step_boundary):
+    """deterministic=True: random delays in the engine thread's steps and in the reward threads change nothing;
+    the batches (tokens, logprobs, versions, rewards, their order), where the aborts cut and every counter are
+    equal to those of an undelayed run."""
+    plain = asyncio.run(_deterministic_run(step_boundary, None))
+    # Samples were cut at a step's end: aborted and resumed, or carried.
+    cut = "carried_samples" if step_boundary == "carry" else "resume_requests"
+    assert any(step["scheduler"][cut] > 0 for step in plain)
+    for jitter in (1, 2):
+        assert asyncio.run(_deterministic_run(step_boundary, jitter)) == plain
+
+
+def test_deterministic_needs_an_engine_that_steps_in_lockstep():
+    sched = Scheduler(SchedulerConfig(rollout_batch_size=1, n_samples_per_prompt=1), _scripted_data([2]))
+    assert not RolloutLoop(ScriptedEngine(_length), sched, _reward_by_length, deterministic=True).deterministic
+    with pytest.raises(InvalidArgumentError, match="deterministic"):
+        RolloutLoop(ScriptedEngine(_length), sched, _reward_by_length, deterministic=1)  # type: ignore[arg-type]
 
 
 def test_baseline_config_is_one_flag():
@@ -213,7 +275,7 @@ def test_a_request_the_engine_drops_is_resumed_within_the_step():
     result = asyncio.run(run())
     batch = result.batch
     assert result.metrics.resumed_requests == 1 and result.metrics.aborted_samples == 0
-    i = batch.prompt_ids.index("p0")  # groups are in acceptance order
+    i = batch.prompt_ids.index("p0")
     dropped = batch.tokens[batch.offsets[i] + batch.prompt_lens[i]:batch.offsets[i + 1]].tolist()
     assert dropped == list(range(10, 18))  # 3 tokens, then the resume's 5, in order
 

@@ -324,6 +324,27 @@ def test_surplus_groups_are_kept_for_the_next_step():
     assert abort_and_take(sched).prompt_ids == ["p2", "p3"]
 
 
+@pytest.mark.parametrize("order", [[3, 1, 0, 2], [2, 0, 3, 1], [0, 1, 2, 3]])
+def test_the_batch_packs_its_groups_in_group_id_order_whatever_the_completion_order(order):
+    """Which groups make the batch follows acceptance (the first N), their order in it the group ids: so groups
+    completing or rewarded in another order (timing) give the same batch."""
+    sched = make(rollout_batch_size=3, over_sampling_batch_size=4)
+    sched.begin_step(0)
+    sched.dispatch()
+    for gid in order:  # completed and rewarded one at a time, in this order
+        finish_group(sched, gid, 2, tokens=gid + 1)
+        reward_all(sched)
+    batch = abort_and_take(sched)
+    accepted = sorted(order[:3])
+    assert batch.prompt_ids == [f"p{g}" for g in accepted]
+    assert batch.sample_ids.tolist() == [sid for g in accepted for sid in (2 * g, 2 * g + 1)]
+    assert batch.group_index.tolist() == [0, 0, 1, 1, 2, 2]
+    assert batch.response_lens.tolist() == [g + 1 for g in accepted for _ in range(2)]
+    # The fourth group is surplus: the next step's batch, first.
+    sched.begin_step(1)
+    assert sched.stats()["surplus_groups"] == 1
+
+
 def test_keep_surplus_false_drops_completed_extras():
     sched = make(rollout_batch_size=1, over_sampling_batch_size=2, keep_surplus=False)
     sched.begin_step(0)

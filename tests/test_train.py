@@ -222,14 +222,34 @@ def test_resumed_baseline_run_equals_an_uninterrupted_one(tmp_path):
     straight = train(tiny(tmp_path, "a", partial_rollout=False, num_steps=4))
     train(tiny(tmp_path, "b", partial_rollout=False, num_steps=2))
     resumed = train(tiny(tmp_path, "b", partial_rollout=False, num_steps=4, resume=True))
-    # The groups of a step enter the batch in the order they complete, which the engine thread's timing can
-    # swap for groups finishing together (seen once in CI): lengths compared as multisets, losses within fp32
-    # summation order.
-    assert len(resumed.history) == len(straight.history)
-    for mine, theirs in zip(resumed.history, straight.history):
-        assert sorted(mine["rollout/response_lens"]) == sorted(theirs["rollout/response_lens"])
-        for key in ("rollout/reward_mean", "rollout/generated_tokens", "train/loss", "train/grad_norm"):
-            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+    # Exactly, step by step: the batch packs its groups in group id order, not in the order they completed.
+    keys = ("rollout/reward_mean", "rollout/generated_tokens", "rollout/response_lens", "rollout/engine_steps",
+            "train/loss", "train/grad_norm")
+    assert [[r[k] for k in keys] for r in resumed.history] == [[r[k] for k in keys] for r in straight.history]
+
+
+MAIN_JOB = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "counting_tiny.toml")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step_boundary", ["abort", "carry"])
+def test_an_april_run_of_the_main_job_repeats_exactly_for_its_seed(tmp_path, step_boundary):
+    """The APRIL half of the main job (configs/counting_tiny.toml, 10 steps), twice on seed 0: the engine steps in
+    lockstep with the loop (deterministic_rollout, the default), so where the aborts cut, which groups are
+    trained in what order, and so every loss, reward and response length repeat bit for bit, step by step."""
+    def run(name: str):
+        return train(TrainConfig.from_toml(MAIN_JOB, num_steps=10, seed=0, step_boundary=step_boundary,
+                                           output_dir=str(tmp_path / name), progress=False, plots=False))
+
+    first, second = run("first"), run("second")
+    keys = ("train/loss", "train/pg_loss", "train/grad_norm", "rollout/reward_mean", "rollout/response_lens",
+            "rollout/generated_tokens", "rollout/engine_steps", "rollout/aborted_samples",
+            "rollout/carried_samples", "rollout/re_prefill_tokens", "rollout/off_policy_token_ratio")
+    assert [[r[k] for k in keys] for r in first.history] == [[r[k] for k in keys] for r in second.history]
+    assert len(first.history) == 10 and first.config.deterministic_rollout
+    # The runs did cut samples at the step's end (aborted and resumed, or carried), on several steps.
+    cut = "rollout/carried_samples" if step_boundary == "carry" else "rollout/aborted_samples"
+    assert sum(r[cut] > 0 for r in first.history) >= 3
 
 
 def test_reinforce_plus_plus_with_kl_shaping_and_the_decoupled_loss_runs_under_april(tmp_path):

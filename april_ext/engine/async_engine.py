@@ -3,6 +3,11 @@
 One loop task owns the core. Every call is a command that the loop runs between model steps, in a
 worker thread, so calls and steps never interleave and the event loop stays responsive while the
 model computes. Chunks reach each request's stream in the order the core produced them.
+
+By default the engine steps whenever it has work, so how many steps run before a call lands depends on
+timing. In lockstep (``set_lockstep(True)``, protocol.LockstepEngine; the rollout loop's deterministic mode)
+a step runs only when the consumer releases it, after it has taken the previous step's chunks and sent its
+requests and aborts, so every step's batch is a function of the consumer's calls.
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ class AsyncEngine(LoopTaskEngine):
         self._commands: deque[tuple[_Command, asyncio.Future[Any]]] = deque()
         self._ids = RequestIds("async")
         self._held = False
+        self._lockstep = False
+        self._released: asyncio.Future[None] | None = None
+        """Lockstep: the step release_step() let run, until it ran and its chunks are in their queues."""
+        self._stepping = False
+        self._pending_adds = 0
+        """Requests whose add command is queued (work for the next step that the core does not hold yet)."""
 
     # Public API -------------------------------------------------------------------------------------
 
@@ -56,6 +67,7 @@ class AsyncEngine(LoopTaskEngine):
         rid = self._ids.claim(request_id, self._streams)
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
+        self._pending_adds += 1
         try:
             await self._call(lambda: (self.core.add_request(ids, params, rid), []))
         except BaseException as exc:
@@ -64,6 +76,8 @@ class AsyncEngine(LoopTaskEngine):
                 # The caller left while the add was queued: it still runs, so abort what it adds.
                 self._submit(lambda: self._abort_known([rid]))
             raise
+        finally:
+            self._pending_adds -= 1
 
         async def receive() -> GenerationChunk:
             item = await queue.get()
@@ -118,6 +132,40 @@ class AsyncEngine(LoopTaskEngine):
     async def continue_generation(self) -> None:
         self._held = False
         self._notify()
+
+    async def set_lockstep(self, on: bool) -> None:
+        """True: a model step runs only after release_step() (calls sent before it are applied first, in order);
+        returns once no step is running. False (the default): steps run whenever there is work. See
+        protocol.LockstepEngine."""
+        self._lockstep = bool(on)
+        if not on and self._released is not None and not self._released.done():
+            self._released.set_result(None)
+        self._released = None
+        self._notify()
+        if on:
+            await self._call(lambda: (None, []))  # runs between steps: one that was running has ended
+
+    def release_step(self) -> asyncio.Future[None]:
+        """Lockstep: lets the next model step run, once every call queued before it has run. The future is done
+        when that step ran and its chunks are in their streams' queues (the same future until then)."""
+        if self._released is None or self._released.done():
+            self._released = asyncio.get_running_loop().create_future()
+        self._notify()
+        return self._released
+
+    def lockstep_busy(self) -> bool:
+        """A released step has not yet run (and can: there is work and generation is not held), or some chunk
+        is still waiting in a stream's queue for its consumer."""
+        if self._stepping or any(not queue.empty() for queue in self._streams.values()):
+            return True
+        return self._released is not None and not self._released.done() and self._can_step(pending_adds=True)
+
+    def _can_step(self, *, pending_adds: bool = False) -> bool:
+        work = self.core.has_unfinished() or (pending_adds and self._pending_adds > 0)
+        return work and not self.core.paused and not self._held
+
+    def _step_allowed(self) -> bool:
+        return not self._lockstep or (self._released is not None and not self._released.done())
 
     def stats(self) -> EngineStats:
         return self.core.stats()
@@ -192,7 +240,8 @@ class AsyncEngine(LoopTaskEngine):
                 continue  # commands that came meanwhile also run before the next step
             if self._closing:
                 return
-            if self.core.has_unfinished() and not self.core.paused and not self._held:
+            if self._can_step() and self._step_allowed():
+                released, self._stepping = self._released, True
                 try:
                     chunks = await asyncio.to_thread(self.core.step)
                 except Exception as exc:  # a failed step fails its requests, not the server
@@ -202,8 +251,12 @@ class AsyncEngine(LoopTaskEngine):
                         queue = self._streams.get(output.request_id)
                         if queue is not None:
                             queue.put_nowait(exc)
-                    continue
+                    chunks = []
                 self._dispatch(chunks)
+                self._stepping = False
+                if released is not None and not released.done():
+                    released.set_result(None)  # after the chunks: their streams run first
+                continue
             else:
                 self._wake.clear()
                 if not self._commands:

@@ -9,7 +9,15 @@ data_source (tests/test_layering.py checks it).
 
 from april_ext.protocol.memory_tags import MEMORY_TAGS, memory_tags
 from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
-from april_ext.protocol.rollout_engine import HOLD_MODES, Clock, PausableEngine, RolloutEngine, ServableEngine, engine_clock
+from april_ext.protocol.rollout_engine import (
+    HOLD_MODES,
+    Clock,
+    LockstepEngine,
+    PausableEngine,
+    RolloutEngine,
+    ServableEngine,
+    engine_clock,
+)
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.protocol.trainer import ExportedWeights, StagedTrainer, Trainer
 
@@ -21,6 +29,7 @@ __all__ = [
     "ExportedWeights",
     "GenerationChunk",
     "GenerationOutput",
+    "LockstepEngine",
     "PausableEngine",
     "RolloutEngine",
     "SamplingParams",

@@ -88,6 +88,31 @@ class PausableEngine(Protocol):
     async def continue_generation(self) -> None: ...
 
 
+@runtime_checkable
+class LockstepEngine(Protocol):
+    """An engine that can run its model steps in lockstep with one consumer (the embedded AsyncEngine), what the
+    rollout loop's deterministic mode needs beyond RolloutEngine: with it, which requests share each model step
+    and how many tokens a sample has when its abort lands are a function of the consumer's calls, not of the
+    timing of the engine's thread.
+
+    - ``await set_lockstep(True)``: from then on a model step runs only after ``release_step()``, one step per
+      call; requests, aborts and other calls sent before it are applied before that step, in the order they were
+      sent. It returns once no step is running. ``set_lockstep(False)``: steps run whenever there is work (the
+      default).
+    - ``release_step()``: the consumer has taken every chunk of the steps so far and sent everything for the next
+      one. Returns a future done once that step ran and its chunks are in their streams (the same future until
+      then).
+    - ``lockstep_busy()``: a released step has not yet run, or some of its chunks are not yet taken by their
+      streams' consumers.
+    """
+
+    async def set_lockstep(self, on: bool) -> None: ...
+
+    def release_step(self) -> Any: ...
+
+    def lockstep_busy(self) -> bool: ...
+
+
 def engine_clock(engine: object, clock: Clock | None = None) -> Clock:
     """The clock the loop measures with: the one given, else the engine's ``clock()``, else
     ``time.perf_counter`` (an engine that runs in real time)."""
@@ -99,4 +124,4 @@ def engine_clock(engine: object, clock: Clock | None = None) -> Clock:
     return time.perf_counter
 
 
-__all__ = ["HOLD_MODES", "Clock", "PausableEngine", "RolloutEngine", "ServableEngine", "engine_clock"]
+__all__ = ["HOLD_MODES", "Clock", "LockstepEngine", "PausableEngine", "RolloutEngine", "ServableEngine", "engine_clock"]

@@ -11,6 +11,12 @@ update, and the next step continues them (after aborting those the staleness bou
 APRIL and the synchronous baseline are this same code: the baseline is a scheduler with
 over_sampling_batch_size == rollout_batch_size, so nothing is left running when N groups are accepted
 and nothing is aborted (see :func:`scheduler_config_for`).
+
+``deterministic=True`` over an engine that steps in lockstep (protocol.LockstepEngine: the embedded
+AsyncEngine) makes a seeded run repeat exactly: the engine runs a model step only after the loop has handed
+the previous step's chunks to the scheduler, rewarded the groups they completed and sent its requests and
+aborts, and rewards reach the scheduler in the order the groups completed, not in the order their reward
+tasks end (docs/loop.md, "Deterministic rollouts").
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import contextlib
 import inspect
 import itertools
 import math
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
@@ -30,7 +37,7 @@ from april_ext.batch import FinishReason, TrainingBatch
 from april_ext.data_source import Prompt
 from april_ext.errors import InternalError, InvalidArgumentError, UnknownIdError
 from april_ext.protocol.reward import score_group
-from april_ext.protocol.rollout_engine import Clock, PausableEngine, RolloutEngine, engine_clock
+from april_ext.protocol.rollout_engine import Clock, LockstepEngine, PausableEngine, RolloutEngine, engine_clock
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.scheduler import (
     CompletedGroup,
@@ -119,12 +126,20 @@ class RolloutLoop:
     Groups whose rewards are still being computed when the step ends are not waited for: their
     rewards reach the scheduler whenever they are ready (surplus for a later step). Call
     :meth:`drain_rewards` before saving the scheduler so that none is in flight.
+
+    deterministic: with an engine that steps in lockstep (``LockstepEngine``: the embedded AsyncEngine), the run
+    repeats exactly for a seed. During a step the engine runs a model step only once the loop has taken the
+    previous one's chunks, reported the rewards of every group they completed (in completion order, as they
+    left pop_completed_groups) and sent its dispatches and aborts; so which requests share each engine step,
+    which groups are accepted first and how many tokens each partial sample holds at the abort are a function
+    of the seed. Rewards of groups the step no longer needs (it was done first) are reported, in that order,
+    before the next step begins. Other engines ignore it (their steps follow their own timing).
     """
 
     def __init__(self, engine: RolloutEngine, scheduler: Scheduler, reward_fn: RewardFn, *,
                  sampling: SamplingParams | None = None, group_filter: GroupFilter | None = None,
                  seed: int = 0, clock: Clock | None = None, engine_capacity: int | None = None,
-                 request_prefix: str = "april") -> None:
+                 request_prefix: str = "april", deterministic: bool = False) -> None:
         if not isinstance(engine, RolloutEngine):
             raise InvalidArgumentError(
                 f"engine is a {type(engine).__name__}; a RolloutEngine needs generate, abort, update_weights, "
@@ -137,6 +152,8 @@ class RolloutLoop:
             raise InvalidArgumentError(f"engine_capacity={engine_capacity!r} is not allowed: None or an int >= 1")
         if not isinstance(seed, int) or seed < 0:
             raise InvalidArgumentError(f"seed={seed!r} is not allowed: an int >= 0")
+        if not isinstance(deterministic, bool):
+            raise InvalidArgumentError(f"deterministic={deterministic!r} is not allowed: True or False")
         self.engine = engine
         self.scheduler = scheduler
         self.reward_fn = reward_fn
@@ -152,7 +169,10 @@ class RolloutLoop:
         self._async_reward = inspect.iscoroutinefunction(reward_fn) or \
             inspect.iscoroutinefunction(getattr(reward_fn, "__call__", None))
         self._ids = itertools.count()
-        self._reward_tasks: set[asyncio.Task[None]] = set()
+        self._reward_tasks: set[asyncio.Task[Any]] = set()
+        # deterministic: engine steps in lockstep with the loop; rewards reported in completion order of groups.
+        self.deterministic = deterministic and isinstance(engine, LockstepEngine)
+        self._reward_order: deque[tuple[CompletedGroup, asyncio.Task[Any]]] = deque()
         self._failures: list[BaseException] = []
         self._wake: asyncio.Event | None = None
         self._streams: dict[int, _Stream] = {}
@@ -177,8 +197,8 @@ class RolloutLoop:
 
     @property
     def pending_rewards(self) -> int:
-        """Reward tasks still running (groups that completed but are not rewarded yet)."""
-        return len(self._reward_tasks)
+        """Groups that completed but whose rewards have not reached the scheduler yet."""
+        return len(self._reward_order) if self.deterministic else len(self._reward_tasks)
 
     async def run_step(self, policy_version: int) -> RolloutResult:
         """Generates until N groups are accepted (or data runs out), then aborts the rest (step_boundary
@@ -189,11 +209,22 @@ class RolloutLoop:
         self._area = 0.0
         # Chunks the carried samples produced before the last pause reach the scheduler with their version.
         self._flush()
-        if self._rewards_before_step:
+        if self._rewards_before_step or self.deterministic:
             await self.drain_rewards()
         sched.begin_step(policy_version)
         engine_steps = self._engine_steps()
         start = self._last_change = self.clock()
+        if self.deterministic:
+            await self.engine.set_lockstep(True)  # type: ignore[attr-defined]
+        try:
+            return await self._run_step(policy_version, start, engine_steps)
+        finally:
+            if self.deterministic:
+                await self.engine.set_lockstep(False)  # type: ignore[attr-defined]
+
+    async def _run_step(self, policy_version: int, start: float, engine_steps: int) -> RolloutResult:
+        sched = self.scheduler
+        assert self._wake is not None
         requests = resumed = aborted = 0
         self._finished_at = []
         if self._carry:
@@ -206,11 +237,19 @@ class RolloutLoop:
             await self._abort(stale)
         while True:
             self._raise_failures()
+            if self.deterministic and self.engine.lockstep_busy():  # type: ignore[attr-defined]
+                await self._wait()  # the released engine step has not reached the streams yet
+                continue
             self._flush()
             for group in sched.pop_completed_groups():
                 self._start_reward(group)
+            if self.deterministic:
+                self._report_in_order(until_done=True)
             if sched.step_done:
                 break
+            if self.deterministic and self._reward_order:
+                await self._wait()  # the engine waits too: its next step follows these rewards
+                continue
             if self._surplus and (cancelled := sched.samples_to_abort()):
                 # Over-provisioned samples of groups whose first n finished: ended now, so their slots go to work
                 # that counts. Their results may complete groups: those are handed out before anything else.
@@ -223,8 +262,11 @@ class RolloutLoop:
             if not self._stream_tasks and not self._reward_tasks and not sched.step_done:
                 raise InternalError(f"rollout loop stalled: nothing running, no reward pending and the step "
                                     f"is not done (scheduler stats: {sched.stats()})")
-            self._wake.clear()
-            await self._wake.wait()
+            if self.deterministic and self._streams:
+                # Everything for the next engine step is sent: the requests just dispatched (their streams open
+                # before the engine's loop runs again) and the aborts (awaited).
+                self.engine.release_step().add_done_callback(lambda _: self._notify())  # type: ignore[attr-defined]
+            await self._wait()
         done_at = self.clock()
         if self._carry:
             if self._surplus:
@@ -276,11 +318,12 @@ class RolloutLoop:
 
     async def drain_rewards(self) -> None:
         """Hands the chunks received so far to the scheduler and waits for every pending reward task (its
-        rewards reach the scheduler); raises the first failure."""
+        rewards reach the scheduler; deterministic: in completion order of the groups); raises the first failure."""
         self._flush()
         while self._reward_tasks:
             await asyncio.wait(set(self._reward_tasks))
         self._raise_failures()
+        self._report_in_order(until_done=False)
 
     # ------------------------------------------------------------------ streams
 
@@ -431,6 +474,20 @@ class RolloutLoop:
         task = asyncio.create_task(self._reward(group))
         self._reward_tasks.add(task)
         task.add_done_callback(self._reward_done)
+        if self.deterministic:
+            self._reward_order.append((group, task))
+
+    def _report_in_order(self, *, until_done: bool) -> None:
+        """deterministic: reports the rewards computed so far in the order the groups completed, up to the first
+        group still being scored (until_done: and no further once the step is done; the rest are reported
+        before the next step begins)."""
+        order = self._reward_order
+        while order and order[0][1].done() and not (until_done and self.scheduler.step_done):
+            group, task = order.popleft()
+            if task.cancelled() or task.exception() is not None:
+                continue  # its failure is raised by _raise_failures
+            values, accepted = task.result()
+            self.scheduler.report_rewards(group.group_id, values, accepted)
 
     def _reward_done(self, task: asyncio.Task[None]) -> None:
         self._reward_tasks.discard(task)
@@ -438,7 +495,7 @@ class RolloutLoop:
             self._failures.append(task.exception())  # type: ignore[arg-type]
         self._notify()
 
-    async def _reward(self, group: CompletedGroup) -> None:
+    async def _reward(self, group: CompletedGroup) -> tuple[list[float], bool] | None:
         score_whole_group = getattr(self.reward_fn, "score_group", None)
         if score_whole_group is not None:  # a group-level reward (training.hooks) schedules its own calls
             rewards = await score_whole_group(group.prompt, group.responses)
@@ -448,7 +505,10 @@ class RolloutLoop:
             rewards = await asyncio.to_thread(score_group, self.reward_fn, group.prompt, group.responses)
         values = [float(r) for r in rewards]  # type: ignore[arg-type]
         accepted = True if self.group_filter is None else bool(self.group_filter(values))
+        if self.deterministic:
+            return values, accepted  # reported by _report_in_order
         self.scheduler.report_rewards(group.group_id, values, accepted)
+        return None
 
     # ------------------------------------------------------------------ helpers
 
@@ -459,6 +519,13 @@ class RolloutLoop:
     def _notify(self) -> None:
         if self._wake is not None:
             self._wake.set()
+
+    async def _wait(self) -> None:
+        """Until the next stream event, reward or released engine step (what came before is handled: the caller did
+        not await since it looked)."""
+        assert self._wake is not None
+        self._wake.clear()
+        await self._wake.wait()
 
     def _account(self, now: float) -> None:
         self._area += self._inflight * (now - self._last_change)

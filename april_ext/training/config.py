@@ -201,6 +201,12 @@ class TrainConfig:
     """Training steps of the run (a resumed run counts its earlier steps)."""
     seed: int = 0
     """Seeds the task stream, model init, request sampling and RNGs."""
+    deterministic_rollout: bool = True
+    """The embedded engine steps in lockstep with the rollout loop and rewards reach the scheduler in the order
+    the groups completed, so a run repeats exactly for a seed, APRIL and carry included (RolloutLoop's
+    deterministic; docs/loop.md, "Deterministic rollouts"). False: the engine steps as fast as it can, which
+    lets the engine's thread run ahead of the loop (timing decides where an abort cuts). SGLang engines ignore
+    it."""
     custom_rm_path: str | None = None
     """Reward function by import path, "pkg.module:fn" (or "pkg.module.fn"), instead of the task's; see
     custom_rm_kind for its signatures."""

@@ -307,7 +307,7 @@ class TrainingRun:
         self.rollout = RolloutLoop(
             self.engine, self.scheduler, reward_fn, sampling=self.sampling,
             group_filter=group_filter,
-            seed=config.seed, engine_capacity=config.max_num_seqs)
+            seed=config.seed, engine_capacity=config.max_num_seqs, deterministic=config.deterministic_rollout)
         self.memory = StepMemory(self.engine, self.trainer) if config.colocate else None
         return self
 

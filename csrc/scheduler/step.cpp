@@ -118,7 +118,10 @@ Batch Scheduler::take_batch() {
             " samples are still running; call samples_to_abort() and abort them in the engine first "
             "(or carry them with step_boundary='carry')");
   const int64_t n = config_.n_samples_per_prompt;
-  const std::vector<int64_t> ids = batch_group_ids();
+  // The first N accepted groups, packed in group id (launch) order: which groups are in the batch follows
+  // acceptance, but their order in it is a function of the groups alone, not of when each reward arrived.
+  std::vector<int64_t> ids = batch_group_ids();
+  std::sort(ids.begin(), ids.end());
   const auto n_groups = static_cast<int64_t>(ids.size());
   Batch b;
   b.policy_version = s_.policy_version;
