@@ -32,13 +32,15 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 TASKS = ("counting",)
 ALGORITHMS = ("grpo", "drgrpo", "dapo", "gspo", *KL_SHAPED_ADVANTAGES)
-ENGINES = ("embedded", "sglang")
-TRAINERS = ("torch", "megatron")
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)")
 RewardKind = Literal["auto", "sample", "batch", "group"]
 KlType = Literal["k1", "k2", "k3", "low_var_kl"]
 WeightSync = Literal["disk", "tensor", "broadcast"]
 RayRouting = Literal["router", "least_loaded"]
+EngineKind = Literal["embedded", "sglang"]
+TrainerKind = Literal["torch", "megatron"]
+ENGINES: tuple[str, ...] = typing.get_args(EngineKind)
+TRAINERS: tuple[str, ...] = typing.get_args(TrainerKind)
 
 
 SCHEDULER_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(SchedulerConfig))
@@ -112,7 +114,7 @@ class TrainConfig:
     """Engine: tokens per KV page."""
     device: str = "cpu"
     """Engine and trainer device ("cpu", "cuda", "cuda:1")."""
-    engine: str = "embedded"
+    engine: EngineKind = "embedded"
     """Rollout engine: "embedded" (in-process) or "sglang" (SGLang servers over HTTP)."""
     sglang_urls: tuple[str, ...] = ()
     """engine=sglang: running SGLang worker urls (comma-separated on the command line); they must serve model."""
@@ -153,7 +155,7 @@ class TrainConfig:
     """weight_sync=broadcast: seconds joining the weight group, each HTTP call of an update and each collective
     may wait (the broadcasting side's and, for the embedded server, the server's --weight-group-timeout)."""
     # --- training
-    trainer: str = "torch"
+    trainer: TrainerKind = "torch"
     """Trainer: "torch" (april_ext.model) or "megatron" (a megatron-core GPTModel; needs april_ext[megatron])."""
     algorithm: str = "grpo"
     """grpo, drgrpo, dapo (clip-higher + dynamic-sampling filter), gspo, reinforce_plus_plus (per-token
