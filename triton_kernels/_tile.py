@@ -1,13 +1,17 @@
 """Helpers shared by the attention kernels: paged K/V tile loads and the online-softmax update on the device;
-the interpreter check and the lse output shape on the host."""
+on the host, the launch prologue: the interpreter check, the block sizes, the outputs and the softmax arguments."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+
+from april_ext.triton_kernels._validation import check_config
+from april_ext.triton_kernels.config import BlockConfig
 
 LOG2E = 1.4426950408889634
 
@@ -31,6 +35,34 @@ def lse_shape(q: torch.Tensor, return_lse: bool) -> tuple[int, int]:
     """The lse output of an attention op: a row per query row when requested, else none (so an op never
     returns memory it did not write)."""
     return (q.shape[0] if return_lse else 0, q.shape[1])
+
+
+def attention_outputs(q: torch.Tensor, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an attention op returns, unwritten: out like q and a float32 lse of lse_shape."""
+    return torch.empty_like(q), q.new_empty(lse_shape(q, return_lse), dtype=torch.float32)
+
+
+def launch_config(kernel: object, q: torch.Tensor, head_dim: int, config: object,
+                  table: Callable[[torch.device, int, torch.dtype], BlockConfig]) -> BlockConfig:
+    """The block sizes of an attention launch: config when given, else the device's row of `table`
+    (config.extend_config or config.decode_config). Raises first when config is not a BlockConfig or
+    q's device cannot run `kernel`."""
+    check_config(config)
+    check_launchable(kernel, q.device.type)
+    return config if config is not None else table(q.device, head_dim, q.dtype)
+
+
+def softmax_args(kernel: object, q: torch.Tensor, sm_scale: float, window: int | None,
+                 softcap: float | None) -> tuple[tuple[float, float, int], dict[str, bool]]:
+    """The arguments every attention kernel takes for its softmax_update calls: the scalars (qk_scale,
+    softcap, window), 1.0 / 0 standing for no soft-cap / window, and the flags HAS_WINDOW, HAS_SOFTCAP
+    and UPCAST (bf16 tiles loaded as float32 under the interpreter). qk_scale includes the log2 factor
+    unless there is a soft-cap, which applies it after capping (see softmax_update)."""
+    qk_scale = sm_scale if softcap is not None else sm_scale * LOG2E
+    scalars = (qk_scale, softcap if softcap is not None else 1.0, window or 0)
+    flags = {"HAS_WINDOW": window is not None, "HAS_SOFTCAP": softcap is not None,
+             "UPCAST": q.dtype == torch.bfloat16 and interpreting(kernel)}
+    return scalars, flags
 
 
 @triton.jit

@@ -109,9 +109,34 @@ def _check_cache_dtype(cache_dtype: torch.dtype, **tensors: torch.Tensor) -> Non
             raise _fail(name, f"dtype {t.dtype} differs from the cache dtype {cache_dtype}")
 
 
-def _check_heads(q_heads: int, cache: CacheShape) -> None:
+def _check_inputs(check_indices: object, k_cache: object, v_cache: object, rows: dict[str, object],
+                  indices: dict[str, tuple[object, int]]) -> tuple[CacheShape, list[torch.Tensor]]:
+    """The checks every call starts with: check_indices a bool; the cache pair; each of rows a 3-d tensor
+    in the cache's dtype; each of indices (name: (value, dimensions)) an int32 / int64 tensor; all of them
+    on one device. Returns the cache shape and the tensors, rows then indices."""
+    check_flag("check_indices", check_indices)
+    cache = check_cache(k_cache, v_cache)
+    row_tensors = {name: _tensor(name, value, 3, FLOAT_DTYPES) for name, value in rows.items()}
+    index_tensors = {name: _tensor(name, value, ndim, INDEX_DTYPES) for name, (value, ndim) in indices.items()}
+    _same_device({**row_tensors, "k_cache": k_cache, "v_cache": v_cache, **index_tensors})
+    _check_cache_dtype(k_cache.dtype, **row_tensors)
+    return cache, [*row_tensors.values(), *index_tensors.values()]
+
+
+def _check_query(q: torch.Tensor, cache: CacheShape) -> tuple[int, int]:
+    """q [rows, Hq, D] against the cache: its head dim, and Hq a multiple of the kv heads. Returns (rows, Hq)."""
+    rows, q_heads, head_dim = q.shape
+    if head_dim != cache.head_dim:
+        raise _fail("q", f"head_dim {head_dim} differs from the cache head_dim {cache.head_dim}")
     if q_heads < 1 or q_heads % cache.kv_heads != 0:
         raise _fail("q", f"query heads {q_heads} must be a positive multiple of the cache's kv heads {cache.kv_heads}")
+    return rows, q_heads
+
+
+def _check_new_kv(k: torch.Tensor, v: torch.Tensor, tokens: int, cache: CacheShape) -> None:
+    """k / v: the keys and values of `tokens` new tokens, [tokens, Hkv, D] as in the cache."""
+    _shape("k", k, (tokens, cache.kv_heads, cache.head_dim))
+    _shape("v", v, (tokens, cache.kv_heads, cache.head_dim))
 
 
 def _check_block_table(block_table: torch.Tensor, batch: int, lens: torch.Tensor, lens_name: str,
@@ -141,7 +166,9 @@ def _check_block_table(block_table: torch.Tensor, batch: int, lens: torch.Tensor
     return longest
 
 
-def check_options(head_dim: int, sm_scale: object, window: object, softcap: object) -> AttentionOptions:
+def check_options(head_dim: int, sm_scale: object, window: object, softcap: object,
+                  return_lse: object) -> AttentionOptions:
+    """The keyword options every attention call takes (sm_scale None: 1 / sqrt(head_dim))."""
     if sm_scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     else:
@@ -159,6 +186,7 @@ def check_options(head_dim: int, sm_scale: object, window: object, softcap: obje
         cap = float(softcap)
         if not math.isfinite(cap) or cap <= 0:
             raise _fail("softcap", f"{softcap!r} is not allowed (None or a finite value > 0)")
+    check_flag("return_lse", return_lse)
     return AttentionOptions(scale, window, cap)
 
 
@@ -182,23 +210,11 @@ def check_extend(q: object, k: object, v: object, k_cache: object, v_cache: obje
     max_extend_len, when given, must bound every sequence's new tokens; with check_indices=False it spares
     the launcher its only host synchronization.
     """
-    check_flag("check_indices", check_indices)
-    cache = check_cache(k_cache, v_cache)
-    q = _tensor("q", q, 3, FLOAT_DTYPES)
-    k = _tensor("k", k, 3, FLOAT_DTYPES)
-    v = _tensor("v", v, 3, FLOAT_DTYPES)
-    qo_indptr = _tensor("qo_indptr", qo_indptr, 1, INDEX_DTYPES)
-    block_table = _tensor("block_table", block_table, 2, INDEX_DTYPES)
-    prefix_lens = _tensor("prefix_lens", prefix_lens, 1, INDEX_DTYPES)
-    _same_device({"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "qo_indptr": qo_indptr,
-                  "block_table": block_table, "prefix_lens": prefix_lens})
-    _check_cache_dtype(k_cache.dtype, q=q, k=k, v=v)
-    tokens, q_heads, head_dim = q.shape
-    if head_dim != cache.head_dim:
-        raise _fail("q", f"head_dim {head_dim} differs from the cache head_dim {cache.head_dim}")
-    _check_heads(q_heads, cache)
-    _shape("k", k, (tokens, cache.kv_heads, cache.head_dim))
-    _shape("v", v, (tokens, cache.kv_heads, cache.head_dim))
+    cache, (q, k, v, qo_indptr, block_table, prefix_lens) = _check_inputs(
+        check_indices, k_cache, v_cache, {"q": q, "k": k, "v": v},
+        {"qo_indptr": (qo_indptr, 1), "block_table": (block_table, 2), "prefix_lens": (prefix_lens, 1)})
+    tokens, q_heads = _check_query(q, cache)
+    _check_new_kv(k, v, tokens, cache)
     if qo_indptr.shape[0] < 1:
         raise _fail("qo_indptr", "must have B + 1 >= 1 entries")
     batch = qo_indptr.shape[0] - 1
@@ -230,17 +246,9 @@ def check_extend(q: object, k: object, v: object, k_cache: object, v_cache: obje
 def check_decode(q: object, k_cache: object, v_cache: object, block_table: object, seq_lens: object,
                  check_indices: bool = True) -> DecodeShape:
     """As check_extend; without check_indices, max_seq_len is the block table's capacity (no host copy)."""
-    check_flag("check_indices", check_indices)
-    cache = check_cache(k_cache, v_cache)
-    q = _tensor("q", q, 3, FLOAT_DTYPES)
-    block_table = _tensor("block_table", block_table, 2, INDEX_DTYPES)
-    seq_lens = _tensor("seq_lens", seq_lens, 1, INDEX_DTYPES)
-    _same_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table, "seq_lens": seq_lens})
-    _check_cache_dtype(k_cache.dtype, q=q)
-    batch, q_heads, head_dim = q.shape
-    if head_dim != cache.head_dim:
-        raise _fail("q", f"head_dim {head_dim} differs from the cache head_dim {cache.head_dim}")
-    _check_heads(q_heads, cache)
+    cache, (q, block_table, seq_lens) = _check_inputs(
+        check_indices, k_cache, v_cache, {"q": q}, {"block_table": (block_table, 2), "seq_lens": (seq_lens, 1)})
+    batch, q_heads = _check_query(q, cache)
     _shape("seq_lens", seq_lens, (batch,))
     if not check_indices:
         return DecodeShape(batch, q_heads, cache, block_table.shape[1] * cache.page_size)
@@ -254,17 +262,11 @@ def check_decode(q: object, k_cache: object, v_cache: object, block_table: objec
 
 def check_store(k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object,
                 check_indices: bool = True) -> CacheShape:
-    check_flag("check_indices", check_indices)
-    cache = check_cache(k_cache, v_cache)
-    k = _tensor("k", k, 3, FLOAT_DTYPES)
-    v = _tensor("v", v, 3, FLOAT_DTYPES)
-    slots = _tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
-    _same_device({"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slots})
+    cache, (k, v, slots) = _check_inputs(check_indices, k_cache, v_cache, {"k": k, "v": v},
+                                         {"slot_mapping": (slot_mapping, 1)})
     tokens = k.shape[0]
-    _shape("k", k, (tokens, cache.kv_heads, cache.head_dim))
-    _shape("v", v, (tokens, cache.kv_heads, cache.head_dim))
+    _check_new_kv(k, v, tokens, cache)
     _shape("slot_mapping", slots, (tokens,))
-    _check_cache_dtype(k_cache.dtype, k=k, v=v)
     if tokens == 0 or not check_indices:
         return cache
     host = slots.to("cpu", torch.int64)

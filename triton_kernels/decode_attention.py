@@ -11,10 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from april_ext.triton_kernels._tile import (LOG2E, check_launchable, interpreting, load_paged_tile, lse_shape,
+from april_ext.triton_kernels._tile import (attention_outputs, launch_config, load_paged_tile, softmax_args,
                                             softmax_update)
-from april_ext.triton_kernels._validation import (MAX_SPLITS, check_config, check_decode, check_flag, check_num_splits,
-                                                  check_options)
+from april_ext.triton_kernels._validation import MAX_SPLITS, check_decode, check_num_splits, check_options
 from april_ext.triton_kernels.config import BlockConfig, decode_config, padded_head_dim
 
 @triton.jit
@@ -141,8 +140,7 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     It trusts its arguments: decode_attention validates them and picks num_splits first. Returns
     (out, lse); lse is [B, Hq] when return_lse, else empty ([0, Hq]).
     """
-    out = torch.empty_like(q)
-    lse = torch.empty(lse_shape(q, return_lse), dtype=torch.float32, device=q.device)
+    out, lse = attention_outputs(q, return_lse)
     batch, q_heads, head_dim = q.shape
     if batch == 0:
         return out, lse
@@ -151,16 +149,13 @@ def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     d_pad = padded_head_dim(head_dim)
     o_part = torch.empty((batch, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
-    upcast = q.dtype == torch.bfloat16 and interpreting(_decode_split_kernel)
-    qk_scale = sm_scale if softcap is not None else sm_scale * LOG2E
+    scalars, flags = softmax_args(_decode_split_kernel, q, sm_scale, window, softcap)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part,
-        qk_scale, softcap if softcap is not None else 1.0, window or 0, num_splits,
+        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, *scalars, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
         *o_part.stride(), *lse_part.stride(),
         GROUP=group, BLOCK_H=max(block_m, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        D_PAD=d_pad, PAGE_SIZE=k_cache.shape[1], BLOCK_N=block_n,
-        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, UPCAST=upcast,
+        D_PAD=d_pad, PAGE_SIZE=k_cache.shape[1], BLOCK_N=block_n, **flags,
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_merge_kernel[(batch, q_heads)](
@@ -177,7 +172,7 @@ def _decode_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            seq_lens: torch.Tensor, sm_scale: float, window: int | None, softcap: float | None,
                            num_splits: int, return_lse: bool, block_m: int, block_n: int, num_warps: int,
                            num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), q.new_empty(lse_shape(q, return_lse), dtype=torch.float32)
+    return attention_outputs(q, return_lse)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -198,12 +193,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     chosen from the block table's capacity instead of the longest sequence.
     """
     shape = check_decode(q, k_cache, v_cache, block_table, seq_lens, check_indices)
-    opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
+    opts = check_options(shape.cache.head_dim, sm_scale, window, softcap, return_lse)
     check_num_splits(num_splits)
-    check_flag("return_lse", return_lse)
-    check_config(config)
-    check_launchable(_decode_split_kernel, q.device.type)
-    cfg = config if config is not None else decode_config(q.device, shape.cache.head_dim, q.dtype)
+    cfg = launch_config(_decode_split_kernel, q, shape.cache.head_dim, config, decode_config)
     max_keys = min(shape.max_seq_len, opts.window) if opts.window is not None else shape.max_seq_len
     splits = num_splits or choose_num_splits(shape.batch, shape.cache.kv_heads, max_keys, cfg.block_n,
                                              _num_sms(q.device))

@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from april_ext.errors import InvalidArgumentError
-from april_ext.triton_kernels._tile import (LOG2E, check_launchable, interpreting, load_paged_tile, load_tile,
-                                            lse_shape, softmax_update)
-from april_ext.triton_kernels._validation import check_config, check_extend, check_flag, check_options
+from april_ext.triton_kernels._tile import (attention_outputs, launch_config, load_paged_tile, load_tile,
+                                            softmax_args, softmax_update)
+from april_ext.triton_kernels._validation import check_extend, check_options
 from april_ext.triton_kernels.config import BlockConfig, extend_config, padded_head_dim
 
 
@@ -147,24 +147,20 @@ def extend_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     It trusts its arguments: extend_attention validates them first. Returns (out, lse); lse is
     [T, Hq] when return_lse, else empty ([0, Hq]), so no call returns memory it did not write.
     """
-    out = torch.empty_like(q)
-    lse = torch.empty(lse_shape(q, return_lse), dtype=torch.float32, device=q.device)
+    out, lse = attention_outputs(q, return_lse)
     if max_extend_len == 0:
         return out, lse
     head_dim = k_cache.shape[3]
     d_pad = padded_head_dim(head_dim)
-    upcast = q.dtype == torch.bfloat16 and interpreting(_extend_attention_kernel)
-    qk_scale = sm_scale if softcap is not None else sm_scale * LOG2E
+    scalars, flags = softmax_args(_extend_attention_kernel, q, sm_scale, window, softcap)
     grid = (triton.cdiv(max_extend_len, block_m), q.shape[1], qo_indptr.shape[0] - 1)
     _extend_attention_kernel[grid](
-        q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, out, lse,
-        qk_scale, softcap if softcap is not None else 1.0, window or 0,
+        q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, out, lse, *scalars,
         *q.stride(), *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         block_table.stride(0), *out.stride(), *lse.stride(),
         GROUP=q.shape[1] // k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=d_pad, PAGE_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, MASK_D=d_pad != head_dim,
-        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, WRITE_LSE=return_lse,
-        UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, MASK_D=d_pad != head_dim, WRITE_LSE=return_lse, **flags,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse
 
@@ -175,7 +171,7 @@ def _extend_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
                            prefix_lens: torch.Tensor, sm_scale: float, window: int | None, softcap: float | None,
                            max_extend_len: int, return_lse: bool, block_m: int, block_n: int, num_warps: int,
                            num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), q.new_empty(lse_shape(q, return_lse), dtype=torch.float32)
+    return attention_outputs(q, return_lse)
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -201,11 +197,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     """
     shape = check_extend(q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, check_indices,
                          max_extend_len)
-    opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
-    check_flag("return_lse", return_lse)
-    check_config(config)
-    check_launchable(_extend_attention_kernel, q.device.type)
-    cfg = config if config is not None else extend_config(q.device, shape.cache.head_dim, q.dtype)
+    opts = check_options(shape.cache.head_dim, sm_scale, window, softcap, return_lse)
+    cfg = launch_config(_extend_attention_kernel, q, shape.cache.head_dim, config, extend_config)
     if cfg.block_m % cfg.block_n:
         raise InvalidArgumentError(f"config: block_m {cfg.block_m} must be a multiple of block_n {cfg.block_n} "
                                    "for extend_attention")

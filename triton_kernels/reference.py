@@ -13,7 +13,6 @@ from april_ext.triton_kernels._validation import (
     AttentionOptions,
     check_decode,
     check_extend,
-    check_flag,
     check_num_splits,
     check_options,
     check_store,
@@ -68,8 +67,7 @@ def extend_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Reference of extend_attention (same arguments and semantics; no config)."""
     shape = check_extend(q, k, v, k_cache, v_cache, qo_indptr, block_table, prefix_lens, check_indices,
                          max_extend_len)
-    opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
-    check_flag("return_lse", return_lse)
+    opts = check_options(shape.cache.head_dim, sm_scale, window, softcap, return_lse)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     indptr = qo_indptr.tolist()
@@ -93,8 +91,7 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                check_indices: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Reference of decode_attention (same arguments, no config; num_splits has no effect here)."""
     shape = check_decode(q, k_cache, v_cache, block_table, seq_lens, check_indices)
-    opts = check_options(shape.cache.head_dim, sm_scale, window, softcap)
-    check_flag("return_lse", return_lse)
+    opts = check_options(shape.cache.head_dim, sm_scale, window, softcap, return_lse)
     check_num_splits(num_splits)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)

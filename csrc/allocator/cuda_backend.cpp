@@ -9,6 +9,7 @@
 
 #include "allocator/dynamic_library.h"
 #include "allocator/gpu_backends.h"
+#include "allocator/gpu_runtime.h"
 #include "allocator/host_memory.h"
 #include "allocator/staged_copy.h"
 #include "common/error.h"
@@ -17,8 +18,25 @@ namespace april::alloc {
 
 namespace {
 
-// The driver entry points used, resolved by their versioned ABI names.
+// The driver entry points used, resolved by their versioned ABI names, and what gpu_runtime.h needs to
+// know of the driver's types.
 struct CudaApi {
+  using Result = CUresult;
+  using DevicePtr = CUdeviceptr;
+  using Stream = CUstream;
+  using Event = CUevent;
+  using AccessDesc = CUmemAccessDesc;
+  static constexpr Result kSuccess = CUDA_SUCCESS;
+  static constexpr Result kOutOfMemory = CUDA_ERROR_OUT_OF_MEMORY;
+  static constexpr const char* kErrorFallback = "CUDA error";
+  static constexpr unsigned kStreamNonBlocking = CU_STREAM_NON_BLOCKING;
+  static constexpr unsigned kEventDisableTiming = CU_EVENT_DISABLE_TIMING;
+  static constexpr CUmemLocationType kLocationDevice = CU_MEM_LOCATION_TYPE_DEVICE;
+  static constexpr CUmemAccess_flags kAccessReadWrite = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  static constexpr GpuCallNames kCalls = {
+      "cuMemAddressReserve", "cuMemAddressFree", "cuMemSetAccess", "cuMemHostAlloc", "cuStreamCreate",
+      "cuEventCreate", "cuEventRecord", "cuEventSynchronize", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync"};
+
   decltype(&::cuInit) init;
   decltype(&::cuGetErrorName) get_error_name;
   decltype(&::cuGetErrorString) get_error_string;
@@ -80,32 +98,16 @@ struct CudaApi {
     lib.load(memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2");
     lib.load(memcpy_htod_async, "cuMemcpyHtoDAsync_v2");
   }
-};
 
-class CudaBackend;
-
-// Per-device stream, events and pinned staging buffers for the pipelined backup copies.
-class CudaCopyOps final : public AsyncCopyOps {
- public:
-  CudaCopyOps(CudaBackend& backend, int device);
-  ~CudaCopyOps() override;
-  void* staging(int slot) override { return staging_[slot]; }
-  void device_to_host_async(void* dst, std::uintptr_t src, std::size_t size, int slot) override;
-  void host_to_device_async(std::uintptr_t dst, const void* src, std::size_t size, int slot) override;
-  void wait(int slot) override;
-
- private:
-  void cleanup() noexcept;
-
-  CudaBackend& backend_;
-  CUstream stream_ = nullptr;
-  CUevent events_[kSlots] = {};
-  void* staging_[kSlots] = {};
+  void describe(CUresult r, const char** name, const char** text) const {
+    get_error_name(r, name);
+    get_error_string(r, text);
+  }
 };
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend() : lib_({"libcuda.so.1", "libcuda.so"}), api_(lib_) {
+  CudaBackend() : lib_({"libcuda.so.1", "libcuda.so"}), api_(lib_), copy_ops_(api_) {
     check_call(api_.init(0), "cuInit");
     check_call(api_.device_get_count(&device_count_), "cuDeviceGetCount");
   }
@@ -132,19 +134,12 @@ class CudaBackend final : public Backend {
 
   std::uintptr_t reserve(std::size_t size, std::size_t alignment, std::uintptr_t fixed_addr) override {
     make_current(last_device_);
-    CUdeviceptr ptr = 0;
-    CUresult r = api_.address_reserve(&ptr, size, alignment, static_cast<CUdeviceptr>(fixed_addr), 0);
-    check_call(r, "cuMemAddressReserve");
-    if (fixed_addr != 0 && ptr != fixed_addr) {
-      api_.address_free(ptr, size);
-      throw Error(ErrorKind::Driver, "cuMemAddressReserve did not return the requested address");
-    }
-    return static_cast<std::uintptr_t>(ptr);
+    return reserve_range(api_, size, alignment, fixed_addr);
   }
 
   void free_va(std::uintptr_t addr, std::size_t size) override {
     make_current(last_device_);
-    check_call(api_.address_free(static_cast<CUdeviceptr>(addr), size), "cuMemAddressFree");
+    free_range(api_, addr, size);
   }
 
   PhysicalHandle create(std::size_t size, int device) override {
@@ -169,11 +164,7 @@ class CudaBackend final : public Backend {
 
   void set_access(std::uintptr_t addr, std::size_t size, int device) override {
     make_current(device);
-    CUmemAccessDesc desc = {};
-    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    desc.location.id = device;
-    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    check_call(api_.set_access(static_cast<CUdeviceptr>(addr), size, &desc, 1), "cuMemSetAccess");
+    grant_access(api_, addr, size, device);
   }
 
   void unmap(std::uintptr_t addr, std::size_t size) override {
@@ -189,24 +180,16 @@ class CudaBackend final : public Backend {
 
   void copy_to_host(void* dst, std::uintptr_t src, std::size_t size, int device) override {
     make_current(device);
-    staged_device_to_host(copy_ops(device), dst, src, size);
+    staged_device_to_host(copy_ops_.get(device), dst, src, size);
   }
 
   void copy_from_host(std::uintptr_t dst, const void* src, std::size_t size, int device) override {
     make_current(device);
-    staged_host_to_device(copy_ops(device), dst, src, size);
+    staged_host_to_device(copy_ops_.get(device), dst, src, size);
   }
 
-  void check_call(CUresult r, const char* call) const {
-    if (r == CUDA_SUCCESS) return;
-    const char* ename = nullptr;
-    const char* etext = nullptr;
-    api_.get_error_name(r, &ename);
-    api_.get_error_string(r, &etext);
-    throw runtime_call_error(call, static_cast<int>(r), ename, etext, "CUDA error", r == CUDA_ERROR_OUT_OF_MEMORY);
-  }
-
-  const CudaApi& api() const { return api_; }
+ private:
+  void check_call(CUresult r, const char* call) const { check_result(api_, r, call); }
 
   // Driver calls need a current context on the calling thread, which may be any thread (a tensor
   // deleter, torch's free hook). When it has none, the device's primary context is made current:
@@ -228,7 +211,6 @@ class CudaBackend final : public Backend {
     check_call(api_.ctx_set_current(it->second), "cuCtxSetCurrent");
   }
 
- private:
   // GPUDirect RDMA capable memory where the device supports it with VMM, so NCCL / RDMA NICs can
   // register region memory; the granularity is queried with the same properties.
   CUmemAllocationProp properties(int device) {
@@ -255,13 +237,6 @@ class CudaBackend final : public Backend {
     return value != 0;
   }
 
-  CudaCopyOps& copy_ops(int device) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = copy_ops_.find(device);
-    if (it == copy_ops_.end()) it = copy_ops_.emplace(device, std::make_unique<CudaCopyOps>(*this, device)).first;
-    return *it->second;
-  }
-
   DynamicLibrary lib_;
   CudaApi api_;
   int device_count_ = 0;
@@ -270,53 +245,8 @@ class CudaBackend final : public Backend {
   std::map<int, bool> rdma_;
   std::map<int, CUcontext> contexts_;
   std::map<int, CUdevice> retained_;
-  std::map<int, std::unique_ptr<CudaCopyOps>> copy_ops_;
+  PinnedCopyOpsByDevice<CudaApi> copy_ops_;
 };
-
-CudaCopyOps::CudaCopyOps(CudaBackend& backend, int device) : backend_(backend) {
-  (void)device;
-  const CudaApi& api = backend_.api();
-  try {
-    backend_.check_call(api.stream_create(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    for (int i = 0; i < kSlots; ++i) {
-      backend_.check_call(api.event_create(&events_[i], CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-      backend_.check_call(api.host_alloc(&staging_[i], kChunkBytes, 0), "cuMemHostAlloc");
-    }
-  } catch (const Error&) {
-    cleanup();
-    throw;
-  }
-}
-
-CudaCopyOps::~CudaCopyOps() { cleanup(); }
-
-void CudaCopyOps::cleanup() noexcept {
-  const CudaApi& api = backend_.api();
-  for (int i = 0; i < kSlots; ++i) {
-    if (staging_[i] != nullptr) api.free_host(staging_[i]);
-    if (events_[i] != nullptr) api.event_destroy(events_[i]);
-    staging_[i] = nullptr;
-    events_[i] = nullptr;
-  }
-  if (stream_ != nullptr) api.stream_destroy(stream_);
-  stream_ = nullptr;
-}
-
-void CudaCopyOps::device_to_host_async(void* dst, std::uintptr_t src, std::size_t size, int slot) {
-  const CudaApi& api = backend_.api();
-  backend_.check_call(api.memcpy_dtoh_async(dst, static_cast<CUdeviceptr>(src), size, stream_), "cuMemcpyDtoHAsync");
-  backend_.check_call(api.event_record(events_[slot], stream_), "cuEventRecord");
-}
-
-void CudaCopyOps::host_to_device_async(std::uintptr_t dst, const void* src, std::size_t size, int slot) {
-  const CudaApi& api = backend_.api();
-  backend_.check_call(api.memcpy_htod_async(static_cast<CUdeviceptr>(dst), src, size, stream_), "cuMemcpyHtoDAsync");
-  backend_.check_call(api.event_record(events_[slot], stream_), "cuEventRecord");
-}
-
-void CudaCopyOps::wait(int slot) {
-  backend_.check_call(backend_.api().event_synchronize(events_[slot]), "cuEventSynchronize");
-}
 
 }  // namespace
 

@@ -13,6 +13,7 @@
 
 #include "allocator/dynamic_library.h"
 #include "allocator/gpu_backends.h"
+#include "allocator/gpu_runtime.h"
 #include "allocator/host_memory.h"
 #include "allocator/staged_copy.h"
 #include "common/error.h"
@@ -35,7 +36,25 @@ struct HipAllocationPropV6 {
   } alloc_flags;
 };
 
+// The runtime entry points used, and what gpu_runtime.h needs to know of the runtime's types.
 struct HipApi {
+  using Result = hipError_t;
+  using DevicePtr = hipDeviceptr_t;
+  using Stream = hipStream_t;
+  using Event = hipEvent_t;
+  using AccessDesc = hipMemAccessDesc;
+  static constexpr Result kSuccess = hipSuccess;
+  static constexpr Result kOutOfMemory = hipErrorOutOfMemory;
+  static constexpr const char* kErrorFallback = "HIP error";
+  static constexpr unsigned kStreamNonBlocking = hipStreamNonBlocking;
+  static constexpr unsigned kEventDisableTiming = hipEventDisableTiming;
+  static constexpr hipMemLocationType kLocationDevice = hipMemLocationTypeDevice;
+  static constexpr hipMemAccessFlags kAccessReadWrite = hipMemAccessFlagsProtReadWrite;
+  static constexpr GpuCallNames kCalls = {
+      "hipMemAddressReserve", "hipMemAddressFree", "hipMemSetAccess", "hipHostMalloc",
+      "hipStreamCreateWithFlags", "hipEventCreateWithFlags", "hipEventRecord", "hipEventSynchronize",
+      "hipMemcpyDtoHAsync", "hipMemcpyHtoDAsync"};
+
   hipError_t (*init)(unsigned int);
   const char* (*get_error_name)(hipError_t);
   const char* (*get_error_string)(hipError_t);
@@ -52,8 +71,8 @@ struct HipApi {
   hipError_t (*map)(void*, size_t, size_t, hipMemGenericAllocationHandle_t, unsigned long long);
   hipError_t (*set_access)(void*, size_t, const hipMemAccessDesc*, size_t);
   hipError_t (*unmap)(void*, size_t);
-  hipError_t (*host_malloc)(void**, size_t, unsigned int);
-  hipError_t (*host_free)(void*);
+  hipError_t (*host_alloc)(void**, size_t, unsigned int);
+  hipError_t (*free_host)(void*);
   hipError_t (*stream_create)(hipStream_t*, unsigned int);
   hipError_t (*stream_destroy)(hipStream_t);
   hipError_t (*event_create)(hipEvent_t*, unsigned);
@@ -80,8 +99,8 @@ struct HipApi {
     lib.load(map, "hipMemMap");
     lib.load(set_access, "hipMemSetAccess");
     lib.load(unmap, "hipMemUnmap");
-    lib.load(host_malloc, "hipHostMalloc");
-    lib.load(host_free, "hipHostFree");
+    lib.load(host_alloc, "hipHostMalloc");
+    lib.load(free_host, "hipHostFree");
     lib.load(stream_create, "hipStreamCreateWithFlags");
     lib.load(stream_destroy, "hipStreamDestroy");
     lib.load(event_create, "hipEventCreateWithFlags");
@@ -91,27 +110,16 @@ struct HipApi {
     lib.load(memcpy_dtoh_async, "hipMemcpyDtoHAsync");
     lib.load(memcpy_htod_async, "hipMemcpyHtoDAsync");
   }
+
+  void describe(hipError_t r, const char** name, const char** text) const {
+    *name = get_error_name(r);
+    *text = get_error_string(r);
+  }
 };
 
-class HipBackend;
-
-class HipCopyOps final : public AsyncCopyOps {
- public:
-  explicit HipCopyOps(HipBackend& backend);
-  ~HipCopyOps() override { cleanup(); }
-  void* staging(int slot) override { return staging_[slot]; }
-  void device_to_host_async(void* dst, std::uintptr_t src, std::size_t size, int slot) override;
-  void host_to_device_async(std::uintptr_t dst, const void* src, std::size_t size, int slot) override;
-  void wait(int slot) override;
-
- private:
-  void cleanup() noexcept;
-
-  HipBackend& backend_;
-  hipStream_t stream_ = nullptr;
-  hipEvent_t events_[kSlots] = {};
-  void* staging_[kSlots] = {};
-};
+// hipMemCreate's handles of one physical allocation with their sizes: one handle, or one per
+// granularity-sized chunk before ROCm 7.
+using Chunks = std::vector<std::pair<hipMemGenericAllocationHandle_t, std::size_t>>;
 
 // Sets the calling thread's device for the scope and puts the previous one back.
 class DeviceScope {
@@ -130,7 +138,10 @@ class DeviceScope {
 
 class HipBackend final : public Backend {
  public:
-  HipBackend() : lib_({"libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5"}), api_(lib_) {
+  HipBackend()
+      : lib_({"libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5"}),
+        api_(lib_),
+        copy_ops_(api_) {
     check_call(api_.init(0), "hipInit");
     check_call(api_.get_device_count(&device_count_), "hipGetDeviceCount");
     int version = 0;
@@ -163,24 +174,14 @@ class HipBackend final : public Backend {
   }
 
   std::uintptr_t reserve(std::size_t size, std::size_t alignment, std::uintptr_t fixed_addr) override {
-    void* ptr = nullptr;
-    check_call(api_.address_reserve(&ptr, size, alignment, reinterpret_cast<void*>(fixed_addr), 0),
-               "hipMemAddressReserve");
-    auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-    if (fixed_addr != 0 && addr != fixed_addr) {
-      (void)api_.address_free(ptr, size);
-      throw Error(ErrorKind::Driver, "hipMemAddressReserve did not return the requested address");
-    }
-    return addr;
+    return reserve_range(api_, size, alignment, fixed_addr);
   }
 
-  void free_va(std::uintptr_t addr, std::size_t size) override {
-    check_call(api_.address_free(reinterpret_cast<void*>(addr), size), "hipMemAddressFree");
-  }
+  void free_va(std::uintptr_t addr, std::size_t size) override { free_range(api_, addr, size); }
 
   PhysicalHandle create(std::size_t size, int device) override {
     std::size_t chunk = major_ < 7 ? granularity(device) : size;
-    std::vector<std::pair<hipMemGenericAllocationHandle_t, std::size_t>> chunks;
+    Chunks chunks;
     auto release_all = [&] {
       for (auto& c : chunks) (void)api_.release(c.first);
     };
@@ -204,7 +205,7 @@ class HipBackend final : public Backend {
   }
 
   void release(PhysicalHandle handle) override {
-    std::vector<std::pair<hipMemGenericAllocationHandle_t, std::size_t>> chunks;
+    Chunks chunks;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = handles_.find(handle);
@@ -216,7 +217,7 @@ class HipBackend final : public Backend {
   }
 
   void map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) override {
-    std::vector<std::pair<hipMemGenericAllocationHandle_t, std::size_t>> chunks;
+    Chunks chunks;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = handles_.find(handle);
@@ -240,16 +241,12 @@ class HipBackend final : public Backend {
   }
 
   void set_access(std::uintptr_t addr, std::size_t size, int device) override {
-    hipMemAccessDesc desc = {};
-    desc.location.type = hipMemLocationTypeDevice;
-    desc.location.id = device;
-    desc.flags = hipMemAccessFlagsProtReadWrite;
-    check_call(api_.set_access(reinterpret_cast<void*>(addr), size, &desc, 1), "hipMemSetAccess");
+    grant_access(api_, addr, size, device);
   }
 
   // Chunked mappings are unmapped chunk by chunk, as they were mapped.
   void unmap(std::uintptr_t addr, std::size_t size) override {
-    std::vector<std::pair<hipMemGenericAllocationHandle_t, std::size_t>> chunks;
+    Chunks chunks;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = mapped_.find(addr);
@@ -278,45 +275,34 @@ class HipBackend final : public Backend {
 
   void copy_to_host(void* dst, std::uintptr_t src, std::size_t size, int device) override {
     DeviceScope scope(api_, device);
-    staged_device_to_host(copy_ops(device), dst, src, size);
+    staged_device_to_host(copy_ops_.get(device), dst, src, size);
   }
 
   void copy_from_host(std::uintptr_t dst, const void* src, std::size_t size, int device) override {
     DeviceScope scope(api_, device);
-    staged_host_to_device(copy_ops(device), dst, src, size);
+    staged_host_to_device(copy_ops_.get(device), dst, src, size);
   }
-
-  void check_call(hipError_t r, const char* call) const {
-    if (r == hipSuccess) return;
-    throw runtime_call_error(call, static_cast<int>(r), api_.get_error_name(r), api_.get_error_string(r), "HIP error",
-                             r == hipErrorOutOfMemory);
-  }
-
-  const HipApi& api() const { return api_; }
 
  private:
+  void check_call(hipError_t r, const char* call) const { check_result(api_, r, call); }
+
+  // Calls fn with pinned device memory properties in the layout of the runtime's version.
   template <typename Fn>
   void with_properties(int device, Fn&& fn) {
-    if (major_ >= 6) {
-      HipAllocationPropV6 prop = {};
+    auto pinned_on_device = [device](auto& prop) {
       prop.type = hipMemAllocationTypePinned;
       prop.location.type = hipMemLocationTypeDevice;
       prop.location.id = device;
+    };
+    if (major_ >= 6) {
+      HipAllocationPropV6 prop = {};
+      pinned_on_device(prop);
       fn(reinterpret_cast<const hipMemAllocationProp*>(&prop));
     } else {
       hipMemAllocationProp prop = {};
-      prop.type = hipMemAllocationTypePinned;
-      prop.location.type = hipMemLocationTypeDevice;
-      prop.location.id = device;
+      pinned_on_device(prop);
       fn(&prop);
     }
-  }
-
-  HipCopyOps& copy_ops(int device) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = copy_ops_.find(device);
-    if (it == copy_ops_.end()) it = copy_ops_.emplace(device, std::make_unique<HipCopyOps>(*this)).first;
-    return *it->second;
   }
 
   DynamicLibrary lib_;
@@ -325,10 +311,10 @@ class HipBackend final : public Backend {
   int major_ = 0;
   std::mutex mutex_;
   PhysicalHandle next_handle_ = 1;
-  std::map<PhysicalHandle, std::vector<std::pair<hipMemGenericAllocationHandle_t, std::size_t>>> handles_;
+  std::map<PhysicalHandle, Chunks> handles_;
   // Mapped ranges by address, with the chunks mapped there.
-  std::map<std::uintptr_t, std::vector<std::pair<hipMemGenericAllocationHandle_t, std::size_t>>> mapped_;
-  std::map<int, std::unique_ptr<HipCopyOps>> copy_ops_;
+  std::map<std::uintptr_t, Chunks> mapped_;
+  PinnedCopyOpsByDevice<HipApi> copy_ops_;
 };
 
 DeviceScope::DeviceScope(const HipApi& api, int device) : api_(api) {
@@ -339,51 +325,6 @@ DeviceScope::DeviceScope(const HipApi& api, int device) : api_(api) {
     }
     previous_ = current;
   }
-}
-
-HipCopyOps::HipCopyOps(HipBackend& backend) : backend_(backend) {
-  const HipApi& api = backend_.api();
-  try {
-    backend_.check_call(api.stream_create(&stream_, hipStreamNonBlocking), "hipStreamCreateWithFlags");
-    for (int i = 0; i < kSlots; ++i) {
-      backend_.check_call(api.event_create(&events_[i], hipEventDisableTiming), "hipEventCreateWithFlags");
-      backend_.check_call(api.host_malloc(&staging_[i], kChunkBytes, hipHostMallocDefault), "hipHostMalloc");
-    }
-  } catch (const Error&) {
-    cleanup();
-    throw;
-  }
-}
-
-void HipCopyOps::cleanup() noexcept {
-  const HipApi& api = backend_.api();
-  for (int i = 0; i < kSlots; ++i) {
-    if (staging_[i] != nullptr) (void)api.host_free(staging_[i]);
-    if (events_[i] != nullptr) (void)api.event_destroy(events_[i]);
-    staging_[i] = nullptr;
-    events_[i] = nullptr;
-  }
-  if (stream_ != nullptr) (void)api.stream_destroy(stream_);
-  stream_ = nullptr;
-}
-
-void HipCopyOps::device_to_host_async(void* dst, std::uintptr_t src, std::size_t size, int slot) {
-  const HipApi& api = backend_.api();
-  backend_.check_call(api.memcpy_dtoh_async(dst, reinterpret_cast<hipDeviceptr_t>(src), size, stream_),
-                      "hipMemcpyDtoHAsync");
-  backend_.check_call(api.event_record(events_[slot], stream_), "hipEventRecord");
-}
-
-void HipCopyOps::host_to_device_async(std::uintptr_t dst, const void* src, std::size_t size, int slot) {
-  const HipApi& api = backend_.api();
-  backend_.check_call(
-      api.memcpy_htod_async(reinterpret_cast<hipDeviceptr_t>(dst), const_cast<void*>(src), size, stream_),
-      "hipMemcpyHtoDAsync");
-  backend_.check_call(api.event_record(events_[slot], stream_), "hipEventRecord");
-}
-
-void HipCopyOps::wait(int slot) {
-  backend_.check_call(backend_.api().event_synchronize(events_[slot]), "hipEventSynchronize");
 }
 
 }  // namespace
