@@ -1,9 +1,11 @@
-"""Named long-tail strategies: each is a SchedulerConfig built from a base one (docs/strategies.md).
+"""Named long-tail strategies: each is a SchedulerConfig built from a base one (docs/strategies.md); and the
+synchronous baselines they are measured against.
 
 A strategy only sets scheduler settings that already exist; it is a name for a combination, so that
 ``april-ext train --strategy NAME`` and ``april-ext simulate --strategies a,b`` run the same thing. The
 base config's batch shape (N, samples per prompt, response cap, staleness policy) is kept; a strategy reads
-nothing else of it.
+nothing else of it. The baselines (:func:`synchronous`, :func:`synchronous_dapo`) are the one place the rollout
+loop and the simulator take the settings of a run without partial rollout from.
 """
 
 from __future__ import annotations
@@ -51,6 +53,24 @@ def apply_strategy(config: SchedulerConfig, name: str) -> SchedulerConfig:
     if name not in STRATEGIES:
         raise ConfigError(f"strategy={name!r} is not allowed: one of {', '.join(repr(n) for n in STRATEGIES)}")
     return STRATEGIES[name](config)
+
+
+def synchronous(config: SchedulerConfig) -> SchedulerConfig:
+    """The synchronous baseline (GRPO without partial rollout): N' = N with batch refill, so every launched group
+    runs to completion and nothing is aborted or carried over; dispatched in the paper's order, whole, without tail
+    batching."""
+    return replace(config, over_sampling_batch_size=config.rollout_batch_size, refill="batch", over_sampling="fixed",
+                   target_inflight_samples=None, dispatch_order="fifo", resume_priority=True, chunk_tokens=None,
+                   tail_batching=False, tail_batching_restart=False, tail_extra_samples=0)
+
+
+def synchronous_dapo(config: SchedulerConfig) -> SchedulerConfig:
+    """slime's DAPO dynamic sampling without partial rollout: its default N' = N, more groups launched whenever fewer
+    than N are in flight or accepted (continuous refill with nothing to over-sample: the groups still needed),
+    stopped once N pass the filter, the unfinished and surplus groups thrown away (max_staleness 0 with the drop
+    policy)."""
+    return replace(config, over_sampling_batch_size=config.rollout_batch_size, refill="continuous",
+                   over_sampling="fixed", target_inflight_samples=None, max_staleness=0, staleness_policy="drop")
 
 
 _SHAPE = ("rollout_batch_size", "n_samples_per_prompt", "max_response_len")

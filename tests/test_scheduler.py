@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import re
 import threading
+from dataclasses import fields
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _scheduler_utils import (
     FakeEngine,
@@ -35,6 +38,7 @@ from april_ext import (
     SchedulerConfig,
     UnknownIdError,
 )
+from april_ext.settings import settings as config_settings
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -54,9 +58,48 @@ def test_config_rejects_bad_values_naming_field_and_value(field, value):
     assert isinstance(info.value, ValueError)
 
 
-_CORE_ARGS = dict(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=4, max_response_len=64,
-                  refill="batch", max_staleness=-1, staleness_policy="keep", mask_offpolicy=False,
-                  resume_order="oldest_first", keep_surplus=True, max_inflight_samples=0)
+def _core_config(**fields: object) -> _C.SchedulerConfig:
+    """The core's Config with ``fields`` set, as SchedulerConfig sets it."""
+    core = _C.SchedulerConfig()
+    for name, value in fields.items():
+        setattr(core, name, value)
+    return core
+
+
+_CORE_ARGS = dict(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=4, max_response_len=64)
+
+
+def test_the_python_fields_and_defaults_are_the_cores():
+    core = _C.SchedulerConfig()
+    bound = [name for name, attr in vars(_C.SchedulerConfig).items() if isinstance(attr, property)]
+    assert [f.name for f in fields(SchedulerConfig)] == bound
+    assert {f.name: f.default for f in fields(SchedulerConfig)} == {name: getattr(core, name) for name in bound}
+    # The names a Literal field's type lists (its flag's choices) are the core's.
+    choices = {name: s.choices for name, s in config_settings(SchedulerConfig).items() if s.choices}
+    assert choices == _C.scheduler_config_choices()
+    # What the core runs with by default: SchedulerConfig() resolves N' the way the core does.
+    assert SchedulerConfig().over_sampling_batch_size == core.validated().over_sampling_batch_size == 64
+
+
+@pytest.mark.parametrize("field,changes", [
+    ("rollout_batch_size", dict(rollout_batch_size=0)), ("rollout_batch_size", dict(rollout_batch_size=2**63)),
+    ("n_samples_per_prompt", dict(n_samples_per_prompt="8")),
+    ("over_sampling_batch_size", dict(over_sampling_batch_size=1)), ("max_response_len", dict(max_response_len=2**31)),
+    ("refill", dict(refill="greedy")), ("refill", dict(refill=1)), ("max_staleness", dict(max_staleness=-1)),
+    ("mask_offpolicy", dict(mask_offpolicy=1)), ("max_inflight_samples", dict(max_inflight_samples=1)),
+    ("target_inflight_samples", dict(over_sampling="adaptive")),
+    ("target_inflight_samples", dict(target_inflight_samples=4)), ("chunk_tokens", dict(chunk_tokens=0)),
+    ("chunk_tokens", dict(chunk_tokens=2.5)), ("tail_batching_restart", dict(tail_batching_restart=True)),
+    ("tail_extra_samples", dict(tail_extra_samples=True)), ("tail_extra_samples", dict(tail_extra_samples=1)),
+    ("tail_extra_samples", dict(tail_batching=True, tail_extra_samples=-1)),
+])
+def test_a_bad_value_is_refused_by_the_cores_validation_with_its_message(field, changes):
+    """SchedulerConfig has no rules of its own: its ConfigError is the one the core's Config raises."""
+    with pytest.raises(ConfigError, match=rf"^SchedulerConfig\.{field}=") as through_python:
+        SchedulerConfig(**{**_CORE_ARGS, **changes})
+    with pytest.raises(ConfigError) as in_the_core:
+        _core_config(**{**_CORE_ARGS, **changes}).validated()
+    assert str(through_python.value) == str(in_the_core.value)
 
 
 @pytest.mark.parametrize("field,allowed", [
@@ -65,12 +108,14 @@ _CORE_ARGS = dict(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_ba
     ("step_boundary", "'abort', 'carry'"),
     ("dispatch_order", "'fifo', 'oldest_first', 'longest_predicted_first', 'shortest_first'"),
 ])
-@pytest.mark.parametrize("bad", ["greedy", "Batch", ""])
+@pytest.mark.parametrize("bad", ["greedy", "Batch", "", None, 0])
 def test_the_core_takes_enum_settings_by_name_and_rejects_other_values(field, allowed, bad):
-    _C.SchedulerCore(**_CORE_ARGS)
+    _C.SchedulerCore(_core_config(**_CORE_ARGS))
     message = f"SchedulerConfig.{field}={bad!r} is not allowed: one of {allowed}"
     with pytest.raises(ConfigError, match=re.escape(message)):
-        _C.SchedulerCore(**dict(_CORE_ARGS, **{field: bad}))
+        _core_config(**{field: bad})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        SchedulerConfig(**{field: bad})
 
 
 def test_python_config_accepts_exactly_the_names_the_core_knows():
@@ -93,11 +138,12 @@ def test_strategy_settings_are_validated(field, value, allowed):
         SchedulerConfig(**{field: value})
 
 
-def test_the_core_refuses_strategy_settings_python_would_refuse():
-    with pytest.raises(ConfigError, match=r"SchedulerConfig.chunk_tokens=-1 is not allowed"):
-        _C.SchedulerCore(**dict(_CORE_ARGS, chunk_tokens=-1))
-    with pytest.raises(ConfigError, match=r"SchedulerConfig.tail_batching_restart=1 is not allowed: needs tail_batching"):
-        _C.SchedulerCore(**dict(_CORE_ARGS, tail_batching_restart=True))
+def test_the_core_validates_the_config_it_is_given():
+    with pytest.raises(ConfigError, match=r"SchedulerConfig.chunk_tokens=-1 is not allowed: an int >= 1"):
+        _C.SchedulerCore(_core_config(**_CORE_ARGS, chunk_tokens=-1))
+    with pytest.raises(ConfigError, match=r"SchedulerConfig.tail_batching_restart=True is not allowed: False unless "
+                                          r"tail_batching=True"):
+        _C.SchedulerCore(_core_config(**_CORE_ARGS, tail_batching_restart=True))
 
 
 def test_sample_states_cross_by_name():
@@ -829,7 +875,7 @@ def test_event_arrays_of_different_lengths_raise_invalid_argument(call):
     ([5, 6, 7], [1, 3], "from 0 to the 3 tokens"), ([5, -6, 7], [0, 1, 3], "token id -6 of prompt 1"),
 ])
 def test_the_core_checks_packed_prompts_before_adding_any(tokens, offsets, match):
-    core = _C.SchedulerCore(**_CORE_ARGS)
+    core = _C.SchedulerCore(_core_config(**_CORE_ARGS))
     core.begin_step(0)
     with pytest.raises(InvalidArgumentError, match=match):
         core.add_groups(0, np.array(tokens, np.int32), np.array(offsets, np.int64))
@@ -878,6 +924,61 @@ def test_prompt_token_ids_outside_0_to_int32_max_are_rejected(bad):
     with pytest.raises(InvalidArgumentError, match=_names(bad, "'wide'")):
         sched.dispatch()
     assert sched.stats()["groups_launched"] == 0
+
+
+_ID_CALLS = {
+    "on_tokens": lambda s, i: s.on_tokens(i, [5], [0.0], 0),
+    "on_tokens_batch": lambda s, i: s.on_tokens_batch([0, i], [1, 1], [5, 6], [0.0, 0.0], [0, 0]),
+    "on_finish": lambda s, i: s.on_finish(i, "stop"),
+    "on_finish_batch": lambda s, i: s.on_finish_batch([0, i], [0, 0]),
+    "report_rewards": lambda s, i: s.report_rewards(i, [1.0, 0.0]),
+    "sample": lambda s, i: s.sample(i),
+}
+
+
+def _unknown(kind: str, value: int) -> str:
+    return rf"{kind} id {value} is not known: {kind} ids are in \[0, 2\*\*63 - 1\]"
+
+
+@pytest.mark.parametrize("call", sorted(_ID_CALLS))
+@given(bad=st.one_of(st.integers(max_value=-1), st.integers(min_value=2**63)))
+@settings(max_examples=20, deadline=None)
+def test_an_id_outside_0_to_int64_max_is_unknown_naming_it_and_the_range(call, bad):
+    """Negative ids reach the core, which refuses them; ids int64 cannot hold are refused before a conversion could
+    overflow or wrap them."""
+    sched = make()
+    sched.begin_step(0)
+    sched.dispatch()
+    before = sched.state_dict()
+    with pytest.raises(UnknownIdError, match=_unknown("group" if call == "report_rewards" else "sample", bad)):
+        _ID_CALLS[call](sched, bad)
+    assert sched.state_dict() == before
+
+
+@pytest.mark.parametrize("bad", [2**63, 2**64 - 1])
+def test_an_unsigned_id_array_is_checked_before_it_is_narrowed(bad):
+    sched = make()
+    sched.begin_step(0)
+    sched.dispatch()
+    ids = np.array([0, bad], np.uint64)
+    with pytest.raises(UnknownIdError, match=_unknown("sample", bad)):
+        sched.on_tokens_batch(ids, [1, 1], [5, 6], [0.0, 0.0], [0, 0])
+    with pytest.raises(UnknownIdError, match=_unknown("sample", bad)):
+        sched.on_finish_batch(ids, [0, 0])
+    assert sched.sample(0).token_ids.size == 0 and sched.sample(0).state == "running"
+    sched.on_tokens_batch(np.array([0, 1], np.uint64), [1, 1], [5, 6], [0.0, 0.0], [0, 0])  # ids that fit pass
+    assert sched.sample(1).token_ids.tolist() == [6]
+
+
+@pytest.mark.parametrize("bad", ["0", 1.0, None, True])
+def test_an_id_that_is_not_an_int_is_an_invalid_argument(bad):
+    sched = make()
+    sched.begin_step(0)
+    sched.dispatch()
+    with pytest.raises(InvalidArgumentError, match=re.escape(f"sample id={bad!r} is not allowed: an int")):
+        sched.sample(bad)
+    with pytest.raises(InvalidArgumentError, match=re.escape(f"group id={bad!r} is not allowed: an int")):
+        sched.report_rewards(bad, [1.0, 0.0])
 
 
 def test_abort_at_the_length_cap_counts_as_finished():

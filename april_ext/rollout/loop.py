@@ -45,6 +45,7 @@ from april_ext.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from april_ext.strategies import synchronous
 
 _E = TypeVar("_E", bound=tuple)
 
@@ -564,16 +565,10 @@ def _split(events: list[_E], held: set[int]) -> tuple[list[_E], list[_E]]:
 
 def scheduler_config_for(config: SchedulerConfig, partial_rollout: bool) -> SchedulerConfig:
     """The scheduler settings of a run: APRIL (or a long-tail strategy) as configured, or the synchronous
-    baseline (N' = N with batch refill: every launched group runs to completion, nothing is aborted or carried
-    over; dispatched in the paper's order, whole, without tail batching)."""
+    baseline (april_ext.strategies.synchronous: N' = N with batch refill, so nothing is aborted or carried over)."""
     if not isinstance(partial_rollout, bool):
         raise InvalidArgumentError(f"partial_rollout={partial_rollout!r} is not allowed: True or False")
-    if partial_rollout:
-        return config
-    # Batch refill: a wave of N groups, no top-ups, so nothing is still running when N are accepted.
-    return replace(config, over_sampling_batch_size=config.rollout_batch_size, refill="batch", over_sampling="fixed",
-                   target_inflight_samples=None, dispatch_order="fifo", resume_priority=True, chunk_tokens=None,
-                   tail_batching=False, tail_batching_restart=False, tail_extra_samples=0)
+    return config if partial_rollout else synchronous(config)
 
 
 __all__ = ["GroupFilter", "RewardFn", "RolloutLoop", "RolloutMetrics", "RolloutResult", "scheduler_config_for", "tail_latency"]

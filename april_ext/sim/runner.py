@@ -15,7 +15,7 @@ from april_ext.algorithms.filters import reject_uniform_groups
 from april_ext.data_source import Prompt
 from april_ext.errors import ConfigError
 from april_ext.protocol.sampling_params import SamplingParams
-from april_ext.rollout import RolloutLoop, scheduler_config_for
+from april_ext.rollout import RolloutLoop
 from april_ext.scheduler import Scheduler, SchedulerConfig
 from april_ext.settings import adopt
 from april_ext.sim.cost import ClusterConfig, cluster_preset
@@ -35,7 +35,7 @@ from april_ext.sim.metrics import (
 )
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
 from april_ext.sim.waves import WaveRollout
-from april_ext.strategies import STRATEGIES, configure
+from april_ext.strategies import STRATEGIES, configure, synchronous, synchronous_dapo
 
 Mode = Literal["baseline", "april-batch", "april-continuous", "april-adaptive"]
 MODES: tuple[str, ...] = ("baseline", "april-batch", "april-continuous", "april-adaptive")
@@ -142,31 +142,23 @@ class SimConfig:
         return configure(given, None if self.mode == "baseline" else self.strategy)
 
     def scheduler_config(self, engine_capacity: int | None = None) -> SchedulerConfig:
-        """APRIL as configured; the baseline is what slime does without partial rollout: GRPO launches N
-        groups and waits for all of them; DAPO's dynamic sampling keeps slime's default N' = N, launches more
-        groups whenever fewer than N are in flight or accepted (continuous refill with nothing to over-sample:
-        the groups still needed), stops once N pass the filter and throws the unfinished and surplus groups
-        away (max_staleness 0 with the drop policy).
+        """APRIL as configured; the baseline is what slime does without partial rollout (april_ext.strategies:
+        synchronous for GRPO, synchronous_dapo for DAPO's dynamic sampling), ending its steps as slime does
+        (step_boundary "abort") with no cap on samples in flight; the APRIL modes use step_boundary as configured.
         april-adaptive is continuous refill with adaptive over-sampling, its target target_inflight_samples
-        or else ``engine_capacity`` (samples the engines run at once). The baselines end their steps as slime does
-        (step_boundary "abort"); the APRIL modes use step_boundary as configured."""
+        or else ``engine_capacity`` (samples the engines run at once)."""
         adaptive = self.mode == "april-adaptive"
         target = self.target_inflight_samples or engine_capacity
         if adaptive and target is None:
             raise ConfigError("SimConfig.target_inflight_samples=None is not allowed for mode 'april-adaptive' "
                               "unless the engine capacity is given: an int >= n_samples_per_prompt")
         shared = self._shared_scheduler_config()
-        base = replace(
-            shared,
-            max_inflight_samples=shared.max_inflight_samples if self.mode != "baseline" else None,
-            step_boundary=shared.step_boundary if self.mode != "baseline" else "abort",
-            refill="continuous" if self.mode in ("april-continuous", "april-adaptive") else "batch",
-            over_sampling="adaptive" if adaptive else "fixed",
-            target_inflight_samples=target if adaptive else None)
-        if self.mode == "baseline" and self.algorithm == "dapo":
-            return replace(base, over_sampling_batch_size=self.rollout_batch_size, refill="continuous",
-                           max_staleness=0, staleness_policy="drop")
-        return scheduler_config_for(base, partial_rollout=self.mode != "baseline")
+        if self.mode == "baseline":
+            base = replace(shared, max_inflight_samples=None, step_boundary="abort")
+            return synchronous_dapo(base) if self.algorithm == "dapo" else synchronous(base)
+        return replace(shared, refill="continuous" if self.mode in ("april-continuous", "april-adaptive") else "batch",
+                       over_sampling="adaptive" if adaptive else "fixed",
+                       target_inflight_samples=target if adaptive else None)
 
     def cluster_config(self) -> ClusterConfig:
         if isinstance(self.cluster, ClusterConfig):

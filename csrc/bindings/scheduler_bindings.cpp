@@ -1,10 +1,12 @@
-// april_ext._C.SchedulerCore: converts numpy arrays and forwards to april::sched::Scheduler.
+// april_ext._C.SchedulerConfig (april::sched::Config) and april_ext._C.SchedulerCore: converts Python values and
+// numpy arrays and forwards to april::sched::Scheduler.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -19,6 +21,7 @@ namespace april::bindings {
 
 namespace {
 
+using sched::Config;
 using sched::Scheduler;
 
 template <typename T>
@@ -31,6 +34,69 @@ py::array_t<T> to_numpy(std::vector<T>&& v) {
   py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<T>*>(p); });
   return py::array_t<T>({static_cast<py::ssize_t>(heap->size())}, {static_cast<py::ssize_t>(sizeof(T))},
                         heap->data(), owner);
+}
+
+// f() with the GIL released, for the core calls that carry bulk data.
+template <typename F>
+auto without_gil(F&& f) {
+  py::gil_scoped_release nogil;
+  return f();
+}
+
+// Puts each (name, vector) pair into `out`, the vector as a numpy array (see to_numpy).
+void put(py::dict&) {}
+template <typename T, typename... Rest>
+void put(py::dict& out, const char* name, std::vector<T>& v, Rest&&... rest) {
+  out[name] = to_numpy(std::move(v));
+  put(out, std::forward<Rest>(rest)...);
+}
+
+// Python value -> Config field, with Python's types: false for a value of another type, which the field refuses
+// (pybind11's casters would take True for an int and, converting, 1 for a bool).
+bool load(const py::handle& v, int64_t& out) {
+  py::detail::make_caster<int64_t> caster;
+  if (PyBool_Check(v.ptr()) || !caster.load(v, /*convert=*/false)) return false;
+  out = static_cast<int64_t>(caster);
+  return true;
+}
+
+bool load(const py::handle& v, std::optional<int64_t>& out) {
+  if (v.is_none()) {
+    out.reset();
+    return true;
+  }
+  int64_t value = 0;
+  if (!load(v, value)) return false;
+  out = value;
+  return true;
+}
+
+bool load(const py::handle& v, bool& out) {
+  if (!PyBool_Check(v.ptr())) return false;
+  out = v.ptr() == Py_True;
+  return true;
+}
+
+template <typename E, typename = std::enable_if_t<std::is_enum_v<E>>>
+bool load(const py::handle& v, E& out) {
+  return py::isinstance<py::str>(v) && sched::parse(v.cast<std::string>(), out);
+}
+
+// A Config field as a Python attribute: enums by name, unset optionals as None.
+template <typename T>
+void def_field(py::class_<Config>& cls, const char* name, T Config::*field) {
+  cls.def_property(
+      name,
+      [field](const Config& c) {
+        if constexpr (std::is_enum_v<T>) {
+          return py::cast(sched::name_of(c.*field));
+        } else {
+          return py::cast(c.*field);
+        }
+      },
+      [name, field](Config& c, const py::handle& value) {
+        if (!load(value, c.*field)) c.refuse(name, py::repr(value));
+      });
 }
 
 template <typename T>
@@ -85,44 +151,31 @@ void bind_scheduler(py::module_& m) {
     for (const auto& [field, names] : sched::config_choices()) out[py::str(field)] = py::tuple(py::cast(names));
     return out;
   });
+  // The fields in declaration order; a value of the wrong type raises ConfigError, and validated() checks the rest.
+  py::class_<Config> config(m, "SchedulerConfig");
+  config.def(py::init<>()).def("validated", &Config::validated);
+  def_field(config, "rollout_batch_size", &Config::rollout_batch_size);
+  def_field(config, "n_samples_per_prompt", &Config::n_samples_per_prompt);
+  def_field(config, "over_sampling_batch_size", &Config::over_sampling_batch_size);
+  def_field(config, "max_response_len", &Config::max_response_len);
+  def_field(config, "refill", &Config::refill);
+  def_field(config, "max_staleness", &Config::max_staleness);
+  def_field(config, "staleness_policy", &Config::staleness_policy);
+  def_field(config, "mask_offpolicy", &Config::mask_offpolicy);
+  def_field(config, "resume_order", &Config::resume_order);
+  def_field(config, "keep_surplus", &Config::keep_surplus);
+  def_field(config, "max_inflight_samples", &Config::max_inflight_samples);
+  def_field(config, "over_sampling", &Config::over_sampling);
+  def_field(config, "target_inflight_samples", &Config::target_inflight_samples);
+  def_field(config, "step_boundary", &Config::step_boundary);
+  def_field(config, "dispatch_order", &Config::dispatch_order);
+  def_field(config, "resume_priority", &Config::resume_priority);
+  def_field(config, "chunk_tokens", &Config::chunk_tokens);
+  def_field(config, "tail_batching", &Config::tail_batching);
+  def_field(config, "tail_batching_restart", &Config::tail_batching_restart);
+  def_field(config, "tail_extra_samples", &Config::tail_extra_samples);
   py::class_<Scheduler>(m, "SchedulerCore")
-      .def(py::init([](int64_t rollout_batch_size, int64_t n_samples_per_prompt, int64_t over_sampling_batch_size,
-                       int64_t max_response_len, const std::string& refill, int64_t max_staleness,
-                       const std::string& staleness_policy, bool mask_offpolicy, const std::string& resume_order,
-                       bool keep_surplus, int64_t max_inflight_samples, const std::string& over_sampling,
-                       int64_t target_inflight_samples, const std::string& step_boundary,
-                       const std::string& dispatch_order, bool resume_priority, int64_t chunk_tokens,
-                       bool tail_batching, bool tail_batching_restart, int64_t tail_extra_samples) {
-             sched::Config c;
-             c.rollout_batch_size = rollout_batch_size;
-             c.n_samples_per_prompt = n_samples_per_prompt;
-             c.over_sampling_batch_size = over_sampling_batch_size;
-             c.max_response_len = max_response_len;
-             c.refill = sched::parse_refill(refill);
-             c.max_staleness = max_staleness;
-             c.staleness_policy = sched::parse_staleness_policy(staleness_policy);
-             c.mask_offpolicy = mask_offpolicy;
-             c.resume_order = sched::parse_resume_order(resume_order);
-             c.keep_surplus = keep_surplus;
-             c.max_inflight_samples = max_inflight_samples;
-             c.over_sampling = sched::parse_over_sampling(over_sampling);
-             c.target_inflight_samples = target_inflight_samples;
-             c.step_boundary = sched::parse_step_boundary(step_boundary);
-             c.dispatch_order = sched::parse_dispatch_order(dispatch_order);
-             c.resume_priority = resume_priority;
-             c.chunk_tokens = chunk_tokens;
-             c.tail_batching = tail_batching;
-             c.tail_batching_restart = tail_batching_restart;
-             c.tail_extra_samples = tail_extra_samples;
-             return new Scheduler(c);
-           }),
-           py::arg("rollout_batch_size"), py::arg("n_samples_per_prompt"), py::arg("over_sampling_batch_size"),
-           py::arg("max_response_len"), py::arg("refill"), py::arg("max_staleness"), py::arg("staleness_policy"),
-           py::arg("mask_offpolicy"), py::arg("resume_order"), py::arg("keep_surplus"),
-           py::arg("max_inflight_samples"), py::arg("over_sampling") = "fixed", py::arg("target_inflight_samples") = 0,
-           py::arg("step_boundary") = "abort", py::arg("dispatch_order") = "fifo", py::arg("resume_priority") = true,
-           py::arg("chunk_tokens") = 0, py::arg("tail_batching") = false, py::arg("tail_batching_restart") = false,
-           py::arg("tail_extra_samples") = 0)
+      .def(py::init<const Config&>())
       .def("set_data_size", &Scheduler::set_data_size)
       .def("prompts_consumed", &Scheduler::prompts_consumed)
       .def("policy_version", &Scheduler::policy_version)
@@ -155,22 +208,12 @@ void bind_scheduler(py::module_& m) {
            py::arg("first_index"), py::arg("tokens"), py::arg("offsets"), py::arg("history_keys") = py::none())
       .def("dispatch",
            [](Scheduler& s) {
-             sched::Dispatch d;
-             {
-               py::gil_scoped_release nogil;
-               d = s.dispatch();
-             }
+             sched::Dispatch d = without_gil([&] { return s.dispatch(); });
              py::dict out;
-             out["sample_ids"] = to_numpy(std::move(d.sample_ids));
-             out["group_ids"] = to_numpy(std::move(d.group_ids));
-             out["prompt_indices"] = to_numpy(std::move(d.prompt_indices));
-             out["input_ids"] = to_numpy(std::move(d.input_ids));
-             out["offsets"] = to_numpy(std::move(d.offsets));
-             out["prompt_lens"] = to_numpy(std::move(d.prompt_lens));
-             out["max_new_tokens"] = to_numpy(std::move(d.max_new_tokens));
-             out["is_resume"] = to_numpy(std::move(d.is_resume));
-             out["is_continuation"] = to_numpy(std::move(d.is_continuation));
-             out["predicted_lens"] = to_numpy(std::move(d.predicted_lens));
+             put(out, "sample_ids", d.sample_ids, "group_ids", d.group_ids, "prompt_indices", d.prompt_indices,
+                 "input_ids", d.input_ids, "offsets", d.offsets, "prompt_lens", d.prompt_lens, "max_new_tokens",
+                 d.max_new_tokens, "is_resume", d.is_resume, "is_continuation", d.is_continuation, "predicted_lens",
+                 d.predicted_lens);
              return out;
            })
       // Event calls return False, having done nothing, unless every array is exact (see exact()).
@@ -216,24 +259,12 @@ void bind_scheduler(py::module_& m) {
            })
       .def("take_batch",
            [](Scheduler& s) {
-             sched::Batch b;
-             {
-               py::gil_scoped_release nogil;
-               b = s.take_batch();
-             }
+             sched::Batch b = without_gil([&] { return s.take_batch(); });
              py::dict out;
-             out["tokens"] = to_numpy(std::move(b.tokens));
-             out["offsets"] = to_numpy(std::move(b.offsets));
-             out["prompt_lens"] = to_numpy(std::move(b.prompt_lens));
-             out["loss_mask"] = to_numpy(std::move(b.loss_mask));
-             out["behavior_logprobs"] = to_numpy(std::move(b.behavior_logprobs));
-             out["versions"] = to_numpy(std::move(b.versions));
-             out["rewards"] = to_numpy(std::move(b.rewards));
-             out["group_index"] = to_numpy(std::move(b.group_index));
-             out["sample_ids"] = to_numpy(std::move(b.sample_ids));
-             out["finish_reasons"] = to_numpy(std::move(b.finish_reasons));
-             out["group_ids"] = to_numpy(std::move(b.group_ids));
-             out["prompt_indices"] = to_numpy(std::move(b.prompt_indices));
+             put(out, "tokens", b.tokens, "offsets", b.offsets, "prompt_lens", b.prompt_lens, "loss_mask", b.loss_mask,
+                 "behavior_logprobs", b.behavior_logprobs, "versions", b.versions, "rewards", b.rewards,
+                 "group_index", b.group_index, "sample_ids", b.sample_ids, "finish_reasons", b.finish_reasons,
+                 "group_ids", b.group_ids, "prompt_indices", b.prompt_indices);
              out["policy_version"] = b.policy_version;
              return out;
            })
@@ -262,14 +293,7 @@ void bind_scheduler(py::module_& m) {
                                    to_numpy(std::move(versions)), sched::name_of(state), resumes);
            })
       .def("serialize",
-           [](const Scheduler& s) {
-             std::string bytes;
-             {
-               py::gil_scoped_release nogil;
-               bytes = s.serialize();
-             }
-             return py::bytes(bytes);
-           })
+           [](const Scheduler& s) { return py::bytes(without_gil([&] { return s.serialize(); })); })
       .def("deserialize",
            [](Scheduler& s, const py::bytes& data) {
              std::string bytes = data;

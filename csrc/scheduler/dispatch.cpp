@@ -33,13 +33,13 @@ int64_t Scheduler::groups_to_launch_locked() const {
   // A long round does not over-sample: it launches only to replace long-queue groups the filter rejected.
   const bool long_round = config_.tail_batching && s_.round != Round::Short;
   const int64_t n = launch_width();  // samples a new group brings
-  const int64_t n_prime = config_.over_sampling_batch_size;
+  const int64_t n_prime = *config_.over_sampling_batch_size;
   int64_t k = 0;
   if (long_round) {
     k = needed - active;
   } else if (config_.over_sampling == OverSampling::Adaptive) {
     // Enough new groups to bring the live samples up to the target, within the step's group ceiling.
-    const int64_t deficit = config_.target_inflight_samples - queued - s_.running_samples - s_.aborting_samples;
+    const int64_t deficit = *config_.target_inflight_samples - queued - s_.running_samples - s_.aborting_samples;
     k = std::min(deficit > 0 ? (deficit + n - 1) / n : 0, s_.adaptive_groups - active);
   } else if (config_.refill == Refill::Batch || n_prime == config_.rollout_batch_size) {
     // Groups in hand (generating, completed, accepted) up to N'. With N' = N (no over-sampling) continuous
@@ -49,8 +49,8 @@ int64_t Scheduler::groups_to_launch_locked() const {
     k = n_prime - active;  // continuous: keep N' groups generating
   }
   if (s_.data_size >= 0) k = std::min(k, s_.data_size - s_.prompts_consumed);
-  if (config_.max_inflight_samples > 0) {
-    const int64_t free_slots = config_.max_inflight_samples - s_.running_samples - s_.aborting_samples - queued;
+  if (config_.max_inflight_samples.has_value()) {
+    const int64_t free_slots = *config_.max_inflight_samples - s_.running_samples - s_.aborting_samples - queued;
     // Round up: a group that only partly fits still fills the free slots; the rest of it waits queued.
     k = std::min(k, free_slots > 0 ? (free_slots + n - 1) / n : 0);
   }
@@ -193,7 +193,7 @@ void Scheduler::launch(Dispatch& d, const Pick& pick) {
   const bool is_resume = pick.len > 0;
   const bool is_continuation = is_resume && smp.chunk_version >= 0 && smp.chunk_version == s_.policy_version;
   int64_t budget = config_.max_response_len - pick.len;
-  if (config_.chunk_tokens > 0) budget = std::min(budget, config_.chunk_tokens);
+  if (config_.chunk_tokens.has_value()) budget = std::min(budget, *config_.chunk_tokens);
   d.sample_ids.push_back(ids_.id(pick.gid, pick.index));
   d.group_ids.push_back(pick.gid);
   d.prompt_indices.push_back(g.prompt_index);
@@ -241,7 +241,7 @@ void Scheduler::retune_over_sampling() {
   // queue's (their queued samples are not live for it).
   if (config_.tail_batching && s_.round != Round::Short) return;
   const int64_t n = config_.group_width();
-  const int64_t target = config_.target_inflight_samples;
+  const int64_t target = *config_.target_inflight_samples;
   int64_t active = 0;
   int64_t live = config_.tail_batching ? 0 : s_.queued_samples + s_.running_samples + s_.aborting_samples;
   for (const auto& [gid, g] : s_.groups) {
@@ -258,7 +258,7 @@ void Scheduler::retune_over_sampling() {
     s_.live_fraction = 0.5 * s_.live_fraction + 0.5 * observed;
   }
   // Floor: N' and enough fresh groups for T; ceiling: T groups (an active group has a live sample).
-  const int64_t floor_groups = std::max(config_.over_sampling_batch_size, (target + n - 1) / n);
+  const int64_t floor_groups = std::max(*config_.over_sampling_batch_size, (target + n - 1) / n);
   const int64_t ceiling_groups = std::max(floor_groups, target);
   const double wanted = std::ceil(static_cast<double>(target) / (static_cast<double>(n) * s_.live_fraction));
   s_.adaptive_groups =
@@ -273,8 +273,8 @@ int64_t Scheduler::launch_width() const {
 
 int64_t Scheduler::inflight_cap() const {
   int64_t cap = std::numeric_limits<int64_t>::max();
-  if (config_.max_inflight_samples > 0) cap = config_.max_inflight_samples;
-  if (config_.over_sampling == OverSampling::Adaptive) cap = std::min(cap, config_.target_inflight_samples);
+  if (config_.max_inflight_samples.has_value()) cap = *config_.max_inflight_samples;
+  if (config_.over_sampling == OverSampling::Adaptive) cap = std::min(cap, *config_.target_inflight_samples);
   return cap;
 }
 

@@ -33,12 +33,6 @@ std::string str(int64_t v) { return std::to_string(v); }
                                               str(sid) + " is not allowed: token ids must be in [0, 2**31 - 1]");
 }
 
-[[noreturn]] void throw_unknown(int64_t sid) {
-  throw Error(ErrorKind::UnknownId, "sample id " + str(sid) +
-                                        " is not known: it was never dispatched, or its group was trained, filtered "
-                                        "or dropped");
-}
-
 [[noreturn]] void throw_not_running(const Sample& smp, int64_t sid) {
   throw Error(ErrorKind::InvalidState,
               smp.state == SampleState::Done
@@ -85,7 +79,7 @@ inline const int32_t* event_chunk(const EventBatch& ev, size_t e, size_t used) {
 // The record of a sample in flight (dispatched, not finished).
 inline Sample& running_sample(const SampleIndex& index, int64_t sid) {
   Sample* smp = index.find(sid);
-  if (smp == nullptr) throw_unknown(sid);
+  if (smp == nullptr) throw_unknown_sample(sid);
   if (!smp->in_flight()) throw_not_running(*smp, sid);
   return *smp;
 }
@@ -158,7 +152,7 @@ Sample* const* Scheduler::validate_events(const EventBatch& ev, bool finishing) 
     event_chunk(ev, e, sum);
     sum += static_cast<size_t>(ev.counts[e]);
     Sample* smp = index_.find(ev.sample_ids[e]);
-    if (smp == nullptr) throw_unknown(ev.sample_ids[e]);
+    if (smp == nullptr) throw_unknown_sample(ev.sample_ids[e]);
     check_event(*smp, ev, e, finishing);
     // The apply pass writes at the ends of the response arrays, one place per sample far from the others:
     // start their loads now, so the misses overlap instead of queueing behind each other's stores.
@@ -281,7 +275,7 @@ void Scheduler::finish(Sample& smp, Group& g, int64_t gid, FinishReason reason) 
   g.n_in_flight -= 1;
   const auto len = static_cast<int64_t>(smp.tokens.size());
   const bool at_cap = len >= config_.max_response_len;
-  const bool chunk_end = config_.chunk_tokens > 0 && reason == FinishReason::Length && !at_cap &&
+  const bool chunk_end = config_.chunk_tokens.has_value() && reason == FinishReason::Length && !at_cap &&
                          len - smp.dispatch_len == smp.dispatch_budget;
   if (smp.surplus) {
     discard_cancelled(smp);

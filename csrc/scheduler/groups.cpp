@@ -106,9 +106,12 @@ void Scheduler::report_rewards(int64_t group_id, const float* rewards, size_t co
   auto it = s_.groups.find(group_id);
   // Its reward was on its way when the group was dropped (surplus, stale): nothing to record.
   if (it == s_.groups.end() && dropped_unrewarded_.erase(group_id) > 0) return;
-  check(it != s_.groups.end(), ErrorKind::UnknownId,
-        "report_rewards: group id " + std::to_string(group_id) +
-            " is not known: never launched, or already trained, filtered or dropped for staleness");
+  if (it == s_.groups.end()) {
+    throw Error(ErrorKind::UnknownId, "report_rewards: group id " + std::to_string(group_id) + " is not known: " +
+                                          (group_id < 0 ? "group ids are in [0, 2**63 - 1]"
+                                                        : "never launched, or already trained, filtered or dropped "
+                                                          "for staleness"));
+  }
   Group& g = it->second;
   check(g.state == GroupState::Completed, ErrorKind::InvalidState,
         "report_rewards: group " + std::to_string(group_id) +

@@ -45,14 +45,21 @@ std::vector<std::string> names(const std::array<Named<E>, N>& table) {
   return out;
 }
 
+std::string one_of(const std::vector<std::string>& values) {
+  std::string out = "one of ";
+  for (size_t i = 0; i < values.size(); ++i) out += (i == 0 ? "'" : ", '") + values[i] + "'";
+  return out;
+}
+
 template <typename E, size_t N>
-E parse(const std::array<Named<E>, N>& table, const std::string& name, ErrorKind kind, const std::string& what) {
+bool find_value(const std::array<Named<E>, N>& table, const std::string& name, E& out) {
   for (const auto& entry : table) {
-    if (name == entry.name) return entry.value;
+    if (name == entry.name) {
+      out = entry.value;
+      return true;
+    }
   }
-  std::string allowed;
-  for (const auto& entry : table) allowed += (allowed.empty() ? "'" : ", '") + std::string(entry.name) + "'";
-  throw Error(kind, what + "='" + name + "' is not allowed: one of " + allowed);
+  return false;
 }
 
 template <typename E, size_t N>
@@ -65,32 +72,20 @@ const char* find_name(const std::array<Named<E>, N>& table, E value) {
 
 }  // namespace
 
-Refill parse_refill(const std::string& name) {
-  return parse(kRefill, name, ErrorKind::Config, "SchedulerConfig.refill");
-}
-
-OverSampling parse_over_sampling(const std::string& name) {
-  return parse(kOverSampling, name, ErrorKind::Config, "SchedulerConfig.over_sampling");
-}
-
-StalenessPolicy parse_staleness_policy(const std::string& name) {
-  return parse(kStaleness, name, ErrorKind::Config, "SchedulerConfig.staleness_policy");
-}
-
-ResumeOrder parse_resume_order(const std::string& name) {
-  return parse(kResume, name, ErrorKind::Config, "SchedulerConfig.resume_order");
-}
-
-StepBoundary parse_step_boundary(const std::string& name) {
-  return parse(kStepBoundary, name, ErrorKind::Config, "SchedulerConfig.step_boundary");
-}
-
-DispatchOrder parse_dispatch_order(const std::string& name) {
-  return parse(kDispatchOrder, name, ErrorKind::Config, "SchedulerConfig.dispatch_order");
-}
+bool parse(const std::string& name, Refill& out) { return find_value(kRefill, name, out); }
+bool parse(const std::string& name, OverSampling& out) { return find_value(kOverSampling, name, out); }
+bool parse(const std::string& name, StalenessPolicy& out) { return find_value(kStaleness, name, out); }
+bool parse(const std::string& name, ResumeOrder& out) { return find_value(kResume, name, out); }
+bool parse(const std::string& name, StepBoundary& out) { return find_value(kStepBoundary, name, out); }
+bool parse(const std::string& name, DispatchOrder& out) { return find_value(kDispatchOrder, name, out); }
 
 SampleState parse_sample_state(const std::string& name) {
-  return parse(kSampleState, name, ErrorKind::InvalidArgument, "sample state");
+  SampleState out{};
+  if (!find_value(kSampleState, name, out)) {
+    throw Error(ErrorKind::InvalidArgument,
+                "sample state='" + name + "' is not allowed: " + one_of(names(kSampleState)));
+  }
+  return out;
 }
 
 const char* name_of(Refill value) { return find_name(kRefill, value); }
@@ -108,6 +103,13 @@ std::vector<std::pair<std::string, std::vector<std::string>>> config_choices() {
           {"over_sampling", names(kOverSampling)},
           {"step_boundary", names(kStepBoundary)},
           {"dispatch_order", names(kDispatchOrder)}};
+}
+
+std::string allowed_names(const std::string& field) {
+  for (const auto& [name, values] : config_choices()) {
+    if (name == field) return one_of(values);
+  }
+  throw Error(ErrorKind::Internal, field + " is not an enum-valued SchedulerConfig field");
 }
 
 }  // namespace april::sched

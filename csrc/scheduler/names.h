@@ -1,5 +1,5 @@
 // The names of the scheduler's enums, as Python spells them: settings and sample states cross the
-// binding by name, and each name is parsed (and rejected) here.
+// binding by name, and each name is parsed here.
 #pragma once
 
 #include <string>
@@ -11,13 +11,13 @@
 
 namespace april::sched {
 
-// Each throws ConfigError "SchedulerConfig.<field>='<name>' is not allowed: one of '<a>', '<b>', ...".
-Refill parse_refill(const std::string& name);
-OverSampling parse_over_sampling(const std::string& name);
-StalenessPolicy parse_staleness_policy(const std::string& name);
-ResumeOrder parse_resume_order(const std::string& name);
-StepBoundary parse_step_boundary(const std::string& name);
-DispatchOrder parse_dispatch_order(const std::string& name);
+// Each sets `out` to the value called `name`; false for any other name (Config::refuse words the error).
+bool parse(const std::string& name, Refill& out);
+bool parse(const std::string& name, OverSampling& out);
+bool parse(const std::string& name, StalenessPolicy& out);
+bool parse(const std::string& name, ResumeOrder& out);
+bool parse(const std::string& name, StepBoundary& out);
+bool parse(const std::string& name, DispatchOrder& out);
 // Throws InvalidArgumentError naming the allowed states.
 SampleState parse_sample_state(const std::string& name);
 
@@ -32,5 +32,7 @@ const char* name_of(SampleState value);
 
 // Each enum-valued SchedulerConfig field with its allowed names, in declaration order.
 std::vector<std::pair<std::string, std::vector<std::string>>> config_choices();
+// "one of '<a>', '<b>', ...": what the enum-valued SchedulerConfig field `field` allows.
+std::string allowed_names(const std::string& field);
 
 }  // namespace april::sched

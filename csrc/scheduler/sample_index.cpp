@@ -1,6 +1,17 @@
 #include "scheduler/sample_index.h"
 
+#include <string>
+
+#include "common/error.h"
+
 namespace april::sched {
+
+void throw_unknown_sample(int64_t sample_id) {
+  throw Error(ErrorKind::UnknownId, "sample id " + std::to_string(sample_id) + " is not known: " +
+                                        (sample_id < 0 ? "sample ids are in [0, 2**63 - 1]"
+                                                       : "it was never dispatched, or its group was trained, "
+                                                         "filtered or dropped"));
+}
 
 void SampleIndex::add(int64_t group_id, Group& g) {
   const int64_t first = ids_.id(group_id, 0);

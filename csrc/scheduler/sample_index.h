@@ -43,4 +43,7 @@ class SampleIndex {
   std::vector<Slot> slots_;
 };
 
+// Throws UnknownIdError for a sample id that names no live sample; for a negative one, naming the range of ids.
+[[noreturn]] void throw_unknown_sample(int64_t sample_id);
+
 }  // namespace april::sched

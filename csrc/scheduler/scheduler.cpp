@@ -13,9 +13,7 @@
 namespace april::sched {
 
 Scheduler::Scheduler(const Config& config)
-    : config_(config), ids_{config.group_width()}, index_(ids_) {
-  config_.validate();
-}
+    : config_(config.validated()), ids_{config.group_width()}, index_(ids_) {}
 
 void Scheduler::set_data_size(int64_t size) {
   check(size >= -1, ErrorKind::InvalidArgument,
@@ -40,11 +38,7 @@ Group& Scheduler::group_of(int64_t sample_id, int64_t* index) {
 
 const Group& Scheduler::group_of(int64_t sample_id, int64_t* index) const {
   auto it = sample_id >= 0 ? s_.groups.find(ids_.group(sample_id)) : s_.groups.end();
-  if (it == s_.groups.end()) {
-    throw Error(ErrorKind::UnknownId,
-                "sample id " + std::to_string(sample_id) +
-                    " is not known: it was never dispatched, or its group was trained, filtered or dropped");
-  }
+  if (it == s_.groups.end()) throw_unknown_sample(sample_id);
   *index = ids_.slot(sample_id);
   return it->second;
 }

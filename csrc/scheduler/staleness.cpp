@@ -6,13 +6,13 @@
 namespace april::sched {
 
 bool Scheduler::staleness_enforced() const {
-  return config_.max_staleness >= 0 && (config_.staleness_policy == StalenessPolicy::Restart ||
-                                        config_.staleness_policy == StalenessPolicy::Drop);
+  return config_.max_staleness.has_value() && (config_.staleness_policy == StalenessPolicy::Restart ||
+                                               config_.staleness_policy == StalenessPolicy::Drop);
 }
 
 bool Scheduler::is_stale(const Sample& smp) const {
   const int64_t oldest = smp.oldest_possible_version();
-  return oldest >= 0 && s_.policy_version - oldest > config_.max_staleness;
+  return config_.max_staleness.has_value() && oldest >= 0 && s_.policy_version - oldest > *config_.max_staleness;
 }
 
 void Scheduler::restart_sample(Group& g, Sample& smp) {

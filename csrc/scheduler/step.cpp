@@ -29,7 +29,7 @@ void Scheduler::begin_step(int64_t policy_version) {
   if (config_.over_sampling == OverSampling::Adaptive) {
     retune_over_sampling();
   } else {
-    s_.stats.over_sampling_groups = config_.over_sampling_batch_size;
+    s_.stats.over_sampling_groups = *config_.over_sampling_batch_size;
   }
   std::vector<int64_t> ids;
   for (auto& [gid, g] : s_.groups) {
@@ -150,7 +150,7 @@ Batch Scheduler::take_batch() {
 void Scheduler::pack_group(Batch& b, int64_t group_id, int32_t index_in_batch) {
   const Group& g = s_.groups.at(group_id);
   const int64_t v = s_.policy_version;
-  const bool mask_stale = config_.staleness_policy == StalenessPolicy::Mask && config_.max_staleness >= 0;
+  const bool mask_stale = config_.staleness_policy == StalenessPolicy::Mask && config_.max_staleness.has_value();
   const size_t plen = g.prompt.size();
   StepStats& st = s_.stats;
   b.group_ids.push_back(group_id);
@@ -169,7 +169,7 @@ void Scheduler::pack_group(Batch& b, int64_t group_id, int32_t index_in_batch) {
       const Segment& seg = smp.segments[j];
       const size_t len = smp.segment_end(j) - seg.start;
       const bool train = !(config_.mask_offpolicy && seg.version != v) &&
-                         !(mask_stale && v - seg.version > config_.max_staleness);
+                         !(mask_stale && v - seg.version > *config_.max_staleness);
       b.versions.insert(b.versions.end(), len, seg.version);
       b.loss_mask.insert(b.loss_mask.end(), len, train ? 1 : 0);
       if (seg.version < v) st.batch_offpolicy_tokens += static_cast<int64_t>(len);
