@@ -1,12 +1,14 @@
 """The rollout vocabulary every engine, trainer and loop shares: sampling parameters, generation outputs,
-request ids, memory tags, the RolloutEngine, ServableEngine and Trainer protocols, the checks and the
-stream every engine shares at its boundary (engine_base), and the SGLang wire format
-(``april_ext.protocol.sglang_wire``, imported on its own: it needs safetensors).
+request ids, memory tags, the RolloutEngine, ServableEngine, Trainer and Environment protocols (with the
+segments a multi-turn trajectory is stored in), the checks and the stream every engine shares at its
+boundary (engine_base), and the SGLang wire format (``april_ext.protocol.sglang_wire``, imported on its
+own: it needs safetensors).
 
 This package sits at the bottom of the import graph: it imports nothing of april_ext but errors, batch and
 data_source (tests/test_layering.py checks it).
 """
 
+from april_ext.protocol.environment import EnvStep, Environment, Segment, ToolError, Trajectory, step_with_timeout
 from april_ext.protocol.memory_tags import MEMORY_TAGS, memory_tags
 from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationOutput
 from april_ext.protocol.rollout_engine import (
@@ -26,6 +28,8 @@ __all__ = [
     "MEMORY_TAGS",
     "Clock",
     "EngineStats",
+    "EnvStep",
+    "Environment",
     "ExportedWeights",
     "GenerationChunk",
     "GenerationOutput",
@@ -33,9 +37,13 @@ __all__ = [
     "PausableEngine",
     "RolloutEngine",
     "SamplingParams",
+    "Segment",
     "ServableEngine",
     "StagedTrainer",
+    "ToolError",
     "Trainer",
+    "Trajectory",
     "engine_clock",
     "memory_tags",
+    "step_with_timeout",
 ]
