@@ -70,8 +70,10 @@ async def timed(run: TrainingRun, pulled: bool) -> tuple[float, dict[str, float]
     pids = {"driver": os.getpid(), "rank 0": trainer.pids[0]}
     with PeakRss(pids) as memory:
         start = time.perf_counter()
-        weights = trainer.export_weights()
-        await engine.update_weights(list(weights) if pulled else weights, trainer.version)
+        if pulled:  # the export through the driver, sent from there
+            await engine.update_weights(list(trainer.export_weights()), trainer.version)
+        else:  # the run's sync (cluster.weight_sync)
+            await engine.update_from_trainer(trainer.version)
         seconds = time.perf_counter() - start
     return seconds, memory.rise()
 

@@ -154,6 +154,47 @@ def test_a_planted_up_import_fails_with_its_file_and_line(statement: str, why: s
     assert found[0].startswith(f"april_ext/training/run.py:{line} "), found
 
 
+def module_graph(files: list[Path]) -> dict[str, set[str]]:
+    """Each module's april_ext imports, as modules: ``from pkg import name`` is pkg.name when that is a module;
+    packages' __init__ files (their re-exports) are left out."""
+    names = {_module_name(p): p for p in files}
+    packages = {m for m, p in names.items() if p.name == "__init__.py"}
+    graph = {}
+    for module, path in names.items():
+        if module in packages:
+            continue
+        targets = set()
+        for _, target in imports(path):
+            while target not in names and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target not in packages and target != module:
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def test_no_modules_import_each_other() -> None:
+    """No import cycle among modules, direct or through others (cluster's trainer group and its weight broadcast
+    once called into each other)."""
+    graph = module_graph(source_files())
+    cycles = []
+    for start in graph:
+        path, seen = [start], {start}
+        stack = [iter(graph[start])]
+        while stack:
+            target = next(stack[-1], None)
+            if target is None:
+                stack.pop()
+                path.pop()
+            elif target == start:
+                cycles.append(" -> ".join([*path, start]))
+            elif target not in seen and target in graph:
+                seen.add(target)
+                path.append(target)
+                stack.append(iter(graph[target]))
+    assert not cycles, "import cycles:\n  " + "\n  ".join(sorted(cycles))
+
+
 def test_peer_and_protocol_rules() -> None:
     assert violation("april_ext.engine.core", "april_ext.sglang.client") is not None
     assert violation("april_ext.trainer.torch_trainer", "april_ext.sim.runner") is not None

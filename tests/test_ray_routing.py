@@ -57,7 +57,7 @@ def test_requests_go_to_the_least_loaded_engine_of_the_pool_and_follow_its_membe
         pool = await EnginePool.start(session, config, checkpoint, 0)
         seen: dict = {}
         try:
-            async with SGLangEngine(client_config(config, pool, 0, str(tmp_path / "sglang"))) as inner, \
+            async with SGLangEngine(client_config(config, pool, 0)) as inner, \
                     RayEngine(inner, pool) as engine:
                 busy, idle = (s.url for s in pool.slots)
                 # Another client fills the first engine with long requests, held there with their KV.

@@ -5,11 +5,13 @@ The driver keeps the scheduler, the rollout loop, the data and the rewards; Ray 
 - topology: who runs where, from slime's flags (actor_num_nodes, actor_num_gpus_per_node, rollout_num_gpus,
   rollout_num_gpus_per_engine, num_gpus_per_node, colocate), on GPUs or CPUs;
 - session: the cluster (joined or local) and one placement group per role;
-- trainer_actor / trainer_group: one actor per trainer rank in one process group, and the Trainer over them;
+- trainer_actor / trainer_ranks / trainer_group: one actor per trainer rank in one process group, the calls to
+  them, and the Trainer over them;
 - engine_actor / engine_pool / router / membership: one actor per engine owning its server, behind
   sglang-router or routed to by the driver's least-loaded pick (ray_routing), restarted by Ray and given the
   current weights before it rejoins;
-- ray_engine: the RolloutEngine over the engines; topology_run: the factories TrainingRun builds from.
+- weight_sync: the trainer's weights onto the engines (disk through the driver, or posted or broadcast by the
+  ranks); ray_engine: the RolloutEngine over the engines; topology_run: the factories TrainingRun builds from.
 
 Trainers and engines stay plain objects that an actor wraps; none of them imports Ray.
 """

@@ -198,6 +198,13 @@ class EnginePool:
             logger.warning("rollout engine %d (%s) is down (%s): it gets no requests", slot.index, gone, reason)
         return pruned
 
+    def rank_beside(self, url: str) -> int | None:
+        """The trainer rank that shares the device of the engine at ``url`` in a colocated run (engine i sits in
+        trainer rank i's bundle: Topology.engine); None otherwise, or for a url not of the pool."""
+        if not self.config.colocate:
+            return None
+        return next((s.index for s in self.slots if s.url == url), None)
+
     def states(self) -> dict[int, str]:
         return {s.index: "dead" if s.dead else "up" if s.registered else "down" for s in self.slots}
 

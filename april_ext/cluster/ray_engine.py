@@ -3,38 +3,40 @@ calls go through an SGLangEngine pointed at the router (aborts and weights reach
 lists: the router has no /abort_request) or, with ray_routing "least_loaded", at the engines themselves
 (each request to the least loaded); beside it the engine pool's watch keeps the engines that get requests
 to those that answer, and gives a restarted engine the weights of the last update before it rejoins.
-With weight_sync="broadcast" trainer rank 0 broadcasts the weights, with "tensor" it posts them
-(cluster.rank_broadcast): the driver holds none of them, and a rejoining engine has them exported and sent
-again.
+Weights go as cluster.weight_sync says: the trainer's sent by its ranks (or streamed through the driver with
+"disk"), weights held on the driver from here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from april_ext.cluster.engine_pool import EnginePool
 from april_ext.cluster.membership import Membership
-from april_ext.cluster.rank_broadcast import RankExport
+from april_ext.cluster.trainer_group import TrainerGroup
+from april_ext.cluster.weight_sync import HeldWeights, RayWeightSync
 from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import GenerationChunk, GenerationOutput
 from april_ext.protocol.sampling_params import SamplingParams
-from april_ext.sglang import SGLangEngine, SGLangEngineConfig
+from april_ext.sglang import SGLangEngine
 from april_ext.sglang.background import cancel_and_wait
-from april_ext.sglang.broadcast import WeightBroadcastError
 
 logger = logging.getLogger(__name__)
 
 
 class RayEngine:
-    def __init__(self, inner: SGLangEngine, pool: EnginePool) -> None:
+    """``inner``: the driver's SGLang client of ``pool``'s engines; ``trainer``: the run's trainer group, whose
+    weights update_from_trainer sends (None: only weights held on the driver, update_weights)."""
+
+    def __init__(self, inner: SGLangEngine, pool: EnginePool, trainer: TrainerGroup | None = None) -> None:
         self.inner = inner
         self.pool = pool
+        self.weights = RayWeightSync(inner, pool, trainer)
         self._lock = asyncio.Lock()  # one weight push at a time: an update, or a rejoining engine's
-        self._weights: tuple[Any, int] | None = None
         self._released: set[str] = set()  # memory tags released on every engine now
         self._watch: asyncio.Task[None] | None = None
         self._members: Membership | None = None  # who gets requests, from the pool once entered
@@ -56,36 +58,18 @@ class RayEngine:
     async def abort(self, request_ids: str | Iterable[str] | None = None) -> list[GenerationOutput]:
         return await self.inner.abort(request_ids)
 
-    async def update_weights(self, weights: Any, version: int) -> list[str]:
-        """New weights on every registered engine; kept for engines that rejoin later: with weight_sync
-        "broadcast" or "tensor" and the trainer group's export, as its source (rank 0 broadcasts them, or
-        posts them, and exports them again for a rejoining engine); with "disk" as the weight-sync directory
-        the update wrote (the trainer's export streams through); otherwise as the tensors themselves, on the
-        driver.
-        A broadcast that fails (an engine died mid-update) goes again to the engines that answer, once the
-        others are taken out (off the router, or out of the driver's worker pool)."""
+    async def update_weights(self, weights: HeldWeights, version: int) -> list[str]:
+        """Weights held on the driver (named tensors, or a checkpoint directory every engine reads) onto every
+        engine that gets requests, sent from here (RayWeightSync.from_driver); the names loaded."""
         async with self._lock:
-            config = self.inner.config
-            kept: Any = weights
-            if config.weight_sync == "broadcast" and isinstance(weights, RankExport):
-                weights = kept = weights.source
-            elif config.weight_sync == "tensor" and isinstance(weights, RankExport):
-                weights = kept = weights.poster
-            elif config.weight_sync == "disk" and not isinstance(weights, (str, os.PathLike)):
-                assert config.weight_sync_dir is not None  # SGLangEngineConfig requires it for "disk"
-                kept = config.weight_sync_dir
-            elif not isinstance(weights, (str, os.PathLike)):
-                weights = kept = list(weights.items() if isinstance(weights, dict) else weights)
-            while True:
-                try:
-                    names = await self.inner.update_weights(weights, version)
-                    break
-                except WeightBroadcastError as err:
-                    if self._members is None or not await self.pool.prune(self._members):  # each retry has fewer engines: a bounded loop
-                        raise
-                    logger.warning("weight update %d failed (%s); sending it again to the engines left", version, err)
-            self._weights = (kept, version)
-            return names
+            return await self.weights.from_driver(weights, version, self._members)
+
+    async def update_from_trainer(self, version: int) -> list[str]:
+        """The trainer group's current weights, which must be ``version``, onto every engine that gets requests,
+        the way weight_sync says (RayWeightSync.from_trainer); what the run's weight hand-off calls
+        (protocol.TrainerFedEngine). The names loaded."""
+        async with self._lock:
+            return await self.weights.from_trainer(version, self._members)
 
     async def release_memory(self, tags: Iterable[str] | None = None) -> None:
         async with self._lock:
@@ -104,16 +88,15 @@ class RayEngine:
         async with self._lock:
             if old_url != url:
                 self.inner.forget_worker(old_url)
-            if self._weights is None and not self._released:
+            last = self.weights.last
+            if last is None and not self._released:
                 return
-            config = self.inner.config
-            version = self._weights[1] if self._weights is not None else config.initial_weight_version
-            async with SGLangEngine(SGLangEngineConfig(
-                    worker_urls=(url,), initial_weight_version=version, weight_sync=config.weight_sync,
-                    weight_sync_dir=config.weight_sync_dir, weight_bucket_mb=config.weight_bucket_mb,
-                    weight_sync_timeout_s=config.weight_sync_timeout_s)) as engine:
-                if self._weights is not None:
-                    await engine.update_weights(*self._weights)
+            version = last[1] if last is not None else self.inner.config.initial_weight_version
+            # The driver's client for this engine alone, without failover: it only loads the weights and memory state.
+            alone = dataclasses.replace(self.inner.config, worker_urls=(url,), router_url=None,
+                                        initial_weight_version=version, worker_timeout_s=None)
+            async with SGLangEngine(alone) as engine:
+                await self.weights.onto(engine)
                 if self._released:
                     await engine.release_memory(sorted(self._released))
             self.rejoins += 1

@@ -1,7 +1,9 @@
-"""RayTopologyRun: the trainer and engine factories of a training run on Ray (TrainConfig.ray), sharing
-one Ray session. TrainingRun enters the trainer factory first (the session: cluster and placement groups,
-then the trainer actor group) and the engine factory second (the initial checkpoint, the engine actors,
-the router unless ray_routing is "least_loaded", the RayEngine); it leaves them in the reverse order.
+"""RayTopologyRun: the trainer and engine factories of a training run on Ray (TrainConfig.ray). TrainingRun
+enters the trainer factory first: the Ray session (cluster and placement groups) and the trainer group in
+it; then, after a resume, the engine factory, given that trainer group: the initial checkpoint, the engine
+actors in the same session, the router unless ray_routing is "least_loaded", the driver's SGLang client and
+the RayEngine over them, which sends the trainer group's weights (cluster.weight_sync). It leaves them in the
+reverse order.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from april_ext.cluster.ray_engine import RayEngine
 from april_ext.cluster.session import RaySession
 from april_ext.cluster.topology import Topology
 from april_ext.cluster.trainer_group import TrainerGroup, start_trainer_group
+from april_ext.errors import InvalidArgumentError
 from april_ext.model import ModelConfig
 from april_ext.protocol.rollout_engine import RolloutEngine
 from april_ext.protocol.trainer import Trainer
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig
 from april_ext.training.config import TrainConfig
-from april_ext.training.engines import SGLANG_DIR, write_hf_checkpoint
+from april_ext.training.engines import sglang_dir, sglang_engine_config, write_hf_checkpoint
 from april_ext.training.trainers import InitialWeights
 
 
@@ -30,9 +33,6 @@ class RayTopologyRun:
 
     def __init__(self, config: TrainConfig) -> None:
         self.topology = Topology.from_config(config)
-        self._session: RaySession | None = None
-        self.trainer: TrainerGroup | None = None
-        self.engine: RayEngine | None = None
 
     def factories(self) -> dict[str, Any]:
         """TrainingRun's (and train()'s) factory keywords."""
@@ -40,55 +40,41 @@ class RayTopologyRun:
 
     @contextlib.contextmanager
     def trainer_factory(self, config: TrainConfig, initial: InitialWeights, memory_tag_prefix: str) -> Iterator[Trainer]:
-        with RaySession(config, self.topology) as session:
-            self._session = session
-            try:
-                with start_trainer_group(session, config, initial, memory_tag_prefix) as group:
-                    self.trainer = group
-                    yield group
-            finally:
-                self._session = self.trainer = None
+        with RaySession(config, self.topology) as session, \
+                start_trainer_group(session, config, initial, memory_tag_prefix) as group:
+            yield group
 
     @contextlib.asynccontextmanager
     async def engine_factory(self, config: TrainConfig, trainer: Trainer, model_config: ModelConfig,
                              memory_tag_prefix: str) -> AsyncIterator[RolloutEngine]:
         """Engines on a checkpoint of the trainer's current weights (after a resume, the checkpoint's),
-        labelled with its version. New weights reach them as in engine='sglang' (weight_sync): by default
-        written to the weight-sync directory (sglang_weight_sync_dir, which every node must see) and loaded
-        from disk, or broadcast by trainer rank 0 to every engine through a process group (rank_broadcast).
-        Requests go through the router or straight to the least loaded engine (ray_routing). Failover as in
+        labelled with its version, in the trainer group's session. New weights reach them as weight_sync says
+        (cluster.weight_sync): by default written to the weight-sync directory (sglang_weight_sync_dir, which
+        every node must see) and loaded from disk, or broadcast or posted by the trainer ranks. Requests go
+        through the router or straight to the least loaded engine (ray_routing). Failover as in
         engine='sglang' (sglang_worker_timeout_s): a server that died or stopped answering gets no more
         requests, its requests return to the scheduler as partials."""
-        assert self._session is not None, "TrainingRun enters the trainer factory first"
-        root = os.path.abspath(os.path.join(config.output_dir, SGLANG_DIR))
-        initial = write_hf_checkpoint(trainer, model_config, os.path.join(root, "initial_model"),
+        if not isinstance(trainer, TrainerGroup):
+            raise InvalidArgumentError(f"RayTopologyRun.engine_factory takes the TrainerGroup its trainer_factory "
+                                       f"built, got a {type(trainer).__name__}")
+        initial = write_hf_checkpoint(trainer, model_config, os.path.join(sglang_dir(config), "initial_model"),
                                       shard_bytes=int(config.weight_sync_bucket_mb * 2**20))
-        pool = await EnginePool.start(self._session, config, initial, trainer.version)
-        if self.topology.colocate and isinstance(trainer, TrainerGroup):
-            # Engine i sits in trainer rank i's bundle (Topology.engine): that rank posts its weights to it.
-            trainer.engine_owner = lambda url: next((s.index for s in pool.slots if s.url == url), None)
+        pool = await EnginePool.start(trainer.session, config, initial, trainer.version)
         try:
-            async with SGLangEngine(client_config(config, pool, trainer.version, root)) as inner, \
-                    RayEngine(inner, pool) as engine:
-                self.engine = engine
+            async with SGLangEngine(client_config(config, pool, trainer.version)) as inner, \
+                    RayEngine(inner, pool, trainer) as engine:
                 yield engine
         finally:
-            self.engine = None
             pool.stop()
 
 
-def client_config(config: TrainConfig, pool: EnginePool, version: int, root: str) -> SGLangEngineConfig:
+def client_config(config: TrainConfig, pool: EnginePool, version: int) -> SGLangEngineConfig:
     """The driver's SGLang client of the pool's engines, labelled ``version`` at start: requests through the
     router, or (ray_routing "least_loaded") straight to the engine with the fewest KV tokens as each reports
-    them. The weight-sync directory defaults to ``<root>/weight_sync``."""
-    routing: dict[str, Any] = ({"router_url": pool.router.url} if config.ray_routing == "router" else
-                               {"worker_urls": tuple(s.url for s in pool.slots), "balance": "least_loaded"})
-    return SGLangEngineConfig(**routing, initial_weight_version=version, weight_sync=config.weight_sync,
-                              weight_bucket_mb=config.weight_sync_bucket_mb,
-                              weight_sync_timeout_s=config.weight_sync_timeout_s,
-                              weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
-                              stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s,
-                              priority=config.sglang_priority)
+    them."""
+    if config.ray_routing == "router":
+        return sglang_engine_config(config, version, router_url=pool.router.url)
+    return sglang_engine_config(config, version, worker_urls=tuple(s.url for s in pool.slots))
 
 
 __all__ = ["RayTopologyRun", "client_config"]

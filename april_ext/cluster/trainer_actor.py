@@ -1,4 +1,4 @@
-"""TrainerRank: what runs inside one trainer actor. A plain object (Ray wraps it in trainer_group), so
+"""TrainerRank: what runs inside one trainer actor. A plain object (Ray wraps it in trainer_ranks), so
 the trainers it builds never import Ray.
 
 Two phases, as a torchrun launch: every rank's actor is created, rank 0 names a rendezvous address
@@ -39,7 +39,7 @@ class TrainerRank:
         self._stack = contextlib.ExitStack()
         self._trainer: Trainer | None = None
         self._export: Iterator[list[tuple[str, torch.Tensor]]] | None = None
-        # Rank 0 of the engines' weight group (weight_sync="broadcast"; cluster.rank_broadcast).
+        # Rank 0 of the engines' weight group (weight_sync="broadcast"; cluster.weight_sync).
         self._sender = WeightSender(config.weight_sync_timeout_s)
         self._posted = 0  # bytes posted to the engines (weight_sync="tensor")
 

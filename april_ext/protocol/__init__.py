@@ -18,6 +18,7 @@ from april_ext.protocol.rollout_engine import (
     PausableEngine,
     RolloutEngine,
     ServableEngine,
+    TrainerFedEngine,
     engine_clock,
 )
 from april_ext.protocol.sampling_params import SamplingParams

@@ -113,6 +113,19 @@ class LockstepEngine(Protocol):
     def lockstep_busy(self) -> bool: ...
 
 
+@runtime_checkable
+class TrainerFedEngine(Protocol):
+    """An engine built with its trainer, whose processes send it the trainer's weights themselves (a Ray run's
+    engine: the trainer ranks post or broadcast them), so that the caller never holds them: what the run's
+    weight hand-off calls instead of ``update_weights``.
+
+    - ``update_from_trainer(version)``: the trainer's current weights, which must be of ``version``, into the
+      engine; later tokens carry ``version``.
+    """
+
+    async def update_from_trainer(self, version: int) -> Any: ...
+
+
 def engine_clock(engine: object, clock: Clock | None = None) -> Clock:
     """The clock the loop measures with: the one given, else the engine's ``clock()``, else
     ``time.perf_counter`` (an engine that runs in real time)."""
@@ -124,4 +137,5 @@ def engine_clock(engine: object, clock: Clock | None = None) -> Clock:
     return time.perf_counter
 
 
-__all__ = ["HOLD_MODES", "Clock", "LockstepEngine", "PausableEngine", "RolloutEngine", "ServableEngine", "engine_clock"]
+__all__ = ["HOLD_MODES", "Clock", "LockstepEngine", "PausableEngine", "RolloutEngine", "ServableEngine",
+           "TrainerFedEngine", "engine_clock"]

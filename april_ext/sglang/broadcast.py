@@ -3,7 +3,7 @@ process that holds the tensors need not be the one that talks to the workers.
 
 - WeightSender, the collective side: rank 0 of the group. It hosts the group's rendezvous, holds one bucket
   of tensors at a time and broadcasts it. It runs where the tensors are: in this process (the SGLang adapter
-  of a single-process run), or in trainer rank 0's Ray actor (april_ext.cluster.rank_broadcast).
+  of a single-process run), or in trainer rank 0's Ray actor (april_ext.cluster.weight_sync).
 - WeightBroadcaster, the HTTP side: the workers' endpoints. Every worker joins the group through
   /init_weights_update_group (worker i is rank 1 + i; world size 1 + workers); each update opens SGLang's
   weight-update session on every worker, then for each bucket (up to bucket_bytes, in the trainer's order)

@@ -21,7 +21,7 @@ import os
 import shlex
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -33,6 +33,9 @@ from april_ext.protocol.rollout_engine import RolloutEngine
 from april_ext.protocol.trainer import Trainer
 from april_ext.training.config import TrainConfig
 from april_ext.training.handoff import sync_weights
+
+if TYPE_CHECKING:
+    from april_ext.sglang import SGLangEngineConfig
 
 SGLANG_DIR = "sglang"
 """Under output_dir: the launched servers' initial model, their logs and the default weight-sync directory."""
@@ -108,6 +111,27 @@ def write_hf_checkpoint(trainer: Trainer, model_config: ModelConfig, directory: 
     return directory
 
 
+def sglang_dir(config: TrainConfig) -> str:
+    """``<output_dir>/sglang``, absolute (SGLANG_DIR)."""
+    return os.path.abspath(os.path.join(config.output_dir, SGLANG_DIR))
+
+
+def sglang_engine_config(config: TrainConfig, version: int, *, worker_urls: tuple[str, ...] = (),
+                         router_url: str | None = None) -> SGLangEngineConfig:
+    """The run's SGLang client of ``worker_urls`` (each request to the least loaded) or ``router_url``, labelled
+    ``version`` at start: the one place TrainConfig's fields become SGLangEngineConfig's (weight_sync, its
+    bucket, timeout and directory: sglang_weight_sync_dir, by default ``<output_dir>/sglang/weight_sync``;
+    sglang_stream, sglang_worker_timeout_s, sglang_priority)."""
+    from april_ext.sglang import SGLangEngineConfig
+
+    return SGLangEngineConfig(
+        worker_urls=worker_urls, router_url=router_url, initial_weight_version=version,
+        weight_sync=config.weight_sync, weight_bucket_mb=config.weight_sync_bucket_mb,
+        weight_sync_timeout_s=config.weight_sync_timeout_s,
+        weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(sglang_dir(config), "weight_sync"),
+        stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s, priority=config.sglang_priority)
+
+
 async def _launch_servers(config: TrainConfig, trainer: Trainer, model_config: ModelConfig, root: str,
                           stack: contextlib.AsyncExitStack) -> tuple[str, ...]:
     """Starts sglang_num_servers servers on a checkpoint of the trainer's weights, labelled with its
@@ -132,21 +156,15 @@ async def _launch_servers(config: TrainConfig, trainer: Trainer, model_config: M
 async def _sglang_engine(config: TrainConfig, trainer: Trainer, model_config: ModelConfig,
                          memory_tag_prefix: str) -> AsyncIterator[RolloutEngine]:
     try:
-        from april_ext.sglang import SGLangEngine, SGLangEngineConfig
+        from april_ext.sglang import SGLangEngine
     except ImportError as err:
         raise ConfigError(f"TrainConfig.engine='sglang' needs aiohttp ({err}): pip install 'april_ext[sglang]'") \
             from None
-    root = os.path.abspath(os.path.join(config.output_dir, SGLANG_DIR))
     async with contextlib.AsyncExitStack() as stack:
-        urls = (await _launch_servers(config, trainer, model_config, root, stack) if config.sglang_launch
-                else config.sglang_urls)
-        engine = await stack.enter_async_context(SGLangEngine(SGLangEngineConfig(
-            worker_urls=urls, router_url=config.sglang_router_url, initial_weight_version=trainer.version,
-            weight_sync=config.weight_sync, weight_bucket_mb=config.weight_sync_bucket_mb,
-            weight_sync_timeout_s=config.weight_sync_timeout_s,
-            weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(root, "weight_sync"),
-            stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s,
-            priority=config.sglang_priority)))
+        urls = (await _launch_servers(config, trainer, model_config, sglang_dir(config), stack)
+                if config.sglang_launch else config.sglang_urls)
+        engine = await stack.enter_async_context(SGLangEngine(sglang_engine_config(
+            config, trainer.version, worker_urls=urls, router_url=config.sglang_router_url)))
         if not config.sglang_launch:
             await sync_weights(trainer, engine)
         yield engine
@@ -168,4 +186,4 @@ def build_engine(config: TrainConfig, trainer: Trainer, model_config: ModelConfi
 
 
 __all__ = ["ENGINE_KINDS", "SGLANG_DIR", "EngineFactory", "ServerWeightVersions", "build_engine", "engine_metrics",
-           "write_hf_checkpoint"]
+           "sglang_dir", "sglang_engine_config", "write_hf_checkpoint"]

@@ -4,15 +4,19 @@ RolloutEngine protocols, so every pair (torch or Megatron, embedded or SGLang) g
 
 from __future__ import annotations
 
-from april_ext.protocol.rollout_engine import RolloutEngine
+from april_ext.protocol.rollout_engine import RolloutEngine, TrainerFedEngine
 from april_ext.protocol.trainer import Trainer
 
 
 async def sync_weights(trainer: Trainer, engine: RolloutEngine) -> None:
     """The trainer's current weights into the engine, labelled with the trainer's version: named tensors
     in Hugging Face names, which every engine takes (the embedded engine copies them into its model, the
-    SGLang engine writes them to its weight-sync directory and has every server load them from disk)."""
-    await engine.update_weights(trainer.export_weights(), trainer.version)
+    SGLang engine writes them to its weight-sync directory and has every server load them from disk). An
+    engine built with its trainer (TrainerFedEngine: a Ray run's) has the trainer's processes send them."""
+    if isinstance(engine, TrainerFedEngine):
+        await engine.update_from_trainer(trainer.version)
+    else:
+        await engine.update_weights(trainer.export_weights(), trainer.version)
 
 
 class StepMemory:
