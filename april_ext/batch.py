@@ -24,6 +24,8 @@ class TrainingBatch:
     Per-token arrays (length T) hold, on prompt positions: ``loss_mask`` 0, ``behavior_logprobs`` 0.0,
     ``versions`` -1. On response positions ``behavior_logprobs[t]`` is the log-probability of token t
     under the distribution it was sampled from, and ``versions[t]`` the policy version that produced it.
+    Tokens an environment inserted into a multi-turn response (tool output) have the prompt's values: they
+    are part of the sequence but never trained.
     Samples of one group are contiguous; ``group_index`` numbers groups 0..n_groups-1 in batch order.
     """
 

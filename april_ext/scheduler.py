@@ -26,7 +26,7 @@ StalenessPolicy = Literal["keep", "mask", "restart", "drop"]
 ResumeOrder = Literal["oldest_first", "newest_first", "longest_first"]
 StepBoundary = Literal["abort", "carry"]
 DispatchOrder = Literal["fifo", "oldest_first", "longest_predicted_first", "shortest_first"]
-SampleState = Literal["queued", "running", "aborting", "done", "cancelled"]
+SampleState = Literal["queued", "running", "aborting", "done", "cancelled", "waiting_env"]
 
 _DEFAULT = _C.SchedulerConfig()
 """The core's config as constructed: each default is written once, in csrc/scheduler/config.h."""
@@ -34,6 +34,7 @@ _TOKEN_MAX = 2**31 - 1
 _ID_MIN, _ID_MAX = -(2**63), 2**63 - 1  # what the core's int64 ids hold; the core refuses the negative ones
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _STATE_FORMAT = "april_ext.scheduler"
+ENV_WAIT = 3  # the finish code of a turn handed to the environment (on_env_wait); never a batch's FinishReason
 _NO_TOKENS = np.zeros(0, np.int32)
 _NO_LOGPROBS = np.zeros(0, np.float32)
 
@@ -150,8 +151,9 @@ class SampleView:
     state: SampleState
     token_ids: np.ndarray  # int32
     logprobs: np.ndarray  # float32
-    versions: np.ndarray  # int32, policy version per token
+    versions: np.ndarray  # int32, policy version per token (-1 on env tokens)
     resumes: int  # times the sample was dispatched as a resume
+    env_mask: np.ndarray | None = None  # uint8 per token: 1 on tokens the environment inserted (logprob 0.0)
 
 
 def _array(values: Any, dtype: type, name: str) -> np.ndarray:
@@ -354,17 +356,54 @@ class Scheduler:
         An abort keeps every token for a later resume; an abort result for a sample the scheduler asked
         to abort is the expected answer to samples_to_abort().
         """
+        self._finish(sample_id, _reason_code(reason, "reason"), token_ids, logprobs, version, "on_finish")
+
+    def _finish(self, sample_id: int, code: int, token_ids: Sequence[int], logprobs: Sequence[float],
+                version: int | None, call: str) -> None:
         tokens = _token_array(token_ids, "token_ids")
         if tokens.size and version is None:
-            raise InvalidArgumentError("version is required when on_finish carries tokens")
-        self._core.on_finish(np.array([_id(sample_id, "sample id")], np.int64),
-                             np.array([_reason_code(reason, "reason")], np.uint8),
+            raise InvalidArgumentError(f"version is required when {call} carries tokens")
+        self._core.on_finish(np.array([_id(sample_id, "sample id")], np.int64), np.array([code], np.uint8),
                              np.array([tokens.size], np.int64), tokens, _array(logprobs, np.float32, "logprobs"),
                              np.array([version or 0], np.int64))
 
+    def on_env_wait(self, sample_id: int, token_ids: Sequence[int] = (), logprobs: Sequence[float] = (),
+                    version: int | None = None) -> None:
+        """Multi-turn: the sample's turn ended at a stop token (optionally with a last chunk of tokens) and the
+        trajectory goes on: the sample leaves the engine and waits for its environment (state "waiting_env":
+        neither running, nor dispatched, nor done). Its group is not complete while it waits, and a step-boundary
+        abort leaves it waiting. Then either on_env_tokens (the observation; it is queued again) or on_finish with
+        "stop" / "length" and no tokens (the environment ended the trajectory).
+
+        The response must end with a model token: not empty, not right after an observation. A turn that reaches
+        max_response_len finishes with "length" instead, since no observation fits.
+        """
+        self._finish(sample_id, ENV_WAIT, token_ids, logprobs, version, "on_env_wait")
+
+    def on_env_tokens(self, sample_id: int, token_ids: Sequence[int]) -> None:
+        """Append tokens the environment inserted (tool output) to a sample waiting for its environment, and
+        queue it for dispatch: its next request's input_ids are prompt + response with these tokens. They are
+        never trained (loss mask 0, behavior logprob 0.0, version -1 in the batch), do not count toward
+        staleness or the off-policy share, and do count toward max_response_len. An observation that reaches
+        the cap finishes the sample with "length".
+
+        Raises InvalidStateError unless the sample waits for its environment, InvalidArgumentError for no
+        tokens, a token id outside [0, 2**31 - 1], or a response past max_response_len.
+        """
+        sid, tokens = _id(sample_id, "sample id"), _token_array(token_ids, "token_ids")
+        self._core.on_env_tokens(np.array([sid], np.int64), np.array([tokens.size], np.int64), tokens)
+
+    def on_env_tokens_batch(self, sample_ids: Any, counts: Any, tokens: Any) -> None:
+        """Many observations at once: sample i gets ``counts[i]`` consecutive entries of ``tokens``. All are
+        checked before any is applied (a bad one changes nothing); a sample may appear once per call."""
+        if not self._core.on_env_tokens(sample_ids, counts, tokens):
+            self._core.on_env_tokens(_id_array(sample_ids, "sample_ids"), _array(counts, np.int64, "counts"),
+                                     _token_array(tokens, "tokens"))
+
     def on_finish_batch(self, sample_ids: Any, reasons: Any, counts: Any = None, tokens: Any = None,
                         logprobs: Any = None, versions: Any = None) -> None:
-        """Many finish / abort results at once; reasons are FinishReason codes (0 stop, 1 length, 2 abort).
+        """Many finish / abort results at once; reasons are FinishReason codes (0 stop, 1 length, 2 abort) or
+        ENV_WAIT (3: see on_env_wait).
         Arrays are read in place when their layout allows, as in on_tokens_batch."""
         ids = _id_array(sample_ids, "sample_ids")
         n = ids.size
@@ -405,7 +444,7 @@ class Scheduler:
         out["prediction_rank_corr"] = float(rank_corr)
         out["data_exhausted"] = bool(out["data_exhausted"])
         out["staleness_histogram"] = list(histogram)
-        tokens = out["batch_response_tokens"]
+        tokens = out["batch_response_tokens"] - out["batch_env_tokens"]  # model tokens: env ones are never trained
         out["off_policy_token_ratio"] = out["batch_offpolicy_tokens"] / tokens if tokens else 0.0
         out["carried_token_ratio"] = out["batch_carried_tokens"] / tokens if tokens else 0.0
         return out
@@ -425,8 +464,8 @@ class Scheduler:
     def sample(self, sample_id: int) -> SampleView:
         """A copy of one sample's response, logprobs and per-token versions."""
         sample_id = _id(sample_id, "sample id")
-        tokens, logprobs, versions, state, resumes = self._core.sample_response(sample_id)
-        return SampleView(sample_id, state, tokens, logprobs, versions, int(resumes))
+        tokens, logprobs, versions, state, resumes, env_mask = self._core.sample_response(sample_id)
+        return SampleView(sample_id, state, tokens, logprobs, versions, int(resumes), env_mask)
 
     # ------------------------------------------------------------------ persistence
 
@@ -462,4 +501,5 @@ class Scheduler:
         self._core.load(os.fspath(path))
 
 
-__all__ = ["CompletedGroup", "GenerationRequest", "SampleView", "Scheduler", "SchedulerConfig", "history_key"]
+__all__ = ["ENV_WAIT", "CompletedGroup", "GenerationRequest", "SampleView", "Scheduler", "SchedulerConfig",
+           "history_key"]

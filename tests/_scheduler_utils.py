@@ -74,13 +74,15 @@ def state_payload(core: bytes) -> bytes:
     return core[20:-8]
 
 
-STATE_FORMAT = 6  # the format version the core writes
+STATE_FORMAT = 7  # the format version the core writes
 _COUNTERS_AT = 8 + 8 + 8 + 8 + 1 + 1 + 8 + 8  # (version 5) n, max_len, next group id, prompts, flags, version, step
 _V3_COUNTERS = 35
 _V4_COUNTERS = 39  # chunk_returns, continuation_requests, continuation_tokens, prediction_samples
 _TAIL_COUNTERS = 4  # long_round, long_queue_groups, tail_restarted_samples, tail_tokens_discarded
 _SURPLUS_COUNTERS = 2  # surplus_samples_cancelled, surplus_tokens_discarded
 _NO_TAIL = bytes(1 + 8 + 8)  # short round, empty long queue, no pending restart
+_ENV_COUNTERS = 4  # env_waits, env_tokens, batch_env_tokens, waiting_env_samples (version 7)
+_V6_COUNTERS_AT = _COUNTERS_AT + 8  # version 6 added tail_extra_samples to the header
 
 
 def frame_state(payload: bytes, version: int = STATE_FORMAT) -> bytes:
@@ -88,10 +90,42 @@ def frame_state(payload: bytes, version: int = STATE_FORMAT) -> bytes:
     return b"APRILSCH" + struct.pack("<IQ", version, len(payload)) + payload + struct.pack("<Q", _fnv1a(payload))
 
 
+def as_version_6(core: bytes) -> bytes:
+    """Rewrite a state without multi-turn samples (no env runs, none waiting) as version 6 wrote it: no env
+    counters, no env-run array after each sample's segments."""
+    payload = state_payload(core)
+    assert struct.unpack_from("<I", core, 8)[0] == 7
+    n, extra = struct.unpack_from("<q", payload, 0)[0], struct.unpack_from("<q", payload, 16)[0]
+    (count,) = struct.unpack_from("<Q", payload, _V6_COUNTERS_AT)
+    last = _V6_COUNTERS_AT + 8 + (count - _ENV_COUNTERS) * 8
+    out = bytearray(payload[:_V6_COUNTERS_AT] + struct.pack("<Q", count - _ENV_COUNTERS)
+                    + payload[_V6_COUNTERS_AT + 8:last])
+    pos = last + 8 * _ENV_COUNTERS
+
+    def vec(pos: int, item: int) -> int:
+        return pos + 8 + struct.unpack_from("<Q", payload, pos)[0] * item
+
+    start = pos
+    pos = vec(pos, 8)  # staleness histogram
+    pos += 8  # group count
+    (groups,) = struct.unpack_from("<Q", payload, pos - 8)
+    for _ in range(groups):
+        pos = vec(vec(pos + 18, 4), 4)  # id, prompt index, state, flag; prompt, rewards
+        for _ in range(n + extra):
+            assert payload[pos] != 5, "a sample waits for its environment: not a version 6 state"
+            pos = vec(vec(vec(pos + 26, 4), 4), 8)  # state, finish, 3 ints; tokens, logprobs, segments
+            assert struct.unpack_from("<Q", payload, pos)[0] == 0, "a sample has env runs"
+            out += payload[start:pos]
+            pos += 8  # the empty env-run array
+            start = pos
+    out += payload[start:]
+    return frame_state(bytes(out), version=6)
+
+
 def as_version_5(core: bytes) -> bytes:
     """Rewrite a state of a scheduler without extra samples (tail_extra_samples=0) as version 5 wrote it: no
     tail_extra_samples in the header, no surplus counters."""
-    payload = state_payload(core)
+    payload = state_payload(as_version_6(core))
     assert struct.unpack_from("<q", payload, 16)[0] == 0
     payload = payload[:16] + payload[24:]
     (count,) = struct.unpack_from("<Q", payload, _COUNTERS_AT)

@@ -1,4 +1,9 @@
-"""Random interleavings of every scheduler call, with the DESIGN.md invariants checked after each one."""
+"""Random interleavings of every scheduler call, with the DESIGN.md invariants checked after each one.
+
+Multi-turn samples are drawn too: a turn handed to the environment (on_env_wait), its observation
+(on_env_tokens) or the environment's finish. The environment inserts token_at(sid, t) at position t as the
+engine would, so token checks stay positional; env positions have logprob 0.0, version -1 and loss mask 0.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from april_ext import (
 )
 
 MAX_LEN = 6
-STATES = ("queued", "running", "aborting", "done", "cancelled")
+STATES = ("queued", "running", "aborting", "done", "cancelled", "waiting_env")
 TAILS = ("off", "on", "restart")  # tail_batching off, on, on with tail_batching_restart
 DISPATCH_ORDERS = ["fifo", "oldest_first", "longest_predicted_first", "shortest_first"]
 
@@ -59,6 +64,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.gone: set[int] = set()  # trained or filtered
         self.trained_groups: set[int] = set()
         self.cancelled: set[int] = set()  # samples seen cancelled (final: never dispatched again)
+        self.env_pos: dict[int, set[int]] = {}  # response positions the environment inserted, per sample
+        self.waited: set[int] = set()  # samples handed to the environment and not answered yet
         event(f"over_sampling={self.cfg.over_sampling}")
         event(f"step_boundary={boundary}")
         event(f"chunk_tokens={chunk}")
@@ -128,6 +135,80 @@ class SchedulerMachine(RuleBasedStateMachine):
         if pos.size:
             self.fed[sid] = int(pos[-1]) + 1
             self.last_version[sid] = version
+
+    def _env_mask(self, sid: int, k: int) -> np.ndarray:
+        mask = np.zeros(k, bool)
+        mask[[t for t in self.env_pos.get(sid, ()) if t < k]] = True
+        return mask
+
+    def _logprobs(self, sid: int, k: int) -> np.ndarray:
+        """The behavior logprobs the scheduler must hold: the engine's, 0.0 on env tokens."""
+        return np.where(self._env_mask(sid, k), np.float32(0.0), logprob_at(np.arange(k))).astype(np.float32)
+
+    @rule(data=st.data(), count=st.integers(0, 2), use_current=st.booleans())
+    def env_wait(self, data, count, use_current):
+        """The engine's request ends at a stop token and the trajectory goes on: the sample waits for its env."""
+        if not self.engine:
+            return
+        sid = data.draw(st.sampled_from(sorted(self.engine)))
+        pos, version = self._chunk(sid, count, use_current)
+        fed = self.fed.get(sid, 0)
+        ends_in_env = fed > 0 and (fed - 1) in self.env_pos.get(sid, ())
+        before = self.sched.state_dict()
+        try:
+            self.sched.on_env_wait(sid, token_at(sid, pos), logprob_at(pos), version)
+        except InvalidStateError:
+            assert pos.size == 0 and (fed == 0 or ends_in_env), "a turn with a model token was refused"
+            assert self.sched.state_dict() == before, "a rejected env_wait changed the state"
+            event("env_wait refused")
+            return
+        assert pos.size > 0 or (fed > 0 and not ends_in_env), "a turn without a model token waits"
+        self._fed(sid, pos, version)
+        del self.engine[sid]
+        self.to_abort.discard(sid)
+        try:
+            view = self.sched.sample(sid)
+        except UnknownIdError:  # its return let a pending staleness drop take the group
+            assert self.enforced and self.cfg.staleness_policy == "drop"
+            return
+        if view.state == "waiting_env":
+            assert self.fed[sid] < MAX_LEN
+            self.waited.add(sid)
+            event("sample waits for its environment")
+        elif view.state == "done":  # a turn at the cap: no observation fits
+            assert self.fed[sid] == MAX_LEN
+        elif view.state == "queued":  # stale on its return: restarted at once
+            assert self.restarts and view.token_ids.size == 0
+        else:
+            assert view.state == "cancelled", f"a turn handed to the environment left the sample {view.state}"
+
+    @rule(data=st.data(), count=st.integers(1, 3))
+    def env_tokens(self, data, count):
+        waiting = self.sched.sample_ids("waiting_env")
+        if not waiting:
+            return
+        sid = data.draw(st.sampled_from(waiting))
+        start = self.fed.get(sid, 0)
+        pos = np.arange(start, min(start + count, MAX_LEN))
+        assert pos.size > 0, "a sample waits at the length cap"
+        self.sched.on_env_tokens_batch([sid], [pos.size], token_at(sid, pos))
+        self.fed[sid] = int(pos[-1]) + 1
+        self.env_pos.setdefault(sid, set()).update(pos.tolist())
+        self.waited.discard(sid)
+        state = self.sched.sample(sid).state
+        assert state == ("done" if self.fed[sid] == MAX_LEN else "queued")
+        event("env tokens")
+
+    @rule(data=st.data(), reason=st.sampled_from(["stop", "length"]))
+    def env_finish(self, data, reason):
+        waiting = self.sched.sample_ids("waiting_env")
+        if not waiting:
+            return
+        sid = data.draw(st.sampled_from(waiting))
+        self.sched.on_finish(sid, reason)
+        self.waited.discard(sid)
+        assert self.sched.sample(sid).state == "done"
+        event("environment ended the trajectory")
 
     @rule(data=st.data(), count=st.integers(0, 3), use_current=st.booleans())
     def tokens(self, data, count, use_current):
@@ -311,6 +392,24 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.pop_completed()
             self.accept_all()
 
+    @rule(data=st.data(), turns=st.integers(1, 3), answer=st.booleans())
+    def env_turns(self, data, turns, answer):
+        """Multi-turn steps: dispatch, the engine's requests end their turns and wait for the environment, which
+        answers each (an observation, or the end of the trajectory), then rewards accept all."""
+        if not self.sched.step_open:
+            self.begin_step(1)
+        for _ in range(turns):
+            self.dispatch()
+            for _ in range(len(self.engine)):
+                self.env_wait(data, 1, True)
+            for _ in range(len(self.sched.sample_ids("waiting_env"))):
+                if answer:
+                    self.env_tokens(data, 1)
+                else:
+                    self.env_finish(data, "stop")
+            self.pop_completed()
+            self.accept_all()
+
     @rule(count=st.integers(0, 2), bump=st.sampled_from([None, 1, 2]))
     def end_step(self, count, bump):
         """Once done: abort what runs (with partial output; nothing in carry mode), then take and check the
@@ -360,17 +459,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             resp = np.arange(hi - lo - p)
             assert resp.size == self.fed.get(sid, 0)
             assert np.array_equal(batch.tokens[lo + p:hi], token_at(sid, resp))
-            assert np.array_equal(batch.behavior_logprobs[lo + p:hi], logprob_at(resp))
+            assert np.array_equal(batch.behavior_logprobs[lo + p:hi], self._logprobs(sid, resp.size))
+            env = self._env_mask(sid, resp.size)
             vers, mask = batch.versions[lo + p:hi], batch.loss_mask[lo + p:hi]
-            assert np.all(np.diff(vers) >= 0) and np.all(vers <= v)
+            assert np.all(vers[env] == -1) and np.all(mask[env] == 0), "an env token is trained or has a version"
+            model = vers[~env]
+            assert np.all(np.diff(model) >= 0) and np.all(model <= v)
             s = self.cfg.max_staleness
             if s is not None and self.cfg.staleness_policy in ("restart", "drop"):
-                assert np.all(vers >= v - s), "a sample staler than max_staleness was trained"
+                assert np.all(model >= v - s), "a sample staler than max_staleness was trained"
             expect = np.ones_like(mask)
+            expect[env] = 0
             if s is not None and self.cfg.staleness_policy == "mask":
-                expect[vers < v - s] = 0
+                expect[~env & (vers < v - s)] = 0
             if self.cfg.mask_offpolicy:
-                expect[vers != v] = 0
+                expect[~env & (vers != v)] = 0
             assert np.array_equal(mask, expect)
             self.gone.add(sid)
 
@@ -383,13 +486,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         # A restart loses the engine's requests; their samples come back buffered.
         self.engine.clear()
         self.to_abort.clear()
-        self.pending.clear()
+        self.pending.clear()  # (waiting samples stay waiting: checked by the invariants)
 
-    @rule(data=st.data(), kind=st.integers(0, 5))
+    @rule(data=st.data(), kind=st.integers(0, 9))
     def bad_input(self, data, kind):
         before = self.sched.state_dict()
         idle = sorted(set(self.sched.sample_ids("queued")) | set(self.sched.sample_ids("done"))
                       | set(self.sched.sample_ids("cancelled")))
+        waiting = self.sched.sample_ids("waiting_env")
+        not_waiting = sorted(set(idle) | set(self.engine))
         try:
             if kind == 0:
                 self.sched.on_tokens(10**9, [1], [0.0], max(self.version, 0))
@@ -403,6 +508,26 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.sched.report_rewards(self.pending[0], [0.0] * (self.cfg.n_samples_per_prompt + 1))
             elif kind == 5 and self.sched.step_open and not self.sched.step_done:
                 self.sched.take_batch()
+            elif kind == 6 and not_waiting:  # an observation for a sample that does not wait for one
+                self.sched.on_env_tokens(data.draw(st.sampled_from(not_waiting)), [1])
+            elif kind == 7 and waiting:  # model tokens, an abort or a second env_wait while it waits
+                sid = data.draw(st.sampled_from(waiting))
+                how = data.draw(st.integers(0, 3))
+                if how == 0:
+                    self.sched.on_tokens(sid, [1], [0.0], max(self.version, 0))
+                elif how == 1:
+                    self.sched.on_finish(sid, "abort")
+                elif how == 2:
+                    self.sched.on_env_wait(sid)
+                else:
+                    self.sched.on_finish(sid, "stop", [1], [0.0], max(self.version, 0))
+            elif kind == 8 and waiting:  # an empty observation, or one past the cap
+                sid = data.draw(st.sampled_from(waiting))
+                room = MAX_LEN - self.sched.sample(sid).token_ids.size
+                self.sched.on_env_tokens(sid, [1] * (0 if data.draw(st.booleans()) else room + 1))
+            elif kind == 9 and len(waiting) >= 1:  # a batch with one bad observation changes nothing
+                sid = data.draw(st.sampled_from(waiting))
+                self.sched.on_env_tokens_batch([sid, sid], [1, 1], [1, 2])
             else:
                 return
         except (UnknownIdError, InvalidStateError, InvalidArgumentError):
@@ -420,6 +545,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert length == 0 and self.restarts, "tokens lost"
             self.fed[sid] = 0
             self.last_version.pop(sid, None)
+            self.env_pos.pop(sid, None)
+            self.waited.discard(sid)  # a restart takes a waiting trajectory back to its prompt
             event("sample restarted")
         assert length == self.fed.get(sid, 0)
 
@@ -441,14 +568,25 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.gone.add(sid)  # not lost when its group goes
                 self.fed[sid] = 0
                 self.last_version.pop(sid, None)
+                self.env_pos.pop(sid, None)
+                self.waited.discard(sid)
                 continue
             assert sid not in self.cancelled, "a cancelled sample came back"
             assert k == view.logprobs.size == view.versions.size <= MAX_LEN
             self._reconcile(sid, k)
             assert np.array_equal(view.token_ids, token_at(sid, np.arange(k)))
-            assert np.array_equal(view.logprobs, logprob_at(np.arange(k)))
-            assert np.all(np.diff(view.versions) >= 0)
+            env = self._env_mask(sid, k)
+            assert np.array_equal(view.logprobs, self._logprobs(sid, k))
+            assert np.array_equal(view.env_mask.astype(bool), env), "an env run was lost or moved"
+            assert np.all(view.versions[env] == -1)
+            assert np.all(np.diff(view.versions[~env]) >= 0), "model versions decrease across env runs"
+            assert k == 0 or not env[0], "a response starts with env tokens"
             assert (state in ("running", "aborting")) == (sid in self.engine)
+            if state == "waiting_env":
+                assert sid in self.waited, "a sample waits that was not handed to its environment"
+                assert 0 < k < MAX_LEN and not env[-1]
+            else:
+                assert sid not in self.waited, f"a waiting sample became {state} without an env answer"
         assert set(self.engine) <= set(present)
         for limit in (self.cfg.max_inflight_samples, self.cfg.target_inflight_samples):
             if limit is not None:
@@ -471,6 +609,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         partials = [sid for sid in self.sched.sample_ids("queued") if self.sched.sample(sid).token_ids.size]
         assert len(self.sched.sample_ids("running")) + len(aborting) == len(self.engine)
         assert stats["buffered_samples"] == len(aborting) + len(partials)
+        assert stats["waiting_env_samples"] == len(self.sched.sample_ids("waiting_env"))
         assert stats["buffered_tokens"] == sum(self.sched.sample(sid).token_ids.size for sid in aborting + partials)
         groups: dict[int, list[str]] = {}
         for state in STATES:
@@ -507,7 +646,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert stats["groups_launched"] <= stats["groups_filtered"] + stats["groups_dropped_stale"]
             if self.cfg.tail_batching_restart:
                 for sid in self.sched.sample_ids("running"):
-                    assert np.all(self.sched.sample(sid).versions == self.version), "an older token runs on"
+                    view = self.sched.sample(sid)
+                    model = view.versions[view.env_mask == 0]
+                    assert np.all(model == self.version), "an older token runs on"
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from _scheduler_utils import (
+    STATE_FORMAT,
     FakeEngine,
     as_version_3,
     as_version_4,
@@ -590,7 +591,7 @@ def test_surplus_cancellation_survives_save_and_load_at_format_6():
     finish(sched, 2, 2)  # sample 1 cancelled, its abort not back
     feed(sched, 4, 3, 0)
     state = sched.state_dict()
-    assert struct.unpack_from("<I", state["core"], 8)[0] == 6
+    assert struct.unpack_from("<I", state["core"], 8)[0] == STATE_FORMAT  # 6 or later
     assert struct.unpack_from("<q", state_payload(state["core"]), 16)[0] == 1  # tail_extra_samples in the header
     restored = tail_copy(sched)
     assert restored.sample(1).state == "cancelled"  # in flight at the save: dropped with its tokens

@@ -242,6 +242,23 @@ void bind_scheduler(py::module_& m) {
              s.on_finish(ev);
              return true;
            })
+      .def("on_env_tokens",
+           [](Scheduler& s, const py::handle& ids, const py::handle& counts, const py::handle& tokens) {
+             sched::EventBatch ev;
+             size_t n_counts = 0;
+             ev.sample_ids = exact<int64_t>(ids, ev.n_events);
+             ev.counts = exact<int64_t>(counts, n_counts);
+             ev.tokens = exact<int32_t>(tokens, ev.n_tokens);
+             if (!ev.sample_ids || !ev.counts || !ev.tokens) return false;
+             if (n_counts != ev.n_events) {
+               throw Error(ErrorKind::InvalidArgument, "sample_ids and counts must have the same length, got " +
+                                                           std::to_string(ev.n_events) + " and " +
+                                                           std::to_string(n_counts));
+             }
+             py::gil_scoped_release nogil;
+             s.on_env_tokens(ev);
+             return true;
+           })
       .def("pop_completed_groups",
            [](Scheduler& s) {
              py::list out;
@@ -286,11 +303,13 @@ void bind_scheduler(py::module_& m) {
            [](const Scheduler& s, int64_t sample_id) {
              std::vector<int32_t> tokens, versions;
              std::vector<float> logprobs;
+             std::vector<uint8_t> env_mask;
              sched::SampleState state = sched::SampleState::Queued;
              int64_t resumes = 0;
-             s.sample_response(sample_id, tokens, logprobs, versions, state, resumes);
+             s.sample_response(sample_id, tokens, logprobs, versions, env_mask, state, resumes);
              return py::make_tuple(to_numpy(std::move(tokens)), to_numpy(std::move(logprobs)),
-                                   to_numpy(std::move(versions)), sched::name_of(state), resumes);
+                                   to_numpy(std::move(versions)), sched::name_of(state), resumes,
+                                   to_numpy(std::move(env_mask)));
            })
       .def("serialize",
            [](const Scheduler& s) { return py::bytes(without_gil([&] { return s.serialize(); })); })

@@ -243,7 +243,9 @@ void Scheduler::retune_over_sampling() {
   const int64_t n = config_.group_width();
   const int64_t target = *config_.target_inflight_samples;
   int64_t active = 0;
-  int64_t live = config_.tail_batching ? 0 : s_.queued_samples + s_.running_samples + s_.aborting_samples;
+  int64_t live = config_.tail_batching
+                     ? 0
+                     : s_.queued_samples + s_.running_samples + s_.aborting_samples + s_.waiting_env_samples;
   for (const auto& [gid, g] : s_.groups) {
     if (g.state != GroupState::Active || !in_round(g)) continue;
     active += 1;

@@ -37,6 +37,10 @@ std::string str(int64_t v) { return std::to_string(v); }
   throw Error(ErrorKind::InvalidState,
               smp.state == SampleState::Done
                   ? "sample " + str(sid) + " already finished; tokens and finish are accepted once, while it runs"
+              : smp.state == SampleState::WaitingEnv
+                  ? "sample " + str(sid) +
+                        " is waiting for its environment (state waiting_env): it takes on_env_tokens, or a finish "
+                        "with reason stop or length and no tokens; model tokens only once it is dispatched again"
                   : "sample " + str(sid) + " is not running (state " + name_of(smp.state) +
                         "): tokens and finish are accepted between dispatch and finish");
 }
@@ -169,7 +173,11 @@ Sample* const* Scheduler::validate_events(const EventBatch& ev, bool finishing) 
 void Scheduler::check_event(Sample& smp, const EventBatch& ev, size_t e, bool finishing) {
   const int64_t sid = ev.sample_ids[e];
   const int64_t cnt = ev.counts[e];
-  if (!smp.in_flight()) throw_not_running(smp, sid);
+  // A sample waiting for its environment takes a finish (the environment ended the trajectory) without tokens.
+  const bool waiting = smp.state == SampleState::WaitingEnv;
+  const bool env_ends_it = waiting && finishing && cnt == 0 &&
+                           ev.reasons[e] <= static_cast<uint8_t>(FinishReason::Length);
+  if (!smp.in_flight() && !env_ends_it) throw_not_running(smp, sid);
   if (smp.scratch_epoch != epoch_) {
     smp.scratch_epoch = epoch_;
     smp.scratch_len = static_cast<int64_t>(smp.tokens.size());
@@ -180,9 +188,20 @@ void Scheduler::check_event(Sample& smp, const EventBatch& ev, size_t e, bool fi
     throw Error(ErrorKind::InvalidState, "sample " + str(sid) + " is finished twice in one call");
   }
   if (finishing) {
-    if (ev.reasons[e] > static_cast<uint8_t>(FinishReason::Abort)) {
-      throw Error(ErrorKind::InvalidArgument, "finish reason " + str(ev.reasons[e]) + " of sample " + str(sid) +
-                                                  " is not allowed: 0 (stop), 1 (length) or 2 (abort)");
+    if (ev.reasons[e] > kEnvWaitReason) {
+      throw Error(ErrorKind::InvalidArgument,
+                  "finish reason " + str(ev.reasons[e]) + " of sample " + str(sid) +
+                      " is not allowed: 0 (stop), 1 (length), 2 (abort) or 3 (env_wait: the turn ended, the "
+                      "sample waits for its environment)");
+    }
+    // A turn handed to the environment ends with a model token: the response is not empty and does not end
+    // with the environment's tokens.
+    if (ev.reasons[e] == kEnvWaitReason && cnt == 0 && (smp.scratch_len == 0 || smp.ends_in_env())) {
+      throw Error(ErrorKind::InvalidState,
+                  "sample " + str(sid) + " cannot wait for its environment: " +
+                      (smp.scratch_len == 0 ? std::string("its response is empty (no model turn ended)")
+                                            : std::string("its response ends with environment tokens "
+                                                          "(no model turn since the last observation)")));
     }
     smp.scratch_finished = true;
   }
@@ -266,19 +285,104 @@ void Scheduler::on_finish(const EventBatch& ev) {
   }
 }
 
+// Observations of the environment: each event appends count > 0 tokens to a sample waiting for its environment
+// and queues it for dispatch (prompt + response, env tokens included). Validated as a whole first, then applied.
+void Scheduler::on_env_tokens(const EventBatch& ev) {
+  std::lock_guard<std::mutex> lock(mu_);
+  epoch_ += 1;
+  if (scratch_samples_.size() < ev.n_events) scratch_samples_.resize(ev.n_events);
+  Sample** samples = scratch_samples_.data();
+  size_t used = 0;
+  for (size_t e = 0; e < ev.n_events; ++e) {
+    const int64_t sid = ev.sample_ids[e];
+    const int64_t cnt = ev.counts[e];
+    event_chunk(ev, e, used);
+    used += static_cast<size_t>(cnt);
+    Sample* smp = index_.find(sid);
+    if (smp == nullptr) throw_unknown_sample(sid);
+    if (smp->scratch_epoch == epoch_) {
+      throw Error(ErrorKind::InvalidState, "on_env_tokens: sample " + str(sid) +
+                                               " is given environment tokens twice in one call");
+    }
+    smp->scratch_epoch = epoch_;
+    if (smp->state != SampleState::WaitingEnv) {
+      throw Error(ErrorKind::InvalidState,
+                  "on_env_tokens: sample " + str(sid) + " is not waiting for its environment (state " +
+                      name_of(smp->state) +
+                      "): environment tokens are accepted after the sample's turn ended with env_wait, once");
+    }
+    if (cnt == 0) {
+      throw Error(ErrorKind::InvalidArgument, "on_env_tokens: sample " + str(sid) +
+                                                  " gets no tokens; an observation has at least one token (an "
+                                                  "environment that is done finishes the sample instead)");
+    }
+    const auto len = static_cast<int64_t>(smp->tokens.size());
+    if (len + cnt > config_.max_response_len) throw_over_cap(sid, len + cnt, config_.max_response_len);
+    samples[e] = smp;
+  }
+  if (used != ev.n_tokens) throw_counts_mismatch(used, ev.n_tokens);
+  size_t pos = 0;
+  for (size_t e = 0; e < ev.n_events; ++e) {
+    Sample& smp = *samples[e];
+    const auto cnt = static_cast<size_t>(ev.counts[e]);
+    // An earlier event of this call completed the sample's group (its n-th sample done at the cap), which
+    // cancelled this surplus sample: its observation is dropped, as a cancelled sample's result is.
+    if (smp.state != SampleState::WaitingEnv) {
+      pos += cnt;
+      continue;
+    }
+    make_room(smp.tokens, cnt);
+    make_room(smp.logprobs, cnt);
+    make_room(smp.env_runs, 1);
+    smp.env_runs.push_back({static_cast<int32_t>(smp.tokens.size()), static_cast<int32_t>(cnt)});
+    smp.tokens.insert(smp.tokens.end(), ev.tokens + pos, ev.tokens + pos + cnt);
+    smp.logprobs.insert(smp.logprobs.end(), cnt, 0.0f);
+    pos += cnt;
+    s_.stats.env_tokens += static_cast<int64_t>(cnt);
+    s_.waiting_env_samples -= 1;
+    const int64_t sid = ev.sample_ids[e];
+    Group& g = index_.group(sid);
+    if (static_cast<int64_t>(smp.tokens.size()) >= config_.max_response_len) {
+      // No room left for a model turn: a length finish, as a buffered partial at the cap after a load.
+      smp.state = SampleState::Done;
+      smp.finish = FinishReason::Length;
+      g.n_done += 1;
+      s_.stats.finished_samples += 1;
+      record_final_length(s_, g, smp);
+      complete_if_done(ids_.group(sid), g);
+    } else {
+      smp.state = SampleState::Queued;
+      s_.queued_samples += 1;
+    }
+  }
+}
+
 // A sample's request ended: an abort below the length cap queues it for a resume, and so does a chunk
 // boundary (divided rollout: a length finish below the cap after exactly the request's budget); anything else
 // is done. A cancelled surplus sample's result, whatever it is, is dropped.
 void Scheduler::finish(Sample& smp, Group& g, int64_t gid, FinishReason reason) {
   const bool was_aborting = smp.state == SampleState::Aborting;
-  (was_aborting ? s_.aborting_samples : s_.running_samples) -= 1;
-  g.n_in_flight -= 1;
+  const bool was_waiting = smp.state == SampleState::WaitingEnv;  // the environment ended the trajectory
+  const bool env_wait = static_cast<uint8_t>(reason) == kEnvWaitReason;
+  if (was_waiting) {
+    s_.waiting_env_samples -= 1;
+  } else {
+    (was_aborting ? s_.aborting_samples : s_.running_samples) -= 1;
+    g.n_in_flight -= 1;
+  }
   const auto len = static_cast<int64_t>(smp.tokens.size());
   const bool at_cap = len >= config_.max_response_len;
-  const bool chunk_end = config_.chunk_tokens.has_value() && reason == FinishReason::Length && !at_cap &&
-                         len - smp.dispatch_len == smp.dispatch_budget;
+  const bool chunk_end = !was_waiting && config_.chunk_tokens.has_value() && reason == FinishReason::Length &&
+                         !at_cap && len - smp.dispatch_len == smp.dispatch_budget;
   if (smp.surplus) {
     discard_cancelled(smp);
+  } else if (env_wait && !at_cap) {
+    // The turn ended at a stop token and the trajectory goes on: the environment answers with on_env_tokens
+    // (queued again) or a finish. A turn at the length cap leaves no room for an answer: it finishes (below).
+    smp.state = SampleState::WaitingEnv;
+    smp.chunk_version = -1;
+    s_.waiting_env_samples += 1;
+    s_.stats.env_waits += 1;
   } else if ((reason == FinishReason::Abort || chunk_end) && !at_cap) {
     // Recycled: every token, logprob and version segment stays for the resume.
     smp.state = SampleState::Queued;
@@ -293,11 +397,12 @@ void Scheduler::finish(Sample& smp, Group& g, int64_t gid, FinishReason reason) 
       smp.tokens.shrink_to_fit();
       smp.logprobs.shrink_to_fit();
       smp.segments.shrink_to_fit();
+      smp.env_runs.shrink_to_fit();
     }
     (chunk_end ? s_.stats.chunk_returns : s_.stats.aborts) += 1;
   } else {
     smp.state = SampleState::Done;
-    smp.finish = reason == FinishReason::Abort ? FinishReason::Length : reason;
+    smp.finish = reason == FinishReason::Abort || env_wait ? FinishReason::Length : reason;
     g.n_done += 1;
     s_.stats.finished_samples += 1;
     record_final_length(s_, g, smp);

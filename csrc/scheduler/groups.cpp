@@ -42,6 +42,7 @@ void Scheduler::cancel_sample(int64_t group_id, int64_t slot) {
     return;
   }
   if (smp.state == SampleState::Queued) s_.queued_samples -= 1;
+  if (smp.state == SampleState::WaitingEnv) s_.waiting_env_samples -= 1;
   discard_cancelled(smp);
 }
 
@@ -53,6 +54,7 @@ void Scheduler::discard_cancelled(Sample& smp) {
   smp.tokens = {};
   smp.logprobs = {};
   smp.segments = {};
+  smp.env_runs = {};
   smp.tail_version = -1;
   smp.tokens_at_step_start = 0;
   smp.chunk_version = -1;
@@ -67,6 +69,7 @@ void Scheduler::erase_group(int64_t group_id) {
   Group& g = s_.groups.at(group_id);
   for (const auto& smp : g.samples) {
     if (smp.state == SampleState::Queued) s_.queued_samples -= 1;
+    if (smp.state == SampleState::WaitingEnv) s_.waiting_env_samples -= 1;
   }
   unlist(group_id);
   index_.remove(group_id);

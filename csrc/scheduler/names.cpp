@@ -32,11 +32,12 @@ constexpr std::array<Named<DispatchOrder>, 4> kDispatchOrder{
      {"oldest_first", DispatchOrder::OldestFirst},
      {"longest_predicted_first", DispatchOrder::LongestPredictedFirst},
      {"shortest_first", DispatchOrder::ShortestFirst}}};
-constexpr std::array<Named<SampleState>, 5> kSampleState{{{"queued", SampleState::Queued},
+constexpr std::array<Named<SampleState>, 6> kSampleState{{{"queued", SampleState::Queued},
                                                           {"running", SampleState::Running},
                                                           {"aborting", SampleState::Aborting},
                                                           {"done", SampleState::Done},
-                                                          {"cancelled", SampleState::Cancelled}}};
+                                                          {"cancelled", SampleState::Cancelled},
+                                                          {"waiting_env", SampleState::WaitingEnv}}};
 
 template <typename E, size_t N>
 std::vector<std::string> names(const std::array<Named<E>, N>& table) {

@@ -3,6 +3,7 @@
 // finishes), staleness.cpp.
 #include "scheduler/scheduler.h"
 
+#include <algorithm>
 #include <string>
 
 #include "common/error.h"
@@ -60,6 +61,7 @@ StepStats Scheduler::stats() const {
         st.buffered_samples += 1;
         st.buffered_tokens += static_cast<int64_t>(smp.tokens.size());
       }
+      st.waiting_env_samples += smp.state == SampleState::WaitingEnv ? 1 : 0;
     }
   }
   st.data_exhausted = s_.data_exhausted() ? 1 : 0;
@@ -73,12 +75,14 @@ MemoryUsage Scheduler::buffered_memory() const {
   MemoryUsage m;
   for (const auto& [gid, g] : s_.groups) {
     for (const auto& smp : g.samples) {
-      if (smp.state != SampleState::Queued || smp.tokens.empty()) continue;
+      const bool held = smp.state == SampleState::Queued || smp.state == SampleState::WaitingEnv;
+      if (!held || smp.tokens.empty()) continue;
       m.samples += 1;
       m.tokens += static_cast<int64_t>(smp.tokens.size());
       m.bytes += static_cast<int64_t>(smp.tokens.capacity() * sizeof(int32_t) +
                                       smp.logprobs.capacity() * sizeof(float) +
-                                      smp.segments.capacity() * sizeof(Segment));
+                                      smp.segments.capacity() * sizeof(Segment) +
+                                      smp.env_runs.capacity() * sizeof(EnvRun));
     }
   }
   return m;
@@ -96,7 +100,8 @@ std::vector<int64_t> Scheduler::sample_ids(SampleState state) const {
 }
 
 void Scheduler::sample_response(int64_t sample_id, std::vector<int32_t>& tokens, std::vector<float>& logprobs,
-                                std::vector<int32_t>& versions, SampleState& state, int64_t& resumes) const {
+                                std::vector<int32_t>& versions, std::vector<uint8_t>& env_mask, SampleState& state,
+                                int64_t& resumes) const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t idx = 0;
   const Sample& smp = group_of(sample_id, &idx).samples[idx];
@@ -105,6 +110,11 @@ void Scheduler::sample_response(int64_t sample_id, std::vector<int32_t>& tokens,
   versions.clear();
   for (size_t k = 0; k < smp.segments.size(); ++k) {
     versions.insert(versions.end(), smp.segment_end(k) - smp.segments[k].start, smp.segments[k].version);
+  }
+  env_mask.assign(smp.tokens.size(), 0);
+  for (const EnvRun& run : smp.env_runs) {
+    std::fill_n(versions.begin() + run.start, run.len, -1);
+    std::fill_n(env_mask.begin() + run.start, run.len, uint8_t{1});
   }
   state = smp.state;
   resumes = smp.resumes;

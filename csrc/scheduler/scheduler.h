@@ -16,6 +16,10 @@
 
 namespace april::sched {
 
+// The finish code of a turn that ended at a stop token while the trajectory goes on (multi-turn): the sample waits
+// for its environment (SampleState::WaitingEnv). Never a sample's final reason, so not a FinishReason.
+constexpr uint8_t kEnvWaitReason = 3;
+
 // Requests of one dispatch call, packed: request i sends input_ids[offsets[i]:offsets[i+1]].
 struct Dispatch {
   std::vector<int64_t> sample_ids;
@@ -114,7 +118,12 @@ class Scheduler {
 
   // Engine events
   void on_tokens(const EventBatch& events);
+  // reasons: FinishReason codes, or kEnvWaitReason (the sample waits for its environment). A sample waiting for
+  // its environment takes a stop or length finish with no tokens (the environment ended the trajectory).
   void on_finish(const EventBatch& events);
+  // Environment events: event i appends counts[i] > 0 tokens (logprobs and versions unused) to a sample waiting
+  // for its environment, which is queued for dispatch again (done with length if the tokens reach the cap).
+  void on_env_tokens(const EventBatch& events);
 
   // Reward and filter
   std::vector<CompletedGroup> pop_completed_groups();
@@ -125,8 +134,10 @@ class Scheduler {
   MemoryUsage buffered_memory() const;
   std::vector<int64_t> sample_ids(SampleState state) const;
   // The response of one sample: tokens, logprobs, per-token versions, state and times resumed.
+  // Env tokens have logprob 0.0, version -1 and env_mask 1.
   void sample_response(int64_t sample_id, std::vector<int32_t>& tokens, std::vector<float>& logprobs,
-                       std::vector<int32_t>& versions, SampleState& state, int64_t& resumes) const;
+                       std::vector<int32_t>& versions, std::vector<uint8_t>& env_mask, SampleState& state,
+                       int64_t& resumes) const;
   int64_t policy_version() const;
 
   // Persistence: running samples (carried ones too) are stored as buffered partials (the engine's requests

@@ -16,8 +16,9 @@ bool Scheduler::is_stale(const Sample& smp) const {
 }
 
 void Scheduler::restart_sample(Group& g, Sample& smp) {
-  if (smp.state == SampleState::Done) {
-    g.n_done -= 1;
+  if (smp.state == SampleState::Done || smp.state == SampleState::WaitingEnv) {
+    // A trajectory waiting for its environment starts again too: its env runs go with it.
+    (smp.state == SampleState::Done ? g.n_done : s_.waiting_env_samples) -= 1;
     smp.state = SampleState::Queued;
     s_.queued_samples += 1;
   }
@@ -25,6 +26,7 @@ void Scheduler::restart_sample(Group& g, Sample& smp) {
   smp.tokens = {};
   smp.logprobs = {};
   smp.segments = {};
+  smp.env_runs = {};
   smp.tail_version = -1;
   smp.tokens_at_step_start = 0;
 }

@@ -1,6 +1,7 @@
 // Records of the scheduler: samples (one response each) inside groups (one prompt each).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -20,12 +21,23 @@ enum class SampleState : uint8_t {
   // Tail batching over-provisioning: a slot the group no longer needs (its n samples are done or chosen) or
   // never uses (groups of long rounds). Never dispatched, holds no tokens, not queued, running or done.
   Cancelled = 4,
+  // Multi-turn: the model's turn ended at a stop token and the environment (a tool) has not answered yet. Not
+  // in the engine, not dispatchable, not done: on_env_tokens queues it again, a finish ends it.
+  WaitingEnv = 5,
 };
 
 // A run of tokens produced under one policy version; versions are stored once per run, not per token.
 struct Segment {
   int32_t version;
   int32_t start;  // index of the run's first token in the response
+};
+
+// A run of tokens the environment inserted (tool output) into the response: part of the sequence, never
+// trained (loss mask 0, logprob 0.0, version -1 in the batch). Runs are in order, never adjacent, and each
+// follows a model token: the response starts with a model token.
+struct EnvRun {
+  int32_t start;  // index of the run's first token in the response
+  int32_t len;    // > 0
 };
 
 // alignas(64): the fields every token event reads and writes share one cache line (the first), so an event
@@ -39,7 +51,10 @@ struct alignas(64) Sample {
   FinishReason finish = FinishReason::Stop;
   int64_t dispatch_version = -1;  // policy version at the last dispatch
   // End of the first cache line.
+  // Version runs of the response. Env tokens carry no version: they extend the range of the segment before
+  // them (a segment always starts at a model token), and env_runs says which positions are env tokens.
   std::vector<Segment> segments;
+  std::vector<EnvRun> env_runs;  // empty for a single-turn sample
   int64_t tokens_at_step_start = 0;  // response length when the current step began
   int64_t resumes = 0;
   // In flight and cancelled (Aborting): its abort result is dropped and it becomes Cancelled. Not persisted: a
@@ -66,6 +81,20 @@ struct alignas(64) Sample {
     return !segments.empty() ? segments.front().version : in_flight() ? dispatch_version : -1;
   }
   int64_t last_version() const { return tail_version; }
+  int64_t env_token_count() const {
+    int64_t n = 0;
+    for (const EnvRun& r : env_runs) n += r.len;
+    return n;
+  }
+  // Env tokens among the first `pos` tokens of the response.
+  int64_t env_tokens_before(int64_t pos) const {
+    int64_t n = 0;
+    for (const EnvRun& r : env_runs) n += std::clamp<int64_t>(pos - r.start, 0, r.len);
+    return n;
+  }
+  bool ends_in_env() const {
+    return !env_runs.empty() && static_cast<size_t>(env_runs.back().start + env_runs.back().len) == tokens.size();
+  }
   // One past the last token of segment k: the next segment's start, or the response's end.
   size_t segment_end(size_t k) const { return k + 1 < segments.size() ? segments[k + 1].start : tokens.size(); }
 };
@@ -128,6 +157,7 @@ struct State {
   int64_t queued_samples = 0;
   int64_t running_samples = 0;   // state Running
   int64_t aborting_samples = 0;  // state Aborting
+  int64_t waiting_env_samples = 0;  // state WaitingEnv (persisted from format version 7 as sample states)
   // Adaptive over-sampling (persisted from format version 2).
   double live_fraction = 1.0;    // running mean of the live share of active groups' samples at step ends
   int64_t adaptive_groups = 0;   // N'_t: most groups generating at a time this step (0 before the first step)

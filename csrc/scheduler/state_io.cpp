@@ -100,7 +100,7 @@ void encode_sample(Writer& w, const Sample& smp) {
     w.put<int64_t>(smp.dispatch_version);
     w.put<int64_t>(0);
     w.put<int64_t>(smp.resumes);
-    for (int k = 0; k < 3; ++k) w.put<uint64_t>(0);  // no tokens, logprobs or segments
+    for (int k = 0; k < 4; ++k) w.put<uint64_t>(0);  // no tokens, logprobs, segments or env runs
     return;
   }
   const SampleState st = smp.in_flight() ? SampleState::Queued : smp.state;
@@ -112,6 +112,7 @@ void encode_sample(Writer& w, const Sample& smp) {
   w.put_vec(smp.tokens);
   w.put_vec(smp.logprobs);
   w.put_vec(smp.segments);
+  w.put_vec(smp.env_runs);  // from format version 7
 }
 
 std::string frame(const std::string& payload) {
@@ -192,6 +193,7 @@ void decode_step(Reader& r, uint32_t version, int64_t width, State& s) {
                                    : version == 3 ? kV3CounterCount
                                    : version == 4 ? kV4CounterCount
                                    : version == 5 ? kV5CounterCount
+                                   : version == 6 ? kV6CounterCount
                                                   : s.stats.counters().size();
   corrupt_unless(n_counters == expected_counters, "stats has " + std::to_string(n_counters) + " counters, expected " +
                                                  std::to_string(expected_counters));
@@ -208,12 +210,36 @@ void decode_step(Reader& r, uint32_t version, int64_t width, State& s) {
                  "a step counter is negative");
 }
 
-void decode_sample(Reader& r, const Config& config, int64_t policy_version, Sample& smp) {
+// Env runs (format version 7): in order, not adjacent, each after a model token, within the response, with
+// logprob 0.0; no version segment starts inside one. A sample waiting for its environment ends with a model
+// token below the length cap.
+void check_env_runs(const Sample& smp, int64_t max_len) {
+  const auto ntok = static_cast<int64_t>(smp.tokens.size());
+  int64_t prev_end = 0;
+  for (const EnvRun& run : smp.env_runs) {
+    corrupt_unless(run.len > 0 && run.start > prev_end && static_cast<int64_t>(run.start) + run.len <= ntok,
+                   "a sample's env runs are out of order or range");
+    prev_end = static_cast<int64_t>(run.start) + run.len;
+    corrupt_unless(std::all_of(smp.logprobs.begin() + run.start, smp.logprobs.begin() + prev_end,
+                               [](float x) { return x == 0.0f; }),
+                   "a sample's env tokens have a logprob other than 0.0");
+    for (const Segment& seg : smp.segments) {
+      corrupt_unless(seg.start < run.start || seg.start >= prev_end, "a version segment starts at an env token");
+    }
+  }
+  if (smp.state == SampleState::WaitingEnv) {
+    corrupt_unless(ntok > 0 && ntok < max_len && !smp.ends_in_env(),
+                   "a sample waiting for its environment has no model turn to answer, or is at the length cap");
+  }
+}
+
+void decode_sample(Reader& r, const Config& config, uint32_t version, int64_t policy_version, Sample& smp) {
   const auto max_len = static_cast<uint64_t>(config.max_response_len);
   const auto st = r.get<uint8_t>();
   const auto fin = r.get<uint8_t>();
   corrupt_unless(st == static_cast<uint8_t>(SampleState::Queued) || st == static_cast<uint8_t>(SampleState::Done) ||
-                     (st == static_cast<uint8_t>(SampleState::Cancelled) && config.tail_extra_samples > 0),
+                     (st == static_cast<uint8_t>(SampleState::Cancelled) && config.tail_extra_samples > 0) ||
+                     (st == static_cast<uint8_t>(SampleState::WaitingEnv) && version >= 7),
                  "sample state " + std::to_string(st));
   corrupt_unless(fin <= 1, "finish reason " + std::to_string(fin));
   smp.state = static_cast<SampleState>(st);
@@ -224,6 +250,7 @@ void decode_sample(Reader& r, const Config& config, int64_t policy_version, Samp
   smp.tokens = r.get_vec<int32_t>(max_len);
   smp.logprobs = r.get_vec<float>(max_len);
   smp.segments = r.get_vec<Segment>(max_len);
+  if (version >= 7) smp.env_runs = r.get_vec<EnvRun>(max_len);
   smp.tail_version = smp.segments.empty() ? -1 : smp.segments.back().version;
   const auto ntok = smp.tokens.size();
   corrupt_unless(smp.dispatch_version >= -1 && smp.dispatch_version <= policy_version && smp.resumes >= 0,
@@ -242,9 +269,10 @@ void decode_sample(Reader& r, const Config& config, int64_t policy_version, Samp
   corrupt_unless(smp.tokens_at_step_start >= 0 && smp.tokens_at_step_start <= static_cast<int64_t>(ntok),
                  "a sample's step-start length is out of range");
   corrupt_unless(smp.state != SampleState::Cancelled || ntok == 0, "a cancelled sample has tokens");
+  check_env_runs(smp, config.max_response_len);
 }
 
-void decode_group(Reader& r, const Config& config, State& s) {
+void decode_group(Reader& r, const Config& config, uint32_t version, State& s) {
   const int64_t n = config.n_samples_per_prompt;
   const auto gid = r.get<int64_t>();
   corrupt_unless(gid >= 0 && gid < s.next_group_id && !s.groups.count(gid),
@@ -267,11 +295,14 @@ void decode_group(Reader& r, const Config& config, State& s) {
   g.samples.resize(config.group_width());
   int64_t cancelled = 0;
   for (auto& smp : g.samples) {
-    decode_sample(r, config, s.policy_version, smp);
+    decode_sample(r, config, version, s.policy_version, smp);
     if (smp.state == SampleState::Done) {
       g.n_done += 1;
     } else if (smp.state == SampleState::Cancelled) {
       cancelled += 1;
+    } else if (smp.state == SampleState::WaitingEnv) {
+      corrupt_unless(g.state == GroupState::Active, "a sample of a completed group waits for its environment");
+      s.waiting_env_samples += 1;
     } else {
       s.queued_samples += 1;
     }
@@ -459,7 +490,7 @@ State decode_state(const Config& config, const std::string& bytes) {
   decode_step(r, f.version, config.group_width(), s);
   const auto n_groups = r.get<uint64_t>();
   corrupt_unless(n_groups <= f.len, "group count " + std::to_string(n_groups) + " exceeds the payload");
-  for (uint64_t gi = 0; gi < n_groups; ++gi) decode_group(r, config, s);
+  for (uint64_t gi = 0; gi < n_groups; ++gi) decode_group(r, config, f.version, s);
   decode_queues(r, n_groups, s);
   if (f.version >= 2) decode_adaptive(r, s);
   if (f.version >= 4) decode_prediction(r, config, s);

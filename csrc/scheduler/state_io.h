@@ -15,8 +15,9 @@ namespace april::sched {
 // final lengths per key and of all, the step's prediction pairs) and the chunk, continuation and
 // prediction_samples counters, version 5 tail batching (the round, the long queue, pending restarts, four
 // counters), version 6 tail_extra_samples (in the header; each group's slots, cancelled ones included, and two
-// counters); versions 1 to 5 still load.
-constexpr uint32_t kStateFormatVersion = 6;
+// counters), version 7 multi-turn samples (each sample's env runs after its segments, the waiting_env state,
+// four counters); versions 1 to 6 still load (their samples have no env runs).
+constexpr uint32_t kStateFormatVersion = 7;
 
 // The framed bytes of a state (header, payload, checksum).
 std::string encode_state(const Config& config, const State& state);

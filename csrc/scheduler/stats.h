@@ -19,16 +19,18 @@ namespace april::sched {
   X(surplus_groups) X(data_exhausted) X(prompts_consumed) X(over_sampling_groups) X(carried_samples)         \
   X(carried_kv_tokens) X(chunk_returns) X(continuation_requests) X(continuation_tokens) X(prediction_samples) \
   X(long_round) X(long_queue_groups) X(tail_restarted_samples) X(tail_tokens_discarded)                     \
-  X(surplus_samples_cancelled) X(surplus_tokens_discarded)
+  X(surplus_samples_cancelled) X(surplus_tokens_discarded) X(env_waits) X(env_tokens) X(batch_env_tokens)  \
+  X(waiting_env_samples)
 
 // Format version 1 files hold every counter before over_sampling_groups, version 2 those before
 // carried_samples, version 3 those before chunk_returns, version 4 those before long_round, version 5 those
-// before surplus_samples_cancelled.
+// before surplus_samples_cancelled, version 6 those before env_waits.
 constexpr size_t kV1CounterCount = 32;
 constexpr size_t kV2CounterCount = 33;
 constexpr size_t kV3CounterCount = 35;
 constexpr size_t kV4CounterCount = 39;
 constexpr size_t kV5CounterCount = 43;
+constexpr size_t kV6CounterCount = 45;
 
 struct StepStats {
 #define APRIL_DECLARE(name) int64_t name = 0;

@@ -165,16 +165,30 @@ void Scheduler::pack_group(Batch& b, int64_t group_id, int32_t index_in_batch) {
     b.behavior_logprobs.insert(b.behavior_logprobs.end(), plen, 0.0f);
     b.behavior_logprobs.insert(b.behavior_logprobs.end(), smp.logprobs.begin(), smp.logprobs.end());
     b.versions.insert(b.versions.end(), plen, -1);
+    const size_t response_at = b.versions.size();
     for (size_t j = 0; j < smp.segments.size(); ++j) {
       const Segment& seg = smp.segments[j];
-      const size_t len = smp.segment_end(j) - seg.start;
+      const size_t end = smp.segment_end(j);
+      const size_t len = end - seg.start;
+      // Env tokens inside the segment's range are no model tokens: they count neither as off-policy nor masked.
+      const auto model = static_cast<int64_t>(len) -
+                         (smp.env_runs.empty() ? 0
+                                               : smp.env_tokens_before(static_cast<int64_t>(end)) -
+                                                     smp.env_tokens_before(seg.start));
       const bool train = !(config_.mask_offpolicy && seg.version != v) &&
                          !(mask_stale && v - seg.version > *config_.max_staleness);
       b.versions.insert(b.versions.end(), len, seg.version);
       b.loss_mask.insert(b.loss_mask.end(), len, train ? 1 : 0);
-      if (seg.version < v) st.batch_offpolicy_tokens += static_cast<int64_t>(len);
-      if (!train) st.batch_masked_tokens += static_cast<int64_t>(len);
+      if (seg.version < v) st.batch_offpolicy_tokens += model;
+      if (!train) st.batch_masked_tokens += model;
     }
+    // Env positions: never trained, no version (as on the prompt); their logprobs are stored as 0.0.
+    for (const EnvRun& run : smp.env_runs) {
+      const size_t at = response_at + static_cast<size_t>(run.start);
+      std::fill_n(b.versions.begin() + static_cast<std::ptrdiff_t>(at), run.len, -1);
+      std::fill_n(b.loss_mask.begin() + static_cast<std::ptrdiff_t>(at), run.len, uint8_t{0});
+    }
+    const int64_t env_tokens = smp.env_token_count();
     b.offsets.push_back(static_cast<int64_t>(b.tokens.size()));
     b.prompt_lens.push_back(static_cast<int32_t>(plen));
     b.rewards.push_back(g.rewards[k++]);
@@ -188,7 +202,8 @@ void Scheduler::pack_group(Batch& b, int64_t group_id, int32_t index_in_batch) {
     st.staleness_histogram[staleness] += 1;
     st.batch_max_staleness = std::max(st.batch_max_staleness, staleness);
     st.batch_response_tokens += static_cast<int64_t>(smp.tokens.size());
-    st.batch_carried_tokens += smp.tokens_at_step_start;
+    st.batch_env_tokens += env_tokens;
+    st.batch_carried_tokens += smp.tokens_at_step_start - smp.env_tokens_before(smp.tokens_at_step_start);
   }
 }
 
