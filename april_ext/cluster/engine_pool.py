@@ -5,8 +5,10 @@ One actor per engine (engine_actor.EngineHost) in its bundle, restarted by Ray u
 "router", launched here or given by ray_router_url) or straight from the driver's SGLang client, least
 loaded by the engines' reported KV ("least_loaded", no router); membership.py says which engines get them.
 The driver checks every actor each ``ray_engine_check_interval_s``: an engine whose actor died, restarts
-or does not answer leaves at once (the router itself would only mark it unhealthy); when its actor answers
-again, from a new server, the pool's ``rejoin`` hook gives it the current weights and only then does it join.
+or does not answer leaves at once (the router itself would only mark it unhealthy); after a failed weight
+update ``prune`` checks them at once, and also each server over HTTP (a SIGKILLed server is gone before its
+actor notices); when its actor answers again, from a new server, the pool's ``rejoin`` hook gives it the
+current weights and only then does it join.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import contextlib
 import logging
 import os
 import shlex
+import urllib.error
+import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +42,22 @@ EMBEDDED_SERVER = "april_ext.server"
 async def ray_result(ref: Any, timeout_s: float) -> Any:
     """An ObjectRef's value, awaited at most ``timeout_s`` (asyncio.TimeoutError after)."""
     return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the engines directly, as the SGLang client
+
+
+def _server_silence(url: str, timeout_s: float) -> str | None:
+    """None when the server at ``url`` answers GET /health over HTTP within ``timeout_s`` (any status: its
+    process serves); else why not (refused or reset: it is gone; a timeout: it is stalled)."""
+    try:
+        with _DIRECT.open(f"{url}/health", timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError:  # it answered (503 while paused, say): it serves
+        return None
+    except (urllib.error.URLError, OSError) as err:
+        reason = err.reason if isinstance(err, urllib.error.URLError) else err
+        return f"its server does not answer /health: {type(reason).__name__}: {reason}"
 
 
 @dataclass
@@ -72,6 +92,8 @@ class EnginePool:
         self.slots = slots
         self._router: Router | None = None
         self._probe_timeout_s = max(2.0, 2 * config.ray_engine_check_interval_s)
+        # A server that is gone refuses at once; a live one may be slow on a loaded machine (or busy loading).
+        self._health_timeout_s = max(self._probe_timeout_s, min(config.weight_sync_timeout_s, config.ray_timeout_s))
 
     @classmethod
     async def start(cls, session: RaySession, config: TrainConfig, model_path: str, version: int) -> EnginePool:
@@ -162,6 +184,8 @@ class EnginePool:
             return
         if slot.registered and url == slot.url:
             return
+        if url == slot.url and await self._server_silence(url, self._probe_timeout_s) is not None:
+            return  # taken out for a server that does not answer (prune): its actor has not seen it die yet
         if slot.registered:  # restarted between two checks
             await members.leave(slot.url, "its actor restarted")
         old_url = slot.url
@@ -173,30 +197,44 @@ class EnginePool:
         logger.warning("rollout engine %d is back (actor pid %d%s) and rejoined at %s with the current weights",
                        slot.index, pid, "" if url == old_url else ", restarted", url)
 
-    async def prune(self, members: Membership) -> bool:
-        """Checks every engine that gets requests now (a weight update failed): one that does not answer, or
-        answers from a new server, leaves ``members`` at once, as the watch would take it off (and the watch
-        brings it back). True when any left."""
-        import ray
+    def serving(self) -> frozenset[str]:
+        """The urls of the engines that get requests now (and so every weight update)."""
+        return frozenset(s.url for s in self.slots if s.registered)
 
+    async def prune(self, members: Membership) -> bool:
+        """Checks every engine that gets requests now (a weight update failed): one whose actor does not answer
+        or answers from a new server, or whose server does not answer /health over HTTP (its actor may not
+        have seen the server die yet: Ray restarts it later), leaves ``members`` at once, as the watch would
+        take it off (and the watch brings it back). The engines are checked at once, each within the probe's
+        timeout. True when any left."""
+        slots = [s for s in self.slots if s.registered]
+        reasons = await asyncio.gather(*(self._down(s) for s in slots))
         pruned = False
-        for slot in self.slots:
-            if slot.dead or not slot.registered:
+        for slot, reason in zip(slots, reasons):
+            if reason is None or not slot.registered:  # up, or taken off by the watch meanwhile
                 continue
-            try:
-                _, url = await ray_result(slot.actor.address.remote(), self._probe_timeout_s)
-                if url == slot.url:
-                    continue
-                reason = f"restarted at {url}"
-            except (asyncio.TimeoutError, ray.exceptions.RayError) as err:
-                slot.dead = isinstance(err, ray.exceptions.ActorDiedError)
-                reason = type(err).__name__
             gone = slot.url
             await members.leave(gone, reason)
             slot.registered = False
             pruned = True
             logger.warning("rollout engine %d (%s) is down (%s): it gets no requests", slot.index, gone, reason)
         return pruned
+
+    async def _down(self, slot: EngineSlot) -> str | None:
+        """Why ``slot``'s engine cannot take a weight update now, or None when it can."""
+        import ray
+
+        try:
+            _, url = await ray_result(slot.actor.address.remote(), self._probe_timeout_s)
+        except (asyncio.TimeoutError, ray.exceptions.RayError) as err:
+            slot.dead = slot.dead or isinstance(err, ray.exceptions.ActorDiedError)
+            return f"its actor is down ({type(err).__name__})"
+        if url != slot.url:
+            return f"restarted at {url}"
+        return await self._server_silence(url, self._health_timeout_s)
+
+    async def _server_silence(self, url: str, timeout_s: float) -> str | None:
+        return await asyncio.to_thread(_server_silence, url, timeout_s)
 
     def rank_beside(self, url: str) -> int | None:
         """The trainer rank that shares the device of the engine at ``url`` in a colocated run (engine i sits in

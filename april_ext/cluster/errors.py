@@ -10,4 +10,9 @@ class ClusterError(AprilError, RuntimeError):
     topology; the message names the actor and what the run does about it."""
 
 
-__all__ = ["ClusterError"]
+class NoEngineLeftError(ClusterError):
+    """A weight update failed and no engine that gets requests survived to take it again; the message names
+    the update's failure (its __cause__) and the engines taken out."""
+
+
+__all__ = ["ClusterError", "NoEngineLeftError"]

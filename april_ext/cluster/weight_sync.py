@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from april_ext.cluster.engine_pool import EnginePool
-from april_ext.cluster.errors import ClusterError
+from april_ext.cluster.errors import ClusterError, NoEngineLeftError
 from april_ext.cluster.membership import Membership
 from april_ext.cluster.trainer_group import TrainerGroup
 from april_ext.cluster.trainer_ranks import TrainerRanks, rank_result
@@ -186,16 +186,28 @@ class RayWeightSync:
                     members: Membership | None) -> list[str]:
         """``weights`` onto the engines, then ``kept`` (the same weights, as a rejoining engine reads them). A
         broadcast that fails (an engine died mid-update) goes again to the engines that answer, once the others
-        are taken out of ``members`` (off the router, or out of the driver's worker pool)."""
+        are taken out of ``members`` (off the router, or out of the driver's worker pool): by the pool's prune
+        (an actor that does not answer, or a server that does not answer over HTTP) or by its watch, which may
+        have taken the dead engine out while the update ran. Raises the failure when no engine was taken out
+        (then no engine's death explains it), NoEngineLeftError when none is left."""
         while True:
+            serving = self.pool.serving()  # the engines this attempt goes to
             try:
                 names = await self.engine.update_weights(weights, version)
                 break
             except WeightBroadcastError as err:
-                # Each retry has fewer engines: a bounded loop.
-                if members is None or not await self.pool.prune(members):
+                if members is None:
                     raise
-                logger.warning("weight update %d failed (%s); sending it again to the engines left", version, err)
+                await self.pool.prune(members)
+                left = self.pool.serving()
+                # Each retry has fewer engines (a rejoin waits for this update): a bounded loop.
+                if not left < serving:
+                    raise
+                if not left:
+                    raise NoEngineLeftError(f"weight update {version} failed ({err}) and no engine is left to take "
+                                            f"it: {sorted(serving)} are all down") from err
+                logger.warning("weight update %d failed (%s); sending it again to the engines left (%s; %s out)",
+                               version, err, sorted(left), sorted(serving - left))
         self.last = (kept, version)
         return names
 
