@@ -30,6 +30,7 @@ from april_ext.sim import (
     cluster_preset,
     length_preset,
 )
+from april_ext.sim.cost import GPUS
 from april_ext.sim.metrics import length_bias
 from april_ext.sim.runner import SimConfig, simulate
 from april_ext.sim.tokens import (
@@ -82,6 +83,23 @@ def test_presets_follow_the_datasheet_arithmetic():
         cluster_preset("a100-x")
     with pytest.raises(ConfigError, match="CostModel.decode_fixed_s=0"):
         replace(UNIT, decode_fixed_s=0)
+
+
+def test_the_mi300x_preset_takes_amds_published_figures_and_a_link_per_peer():
+    gpu = GPUS["mi300x"]
+    # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, 1307.4 TFLOP/s dense BF16, 7 Infinity Fabric links of
+    # 128 GB/s bidirectional (one per peer), PCIe Gen5 x16; the source is recorded with the figures.
+    assert (gpu.hbm_bytes, gpu.hbm_bandwidth, gpu.bf16_flops) == (192 * 2**30, 5.3e12, 1307.4e12)
+    assert "AMD Instinct MI300X datasheet" in gpu.source and "1307.4" in gpu.source and "5.3 TB/s" in gpu.source
+    assert all(GPUS[name].source for name in GPUS)
+    # A mesh: a TP-2 engine's GPUs share one link; TP 8 uses all seven. NVLink through NVSwitch: the full bandwidth.
+    assert gpu.tp_link_bandwidth(2) == 64e9 and gpu.tp_link_bandwidth(8) == 7 * 64e9
+    assert GPUS["h100"].tp_link_bandwidth(2) == GPUS["h100"].tp_link_bandwidth(8) == 450e9
+    tp2 = cluster_preset("mi300x-qwen3-4b", num_engines=4, tensor_parallel=2, mem_fraction_static=0.6).cost
+    comm = 2 * 36 * 2560 * 2 * (1 / 2) / 64e9  # two all-reduces per layer of hidden x 2 B, over the one link
+    assert tp2.prefill_per_token_s == pytest.approx(2 * 4.02e9 / (2 * 1307.4e12 * 0.4) + comm)
+    assert tp2.decode_fixed_s == pytest.approx(8.04e9 / (2 * 5.3e12 * 0.6) + 1e-3 + 2 * 36 * 10e-6)
+    assert tp2.kv_capacity_tokens == int((0.6 * 192 * 2**30 * 2 - 8.04e9) // (2 * 36 * 8 * 128 * 2))
 
 
 # ---------------------------------------------------------------------------------------------- lengths

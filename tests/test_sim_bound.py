@@ -81,14 +81,15 @@ def test_no_mode_exceeds_the_bound_in_any_step_of_any_preset(cluster, lengths):
     base = _small(cluster, lengths, "grpo")
     occupancy = full_occupancy_bound(base.cluster_config(), base.length_model(), base.max_response_len,
                                      base.prompt_len, warmup_finishes=64, measure_finishes=128)
-    runs = [(algorithm, mode, boundary, "replace") for algorithm, mode, boundary in
+    runs = [(algorithm, mode, boundary, "replace", "scheduler") for algorithm, mode, boundary in
             itertools.product(("grpo", "dapo"), MODES, ("abort", "carry")) if mode != "baseline" or boundary == "abort"]
-    runs.append(("dapo", "baseline", "abort", "waves"))  # slime's wave refill (april_ext.sim.waves)
-    for algorithm, mode, boundary, dapo_baseline in runs:
+    runs.append(("dapo", "baseline", "abort", "waves", "scheduler"))  # slime's wave refill (april_ext.sim.waves)
+    runs += [(algorithm, "april-batch", "abort", "waves", "slime") for algorithm in ("grpo", "dapo")]  # slime's APRIL
+    for algorithm, mode, boundary, dapo_baseline, april_loop in runs:
         result = simulate(replace(base, algorithm=algorithm, mode=mode, step_boundary=boundary,
-                                  dapo_baseline=dapo_baseline), occupancy)
+                                  dapo_baseline=dapo_baseline, april_loop=april_loop), occupancy)
         for s in result.steps:
-            where = f"{algorithm} {mode} {boundary} {dapo_baseline} step {s.step}"
+            where = f"{algorithm} {mode} {boundary} {dapo_baseline} {april_loop} step {s.step}"
             assert s.generated_tokens > 0, where
             assert s.least_time_s <= s.ceiling_time_s <= s.rollout_s * (1 + 1e-9), where
             assert s.tokens_per_s <= s.bound_tokens_per_s * (1 + 1e-9), where

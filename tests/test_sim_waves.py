@@ -130,3 +130,100 @@ def test_simulate_command_selects_the_wave_baseline(capsys):
     assert "baseline" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main([*args[:-1], "slime"])
+
+
+# ---------------------------------------------------------------- APRIL as slime runs it (--partial-rollout)
+
+# N = 2, n = 2, N' = 4, no filter (GRPO). Prompt p replays row p; rows 2 and 3 are still running at t = 3.
+PARTIAL = TraceLengths([[2, 2], [3, 3], [5, 9], [6, 4], [1, 1], [8, 8], [2, 2], [2, 2]])
+
+
+class _Inputs(SimulatedEngine):
+    """Notes (virtual time, prompt index, input length, max_new_tokens) of every request."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.requests: list[tuple[float, int, int, int]] = []
+
+    def generate(self, input_ids, params, request_id):
+        ids = as_ids(input_ids)
+        self.requests.append((self.clock(), prompt_key(ids), int(ids.size), params.max_new_tokens))
+        return super().generate(input_ids, params, request_id)
+
+
+def _april_steps(lengths: TraceLengths, steps: int):
+    async def run():
+        async with _Inputs(ClusterConfig(cost=COST, num_engines=1), lengths) as engine:
+            waves = WaveRollout(engine, SyntheticPrompts(50, 4), rollout_batch_size=2, n_samples_per_prompt=2,
+                                over_sampling_batch_size=4, max_response_len=16, group_filter=None,
+                                partial_rollout=True)
+            out = []
+            for step in range(steps):
+                out.append(await waves.run_step(step))
+                await engine.update_weights({}, step + 1)
+            return out, engine.requests, [g.prompt_index for g in waves.buffer]
+    return asyncio.run(run())
+
+
+def test_slime_april_buffers_the_unfinished_groups_and_resumes_them_first():
+    (first, second), requests, buffered = _april_steps(PARTIAL, 2)
+    # Step 0: prompts 0-3 at t = 0; 0 and 1 complete at t = 2 and 3 (N = 2): 2 and 3 are aborted at 3 tokens each.
+    m = first.metrics
+    assert (m.wall_s, m.batch_groups, m.response_lens, m.aborted_samples) == (3.0, 2, [2, 2, 3, 3], 4)
+    assert m.generated_tokens == 2 + 2 + 3 + 3 + 4 * 3  # aborted tokens count: what the requests returned
+    assert m.scheduler["stale_tokens_discarded"] == 0 and m.scheduler["buffered_groups"] == 2
+    # Step 1 takes the buffered groups first (oldest first), then fresh prompts 4 and 5. Each resumes as
+    # prompt + its 3 tokens with max_new_tokens 16 - 3; the sample of prompt 3 with 4 tokens ends at t = 4, the
+    # group of prompt 4 completes at 4 (accepted first) and that of prompt 3 at 6 (second): prompts 2 and 5 go back.
+    assert requests[8:] == [(3.0, 2, 7, 13), (3.0, 2, 7, 13), (3.0, 3, 7, 13), (3.0, 3, 7, 13),
+                            (3.0, 4, 4, 16), (3.0, 4, 4, 16), (3.0, 5, 4, 16), (3.0, 5, 4, 16)]
+    m = second.metrics
+    # The batch in creation order, as slime sorts it: prompt 3's group, then prompt 4's.
+    assert (m.wall_s, m.batch_groups, m.response_lens, m.resumed_requests) == (3.0, 2, [6, 4, 1, 1], 4)
+    assert m.generated_tokens == (2 + 3) + (3 + 1) + 2 + (3 + 3)  # this step's tokens only
+    assert m.scheduler["carried_token_ratio"] == pytest.approx(6 / 12)  # prompt 3's 2 x 3 tokens from step 0
+    assert m.scheduler["staleness_histogram"] == [2, 2]
+    assert m.scheduler["re_prefill_tokens"] == 4 * 7
+    assert buffered == [2, 5]
+    assert list(second.finish_times) == [6.0, 4.0, 4.0, 4.0]
+
+
+def test_slime_april_keeps_a_buffered_groups_finished_samples():
+    (_, _, third), requests, _ = _april_steps(PARTIAL, 3)
+    # Prompt 2's first sample (5 tokens) finished in step 1: step 2 resumes only its second one (6 of 9 tokens).
+    assert [r for r in requests[16:] if r[1] == 2] == [(6.0, 2, 10, 10)]
+    # Fresh prompts 6 and 7 (2 tokens each) complete first; prompts 2 and 5 go back to the buffer again.
+    m = third.metrics
+    assert (m.response_lens, m.scheduler["carried_token_ratio"], m.scheduler["buffered_groups"]) == ([2] * 4, 0.0, 2)
+
+
+def _grpo(april_loop: str, algorithm: str = "grpo", **settings):
+    return simulate(SimConfig(cluster="h100-qwen3-4b", num_engines=2, lengths="deepscaler", mode="april-batch",
+                              algorithm=algorithm, april_loop=april_loop, rollout_batch_size=4,
+                              n_samples_per_prompt=4, over_sampling_batch_size=8, max_response_len=4096, steps=4,
+                              **settings))
+
+
+def test_slime_april_and_the_schedulers_batch_refill_run_the_same_grpo_steps():
+    # Without a filter slime's loop launches one wave of N' groups (buffered first) and aborts at N complete,
+    # which is the scheduler's batch refill; slime drops the groups completing beyond N at the same instant (the
+    # scheduler keeps them by default, keep_surplus): without that, the two drivers give the same steps.
+    slime, sched = _grpo("slime"), _grpo("scheduler", keep_surplus=False)
+    assert sum(s.surplus_groups for s in slime.steps) > 0  # this workload has same-instant completions
+    assert [s.generated_tokens for s in slime.steps] == [s.generated_tokens for s in sched.steps]
+    assert [s.rollout_s for s in slime.steps] == pytest.approx([s.rollout_s for s in sched.steps], rel=1e-9)
+    assert [s.response_lens for s in slime.steps] == [s.response_lens for s in sched.steps]
+    assert slime.summary["partial_token_ratio"] > 0
+    dapo = _grpo("slime", "dapo")
+    assert all(0 < s.efficiency <= 1 for s in dapo.steps)
+
+
+def test_the_april_loop_setting_is_checked():
+    with pytest.raises(ConfigError, match=r"SimConfig.april_loop='waves' is not allowed: one of \('scheduler', "
+                                          r"'slime'\)"):
+        SimConfig(april_loop="waves")
+    with pytest.raises(ConfigError, match="strategy='seer' is not allowed with april_loop='slime'"):
+        SimConfig(mode="april-batch", april_loop="slime", strategy="seer")
+    assert SimConfig(mode="april-batch", april_loop="slime").slime_april
+    assert not SimConfig(mode="baseline", april_loop="slime").slime_april
+    assert not SimConfig(mode="april-adaptive", april_loop="slime").slime_april  # the other modes: the scheduler

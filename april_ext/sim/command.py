@@ -17,6 +17,7 @@ from april_ext.sim.lengths import LENGTH_PRESETS
 from april_ext.sim.report import describe, write_json, write_plots
 from april_ext.sim.runner import (
     ALGORITHMS,
+    APRIL_LOOPS,
     DAPO_BASELINES,
     MODE_SETTINGS,
     MODES,
@@ -106,6 +107,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="the DAPO baseline: replace each rejected group (the scheduler with N' = N), or waves "
                              "(slime's rollout: a wave of N groups whenever in flight + accepted < N, the rest "
                              "aborted and discarded at N accepted)")
+    parser.add_argument("--april-loop", choices=APRIL_LOOPS, default="scheduler",
+                        help="april-batch: the scheduler's batch refill, or slime (slime's own rollout with "
+                             "--partial-rollout, as the APRIL paper runs it: a wave of N' groups, buffered ones "
+                             "first, whenever in flight + accepted < N; abort at N accepted, keep the partials)")
     parser.add_argument("--mixed-chunk", action="store_true",
                         help="engines run mixed chunked prefill (SGLang --enable-mixed-chunk): prefill chunks ride "
                              "in the decode batch's forward pass; the bound uses the same engine model")
@@ -147,7 +152,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         cluster=args.cluster, lengths=args.lengths, algorithm=args.algorithm, num_engines=args.num_engines,
         tensor_parallel=args.tensor_parallel, mem_fraction_static=args.mem_fraction_static,
         abort_latency_s=args.abort_latency, weight_sync_s=args.weight_sync, colocate=args.colocate,
-        dapo_baseline=args.dapo_baseline, mixed_chunk=args.mixed_chunk,
+        dapo_baseline=args.dapo_baseline, april_loop=args.april_loop, mixed_chunk=args.mixed_chunk,
         chunked_prefill_size=args.chunked_prefill_size, steps=args.steps, warmup_steps=args.warmup_steps,
         prompt_len=args.prompt_len, seed=args.seed, **scheduler)
 

@@ -185,12 +185,26 @@ class GpuSpec:
     step_overhead_s: float = 1.0e-3  # scheduling, sampling, launches per decode step (CUDA graphs on)
     memory_fraction: float = 0.85  # share of HBM the engine may use (weights + KV)
     activation_reserve_bytes: float = 4 * GIB  # workspace kept free of KV
-    link_bandwidth: float = 450e9  # bytes/s per direction between the GPUs of a tensor-parallel engine
+    link_bandwidth: float = 450e9  # bytes/s per direction between the GPUs of a tensor-parallel engine (peak)
+    link_topology: str = "switch"
+    """"switch": every GPU reaches any peer at its full link_bandwidth (NVLink through NVSwitch); "mesh": one link
+    of link_bandwidth per pair of GPUs (AMD Infinity Fabric on an 8-GPU MI300X platform), so a tensor-parallel
+    engine of tp GPUs moves its all-reduces over tp - 1 links per GPU."""
     allreduce_latency_s: float = 10e-6  # one small all-reduce inside a CUDA graph (decode)
     # Host link (PCIe Gen5 x16 on all three), as measured with nvbandwidth on an H100 cluster (NVIDIA/nvbandwidth
     # issue #24: device_to_host 52.8 GB/s, host_to_device 35.2 GB/s per GPU); docs/sim.md.
     device_to_host_bandwidth: float = 52.8e9  # bytes/s
     host_to_device_bandwidth: float = 35.2e9  # bytes/s
+    source: str = ""
+    """Where the datasheet figures (HBM, bandwidth, FLOP/s, links) come from; the efficiencies are assumptions
+    (docs/sim.md, "Cost presets")."""
+
+    def tp_link_bandwidth(self, tensor_parallel: int) -> float:
+        """Bytes/s per direction each GPU of a tensor-parallel engine of ``tensor_parallel`` GPUs reaches its
+        peers with (see link_topology)."""
+        if self.link_topology == "mesh":
+            return self.link_bandwidth * max(1, tensor_parallel - 1)
+        return self.link_bandwidth
 
 
 @dataclass(frozen=True)
@@ -239,8 +253,8 @@ def derive_cost_model(gpu: GpuSpec, model: ModelSpec, max_num_seqs: int = 256,
     # Tensor parallelism: two all-reduces per layer per forward pass; decode pays their latency, prefill moves
     # hidden x dtype bytes per token and all-reduce over the link (a two-GPU ring sends each byte once).
     allreduce_s = 2 * model.layers * gpu.allreduce_latency_s if tp > 1 else 0.0
-    prefill_comm_s = (2 * model.layers * model.hidden * model.dtype_bytes * (tp - 1) / tp / gpu.link_bandwidth
-                      if tp > 1 else 0.0)
+    prefill_comm_s = (2 * model.layers * model.hidden * model.dtype_bytes * (tp - 1) / tp
+                      / gpu.tp_link_bandwidth(tp) if tp > 1 else 0.0)
     overhead = gpu.step_overhead_s + allreduce_s
     flops = gpu.bf16_flops * tp
     return CostModel(
@@ -264,11 +278,22 @@ def derive_cost_model(gpu: GpuSpec, model: ModelSpec, max_num_seqs: int = 256,
 
 
 GPUS: dict[str, GpuSpec] = {
-    "h100": GpuSpec("H100 SXM 80GB", hbm_bytes=80 * GIB, hbm_bandwidth=3.35e12, bf16_flops=989e12),
+    "h100": GpuSpec("H100 SXM 80GB", hbm_bytes=80 * GIB, hbm_bandwidth=3.35e12, bf16_flops=989e12,
+                    source="NVIDIA H100 datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense BF16, NVLink "
+                           "900 GB/s bidirectional through NVSwitch, PCIe Gen5 x16"),
     # H200 SXM: 141 GB HBM3e as sold (143,771 MiB as nvidia-smi reports it), the H100's compute and NVLink.
-    "h200": GpuSpec("H200 SXM 141GB", hbm_bytes=143771 * 1024**2, hbm_bandwidth=4.8e12, bf16_flops=989e12),
-    "mi300x": GpuSpec("MI300X 192GB", hbm_bytes=192 * GIB, hbm_bandwidth=5.3e12, bf16_flops=1307e12,
-                      bandwidth_efficiency=0.6, prefill_mfu=0.4, decode_mfu=0.25, link_bandwidth=64e9 * 0.7 * 7),
+    "h200": GpuSpec("H200 SXM 141GB", hbm_bytes=143771 * 1024**2, hbm_bandwidth=4.8e12, bf16_flops=989e12,
+                    source="NVIDIA H200 datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s dense BF16, NVLink "
+                           "900 GB/s bidirectional through NVSwitch, PCIe Gen5 x16"),
+    # MI300X, the hardware of most of the APRIL paper's results: AMD's published figures. The achieved bandwidth
+    # (60%) is lower than the NVIDIA presets' 70%: a measured single-stream decode of a dense 8B model ties the
+    # H200 (1.02x, vLLM on both; docs/sim.md), i.e. ~0.7 x 4.8 / 5.3 of the MI300X's peak. The MFUs are assumptions.
+    "mi300x": GpuSpec("MI300X 192GB", hbm_bytes=192 * GIB, hbm_bandwidth=5.3e12, bf16_flops=1307.4e12,
+                      bandwidth_efficiency=0.6, prefill_mfu=0.4, decode_mfu=0.25, link_bandwidth=64e9,
+                      link_topology="mesh",
+                      source="AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s peak bandwidth, 1307.4 TFLOP/s peak "
+                             "dense BF16 (2614.9 with sparsity), 7 Infinity Fabric links of 128 GB/s bidirectional "
+                             "(one per peer of an 8-GPU platform, 896 GB/s in all), PCIe Gen5 x16 to the host"),
 }
 
 MODELS: dict[str, ModelSpec] = {

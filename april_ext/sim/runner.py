@@ -41,6 +41,7 @@ Mode = Literal["baseline", "april-batch", "april-continuous", "april-adaptive"]
 MODES: tuple[str, ...] = ("baseline", "april-batch", "april-continuous", "april-adaptive")
 ALGORITHMS = ("grpo", "dapo")
 DAPO_BASELINES = ("replace", "waves")
+APRIL_LOOPS = ("scheduler", "slime")
 MODE_SETTINGS = ("refill", "over_sampling")
 """The SchedulerConfig fields each mode sets (see SimConfig.scheduler_config); SimConfig has all the others."""
 
@@ -67,6 +68,13 @@ class SimConfig:
     the filter rejects (the scheduler with N' = N and continuous refill); "waves" is slime's own rollout: a wave
     of N groups (slime's default N' = N, as the baseline scripts leave it) whenever the groups in flight plus
     those accepted are fewer than N, the rest aborted and discarded at N accepted (april_ext.sim.waves)."""
+    april_loop: str = "scheduler"
+    """Mode "april-batch": "scheduler" runs the scheduler's batch refill through the rollout loop; "slime" runs
+    slime's own rollout with --partial-rollout, as the APRIL paper's runs do (april_ext.sim.waves): a wave of N'
+    groups from the buffer first whenever the groups in flight plus those accepted are fewer than N, abort at N
+    accepted, every unfinished group back to the buffer, groups completing beyond N at that instant dropped. The
+    other modes run the scheduler whatever this says. Under GRPO the two agree (but for those dropped groups, which
+    the scheduler keeps with keep_surplus); under DAPO the scheduler's next wave waits for the current one to end."""
     num_engines: int = 8
     mixed_chunk: bool = False
     """Engines run mixed chunked prefill (prefill chunks inside decode iterations; CostModel.mixed_chunk). Applies
@@ -105,6 +113,11 @@ class SimConfig:
         if self.dapo_baseline not in DAPO_BASELINES:
             raise ConfigError(f"SimConfig.dapo_baseline={self.dapo_baseline!r} is not allowed: one of "
                               f"{DAPO_BASELINES}")
+        if self.april_loop not in APRIL_LOOPS:
+            raise ConfigError(f"SimConfig.april_loop={self.april_loop!r} is not allowed: one of {APRIL_LOOPS}")
+        if self.april_loop == "slime" and self.mode == "april-batch" and self.strategy is not None:
+            raise ConfigError(f"SimConfig.strategy={self.strategy!r} is not allowed with april_loop='slime' (slime's "
+                              "loop runs no scheduler): None, or april_loop='scheduler'")
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise ConfigError(f"SimConfig.strategy={self.strategy!r} is not allowed: None or one of "
                               f"{', '.join(STRATEGIES)}")
@@ -177,6 +190,11 @@ class SimConfig:
         return self.mode == "baseline" and self.algorithm == "dapo" and self.dapo_baseline == "waves"
 
     @property
+    def slime_april(self) -> bool:
+        """The run is APRIL as slime runs it (waves with partial rollout, april_ext.sim.waves), not the scheduler."""
+        return self.mode == "april-batch" and self.april_loop == "slime"
+
+    @property
     def bound_version(self) -> int:
         """Weight version of the run's middle step: the bound and the natural lengths are taken there."""
         return (self.steps - 1) // 2
@@ -203,8 +221,8 @@ class SimResult:
     steps: list[StepReport]
     natural_mean: float
     scheduler: SchedulerConfig
-    """The scheduler settings run (the mode's and the strategy's applied); the waves DAPO baseline runs no scheduler:
-    those of the replacing baseline."""
+    """The scheduler settings run (the mode's and the strategy's applied); slime's loops (the waves DAPO baseline,
+    april_loop "slime") run no scheduler: those of the replacing baseline, or of april-batch."""
     wall_seconds: float = 0.0
     summary: dict[str, float] = field(default_factory=dict)
 
@@ -291,13 +309,17 @@ async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None)
     scheduler_config = config.scheduler_config(capacity)
     scheduler = Scheduler(scheduler_config, SyntheticPrompts(config.dataset_size, config.prompt_len))
     reports = []
-    if config.waves_baseline:
+    if config.waves_baseline or config.slime_april:
+        dapo = config.algorithm == "dapo"
         async with SimulatedEngine(cluster, lengths, settle_passes=config.settle_passes) as engine:
             waves = WaveRollout(engine, SyntheticPrompts(config.dataset_size, config.prompt_len),
                                 rollout_batch_size=config.rollout_batch_size,
                                 n_samples_per_prompt=config.n_samples_per_prompt,
-                                over_sampling_batch_size=config.rollout_batch_size,
-                                max_response_len=config.max_response_len, group_filter=reject_uniform_groups)
+                                over_sampling_batch_size=(config.over_sampling_batch_size if config.slime_april
+                                                          else config.rollout_batch_size),
+                                max_response_len=config.max_response_len,
+                                group_filter=reject_uniform_groups if dapo else None,
+                                partial_rollout=config.slime_april)
             for step in range(config.steps):
                 before = engine.counters()
                 wave_step = await waves.run_step(step)
@@ -374,5 +396,5 @@ def gain(results: dict[str, SimResult], mode: str, baseline: str = "baseline", m
     return results[mode].summary[metric] / base - 1 if base > 0 else math.nan
 
 
-__all__ = ["ALGORITHMS", "DAPO_BASELINES", "MODES", "MODE_SETTINGS", "SimConfig", "SimResult", "compare", "compare_strategies", "gain",
+__all__ = ["ALGORITHMS", "APRIL_LOOPS", "DAPO_BASELINES", "MODES", "MODE_SETTINGS", "SimConfig", "SimResult", "compare", "compare_strategies", "gain",
            "simulate", "simulate_async"]
