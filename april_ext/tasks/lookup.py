@@ -41,8 +41,11 @@ import numpy as np
 from april_ext.data_source import Prompt
 from april_ext.errors import ConfigError, InvalidArgumentError
 from april_ext.protocol.environment import EnvStep
-from april_ext.tasks.tiny_model import BOS_ID, EOS_ID, PAD_ID, SEP_ID, tiny_model_config
 
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+SEP_ID = 3
 EOT_ID = 4
 RESULT_ID = 5
 NOT_FOUND_ID = 6
@@ -219,7 +222,16 @@ class LookupTask:
 
     def model_config(self, **overrides: Any) -> Any:
         """A tiny Llama ModelConfig for this vocabulary (hidden 64, 2 layers, 4 heads), as the counting task's."""
-        return tiny_model_config(self.vocab_size, 3 + self.max_response_len() + 8, **overrides)
+        from april_ext.model import ModelConfig
+
+        fields: dict[str, Any] = {
+            "vocab_size": self.vocab_size, "hidden_size": 64, "intermediate_size": 192,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 3 + self.max_response_len() + 8, "rope_theta": 10000.0,
+            "tie_word_embeddings": False, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+        }
+        fields.update(overrides)
+        return ModelConfig(**fields)
 
 
 class LookupEnvironment:
