@@ -35,6 +35,7 @@ from april_ext.sglang import (
     free_port,
     launch_sglang_server,
 )
+from april_ext.sglang.requests import wire_rid
 from april_ext.training.engines import engine_metrics
 
 PROMPT = [5, 17, 33, 2, 60]
@@ -153,17 +154,12 @@ def test_a_worker_lost_mid_step_fails_over_and_rejoins_with_the_current_weights(
             step = asyncio.create_task(loop.run_step(1))
 
             async def victim_busy() -> bool:
+                # A request the victim runs whose tokens reached this client (under load they lag), so the fault
+                # cuts requests with tokens, which come back as resumable partials. The victim names the requests
+                # it holds, which behind the router only it knows.
                 state = await _server_state(session, victim.url)
-                if not (state["requests_in_flight"] > 0 and state["generated_tokens"] > 0):
-                    return False
-                # Tokens generated there must also have reached this client (under load they lag), so the fault
-                # cuts requests with tokens, which come back as resumable partials. Behind the router the client
-                # does not know which requests the victim holds: every request in flight must have tokens (the
-                # step's one wave of requests started together).
-                inflight = list(engine._inflight.values())
-                if router is not None:
-                    return bool(inflight) and all(r.token_ids for r in inflight)
-                return any(r.url == victim.url and r.token_ids for r in inflight)
+                held = set(state["rids_in_flight"])
+                return any(wire_rid(r.request_id) in held and r.token_ids for r in engine._inflight.values())
 
             await _until(victim_busy, 60, f"{victim.url} runs requests")
             os.killpg(victim.process.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)

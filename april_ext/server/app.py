@@ -486,7 +486,9 @@ class EngineServer:
             "tokenizer_path": self.config.tokenizer_path, "enable_memory_saver": self.config.enable_memory_saver,
             **self.engine.capacity(), "paused": not self._unpaused.is_set(), "pause_mode": self._pause_mode,
             "internal_states": [{**stats, "paused_tags": list(stats["paused_tags"]),
-                                 "requests_in_flight": len(self._active)}],
+                                 "requests_in_flight": len(self._active),
+                                 # their rids, so a client behind a router can tell which worker holds a request
+                                 "rids_in_flight": sorted(self._active)}],
             # "version" is the SGLang release whose API is served: clients adapt to it.
             "version": self.dialect.version, "engine": "april_ext", "april_ext_version": __version__,
         }
