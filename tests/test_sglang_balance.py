@@ -7,11 +7,12 @@ partial, failover does not bring it back) until it is admitted, and a worker adm
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from _engine_utils import tiny_model
+from _engine_utils import TINY, tiny_model
 from _sglang_utils import get, live_server, wait_for
 from _torch_threads import one_torch_thread
 
@@ -120,12 +121,15 @@ def test_a_dropped_worker_gets_nothing_until_admitted_and_its_requests_come_back
                 seen["partial"] = (chunk.finish_reason, len(tokens))
             # Failover checks every worker_timeout_s / 4 and brings back removed workers that answer: not this one.
             await asyncio.sleep(4 * config.worker_timeout_s)
-            mine = [engine.generate(SHORT, LONG, f"while-dropped-{i}") for i in range(3)]
+            seen["health"] = sorted((await engine.check_health())["workers"])
+            # As long as the positions allow, and nothing awaited between their first tokens and the admitted
+            # request's but its own dispatch: they must still run when it is routed.
+            longest = dataclasses.replace(LONG, max_new_tokens=TINY.max_position_embeddings - len(SHORT))
+            mine = [engine.generate(SHORT, longest, f"while-dropped-{i}") for i in range(3)]
             for stream in mine:
                 await asyncio.wait_for(anext(stream), 30)
             seen["while_dropped"] = dict(engine.stats().in_flight)
             seen["pool"] = engine.pool_health()
-            seen["health"] = sorted((await engine.check_health())["workers"])
             engine.admit_worker(url)
             late = engine.generate(SHORT, LONG, "admitted")
             await asyncio.wait_for(anext(late), 30)

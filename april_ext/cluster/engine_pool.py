@@ -265,7 +265,7 @@ class EnginePool:
             for slot in self.slots:
                 if slot.registered:
                     with contextlib.suppress(ClusterError):
-                        self._router.remove(slot.url)
+                        self._router.remove(slot.url, self.config.ray_timeout_s)
         self._router.stop()
 
 

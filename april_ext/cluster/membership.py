@@ -33,10 +33,8 @@ class RouterMembership:
                                 f"list {url} as healthy")
 
     async def leave(self, url: str, reason: str) -> None:
-        # Until the router stops listing it: calls that reach every listed worker (a weight update sent
-        # again to the engines left) must not include it.
-        await asyncio.to_thread(self.router.remove, url)
-        await asyncio.to_thread(self.router.wait_until, lambda w: url not in w, self.timeout_s, f"stop listing {url}")
+        # Until the router stops listing it: a weight update sent again to the engines left must not include it.
+        await asyncio.to_thread(self.router.remove, url, self.timeout_s)
 
 
 class DirectMembership:

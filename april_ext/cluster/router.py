@@ -101,12 +101,14 @@ class Router:
         """Registers a worker (the router adds it in the background; see ``wait_until``)."""
         self._request("POST", "/workers", {"url": url})
 
-    def remove(self, url: str) -> None:
+    def remove(self, url: str, timeout_s: float) -> None:
         """Unregisters a worker, if listed (the engine pool's watch and a failed update's prune may both remove
-        one: the second finds it gone)."""
+        one: the second finds it gone), and waits until the router stops listing it (it removes in the
+        background): calls that reach every listed worker must not include it once this returns."""
         record = self.workers().get(url.rstrip("/"))
         if record is not None:
             self._request("DELETE", f"/workers/{record['id']}", missing_ok=True)
+        self.wait_until(lambda workers: url.rstrip("/") not in workers, timeout_s, f"stop listing {url}")
 
     def wait_until(self, condition: Any, timeout_s: float, what: str) -> None:
         """Polls the worker list until ``condition(workers())`` holds."""
