@@ -36,10 +36,13 @@ import numpy as np
 from april_ext.batch import FinishReason, TrainingBatch
 from april_ext.data_source import Prompt
 from april_ext.errors import InternalError, InvalidArgumentError, UnknownIdError
+from april_ext.protocol.environment import Environment
 from april_ext.protocol.reward import score_group
 from april_ext.protocol.rollout_engine import Clock, LockstepEngine, PausableEngine, RolloutEngine, engine_clock
 from april_ext.protocol.sampling_params import SamplingParams
+from april_ext.rollout.trajectories import Trajectories, turn_of
 from april_ext.scheduler import (
+    ENV_WAIT,
     CompletedGroup,
     GenerationRequest,
     Scheduler,
@@ -85,6 +88,12 @@ class RolloutMetrics:
     scheduler: dict[str, Any] = field(default_factory=dict)
     """Scheduler.stats() after the step (partial / off-policy ratios, buffered and surplus groups, the samples
     carried into the step and their tokens, the re-prefilled tokens, ...)."""
+    env: dict[str, float] = field(default_factory=dict)
+    """Multi-turn runs (an environment): the step's turns handed to the environment (tool_calls), answers,
+    observations and their env_tokens, tool_wait_p50_s / p99_s, trajectories finished by reason
+    (finished_<reason>, tool_errors, tool_timeouts), waiting_at_boundary (trajectories whose turn was with the
+    environment when the step's batch was taken) and engine_idle_while_tools (the share of the time some turn
+    was with the environment during which the engine had no request). Empty without an environment."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,18 +146,24 @@ class RolloutLoop:
     before the next step begins. Other engines ignore it (their steps follow their own timing).
     """
 
-    def __init__(self, engine: RolloutEngine, scheduler: Scheduler, reward_fn: RewardFn, *,
+    def __init__(self, engine: RolloutEngine, scheduler: Scheduler, reward_fn: RewardFn | None, *,
                  sampling: SamplingParams | None = None, group_filter: GroupFilter | None = None,
                  seed: int = 0, clock: Clock | None = None, engine_capacity: int | None = None,
-                 request_prefix: str = "april", deterministic: bool = False) -> None:
+                 request_prefix: str = "april", deterministic: bool = False,
+                 environment: Environment | None = None, tool_timeout_s: float = 30.0,
+                 max_concurrent_tool_calls: int | None = None) -> None:
         if not isinstance(engine, RolloutEngine):
             raise InvalidArgumentError(
                 f"engine is a {type(engine).__name__}; a RolloutEngine needs generate, abort, update_weights, "
                 f"release_memory, resume_memory, stats and health")
         if not isinstance(scheduler, Scheduler):
             raise InvalidArgumentError(f"scheduler is a {type(scheduler).__name__}; a Scheduler is required")
-        if not callable(reward_fn):
-            raise InvalidArgumentError(f"reward_fn={reward_fn!r} is not callable")
+        if environment is None and not callable(reward_fn):
+            raise InvalidArgumentError(f"reward_fn={reward_fn!r} is not callable (only a multi-turn loop, given an "
+                                       f"environment whose final rewards are the samples', goes without one)")
+        if environment is not None and reward_fn is not None:
+            raise InvalidArgumentError("a multi-turn loop takes its rewards from the environment (EnvStep.reward): "
+                                       "pass reward_fn=None with an environment")
         if engine_capacity is not None and (not isinstance(engine_capacity, int) or engine_capacity < 1):
             raise InvalidArgumentError(f"engine_capacity={engine_capacity!r} is not allowed: None or an int >= 1")
         if not isinstance(seed, int) or seed < 0:
@@ -179,7 +194,7 @@ class RolloutLoop:
         self._streams: dict[int, _Stream] = {}
         self._stream_tasks: set[asyncio.Task[None]] = set()
         self._token_events: list[tuple[int, list[int], list[float], int]] = []
-        self._finish_events: list[tuple[int, FinishReason]] = []
+        self._finish_events: list[tuple[int, int]] = []  # FinishReason codes, or ENV_WAIT
         self._carry = cfg.step_boundary == "carry"
         self._surplus = cfg.tail_extra_samples > 0
         # begin_step may take back a completed group (tail batching's restarts, staleness restart / drop): one
@@ -193,6 +208,11 @@ class RolloutLoop:
         self._generated = 0
         self._finished_at: list[float] = []
         self._max_response_len = cfg.max_response_len
+        self._env = None if environment is None else Trajectories(
+            environment, tool_timeout_s=tool_timeout_s, max_concurrent_tool_calls=max_concurrent_tool_calls,
+            notify=self._notify)
+        self._tool_area = 0.0
+        self._idle_tool_area = 0.0
 
     # ------------------------------------------------------------------ public
 
@@ -207,7 +227,9 @@ class RolloutLoop:
         sched = self.scheduler
         self._wake = asyncio.Event()
         self._generated = 0
-        self._area = 0.0
+        self._area = self._tool_area = self._idle_tool_area = 0.0
+        if self._env is not None:
+            self._env.rerun_pending(self._waiting_turn)  # the steps a loaded state had running
         # Chunks the carried samples produced before the last pause reach the scheduler with their version.
         self._flush()
         if self._rewards_before_step or self.deterministic:
@@ -241,6 +263,10 @@ class RolloutLoop:
             if self.deterministic and self.engine.lockstep_busy():  # type: ignore[attr-defined]
                 await self._wait()  # the released engine step has not reached the streams yet
                 continue
+            if self.deterministic and self._env is not None and self._env.running:
+                # Tool answers come on the wall clock: the engine waits for them, so they reach the scheduler
+                # at the same engine step in every run (docs/agentic.md, "Deterministic rollouts").
+                await self._env.wait_all()
             self._flush()
             for group in sched.pop_completed_groups():
                 self._start_reward(group)
@@ -256,11 +282,15 @@ class RolloutLoop:
                 # that counts. Their results may complete groups: those are handed out before anything else.
                 aborted += len(await self._abort(cancelled))
                 continue
-            for request in sched.dispatch():
+            dispatched = sched.dispatch()
+            if self._env is not None:
+                await self._start_trajectories(dispatched)
+            for request in dispatched:
                 requests += 1
                 resumed += request.is_resume
                 self._start_stream(request)
-            if not self._stream_tasks and not self._reward_tasks and not sched.step_done:
+            if not self._stream_tasks and not self._reward_tasks and not sched.step_done and not (
+                    self._env is not None and self._env.busy):
                 raise InternalError(f"rollout loop stalled: nothing running, no reward pending and the step "
                                     f"is not done (scheduler stats: {sched.stats()})")
             if self.deterministic and self._streams:
@@ -269,6 +299,7 @@ class RolloutLoop:
                 self.engine.release_step().add_done_callback(lambda _: self._notify())  # type: ignore[attr-defined]
             await self._wait()
         done_at = self.clock()
+        waiting_at_boundary = self._env_pending
         if self._carry:
             if self._surplus:
                 aborted += len(await self._abort(sched.samples_to_abort()))
@@ -290,7 +321,8 @@ class RolloutLoop:
             batch_groups=batch.n_groups,
             reward_mean=float(batch.rewards.mean()) if batch.n_samples else math.nan,
             response_lens=batch.response_lens.tolist(), engine_steps=self._engine_steps() - engine_steps,
-            tail_share=_tail_share(self._finished_at, start, done_at), scheduler=sched.stats())
+            tail_share=_tail_share(self._finished_at, start, done_at), scheduler=sched.stats(),
+            env=self._env_metrics(waiting_at_boundary))
         return RolloutResult(batch, metrics)
 
     @property
@@ -361,7 +393,7 @@ class RolloutLoop:
             if chunk.finish_reason is not None:
                 stream.ended = FinishReason(chunk.finish_reason)
                 total = len(request.input_ids) - request.prompt_len + stream.received
-                if stream.ended == FinishReason.STOP or total >= self._max_response_len:
+                if (stream.ended == FinishReason.STOP and self._env is None) or total >= self._max_response_len:
                     self._finished_at.append(self.clock())
                 break
             self._notify()
@@ -369,7 +401,9 @@ class RolloutLoop:
             stream.ended = FinishReason.ABORT
         # An abort we issued is reported with the abort results (they may carry tokens the stream lacks).
         if not (stream.aborting and stream.ended == FinishReason.ABORT):
-            self._finish_events.append((sid, stream.ended))
+            # Multi-turn: a turn that ended at a stop token goes to the environment.
+            ended = ENV_WAIT if self._env is not None and stream.ended == FinishReason.STOP else int(stream.ended)
+            self._finish_events.append((sid, ended))
             del self._streams[sid]
         self._notify()
 
@@ -415,7 +449,7 @@ class RolloutLoop:
             if output is not None and len(output.token_ids) > stream.received:
                 self._push_tail(sid, output.token_ids[stream.received:], output.logprobs[stream.received:],
                                 output.versions[stream.received:])
-            self._finish_events.append((sid, FinishReason.ABORT))
+            self._finish_events.append((sid, int(FinishReason.ABORT)))
             aborted.add(sid)
             del self._streams[sid]
         self._flush()
@@ -458,7 +492,7 @@ class RolloutLoop:
             self._hand_over(events, finishes)
 
     def _hand_over(self, events: list[tuple[int, list[int], list[float], int]],
-                   finishes: list[tuple[int, FinishReason]]) -> None:
+                   finishes: list[tuple[int, int]]) -> None:
         if events:
             sids = [e[0] for e in events]
             counts = [len(e[1]) for e in events]
@@ -467,7 +501,116 @@ class RolloutLoop:
             logprobs = np.fromiter(itertools.chain.from_iterable(e[2] for e in events), np.float32, total)
             self.scheduler.on_tokens_batch(sids, counts, tokens, logprobs, [e[3] for e in events])
         if finishes:
-            self.scheduler.on_finish_batch([e[0] for e in finishes], [int(e[1]) for e in finishes])
+            self.scheduler.on_finish_batch([e[0] for e in finishes], [e[1] for e in finishes])
+        if self._env is not None:
+            self._account(self.clock())  # the time before, with the turns with the environment then
+            self._hand_turns_to_env(sorted(sid for sid, code in finishes if code == ENV_WAIT))
+            self._deliver_env_answers()
+
+    # ------------------------------------------------------------------ environment (multi-turn)
+
+    @property
+    def _env_pending(self) -> int:
+        """Trajectories whose turn is with the environment."""
+        return 0 if self._env is None else self._env.pending
+
+    async def _start_trajectories(self, requests: list[GenerationRequest]) -> None:
+        """env.start for each fresh trajectory dispatched (a first dispatch, or a restart), before its stream
+        opens; a resumed one keeps its state (one without, from a checkpoint written before it had one,
+        starts from the prompt)."""
+        env, data = self._env, self.scheduler.data
+        assert env is not None
+        fresh = [r for r in requests if not r.is_resume or not env.knows(r.sample_id)]
+        if fresh:
+            await asyncio.gather(*(env.start(r.sample_id, r.group_id, data[r.prompt_index]) for r in fresh))
+
+    def _hand_turns_to_env(self, sample_ids: list[int]) -> None:
+        """Turns that ended at a stop token: each waiting sample's turn goes to the environment; a sample the
+        turn filled to max_response_len was finished with "length" by the scheduler (reward 0)."""
+        env = self._env
+        assert env is not None
+        for sid in sample_ids:
+            view = self.scheduler.sample(sid)
+            if view.state == "waiting_env":
+                env.hand_over(sid, turn_of(view.token_ids, view.env_mask))
+            else:
+                env.cut(sid)
+
+    def _deliver_env_answers(self) -> None:
+        """The environment's answers that arrived, to the scheduler in sample-id order: an observation queues
+        its sample for dispatch (prompt + response with it), an end finishes it. An answer for a sample the
+        scheduler no longer waits on (cancelled, restarted or dropped meanwhile) is dropped."""
+        env, sched = self._env, self.scheduler
+        assert env is not None
+        observed: list[tuple[int, Any, tuple[int, ...]]] = []
+        ended: list[tuple[int, Any]] = []
+        for sid, answer in env.answers():
+            try:
+                view = sched.sample(sid)
+            except UnknownIdError:
+                view = None
+            if view is None or view.state != "waiting_env":
+                env.dropped(sid)
+            elif answer.done:
+                ended.append((sid, answer))
+            else:
+                # An observation past max_response_len is cut at it: the scheduler ends the sample with "length".
+                room = self._max_response_len - int(view.token_ids.size)
+                observed.append((sid, answer, answer.observation[:room]))
+        if observed:
+            counts = [len(tokens) for _, _, tokens in observed]
+            tokens = np.fromiter(itertools.chain.from_iterable(t for _, _, t in observed), np.int32, sum(counts))
+            sched.on_env_tokens_batch([sid for sid, _, _ in observed], counts, tokens)
+            for sid, answer, kept in observed:
+                env.delivered(sid, answer)
+                if len(kept) < len(answer.observation) or sched.sample(sid).state == "done":
+                    env.observation_cut(sid)
+        if ended:
+            sched.on_finish_batch([sid for sid, _ in ended], [int(FinishReason.STOP)] * len(ended))
+            for sid, answer in ended:
+                env.delivered(sid, answer)
+
+    def _waiting_turn(self, sample_id: int) -> np.ndarray | None:
+        """The turn of a sample the scheduler has waiting on its environment; None when it does not."""
+        try:
+            view = self.scheduler.sample(sample_id)
+        except UnknownIdError:
+            return None
+        return turn_of(view.token_ids, view.env_mask) if view.state == "waiting_env" else None
+
+    def _env_metrics(self, waiting_at_boundary: int) -> dict[str, float]:
+        if self._env is None:
+            return {}
+        out = self._env.take_stats().as_metrics()
+        out["waiting_at_boundary"] = float(waiting_at_boundary)
+        out["engine_idle_while_tools"] = self._idle_tool_area / self._tool_area if self._tool_area > 0 else 0.0
+        return out
+
+    def environment_state(self) -> bytes | None:
+        """The trajectories' state (environment states, turns with the environment, final rewards) as bytes,
+        to save beside the scheduler's state (call after drain_rewards, as for the scheduler); None without an
+        environment. Trajectories of samples the scheduler no longer holds are left out."""
+        if self._env is None:
+            return None
+        self._flush()
+        held = {sid for state in ("queued", "running", "aborting", "done", "waiting_env")
+                for sid in self.scheduler.sample_ids(state)}
+        self._env.keep_only(held)
+        return self._env.dumps()
+
+    def load_environment_state(self, data: bytes) -> None:
+        """Restores environment_state's bytes (after the scheduler's state of the same moment was loaded). The
+        turns that were with the environment are handed to it again at the next run_step, from the state they
+        started from. InvalidArgumentError without an environment; CorruptStateError for unreadable bytes."""
+        if self._env is None:
+            raise InvalidArgumentError("this rollout loop has no environment to load a trajectories' state into")
+        self._env.loads(data)
+
+    async def close(self) -> None:
+        """Cancels the environment steps still running (the end of a run: a state saved before keeps their
+        turns, which a resumed run hands to the environment again)."""
+        if self._env is not None:
+            await self._env.close()
 
     # ------------------------------------------------------------------ rewards
 
@@ -498,7 +641,10 @@ class RolloutLoop:
 
     async def _reward(self, group: CompletedGroup) -> tuple[list[float], bool] | None:
         score_whole_group = getattr(self.reward_fn, "score_group", None)
-        if score_whole_group is not None:  # a group-level reward (training.hooks) schedules its own calls
+        if self._env is not None:
+            rewards = self._env.rewards(group.sample_ids)
+            self._env.forget_group(group.group_id)
+        elif score_whole_group is not None:  # a group-level reward (training.hooks) schedules its own calls
             rewards = await score_whole_group(group.prompt, group.responses)
         elif self._async_reward:
             rewards = list(await asyncio.gather(*(self.reward_fn(group.prompt, r) for r in group.responses)))
@@ -529,10 +675,18 @@ class RolloutLoop:
         await self._wake.wait()
 
     def _account(self, now: float) -> None:
-        self._area += self._inflight * (now - self._last_change)
+        elapsed = now - self._last_change
+        self._area += self._inflight * elapsed
+        if self._env is not None and self._env.pending:
+            self._tool_area += elapsed
+            if self._inflight == 0:
+                self._idle_tool_area += elapsed
         self._last_change = now
 
     def _raise_failures(self) -> None:
+        if self._env is not None and self._env.failures:
+            self._failures += self._env.failures
+            self._env.failures.clear()
         if self._failures:
             failure = self._failures[0]
             self._failures.clear()

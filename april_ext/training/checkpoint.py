@@ -2,7 +2,9 @@
 
 A checkpoint ``<dir>/step_000012/`` holds ``trainer/`` (model, optimizer, RNG: Trainer.save_checkpoint),
 ``scheduler.state`` (buffer with every partial rollout, counters, data position: Scheduler.save),
-``run.json`` (the step and the metrics lines written so far) and ``manifest.json`` (size and sha256 of
+``environment.pkl`` in a multi-turn run (the trajectories' environment states and the turns with the
+environment: RolloutLoop.environment_state), ``run.json`` (the step and the metrics lines written so far) and
+``manifest.json`` (size and sha256 of
 every other file). It is assembled in a temporary directory, every file and directory is fsynced, and
 then it is renamed into place (april_ext.persistence.atomic_directory), so a process killed at any
 moment leaves either the complete new checkpoint or none (temporary leftovers are ignored and cleaned
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^step_(\d{6,})$")
 _RUN_FILE = "run.json"
 _SCHEDULER_FILE = "scheduler.state"
+_ENVIRONMENT_FILE = "environment.pkl"
 _TRAINER_DIR = "trainer"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "april_ext.checkpoint_manifest/1"
@@ -135,12 +138,17 @@ class CheckpointManager:
         found = self.list()
         return found[-1] if found else None
 
-    def save(self, step: int, trainer: Trainer, scheduler: Scheduler, run_state: dict[str, Any]) -> str:
-        """Writes the checkpoint of ``step`` (the number of completed training steps) atomically."""
+    def save(self, step: int, trainer: Trainer, scheduler: Scheduler, run_state: dict[str, Any],
+             environment: bytes | None = None) -> str:
+        """Writes the checkpoint of ``step`` (the number of completed training steps) atomically, with a
+        multi-turn run's ``environment`` state of the same moment as the scheduler's."""
         final = os.path.join(ensure_dir(self.directory), f"step_{step:06d}")
         with atomic_directory(final) as tmp:
             trainer.save_checkpoint(os.path.join(tmp, _TRAINER_DIR))
             scheduler.save(os.path.join(tmp, _SCHEDULER_FILE))
+            if environment is not None:
+                with open(os.path.join(tmp, _ENVIRONMENT_FILE), "wb") as handle:
+                    handle.write(environment)
             atomic_write_json(os.path.join(tmp, _RUN_FILE), {"step": step, **run_state})
             write_manifest(tmp)
         self._prune()
@@ -162,6 +170,15 @@ class CheckpointManager:
         trainer.load_checkpoint(os.path.join(info.path, _TRAINER_DIR))
         scheduler.load(os.path.join(info.path, _SCHEDULER_FILE))
         return dict(run_state)
+
+    def read_environment(self, info: CheckpointInfo) -> bytes | None:
+        """The multi-turn environment state a loaded checkpoint holds (checked with the rest by ``load``'s
+        manifest check); None when it has none."""
+        path = os.path.join(info.path, _ENVIRONMENT_FILE)
+        if not os.path.isfile(path):
+            return None
+        with open(path, "rb") as handle:
+            return handle.read()
 
     def restore_newest(self, trainer: Trainer, scheduler: Scheduler) -> CheckpointInfo | None:
         """Loads the newest checkpoint that is intact and returns it, logging a warning for each newer

@@ -30,7 +30,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-TASKS = ("counting",)
+TASKS = ("counting", "lookup")
 ALGORITHMS = ("grpo", "drgrpo", "dapo", "gspo", *KL_SHAPED_ADVANTAGES)
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)")
 RewardKind = Literal["auto", "sample", "batch", "group"]
@@ -61,7 +61,8 @@ class TrainConfig:
 
     # --- data and task
     task: str | None = "counting"
-    """Built-in task ("counting"), or None when --data gives a prompt file."""
+    """Built-in task ("counting"; "lookup": multi-turn with a tool, docs/agentic.md), or None when --data gives a
+    prompt file."""
     data: str | None = None
     """JSONL / Parquet prompt file (math answers are verified against label_key)."""
     tokenizer: str | None = None
@@ -81,6 +82,21 @@ class TrainConfig:
     """Counting task: the cap of N."""
     counting_symbols: int = 4
     """Counting task: distinct symbols X."""
+    lookup_max_hops: int = 1
+    """Lookup task: the cap of a prompt's chain length (the tool calls a perfect trajectory makes)."""
+    max_turns: int = 4
+    """Lookup task: model turns per trajectory at most (a tool call in the last one ends it: "max_turns")."""
+    max_tool_calls: int = 3
+    """Lookup task: tool calls per trajectory at most (one more ends it: "max_tool_calls")."""
+    tool_latency_median_s: float = 0.02
+    """Lookup task: the tool's latency, lognormal with this median (seconds)..."""
+    tool_latency_p99_s: float = 0.5
+    """...and this 99th percentile (equal to the median: a constant latency)."""
+    tool_timeout_s: float = 30.0
+    """Multi-turn tasks: seconds one environment step (a tool call) may take; past it the trajectory ends with
+    "tool_timeout" and reward 0."""
+    max_concurrent_tool_calls: int | None = None
+    """Multi-turn tasks: environment steps running at once at most (real tools have rate limits); None: no cap."""
     # --- model
     model: str | None = None
     """Hugging Face checkpoint directory; None builds a tiny random model for the counting task."""
@@ -315,6 +331,8 @@ class TrainConfig:
             _bad("task", self.task, f"one of {TASKS}, or None with data")
         if (self.task is None) == (self.data is None):
             _bad("task", self.task, f"exactly one of task and data (data={self.data!r})")
+        if self.task == "lookup":
+            self._check_lookup()
         if self.data is not None and self.model is None:
             _bad("model", None, "a checkpoint directory when data is given (the tiny model is for the counting task)")
         for name in ("num_epochs", "counting_max_count", "counting_symbols", "hidden_size", "num_layers",
@@ -382,6 +400,36 @@ class TrainConfig:
                 _bad(name, path, "an import path 'pkg.module:function' or 'pkg.module.function'")
         self._check_sglang()
         self._check_ray()
+
+    def lookup_task_config(self) -> Any:
+        """The lookup task's settings (april_ext.tasks.LookupTaskConfig) for ``seed``."""
+        from april_ext.tasks import LookupTaskConfig
+
+        return LookupTaskConfig(max_hops=self.lookup_max_hops, max_turns=self.max_turns,
+                                max_tool_calls=self.max_tool_calls, latency_median_s=self.tool_latency_median_s,
+                                latency_p99_s=self.tool_latency_p99_s, seed=self.seed)
+
+    def _check_lookup(self) -> None:
+        names = {"max_hops": "lookup_max_hops", "max_turns": "max_turns", "max_tool_calls": "max_tool_calls",
+                 "latency_median_s / latency_p99_s": "tool_latency_median_s / tool_latency_p99_s",
+                 "seed": "seed"}
+        try:
+            self.lookup_task_config()
+        except ConfigError as err:
+            message = str(err)
+            for theirs, ours in names.items():
+                message = message.replace(f"LookupTaskConfig.{theirs}", f"TrainConfig.{ours}")
+            raise ConfigError(message) from None
+        if not math.isfinite(self.tool_timeout_s) or self.tool_timeout_s <= 0:
+            _bad("tool_timeout_s", self.tool_timeout_s, "a finite number > 0")
+        if self.max_concurrent_tool_calls is not None and self.max_concurrent_tool_calls < 1:
+            _bad("max_concurrent_tool_calls", self.max_concurrent_tool_calls, "None or an int >= 1")
+        if self.custom_rm_path is not None:
+            _bad("custom_rm_path", self.custom_rm_path, "None with task='lookup' (the environment gives each "
+                 "trajectory its final reward)")
+        if self.eval_interval:
+            _bad("eval_interval", self.eval_interval, "0 with task='lookup' (evaluation runs single-turn "
+                 "generations; a multi-turn evaluation is not built yet)")
 
     def _check_ray(self) -> None:
         for name in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine", "num_gpus_per_node"):

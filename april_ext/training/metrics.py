@@ -51,7 +51,17 @@ def summarize(history: list[dict[str, Any]]) -> dict[str, float]:
         "re_prefilled_tokens_per_step": float(np.mean([r["rollout/re_prefill_tokens"] for r in history])),
         # Rows of runs older than the long-tail strategies lack tail_share.
         "tail_share": float(np.mean([r.get("rollout/tail_share", 0.0) for r in history])),
+        **_env_summary(history),
     }
+
+
+def _env_summary(history: list[dict[str, Any]]) -> dict[str, float]:
+    """Multi-turn runs: tool calls per step and the engine's idle share while turns were with the environment."""
+    if "env/tool_calls" not in history[0]:
+        return {}
+    return {"tool_calls_per_step": float(np.mean([r["env/tool_calls"] for r in history])),
+            "engine_idle_while_tools": float(np.mean([r["env/engine_idle_while_tools"] for r in history])),
+            "waiting_at_boundary": float(np.mean([r["env/waiting_at_boundary"] for r in history]))}
 
 
 def step_row(step: int, mode: str, rm: RolloutMetrics, tm: dict[str, float], train_s: float, sync_s: float,
@@ -60,8 +70,11 @@ def step_row(step: int, mode: str, rm: RolloutMetrics, tm: dict[str, float], tra
     metrics under train/, durations under time/."""
     row: dict[str, Any] = {"step": step, "mode": mode, "policy_version": rm.policy_version}
     for key, value in rm.as_dict().items():
-        if key != "scheduler":
+        if key not in ("scheduler", "env"):
             row[f"rollout/{key}"] = value
+    # Multi-turn runs: what the environment did (NaN, a percentile of no wait, is null as below).
+    for key, value in rm.env.items():
+        row[f"env/{key}"] = None if math.isnan(value) else value
     sched = rm.scheduler
     for key in ("off_policy_token_ratio", "carried_token_ratio", "batch_max_staleness", "buffered_groups",
                 "surplus_groups", "aborts", "resume_requests", "re_prefill_tokens", "groups_filtered",

@@ -37,7 +37,7 @@ from april_ext.data_source import DataSource, Prompt
 from april_ext.errors import ConfigError, InvalidArgumentError
 from april_ext.model import LlamaForCausalLM, ModelConfig
 from april_ext.persistence import atomic_write_json, atomic_write_text
-from april_ext.protocol import RolloutEngine, SamplingParams, Trainer
+from april_ext.protocol import Environment, RolloutEngine, SamplingParams, Trainer
 from april_ext.rollout import GroupFilter, RewardFn, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler
 from april_ext.trainer.distributed import launched_by_torchrun
@@ -59,7 +59,7 @@ from april_ext.training.trainers import (
 )
 
 if TYPE_CHECKING:
-    from april_ext.tasks import CountingTask
+    from april_ext.tasks import CountingTask, LookupTask
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -84,7 +84,8 @@ class TrainResult:
 @dataclass
 class _Task:
     data: DataSource
-    reward_fn: RewardFn
+    reward_fn: RewardFn | None
+    """None for a multi-turn task: its environment gives the rewards."""
     stop_token_ids: tuple[int, ...]
     max_response_len: int
     initial_weights: Callable[[], InitialWeights]
@@ -94,6 +95,8 @@ class _Task:
     """The held-out prompts of evaluation (read when the run evaluates)."""
     decode: Callable[[Sequence[int]], str] | None = None
     """Token ids to text (data runs: the tokenizer's, without special tokens)."""
+    environment: Environment | None = None
+    """A multi-turn task's environment (its tool), which the rollout loop drives."""
 
 
 def run_model_config(config: TrainConfig) -> ModelConfig:
@@ -101,7 +104,9 @@ def run_model_config(config: TrainConfig) -> ModelConfig:
     the counting task's tiny model."""
     if config.model is not None:
         return ModelConfig.from_pretrained(config.model)
-    return _counting_model_config(config, _counting_task(config, config.seed))
+    if config.task == "lookup":
+        return _tiny_model_config(config, _lookup_task(config))
+    return _tiny_model_config(config, _counting_task(config, config.seed))
 
 
 def _counting_task(config: TrainConfig, seed: int) -> CountingTask:
@@ -112,26 +117,42 @@ def _counting_task(config: TrainConfig, seed: int) -> CountingTask:
         median_count=config.counting_median, sigma=config.counting_sigma, seed=seed))
 
 
-def _counting_model_config(config: TrainConfig, task: CountingTask) -> ModelConfig:
+def _lookup_task(config: TrainConfig) -> LookupTask:
+    from april_ext.tasks import LookupTask
+
+    return LookupTask(config.lookup_task_config())
+
+
+def _tiny_model_config(config: TrainConfig, task: CountingTask | LookupTask) -> ModelConfig:
+    """The built-in task's tiny model at the run's hidden size and depth, with room for its prompts and cap."""
     max_len = config.max_response_len or task.max_response_len()
     return task.model_config(hidden_size=config.hidden_size, intermediate_size=3 * config.hidden_size,
                              num_hidden_layers=config.num_layers, max_position_embeddings=8 + max_len + 8)
 
 
+def _tiny_initial_weights(config: TrainConfig, task: CountingTask | LookupTask) -> Callable[[], InitialWeights]:
+    def initial_weights() -> InitialWeights:
+        if config.model is not None:
+            return config.model
+        model = LlamaForCausalLM(_tiny_model_config(config, task))
+        model.init_weights(config.seed)
+        return model
+
+    return initial_weights
+
+
 def _build_task(config: TrainConfig) -> _Task:
     if config.task == "counting":
         task = _counting_task(config, config.seed)
-        max_len = config.max_response_len or task.max_response_len()
-
-        def initial_weights() -> InitialWeights:
-            if config.model is not None:
-                return config.model
-            model = LlamaForCausalLM(_counting_model_config(config, task))
-            model.init_weights(config.seed)
-            return model
-
-        return _Task(task, task.reward, (task.eos_id,), max_len, initial_weights,
+        return _Task(task, task.reward, (task.eos_id,), config.max_response_len or task.max_response_len(),
+                     _tiny_initial_weights(config, task),
                      lambda: _counting_task(config, config.seed + 1).prompts(0, config.eval_counting_prompts))
+    if config.task == "lookup":
+        from april_ext.tasks import LookupEnvironment
+
+        lookup = _lookup_task(config)
+        return _Task(lookup, None, lookup.stop_token_ids, config.max_response_len or lookup.max_response_len(),
+                     _tiny_initial_weights(config, lookup), lambda: [], environment=LookupEnvironment(lookup))
     from april_ext.data import DatasetConfig, PromptDataset, load_tokenizer
     from april_ext.tasks import MathReward
 
@@ -153,8 +174,9 @@ def _build_task(config: TrainConfig) -> _Task:
                  lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
 
 
-def _reward_fn(config: TrainConfig, task: _Task) -> RewardFn:
-    """The task's reward function, or custom_rm_path's (given text when custom_rm_text)."""
+def _reward_fn(config: TrainConfig, task: _Task) -> RewardFn | None:
+    """The task's reward function, or custom_rm_path's (given text when custom_rm_text); None for a multi-turn
+    task (its environment rewards)."""
     if config.custom_rm_path is None:
         return task.reward_fn
     return ImportedReward.from_path(config.custom_rm_path, config.custom_rm_kind, config.custom_rm_timeout_s,
@@ -260,6 +282,7 @@ class TrainingRun:
         self._trainer_factory = trainer_factory
         self._engine_factory = engine_factory
         self._stack = contextlib.AsyncExitStack()
+        self._environment_state: bytes | None = None
 
     @property
     def done(self) -> bool:
@@ -307,7 +330,12 @@ class TrainingRun:
         self.rollout = RolloutLoop(
             self.engine, self.scheduler, reward_fn, sampling=self.sampling,
             group_filter=group_filter,
-            seed=config.seed, engine_capacity=config.max_num_seqs, deterministic=config.deterministic_rollout)
+            seed=config.seed, engine_capacity=config.max_num_seqs, deterministic=config.deterministic_rollout,
+            environment=task.environment, tool_timeout_s=config.tool_timeout_s,
+            max_concurrent_tool_calls=config.max_concurrent_tool_calls)
+        self._stack.push_async_callback(self.rollout.close)
+        if self._environment_state is not None:
+            self.rollout.load_environment_state(self._environment_state)
         self.memory = StepMemory(self.engine, self.trainer) if config.colocate else None
         return self
 
@@ -318,6 +346,8 @@ class TrainingRun:
         # The newest intact checkpoint: a damaged newer one is skipped with a warning.
         latest = source.restore_newest(self.trainer, self.scheduler)
         if latest is not None:
+            # Loaded into the rollout loop once it exists (it is built after the engine, below).
+            self._environment_state = source.read_environment(latest)
             self.resumed_from = self.steps_done = latest.step
             self.last_saved = latest.path
             self.history = read_metrics(self.metrics_path, latest.step)
@@ -424,7 +454,8 @@ class TrainingRun:
         """Checkpoints now (after every pending reward reached the scheduler). Carried samples are saved as
         partials with every token received (their KV cache is not saved: a resumed run re-prefills them)."""
         await self.rollout.drain_rewards()
-        self.last_saved = self.checkpoints.save(self.steps_done, self.trainer, self.scheduler, {"mode": self.mode})
+        self.last_saved = self.checkpoints.save(self.steps_done, self.trainer, self.scheduler, {"mode": self.mode},
+                                                environment=self.rollout.environment_state())
         return self.last_saved
 
     async def finish(self) -> TrainResult:

@@ -1,0 +1,59 @@
+"""`april-ext train --task lookup` end to end (seconds): the multi-turn lookup task trains on the embedded engine
+with APRIL, writes the environment's metrics, saves the trajectories' state beside the scheduler's (a tool
+call running at the save is run again after the resume), and refuses settings it cannot honour."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+from _torch_threads import one_thread  # noqa: F401 (fixture)
+
+from april_ext import ConfigError
+from april_ext.training import TrainConfig, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Slow tools next to a fast engine: trajectories are still with their tool when a step's batch is taken.
+TINY = dict(task="lookup", hidden_size=16, num_layers=1, rollout_batch_size=2, n_samples_per_prompt=4,
+            over_sampling_batch_size=4, max_num_seqs=64, num_blocks=256, lr=0.003, progress=False, plots=False,
+            tool_latency_median_s=0.05, tool_latency_p99_s=0.3, deterministic_rollout=False)
+
+
+def _config(tmp_path, **changes) -> TrainConfig:
+    return TrainConfig(**{**TINY, "output_dir": str(tmp_path / "run"), "num_steps": 4, **changes})
+
+
+def test_the_lookup_task_trains_saves_its_trajectories_and_resumes(tmp_path) -> None:
+    result = train(_config(tmp_path, save_interval=2))
+    assert [r["step"] for r in result.history] == [1, 2, 3, 4]
+    for row in result.history:
+        assert row["rollout/batch_groups"] == 2
+        assert {"env/tool_calls", "env/waiting_at_boundary", "env/engine_idle_while_tools"} <= row.keys()
+        assert 0.0 <= row["env/engine_idle_while_tools"] <= 1.0
+    assert sum(r["env/tool_calls"] for r in result.history) > 0
+    assert sum(r["rollout/batch_response_tokens"] for r in result.history) > 0
+    saved = os.path.join(tmp_path, "run", "checkpoints", "step_000004", "environment.pkl")
+    assert pickle.loads(open(saved, "rb").read())["format"] == "april_ext.trajectories/1"
+    with open(os.path.join(tmp_path, "run", "checkpoints", "step_000004", "manifest.json"), encoding="utf-8") as f:
+        assert "environment.pkl" in json.load(f)["files"]
+    resumed = train(_config(tmp_path, num_steps=7, resume=True))
+    assert resumed.resumed_from == 4 and [r["step"] for r in resumed.history] == list(range(1, 8))
+    assert all(r["rollout/batch_groups"] == 2 for r in resumed.history)
+    assert resumed.summary["tool_calls_per_step"] > 0
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"max_turns": 1}, r"TrainConfig.max_turns must be >= max_hops \+ 1"),
+    ({"lookup_max_hops": 3, "max_tool_calls": 2}, r"TrainConfig.max_tool_calls must be >= max_hops"),
+    ({"tool_latency_median_s": 0.5, "tool_latency_p99_s": 0.1}, r"TrainConfig.tool_latency_median_s"),
+    ({"tool_timeout_s": 0.0}, r"TrainConfig.tool_timeout_s=0.0 is not allowed"),
+    ({"max_concurrent_tool_calls": 0}, r"TrainConfig.max_concurrent_tool_calls=0 is not allowed"),
+    ({"eval_interval": 2}, r"TrainConfig.eval_interval=2 is not allowed: 0 with task='lookup'"),
+    ({"custom_rm_path": "pkg.mod:fn"}, r"the environment gives each trajectory its final reward"),
+])
+def test_settings_a_lookup_run_cannot_honour_are_refused_naming_them(tmp_path, changes, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _config(tmp_path, **changes)
