@@ -13,12 +13,14 @@ import torch.distributed.run
 from _refused import forbidden, refused
 
 from april_ext import cli
+from april_ext.cli.train import check_before_start
 from april_ext.errors import ConfigError
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.trainer.megatron import parallel
 from april_ext.trainer.megatron.distributed_trainer import DistributedMegatronTrainer
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 from april_ext.trainer.megatron.trainer import MegatronTrainerConfig
+from april_ext.training.config import TrainConfig
 
 MEGATRON = ["--trainer", "megatron"]
 
@@ -132,3 +134,31 @@ def test_the_distributed_trainer_refuses_the_layout_before_it_joins_a_process_gr
     assert not torch.distributed.is_initialized()
     with pytest.raises(ConfigError, match="--tensor-model-parallel-size 4 must divide"):
         parallel.validate_layout(MegatronParallelConfig(tensor_model_parallel_size=4), model)
+
+
+def ray_config(tp: int, gpus: int) -> TrainConfig:
+    """A Megatron run on Ray whose trainer has ``gpus`` actor ranks (on one node), split by TP=``tp``."""
+    return TrainConfig.from_dict({"trainer": "megatron", "ray": True, "actor_num_gpus_per_node": gpus,
+                                  "tensor_model_parallel_size": tp}, where="test")
+
+
+def test_a_ray_run_is_checked_against_its_actor_ranks_not_the_launch() -> None:
+    # The driver is one process; the trainer's world is actor_num_nodes x actor_num_gpus_per_node.
+    check_before_start(ray_config(tp=2, gpus=2), 1)
+
+
+@pytest.mark.parametrize(("tp", "gpus", "wording"), [
+    (2, 1, "the run has 1 rank(s), not a multiple of tensor x pipeline x context parallel = 2 x 1 x 1 = 2 "
+           "(--tensor-model-parallel-size 2"),
+    (3, 3, "--tensor-model-parallel-size 3 must divide the model's 4 attention heads")])
+def test_a_ray_layout_its_actor_ranks_do_not_fit_is_refused(tp: int, gpus: int, wording: str) -> None:
+    # TP=2 does not divide one rank; TP=3 divides three ranks but not the model's heads.
+    with pytest.raises(ConfigError) as caught:
+        check_before_start(ray_config(tp=tp, gpus=gpus), 1)
+    assert wording in str(caught.value)
+
+
+def test_a_ray_run_launched_in_several_ranks_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"--ray starts the trainer's ranks as Ray actors \(--actor-num-nodes 1 x "
+                                          r"--actor-num-gpus-per-node 2\); this launch has 2 ranks"):
+        check_before_start(ray_config(tp=2, gpus=2), 2)

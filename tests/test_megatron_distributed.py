@@ -1,14 +1,21 @@
 """DistributedMegatronTrainer across real processes (torchrun, gloo on the CPU) against the embedded
-TorchTrainer in this process: per-token log-probs, two train steps' metrics and the gathered weights after
-them must equal one process's within fp32 tolerance for every layout. Each torchrun launch runs several
-layouts (tests/megatron_dist_worker.py), since each rank spends seconds importing megatron-core."""
+TorchTrainer in this process: per-token log-probs and two train steps' metrics must equal one process's
+within fp32 tolerance for every layout, the whole gradients each optimizer step is fed (gathered from the
+ranks) norm-wise, and the gathered weights within what AdamW makes of the gradients' differences
+(tests/_update_bound.py: no tolerance sits on reduction-order noise, which Adam magnifies). Each torchrun
+launch runs several layouts (tests/megatron_dist_worker.py), since each rank spends seconds importing
+megatron-core."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +25,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from _torchrun import check_a_failing_rank_stops_every_rank
 from _torchrun import torchrun as launch
 from _trainer_utils import make_batch, make_model
-from megatron_dist_worker import VARIANTS, layout_key, tiny_model, trainer_config
+from _update_bound import OptimizerRecord, assert_same_gradients, assert_weights_within_adam_bound
+from megatron_dist_worker import VARIANTS, GradientRecorder, layout_key, tiny_model, trainer_config
 
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.trainer import TorchTrainer
@@ -37,17 +45,26 @@ def torchrun(nproc: int, out: Path, *layouts: str) -> subprocess.CompletedProces
     return launch(WORKER, nproc, LAUNCH_TIMEOUT_S, str(out), *layouts)
 
 
-def one_process(variant: str | None, shaped: bool) -> dict[str, object]:
-    """The embedded trainer on the same weights, batches and settings as the worker."""
+@dataclass(frozen=True)
+class Gathered:
+    """The gradients a distributed run's ranks gathered (megatron_dist_worker.GradientRecorder)."""
+
+    gradients: list[dict[str, torch.Tensor]]
+
+
+def one_process(variant: str | None, shaped: bool, steps: int = 2) -> dict[str, Any]:
+    """The embedded trainer on the same weights, batches and settings as the worker, with what its optimizer
+    saw (the reference of tests/_update_bound.py)."""
     model = tiny_model(3, variant)
     trainer = TorchTrainer(copy.deepcopy(model), trainer_config(shaped))
-    batches = [make_batch(model, step, seed=step) for step in range(2)]
+    record = OptimizerRecord(trainer)
+    batches = [make_batch(model, step, seed=step) for step in range(steps)]
     return {"logprobs": trainer.token_logprobs(batches[0]),
             "metrics": [trainer.train_step(b) for b in batches],
-            "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
+            "weights": dict(trainer.export_weights(to_cpu=True).tensors), "record": record}
 
 
-Reference = dict[tuple[str | None, bool], dict[str, object]]
+Reference = dict[tuple[str | None, bool], dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +75,12 @@ def reference() -> Reference:
     return {key: one_process(*key) for key in keys}
 
 
+@pytest.fixture(scope="module")
+def resume_reference() -> dict[str, Any]:
+    """The three steps of megatron_dist_worker.save_and_resume (one before the checkpoint, two after)."""
+    return one_process(None, False, steps=3)
+
+
 def check_layout(out: Path, name: str, expected: Reference) -> None:
     got = torch.load(out / f"{name}.pt", weights_only=False)
     assert got["round_trip"] is True, f"{name}: the weights gathered right after loading differ from the HF ones"
@@ -65,21 +88,40 @@ def check_layout(out: Path, name: str, expected: Reference) -> None:
     check(got, name, expected[layout_key(name)])
 
 
-def check(got: dict[str, object], name: str, expected: dict[str, object]) -> None:
+def check(got: Mapping[str, Any], name: str, expected: Mapping[str, Any]) -> None:
     torch.testing.assert_close(torch.from_numpy(got["logprobs"]), torch.from_numpy(expected["logprobs"]),
                                rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: logprobs: {m}")
-    for step, (mine, theirs) in enumerate(zip(got["metrics"], expected["metrics"])):
+    check_metrics(got["metrics"], expected["metrics"], name)
+    check_update(got, name, expected)
+
+
+def check_metrics(got: list[dict[str, float]], expected: list[dict[str, float]], name: str) -> None:
+    for step, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
         for key in ("loss", "grad_norm", "entropy", "n_loss_tokens", "optimizer_steps", "version"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (name, step, key)
-    assert sorted(got["weights"]) == sorted(expected["weights"]), name
-    # Adam's step g / sqrt(v) magnifies reduction-order differences of near-zero gradients (lr 1e-2).
-    for key, tensor in got["weights"].items():
-        torch.testing.assert_close(tensor, expected["weights"][key], rtol=1e-4, atol=5e-5,
-                                   msg=lambda m, key=key: f"{name}: {key}: {m}")
+
+
+def check_update(got: Mapping[str, Any], name: str, expected: Mapping[str, Any]) -> None:
+    """The gradients each optimizer step was fed, then the weights within what AdamW makes of their
+    differences (tests/_update_bound.py)."""
+    gathered = Gathered(got["gradients"])
+    with named(name):
+        assert_same_gradients(gathered, expected["record"])
+        assert_weights_within_adam_bound(got["weights"], expected["weights"], gathered, expected["record"])
+
+
+@contextlib.contextmanager
+def named(name: str) -> Iterator[None]:
+    """An assertion's message led by the layout it failed for."""
+    try:
+        yield
+    except AssertionError as err:
+        raise AssertionError(f"{name}: {err}") from err
 
 
 def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: Reference,
                   *extra: str) -> None:
+    """Launches ``layouts`` and the worker's ``extra`` modes, and checks each layout against the reference."""
     proc = torchrun(nproc, tmp_path, *layouts, *extra)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for name in layouts:
@@ -87,45 +129,60 @@ def run_and_check(nproc: int, layouts: list[str], tmp_path: Path, reference: Ref
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_process_and_resume_across_layouts(tmp_path: Path,
-                                                               reference: Reference) -> None:
+def test_two_ranks_equal_one_process_and_resume_across_layouts(tmp_path: Path, reference: Reference,
+                                                               resume_reference: dict[str, Any]) -> None:
     # TP=2, TP=2 with sequence parallelism, PP=2 (1F1B), DP=2 (tp1pp1 on two ranks), PP=2 with tied
     # embeddings (the last stage's copy), Qwen3-MoE at EP=2 (its experts split across the two ranks), a
     # vocabulary of 21 at TP=2 (padded to 22); the shaped objective at DP=2 and PP=2 (the advantages need the
     # log-probs every data-parallel rank's last stage holds); then a checkpoint saved at TP=2 resumed at
     # TP=1 x DP=2; the one-process MegatronTrainer refuses a world of two (it has no gradient all-reduce); a
-    # checkpoint of the padded vocabulary is refused at TP=1.
+    # checkpoint of the padded vocabulary is refused at TP=1. Then the comparison fails on a planted defect
+    # (tp1pp1doplant: rank 1's distributed-optimizer shard of every gradient 1% off) and on weights a
+    # hundred-thousandth off.
     layouts = ["tp2pp1", "tp2pp1sp", "tp1pp2", "tp1pp1", "tp1pp2tie", "tp1pp1ep2moe", "tp2pp1odd", "tp1pp1kl",
                "tp1pp2kl"]
-    run_and_check(2, layouts, tmp_path, reference, "resume", "single", "odd_resume")
+    run_and_check(2, layouts, tmp_path, reference, "resume", "single", "odd_resume", "tp1pp1doplant")
     assert "runs in a world of one process, this one has 2" in torch.load(tmp_path / "single.pt")
     assert "padded to 22 rows, this layout pads it to 21" in torch.load(tmp_path / "odd_resume.pt")
-    check_resumed(tmp_path / "resume.pt")
+    check_resumed(tmp_path / "resume.pt", resume_reference)
+    check_fails_on_defects(tmp_path, reference[(None, False)])
     assert sorted(os.listdir(tmp_path)) == sorted(["resume_checkpoint", "resume.pt", "single.pt", "odd_checkpoint",
-                                                   "odd_resume.pt", *(f"{n}.pt" for n in layouts)])
+                                                   "odd_resume.pt", "tp1pp1doplant.pt", *(f"{n}.pt" for n in layouts)])
 
 
-def check_resumed(path: Path) -> None:
-    """The two steps after resuming at the other layout equal those the saving trainer took."""
+def check_resumed(path: Path, expected: Mapping[str, Any]) -> None:
+    """Both runs of a save and resume at another layout, the saving trainer's three steps and its first step
+    followed by the resumed trainer's two, equal the embedded trainer's three steps: a checkpoint that lost
+    AdamW's state would put the resumed weights outside the bound."""
     result = torch.load(path, weights_only=False)
-    expected, got = result["expected"], result["got"]
-    assert got["extra"] == {"data_position": 12} and got["version"] == 1
-    for mine, theirs in zip(got["metrics"], expected["metrics"], strict=True):
-        for key in ("loss", "grad_norm", "entropy", "version"):
-            assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
-    for key, tensor in got["weights"].items():
-        torch.testing.assert_close(tensor, expected["weights"][key], rtol=1e-5, atol=1e-6)
+    assert result["got"]["extra"] == {"data_position": 12} and result["got"]["version"] == 1
+    for run, name in (("expected", "the saving run"), ("got", "the resumed run")):
+        check_metrics(result[run]["metrics"], expected["metrics"][1:], f"{path.stem}: {name}")
+        check_update(result[run], f"{path.stem}: {name}", expected)
+
+
+def check_fails_on_defects(out: Path, expected: Mapping[str, Any]) -> None:
+    """The gradient and weight checks alone (not the metrics) catch a defect: a comparison that cannot fail
+    would pass a broken trainer."""
+    with pytest.raises(AssertionError, match="tp1pp1doplant: optimizer step 1: the gradient of"):
+        check_update(torch.load(out / "tp1pp1doplant.pt", weights_only=False), "tp1pp1doplant", expected)
+    got = torch.load(out / "tp2pp1.pt", weights_only=False)
+    for name in ("model.layers.0.self_attn.o_proj.weight", "model.norm.weight"):
+        off = {**got, "weights": {**got["weights"], name: got["weights"][name] * (1 + 1e-5)}}
+        with pytest.raises(AssertionError, match=f"tp2pp1: {name}: .* differ by more than Adam's bound"):
+            check_update(off, "tp2pp1", expected)
 
 
 @pytest.mark.slow
-def test_four_ranks_equal_one_process(tmp_path: Path, reference: Reference) -> None:
+def test_four_ranks_equal_one_process(tmp_path: Path, reference: Reference,
+                                      resume_reference: dict[str, Any]) -> None:
     # TP=2 x DP=2 with and without the distributed optimizer, TP=2 x PP=2; Qwen3-MoE at TP=2 x EP=2
     # (sequence parallel, which megatron-core's MoE layer needs with TP) and at DP=4 x EP=2 with the
     # distributed optimizer. Then a checkpoint with the distributed optimizer saved at TP=2 x DP=2 resumed
     # at TP=1 x DP=4.
     run_and_check(4, ["tp2pp1", "tp2pp1do", "tp2pp2", "tp2pp1ep2spmoe", "tp1pp1ep2domoe"], tmp_path, reference,
                   "resume_do")
-    check_resumed(tmp_path / "resume_do.pt")
+    check_resumed(tmp_path / "resume_do.pt", resume_reference)
 
 
 @pytest.mark.slow
@@ -141,9 +198,10 @@ def test_one_process_equals_the_embedded_trainer(reference: Reference, shaped: b
     try:
         trainer = DistributedMegatronTrainer(
             MegatronTrainerConfig(model=model.config, trainer=trainer_config(shaped)), model.named_parameters())
+        record = GradientRecorder(trainer)
         batches = [make_batch(model, step, seed=step) for step in range(2)]
         got = {"logprobs": trainer.token_logprobs(batches[0]), "metrics": [trainer.train_step(b) for b in batches],
-               "weights": dict(trainer.export_weights(to_cpu=True).tensors)}
+               "weights": dict(trainer.export_weights(to_cpu=True).tensors), "gradients": record.gradients}
         with pytest.raises(InvalidStateError, match="policy_version is 0 but the trainer holds version 2"):
             trainer.train_step(batches[0])
     finally:

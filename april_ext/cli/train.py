@@ -219,11 +219,13 @@ def _world_size(args: argparse.Namespace) -> int:
 
 
 def check_before_start(config: TrainConfig, world_size: int) -> None:
-    """Refuses, before any rank starts or builds a model, a run in ``world_size`` ranks that would fail
-    there on every rank: a parallel layout that does not fit the model or the world (ConfigError naming the
-    flag), a model directory or resume checkpoint lacking a file (PersistenceError naming it)."""
+    """Refuses, before any rank starts or builds a model, a run that would fail on every rank: a parallel
+    layout that does not fit the model or the trainer's world (ConfigError naming the flag), a model
+    directory or resume checkpoint lacking a file (PersistenceError naming it). ``world_size``: the ranks of
+    this launch (--nproc-per-node / torchrun); a Ray run's trainer ranks are its actors instead."""
     from april_ext.training.run import run_model_config
 
+    world_size = _trainer_world(config, world_size)
     model = run_model_config(config) if config.trainer == "megatron" else None
     dp = check_world(config, world_size, model)
     if config.model is not None:
@@ -231,6 +233,21 @@ def check_before_start(config: TrainConfig, world_size: int) -> None:
     if config.resume_dir is not None:
         CheckpointManager(config.resume_dir, keep=config.keep_checkpoints).check_resumable(
             _trainer_files_check(config, world_size, dp))
+
+
+def _trainer_world(config: TrainConfig, launched: int) -> int:
+    """The trainer's ranks: the launch's, or with --ray the topology's (actor_num_nodes x
+    actor_num_gpus_per_node), whose driver runs as one process."""
+    if not config.ray:
+        return launched
+    if launched > 1:
+        raise ConfigError(f"--ray starts the trainer's ranks as Ray actors (--actor-num-nodes {config.actor_num_nodes}"
+                          f" x --actor-num-gpus-per-node {config.actor_num_gpus_per_node}); this launch has "
+                          f"{launched} ranks: leave out --nproc-per-node and torchrun")
+    # The cluster layer owns the count (its Topology places the trainer's actors); plain arithmetic, no Ray.
+    from april_ext.cluster.topology import Topology
+
+    return Topology.from_config(config).trainer_ranks
 
 
 def _trainer_files_check(config: TrainConfig, world_size: int, dp: int) -> Callable[[str], None]:
