@@ -273,8 +273,10 @@ def _scenario(draw: st.DrawFn) -> dict[str, Any]:
                 "fail": tuple(draw(st.sets(st.integers(0, 3), max_size=1))),
                 "hang": tuple(draw(st.sets(st.integers(0, 3), max_size=1)))}
                for _ in range(draw(st.integers(1, 4)))]
+    tail = draw(st.booleans())
     config = SchedulerConfig(
         rollout_batch_size=n_groups, n_samples_per_prompt=n, over_sampling_batch_size=n_groups + draw(st.integers(0, 2)),
+        tail_batching=tail, tail_extra_samples=draw(st.integers(0, 1)) if tail else 0,
         max_response_len=draw(st.sampled_from([12, 24, 40])),
         step_boundary=draw(st.sampled_from(["abort", "carry"])),
         max_staleness=draw(st.sampled_from([None, 0, 1])),

@@ -243,6 +243,26 @@ def test_a_waiting_surplus_sample_is_cancelled_when_its_group_completes():
         sched.on_env_tokens(2, OBS)
 
 
+def test_waiting_samples_ended_together_past_their_groups_n_are_cancelled_not_counted():
+    # The environment ends two waiting trajectories of one group in one call: the first completes the group
+    # (its n done), which cancels the other although it passed the call's checks while waiting.
+    sched = make(rollout_batch_size=1, over_sampling_batch_size=1, tail_batching=True, tail_extra_samples=1)
+    sched.begin_step(0)
+    sched.dispatch()
+    feed(sched, 0, 2, 0)
+    sched.on_finish(0, "stop")
+    for sid in (1, 2):
+        turn(sched, sid)
+    sched.on_finish_batch([1, 2], [0, 0])
+    (group,) = sched.pop_completed_groups()
+    assert group.sample_ids.tolist() == [0, 1] and sched.sample(2).state == "cancelled"
+    stats = sched.stats()
+    assert stats["waiting_env_samples"] == 0 and stats["finished_samples"] == 2
+    sched.report_rewards(group.group_id, [1.0, 0.0])
+    assert sched.step_done and sched.samples_to_abort() == []
+    assert sched.take_batch().n_samples == 2  # no sample counted as running (it was counted -1 before)
+
+
 def test_buffered_memory_counts_waiting_samples():
     sched = started()
     turn(sched, 0, 4)

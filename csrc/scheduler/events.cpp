@@ -361,6 +361,9 @@ void Scheduler::on_env_tokens(const EventBatch& ev) {
 // boundary (divided rollout: a length finish below the cap after exactly the request's budget); anything else
 // is done. A cancelled surplus sample's result, whatever it is, is dropped.
 void Scheduler::finish(Sample& smp, Group& g, int64_t gid, FinishReason reason) {
+  // Cancelled by an earlier event of this call: a sample waiting for its environment whose group that event
+  // completed (tail_extra_samples). It passed the call's checks while waiting; its result is dropped.
+  if (smp.state == SampleState::Cancelled) return;
   const bool was_aborting = smp.state == SampleState::Aborting;
   const bool was_waiting = smp.state == SampleState::WaitingEnv;  // the environment ended the trajectory
   const bool env_wait = static_cast<uint8_t>(reason) == kEnvWaitReason;
