@@ -57,3 +57,20 @@ def test_the_lookup_task_trains_saves_its_trajectories_and_resumes(tmp_path) -> 
 def test_settings_a_lookup_run_cannot_honour_are_refused_naming_them(tmp_path, changes, message) -> None:
     with pytest.raises(ConfigError, match=message):
         _config(tmp_path, **changes)
+
+
+def test_the_lookup_task_trains_over_the_sglang_adapter_against_launched_servers(tmp_path, capsys) -> None:
+    from _trainer_utils import cli_flags
+
+    from april_ext import cli
+
+    out = tmp_path / "run"
+    flags = {**TINY, "num_steps": 3, "output_dir": str(out), "engine": "sglang", "sglang_launch": True,
+             "sglang_module": "april_ext.server", "sglang_launch_timeout_s": 120.0,
+             "sglang_args": "--num-blocks 256 --max-running-requests 64 --seed 0"}
+    assert cli.main(["train", *cli_flags(flags)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/batch_groups"] == 2 for r in rows)
+    assert sum(r["env/tool_calls"] for r in rows) > 0 and sum(r["rollout/batch_response_tokens"] for r in rows) > 0
+    assert "tool calls/step" in capsys.readouterr().out

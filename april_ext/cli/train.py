@@ -295,8 +295,14 @@ def _print_summary(summaries: dict[str, dict[str, float]]) -> None:
             ("carried tokens/step", "carried_tokens_per_step", "{:.0f}"),
             ("re-prefilled tok/step", "re_prefilled_tokens_per_step", "{:.0f}"),
             ("tail (last 10%)", "tail_share", "{:.1%}"),
-            ("tokens / engine step", "tokens_per_engine_step", "{:.1f}"), ("engine bubble", "bubble", "{:.1%}"))
+            ("tokens / engine step", "tokens_per_engine_step", "{:.1f}"), ("engine bubble", "bubble", "{:.1%}"),
+            # Multi-turn tasks (an environment): their rows show only there.
+            ("tool calls/step", "tool_calls_per_step", "{:.1f}"),
+            ("engine idle (tools)", "engine_idle_while_tools", "{:.1%}"),
+            ("waiting on tools", "waiting_at_boundary", "{:.1f}"))
     names = list(summaries)
+    env_keys = ("tool_calls_per_step", "engine_idle_while_tools", "waiting_at_boundary")
+    rows = tuple(row for row in rows if row[1] not in env_keys or any(row[1] in summaries[n] for n in names))
     width = max(14, *(len(n) + 2 for n in names))  # a long strategy name still leaves a gap
     print(f"{'':22s}" + "".join(f"{n:>{width}s}" for n in names))
     for label, key, fmt in rows:
