@@ -150,6 +150,7 @@ def test_a_ray_run_is_checked_against_its_actor_ranks_not_the_launch() -> None:
 @pytest.mark.parametrize(("tp", "gpus", "wording"), [
     (2, 1, "the run has 1 rank(s), not a multiple of tensor x pipeline x context parallel = 2 x 1 x 1 = 2 "
            "(--tensor-model-parallel-size 2"),
+    (2, 1, "change --actor-num-nodes (1) x --actor-num-gpus-per-node (1) (2 ranks or a multiple)"),
     (3, 3, "--tensor-model-parallel-size 3 must divide the model's 4 attention heads")])
 def test_a_ray_layout_its_actor_ranks_do_not_fit_is_refused(tp: int, gpus: int, wording: str) -> None:
     # TP=2 does not divide one rank; TP=3 divides three ranks but not the model's heads.

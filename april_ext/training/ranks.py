@@ -66,8 +66,7 @@ def check_world(config: TrainConfig, world_size: int, model: ModelConfig | None 
         if model is not None:
             validate_layout(split, model)
         if world_size % split.model_parallel_size:
-            launch = ("launch it with --nproc-per-node or torchrun" if world_size == 1
-                      else "change --nproc-per-node / torchrun's world")
+            launch = _world_advice(config, world_size)
             raise ConfigError(f"the run has {world_size} rank(s), not a multiple of tensor x pipeline x context "
                               f"parallel = {split.tensor_model_parallel_size} x {split.pipeline_model_parallel_size}"
                               f" x {split.context_parallel_size} = {split.model_parallel_size} "
@@ -78,14 +77,23 @@ def check_world(config: TrainConfig, world_size: int, model: ModelConfig | None 
         dp = split.data_parallel_size(world_size)
         if split.use_distributed_optimizer and world_size == 1:
             # MegatronTrainer (a world of one) has no distributed optimizer: the flag would be ignored.
-            raise ConfigError("use_distributed_optimizer=True needs a run across ranks (the run has 1 rank): "
-                              "launch it with --nproc-per-node or torchrun, or leave out --use-distributed-optimizer")
+            raise ConfigError(f"use_distributed_optimizer=True needs a run across ranks (the run has 1 rank): "
+                              f"{_world_advice(config, 1)}, or leave out --use-distributed-optimizer")
     # Each optimizer step's samples are split across the data-parallel ranks: at least one each.
     per_step = config.global_batch_size or config.rollout_batch_size * config.n_samples_per_prompt
     if per_step < dp:
         raise ConfigError(f"an optimizer step of {per_step} samples (global_batch_size, or the whole rollout batch) "
                           f"cannot be split across {dp} data-parallel ranks: give at least {dp}")
     return dp
+
+
+def _world_advice(config: TrainConfig, world_size: int) -> str:
+    """How to give the run another world: a Ray run's trainer ranks are its actors, others its launch's."""
+    if config.ray:
+        return (f"change --actor-num-nodes ({config.actor_num_nodes}) x --actor-num-gpus-per-node "
+                f"({config.actor_num_gpus_per_node})")
+    return "launch it with --nproc-per-node or torchrun" if world_size == 1 else \
+        "change --nproc-per-node / torchrun's world"
 
 
 class _Channel:
