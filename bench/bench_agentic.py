@@ -15,6 +15,7 @@ machine load; tool latencies are real sleeps, so a run does not repeat exactly (
 - reward at equal wall time: the mean batch reward of the steps that ended in the last quarter of the shortest
   run's total time (step time: rollout, training and weight sync).
 Writes <out>/runs.json and prints the markdown table of docs/agentic.md ("Measured"): mean +- std over seeds.
+Seeds run apart (one process each) are put in one table by ``--combine DIR...``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from april_ext.persistence import atomic_write_json
+from april_ext.persistence import atomic_write_json, read_json
 from april_ext.training import TrainConfig
 from april_ext.training.run import train_side_by_side
 
@@ -78,16 +79,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="bench_runs/agentic")
+    parser.add_argument("--combine", nargs="+", metavar="DIR",
+                        help="print one table from the runs.json of earlier --out directories (seeds run apart)")
     args = parser.parse_args()
-    base = TrainConfig.from_toml(CONFIG)
-    runs = {seed: run_seed(base, seed, args.steps, args.out) for seed in args.seeds}
-    atomic_write_json(os.path.join(args.out, "runs.json"), {str(s): r for s, r in runs.items()}, indent=2)
+    if args.combine:
+        runs = {}
+        for directory in args.combine:
+            runs.update({int(s): r for s, r in read_json(os.path.join(directory, "runs.json")).items()})
+        args.seeds = sorted(runs)
+    else:
+        base = TrainConfig.from_toml(CONFIG)
+        runs = {seed: run_seed(base, seed, args.steps, args.out) for seed in args.seeds}
+        atomic_write_json(os.path.join(args.out, "runs.json"), {str(s): r for s, r in runs.items()}, indent=2)
     columns = (("rollout tok/s", "rollout_tok_s", "{:.0f}"), ("vs baseline", "throughput_vs_baseline", "{:.2f}x"),
                ("engine idle while tools", "engine_idle_while_tools", "{:.1%}"),
                ("waiting at boundary", "waiting_at_boundary", "{:.1f}"), ("off-policy", "off_policy", "{:.1%}"),
                ("reward, equal steps", "reward_equal_steps", "{:.3f}"),
                ("reward, equal time", "reward_equal_time", "{:.3f}"), ("wall s", "wall_s", "{:.0f}"))
-    print(f"{len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}), {args.steps} steps each; mean +- std")
+    print(f"{len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}); mean +- std")
     print("| run | " + " | ".join(c[0] for c in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for name in RUNS:

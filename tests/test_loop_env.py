@@ -268,7 +268,7 @@ def test_a_deterministic_run_with_tools_repeats_exactly(one_thread) -> None:
 @st.composite
 def _scenario(draw: st.DrawFn) -> dict[str, Any]:
     n_groups, n = draw(st.integers(1, 2)), draw(st.integers(1, 3))
-    scripts = [{"turns": draw(st.integers(0, 3)), "obs_len": draw(st.integers(1, 4)),
+    scripts = [{"turns": draw(st.integers(0, 3)), "obs_len": draw(st.integers(1, 12)),
                 "latency": draw(st.lists(st.sampled_from([0.0, 0.002, 0.02, 0.08]), min_size=1, max_size=3)),
                 "fail": tuple(draw(st.sets(st.integers(0, 3), max_size=1))),
                 "hang": tuple(draw(st.sets(st.integers(0, 3), max_size=1)))}
@@ -321,3 +321,31 @@ def test_the_lookup_task_runs_on_the_loop_and_a_perfect_trajectory_scores_1(one_
         assert b.n_groups == 2 and set(np.unique(b.rewards)) <= {0.0, 0.5, 1.0}
         assert r.metrics.scheduler["batch_env_tokens"] == int(
             sum(b.offsets[i + 1] - b.offsets[i] - b.prompt_lens[i] for i in range(b.n_samples)) - b.loss_mask.sum())
+
+
+def test_an_observation_that_completes_a_group_drops_the_end_of_its_cancelled_sample(one_thread) -> None:
+    # Two answers reach one hand-over: sample 0's observation fills it to the cap (its group's n-th sample done),
+    # which cancels surplus sample 1 (tail_extra_samples), whose own end must then be dropped, not applied.
+    config = SchedulerConfig(rollout_batch_size=1, n_samples_per_prompt=1, over_sampling_batch_size=1,
+                             max_response_len=6, tail_batching=True, tail_extra_samples=1)
+    env = ScriptedEnv()
+    prompts = _prompts(4, [{"turns": 1, "obs_len": 6, "latency": []}])
+
+    async def run() -> tuple[Scheduler, list[str]]:
+        sched = Scheduler(config, ListDataSource(prompts))
+        loop = RolloutLoop(AsyncEngine(_core(_model())), sched, None, environment=env)
+        sched.begin_step(0)
+        requests = sched.dispatch()
+        for r in requests:
+            await loop._env.start(r.sample_id, r.group_id, prompts[r.prompt_index])
+            sched.on_tokens(r.sample_id, [STOPS[0]], [-1.0], 0)
+            sched.on_env_wait(r.sample_id)
+        loop._env._live[0].answer = EnvStep.observe((5, 5, 5, 5, 5, 5))
+        loop._env._live[1].answer = EnvStep.finish(1.0, "answer")
+        loop._flush()
+        return sched, [sched.sample(s).state for s in (0, 1)]
+
+    sched, states = asyncio.run(run())
+    assert states == ["done", "cancelled"]
+    (group,) = sched.pop_completed_groups()
+    assert group.sample_ids.tolist() == [0]

@@ -526,14 +526,15 @@ class RolloutLoop:
 
     def _hand_turns_to_env(self, sample_ids: list[int]) -> None:
         """Turns that ended at a stop token: each waiting sample's turn goes to the environment; a sample the
-        turn filled to max_response_len was finished with "length" by the scheduler (reward 0)."""
+        turn filled to max_response_len was finished with "length" by the scheduler (reward 0); a cancelled one
+        (its group completed by another sample of the same hand-over) is left alone."""
         env = self._env
         assert env is not None
         for sid in sample_ids:
             view = self.scheduler.sample(sid)
             if view.state == "waiting_env":
                 env.hand_over(sid, turn_of(view.token_ids, view.env_mask))
-            else:
+            elif view.state == "done":
                 env.cut(sid)
 
     def _deliver_env_answers(self) -> None:
@@ -565,6 +566,12 @@ class RolloutLoop:
                 env.delivered(sid, answer)
                 if len(kept) < len(answer.observation) or sched.sample(sid).state == "done":
                     env.observation_cut(sid)
+            # An observation that filled its sample to the cap may have completed a group, cancelling a sample
+            # of it whose end is below (tail_extra_samples): that end is dropped.
+            for sid, _ in ended:
+                if sched.sample(sid).state != "waiting_env":
+                    env.dropped(sid)
+            ended = [(sid, answer) for sid, answer in ended if sched.sample(sid).state == "waiting_env"]
         if ended:
             sched.on_finish_batch([sid for sid, _ in ended], [int(FinishReason.STOP)] * len(ended))
             for sid, answer in ended:
