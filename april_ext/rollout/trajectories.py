@@ -193,9 +193,6 @@ class Trajectories:
         """The final rewards the environment gave (0.0 for a trajectory cut by the response cap)."""
         return [float(self._live[int(s)].reward or 0.0) if int(s) in self._live else 0.0 for s in sample_ids]
 
-    def finish_reasons(self, sample_ids: Iterable[int]) -> list[str]:
-        return [self._live[int(s)].finish_reason if int(s) in self._live else "" for s in sample_ids]
-
     def forget_group(self, group_id: int) -> None:
         """The group was rewarded: its trajectories are over."""
         for sid in [s for s, live in self._live.items() if live.group_id == group_id]:
