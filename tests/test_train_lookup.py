@@ -74,3 +74,26 @@ def test_the_lookup_task_trains_over_the_sglang_adapter_against_launched_servers
     assert all(r["rollout/batch_groups"] == 2 for r in rows)
     assert sum(r["env/tool_calls"] for r in rows) > 0 and sum(r["rollout/batch_response_tokens"] for r in rows) > 0
     assert "tool calls/step" in capsys.readouterr().out
+
+
+def test_a_slime_custom_generate_function_trains_the_lookup_task_from_the_command_line(tmp_path, monkeypatch) -> None:
+    from _trainer_utils import cli_flags
+
+    from april_ext import cli
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "examples"))
+    out = tmp_path / "run"
+    flags = {**TINY, "num_steps": 3, "output_dir": str(out), "engine": "sglang", "sglang_launch": True,
+             "sglang_module": "april_ext.server", "sglang_launch_timeout_s": 120.0,
+             "sglang_args": "--num-blocks 256 --max-running-requests 64 --seed 0",
+             "custom_generate_function_path": "slime_generate_lookup.generate"}
+    assert cli.main(["train", *cli_flags(flags)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["rollout/batch_groups"] == 2 for r in rows)
+    assert sum(r["rollout/batch_response_tokens"] for r in rows) > 0
+
+
+def test_a_custom_generate_function_needs_the_sglang_engine(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="custom_generate_function_path='m.fn' is not allowed: None with "
+                                          "engine='embedded'"):
+        _config(tmp_path, custom_generate_function_path="m.fn")

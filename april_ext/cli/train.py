@@ -37,7 +37,7 @@ _GROUPS = {
                     "ray_routing", "ray_router_url", "ray_timeout_s", "ray_engine_max_restarts", "ray_engine_check_interval_s"),
     "rollout": ("strategy", *SCHEDULER_SETTINGS, "partial_rollout", "temperature", "top_p", "top_k"),
     "rewards and filters": ("custom_rm_path", "custom_rm_kind", "custom_rm_text", "custom_rm_timeout_s",
-                            "dynamic_sampling_filter_path"),
+                            "dynamic_sampling_filter_path", "custom_generate_function_path"),
     "evaluation": ("eval_interval", "eval_prompt_data", "n_samples_per_eval_prompt", "eval_counting_prompts"),
     "parallel (across ranks)": (*PARALLEL_SETTINGS, "distributed_timeout_minutes"),
     "metrics": ("use_tensorboard", "use_wandb", "wandb_project", "wandb_dir", "plots", "progress"),

@@ -375,6 +375,14 @@ class CustomGenerateRollout:
             await asyncio.wait(set(self._reward_tasks))
         self._raise_failures()
 
+    def environment_state(self) -> None:
+        """Nothing to save beside the scheduler's state: a call's partial is the scheduler's (a resumed run
+        rebuilds the sample from it)."""
+        return None
+
+    async def abort_carried(self) -> None:
+        """Nothing is carried between steps (step_boundary is 'abort')."""
+
     async def close(self) -> None:
         """Closes the abort connection (the end of a run)."""
         if self._http is not None:

@@ -237,6 +237,11 @@ class TrainConfig:
     of token ids; needs data."""
     custom_rm_timeout_s: float = 300.0
     """Seconds one call of custom_rm_path may take; past that the run stops with an error naming it."""
+    custom_generate_function_path: str | None = None
+    """slime's custom generate function by import path ("pkg.module.fn" or "pkg.module:fn"; docs/training.md):
+    ``async def generate(args, sample, sampling_params) -> Sample`` runs each sample's whole multi-turn rollout
+    against the SGLang servers itself (engine='sglang'), under the scheduler with partial rollouts; the
+    samples' own rewards are kept, custom_rm_path or the task's reward function scores the rest."""
     dynamic_sampling_filter_path: str | None = None
     """Group filter by import path: fn(rewards: list[float]) -> bool (False drops the group); replaces the
     algorithm's (DAPO's rejection of uniform groups)."""
@@ -394,7 +399,9 @@ class TrainConfig:
                 _bad("global_batch_size", self.global_batch_size,
                      f"None or a multiple of n_samples_per_prompt ({n}) that divides rollout_batch_size * "
                      f"n_samples_per_prompt ({total})")
-        for name in ("custom_rm_path", "dynamic_sampling_filter_path"):
+        if self.custom_generate_function_path is not None:
+            self._check_custom_generate()
+        for name in ("custom_rm_path", "dynamic_sampling_filter_path", "custom_generate_function_path"):
             path = getattr(self, name)
             if path is not None and not _IMPORT_PATH.fullmatch(path):
                 _bad(name, path, "an import path 'pkg.module:function' or 'pkg.module.function'")
@@ -430,6 +437,18 @@ class TrainConfig:
         if self.eval_interval:
             _bad("eval_interval", self.eval_interval, "0 with task='lookup' (evaluation runs single-turn "
                  "generations; a multi-turn evaluation is not built yet)")
+
+    def _check_custom_generate(self) -> None:
+        path = self.custom_generate_function_path
+        if self.engine != "sglang":
+            _bad("custom_generate_function_path", path, "None with engine='embedded' (the function posts to SGLang "
+                 "servers' /generate itself: engine='sglang')")
+        if self.ray:
+            _bad("custom_generate_function_path", path, "None with ray (the function's servers are the driver's "
+                 "SGLang engine's)")
+        if self.eval_interval:
+            _bad("eval_interval", self.eval_interval, "0 with custom_generate_function_path (evaluation runs the "
+                 "engine's own generations)")
 
     def _check_ray(self) -> None:
         for name in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine", "num_gpus_per_node"):

@@ -327,17 +327,30 @@ class TrainingRun:
         self.sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                        stop_token_ids=task.stop_token_ids, max_new_tokens=task.max_response_len)
         self.reward_fn = reward_fn
-        self.rollout = RolloutLoop(
-            self.engine, self.scheduler, reward_fn, sampling=self.sampling,
-            group_filter=group_filter,
-            seed=config.seed, engine_capacity=config.max_num_seqs, deterministic=config.deterministic_rollout,
-            environment=task.environment, tool_timeout_s=config.tool_timeout_s,
-            max_concurrent_tool_calls=config.max_concurrent_tool_calls)
+        if config.custom_generate_function_path is not None:
+            self.rollout = self._custom_generate_rollout(reward_fn, group_filter, task)
+        else:
+            self.rollout = RolloutLoop(
+                self.engine, self.scheduler, reward_fn, sampling=self.sampling,
+                group_filter=group_filter,
+                seed=config.seed, engine_capacity=config.max_num_seqs, deterministic=config.deterministic_rollout,
+                environment=task.environment, tool_timeout_s=config.tool_timeout_s,
+                max_concurrent_tool_calls=config.max_concurrent_tool_calls)
+            if self._environment_state is not None:
+                self.rollout.load_environment_state(self._environment_state)
         self._stack.push_async_callback(self.rollout.close)
-        if self._environment_state is not None:
-            self.rollout.load_environment_state(self._environment_state)
         self.memory = StepMemory(self.engine, self.trainer) if config.colocate else None
         return self
+
+    def _custom_generate_rollout(self, reward_fn: RewardFn | None, group_filter: GroupFilter | None,
+                                 task: _Task) -> Any:
+        """slime's custom generate function driving the scheduler (april_ext.rollout.slime_generate)."""
+        from april_ext.rollout.slime_generate import CustomGenerateRollout
+
+        assert self.config.custom_generate_function_path is not None
+        return CustomGenerateRollout(self.config.custom_generate_function_path, self.scheduler, self.engine,
+                                     reward_fn=reward_fn, group_filter=group_filter, sampling=self.sampling,
+                                     decode=task.decode)
 
     def _resume(self, directory: str) -> None:
         """Restores the trainer and the scheduler from the newest checkpoint in ``directory``, if there is
