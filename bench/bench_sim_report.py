@@ -22,6 +22,10 @@ WEIGHT_SYNC_S: assumptions, docs/sim.md).
 4. Factors: why the simulated gains differ from Table 1. Each factor of the model (metric, hardware, APRIL's loop,
    the length distributions, the engine's step cost, the step boundary, the weight sync) and its effect on all
    12 cells: the calibration as it was, the changes made cumulatively, then one factor at a time.
+5. Agentic: multi-turn trajectories with tool calls (april_ext.sim.turns presets search-agent and swe-agent) on
+   the paper-faithful engines, GRPO: the baseline, every APRIL mode and every long-tail strategy (in april-batch),
+   each against its never-idle bound (the same work on engines that never idle while tools run, observation
+   prefill counted, no re-prefill).
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ import numpy as np
 from april_ext.persistence import atomic_write_json
 from april_ext.sim.cost import GPUS, MODELS, ClusterConfig, derive_cost_model
 from april_ext.sim.lengths import PAPER_LENGTH_PRESETS, LogNormalLengths, length_preset
-from april_ext.sim.runner import SimConfig, simulate
+from april_ext.sim.runner import MODES, SimConfig, simulate
+from april_ext.sim.turns import TURN_PRESETS
+from april_ext.strategies import STRATEGIES
 
 ABORT_LATENCY_S = 0.5
 WEIGHT_SYNC_S = 4.0
@@ -374,6 +380,53 @@ def print_efficiency(out: dict[tuple, dict], steps: int,
     return rows
 
 
+AGENTIC_CLUSTER = "h100-qwen3-8b"
+
+
+def agentic_runs() -> tuple[str, ...]:
+    """The rows of the agentic table: every mode, then every strategy (run in april-batch)."""
+    return (*MODES, *(f"strategy {name}" for name in STRATEGIES))
+
+
+def agentic_configs(steps: int, presets: tuple[str, ...] = tuple(TURN_PRESETS)) -> dict[tuple, SimConfig]:
+    """Each agentic preset in every mode and with every strategy on the paper-faithful engines (GRPO; each strategy
+    sets its own step boundary and scheduler settings, N' = 64 stays as given)."""
+    configs = {}
+    for preset in presets:
+        for label in agentic_runs():
+            if label.startswith("strategy "):
+                config = replace(paper_config(AGENTIC_CLUSTER, preset, "grpo", "april-batch", steps),
+                                 strategy=label.split(" ", 1)[1])
+            else:
+                config = paper_config(AGENTIC_CLUSTER, preset, "grpo", label, steps)
+            configs[("agentic", preset, label)] = config
+    return configs
+
+
+def print_agentic(out: dict[tuple, dict], steps: int,
+                  presets: tuple[str, ...] = tuple(TURN_PRESETS)) -> list[dict[str, object]]:
+    print(f"\n5. Agentic rollouts: {AGENTIC_CLUSTER}, 4 engines x TP 2, mem 0.6, GRPO, 32 x 8, N' = 64, 16K cap on "
+          f"model tokens, {steps} steps (summary over steps {WARMUP_STEPS}..); strategies run in april-batch; useful = "
+          f"tok/s less thrown-away tokens; eff = against the never-idle bound (the "
+          f"step's decode, prompt and observation prefill on engines that never idle while tools run), ceil = with "
+          f"the re-prefill")
+    print(f"{'preset':13} {'mode':25} {'tok/s':>7} {'gain':>7} {'useful':>7} {'bound':>7} {'eff':>5} {'ceil':>5} {'idle':>5} "
+          f"{'reprefill':>9} {'recompute':>9} {'envpre':>6} {'tools/step':>10} {'step s':>7}")
+    rows = []
+    for preset in presets:
+        base = out[("agentic", preset, "baseline")]["summary"]["tokens_per_s"]
+        for mode in agentic_runs():
+            s = out[("agentic", preset, mode)]["summary"]
+            rows.append({"preset": preset, "mode": mode, "summary": s})
+            print(f"{preset:13} {mode:25} {s['tokens_per_s']:7,.0f} {s['tokens_per_s'] / base - 1:+7.1%} "
+                  f"{s['useful_tokens_per_s']:7,.0f} "
+                  f"{s['bound_tokens_per_s']:7,.0f} {s['efficiency']:5.2f} {s['ceiling_efficiency']:5.2f} "
+                  f"{s['idle_time_fraction']:5.2f} {s['re_prefill_time_fraction']:9.3f} "
+                  f"{s['recompute_time_fraction']:9.3f} {s['env_prefill_time_fraction']:6.3f} "
+                  f"{s['tool_calls_per_step']:10,.0f} {s['rollout_s']:7.1f}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="steps per calibration / efficiency run")
@@ -381,7 +434,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per calibration cell and convergence run")
     parser.add_argument("--first-seed", type=int, default=0, help="calibration: the first seed")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes)")
-    parser.add_argument("--only", choices=("calibration", "convergence", "efficiency", "factors"), default=None)
+    parser.add_argument("--only", choices=("calibration", "convergence", "efficiency", "factors", "agentic"),
+                        default=None)
     parser.add_argument("--json", default=None, help="also write the figures as JSON here")
     parser.add_argument("--models", type=lambda t: tuple(t.split(",")), default=CAL_MODELS,
                         help="calibration section: comma-separated models")
@@ -413,6 +467,9 @@ def main() -> None:
         configs = calibration_configs(args.steps, args.seeds, args.models, args.first_seed, FACTORS)
         runs.update(run_all({k: c for k, c in configs.items() if k not in runs}, args.jobs))
         out["factors"] = print_factors(runs, args.steps, seeds, args.models)
+    if args.only in (None, "agentic"):
+        runs.update(run_all(agentic_configs(args.steps), args.jobs))
+        out["agentic"] = print_agentic(runs, args.steps)
     print(f"\n({time.perf_counter() - started:.0f} s of wall time)")
     if args.json:
         atomic_write_json(args.json, out, indent=1)

@@ -10,6 +10,7 @@ from april_ext.sim.metrics import OccupancyBound, StepReport, full_occupancy_bou
 from april_ext.sim.runner import (MODES, SimConfig, SimResult, compare, compare_strategies, gain, simulate,
                                   simulate_async)
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
+from april_ext.sim.turns import TURN_PRESETS, TrajectoryPlan, TurnModel, turn_preset
 
 __all__ = [
     "CLUSTER_PRESETS",
@@ -29,7 +30,10 @@ __all__ = [
     "SimulatedEngine",
     "StepReport",
     "SyntheticPrompts",
+    "TURN_PRESETS",
     "TraceLengths",
+    "TrajectoryPlan",
+    "TurnModel",
     "answer_reward",
     "cluster_preset",
     "compare",
@@ -39,4 +43,5 @@ __all__ = [
     "length_preset",
     "simulate",
     "simulate_async",
+    "turn_preset",
 ]

@@ -26,6 +26,7 @@ from april_ext.sim.runner import (
     compare,
     compare_strategies,
 )
+from april_ext.sim.turns import TURN_PRESETS
 from april_ext.strategies import STRATEGIES
 
 SCHEDULER_FLAGS = tuple(f.name for f in fields(SchedulerConfig) if f.name not in MODE_SETTINGS)
@@ -91,7 +92,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="engines share their GPUs with the trainer: with --step-boundary carry the carried KV "
                              "is copied to host memory and back at every step boundary")
     parser.add_argument("--lengths", default="dapo-math-17k",
-                        help=f"length preset ({', '.join(LENGTH_PRESETS)}) or a .csv / .jsonl trace path")
+                        help=f"length preset ({', '.join(LENGTH_PRESETS)}), agentic preset ({', '.join(TURN_PRESETS)}: "
+                             "multi-turn trajectories with tool calls, docs/sim.md 'Agentic rollouts') or a .csv / "
+                             ".jsonl trace path")
     parser.add_argument("--modes", type=_modes, default=None,
                         help=f"comma-separated: {','.join(MODES)} "
                              "(default: all; with --strategies baseline,april-batch)")

@@ -23,7 +23,16 @@ continues the same sample. Under the weight version it ended at, it is a continu
 scheduler counts it: its prefix is no cache hit under other weights). A continuation goes to the replica with the
 fewest KV tokens in use or waiting, and is prefilled there unless that replica still caches its prefix
 (replica.py); landing elsewhere it pays the prefill of prompt + partial response (the price of balancing the load
-by moving it). The engine remembers when each request finished, keyed by its full ids (``finish_time``), for the
+by moving it).
+
+With a TurnModel (turns.py) as the length model, each sample is a multi-turn trajectory. At the end of a model
+turn the request leaves its replica (no decode slot, no KV held but an evictable prefix-cache entry of its
+context) and waits on its tool call for the call's latency on the virtual clock; the engine delivers the turn's
+tokens at once. Then the observation tokens join its context (env tokens: prefilled, never delivered, so never
+generated or trained) and the next turn queues on the same replica, prefilling only the observation when the
+context is still cached. An abort during a tool call ends the request but not the tool: the resumed request waits
+for what is left of the latency, then prefills prompt + partial response + every observation so far.
+The engine remembers when each request finished, keyed by its full ids (``finish_time``), for the
 tail latency.
 """
 
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import itertools
 import math
 from collections import defaultdict, deque
@@ -52,6 +62,7 @@ from april_ext.sim.cost import ClusterConfig
 from april_ext.sim.lengths import LengthModel
 from april_ext.sim.replica import Replica, ReplicaCounters, SimRequest, SimSample
 from april_ext.sim.tokens import as_ids, prompt_key, response_logprobs, response_tokens
+from april_ext.sim.turns import TurnModel
 
 # The memory tags whose release the simulation models (protocol.memory_tags has the full list).
 _SIMULATED_TAGS = ("weights", "kv_cache")
@@ -86,6 +97,9 @@ class ClusterCounters:
     continuation_prefill_time: float
     continuation_prefill_tokens: int
     prefix_hit_tokens: int
+    tool_calls: int
+    env_prefill_tokens: int
+    env_prefill_time: float
 
     def minus(self, earlier: ClusterCounters) -> ClusterCounters:
         """Counters accumulated since ``earlier`` (``now`` becomes the elapsed time)."""
@@ -122,6 +136,9 @@ class SimulatedEngine(LoopTaskEngine):
                               "is required")
         if not isinstance(settle_passes, int) or settle_passes < 1:
             raise ConfigError(f"settle_passes={settle_passes!r} is not allowed: an int >= 1")
+        if isinstance(lengths, TurnModel) and cluster.cost.mixed_chunk:
+            raise ConfigError(f"lengths is the agentic model {lengths.name!r} and the cluster runs mixed chunked "
+                              "prefill: agentic turns are modelled with separate prefill only (mixed_chunk=False)")
         self.cluster = cluster
         self.lengths = lengths
         self.settle_passes = settle_passes
@@ -145,6 +162,9 @@ class SimulatedEngine(LoopTaskEngine):
         self._paused: str | None = None  # pause_generation's mode while paused
         self._kv_copy_time = 0.0
         self._kv_copy_tokens = 0
+        self._tools: list[tuple[float, int]] = []  # (result time, wait key) of tool calls, earliest first
+        self._on_tool: dict[int, SimRequest] = {}  # wait key -> the request waiting on its tool call
+        self._tool_keys = itertools.count()
 
     def clock(self) -> float:
         """Virtual seconds since the engine was created."""
@@ -166,7 +186,10 @@ class SimulatedEngine(LoopTaskEngine):
         stream = _Stream(request)
         self._requests[rid] = request
         self._streams[rid] = stream
-        self._route(request)
+        if request.sample.tool_ready_at > self.now:  # resumed while its tool still runs (aborted mid-call)
+            self._wait_tool(request)
+        else:
+            self._route(request)
         self._notify()
 
         async def receive() -> GenerationChunk:
@@ -302,6 +325,11 @@ class SimulatedEngine(LoopTaskEngine):
                                delivered_tokens=self._delivered_tokens, kv_copy_time=self._kv_copy_time,
                                kv_copy_tokens=self._kv_copy_tokens, **asdict(total))
 
+    def tool_waiting(self) -> list[str]:
+        """Ids of the requests waiting on a tool call: on no replica, so they hold no decode slot and no KV (their
+        context may survive as an evictable prefix-cache entry)."""
+        return [r.request_id for r in self._on_tool.values()]
+
     def finish_time(self, ids: Sequence[int] | np.ndarray) -> float:
         """Virtual time at which the request whose prompt + response are ``ids`` finished (stop or length), taken
         out of the record; NaN when no request ended so (unknown, aborted, or continued past a chunk boundary)."""
@@ -340,9 +368,14 @@ class SimulatedEngine(LoopTaskEngine):
             key = prompt_key(ids)
             ordinal = self._ordinals[key]
             self._ordinals[key] += 1
-            draw = self.lengths.draw(key, ordinal, self.weight_version)
-            sample = SimSample(uid=next(self._uids), prompt_len=int(ids.size), target=int(draw.length),
-                               correct=bool(draw.correct))
+            if isinstance(self.lengths, TurnModel):
+                plan = self.lengths.plan(key, ordinal, self.weight_version)
+                sample = SimSample(uid=next(self._uids), prompt_len=int(ids.size), target=plan.model_tokens,
+                                   correct=plan.correct, plan=plan)
+            else:
+                draw = self.lengths.draw(key, ordinal, self.weight_version)
+                sample = SimSample(uid=next(self._uids), prompt_len=int(ids.size), target=int(draw.length),
+                                   correct=bool(draw.correct))
             is_resume = False
         base = int(ids.size) - sample.prompt_len
         left = max(sample.target - base, 1)
@@ -351,7 +384,8 @@ class SimulatedEngine(LoopTaskEngine):
         else:
             new_total, finish = left, FinishReason.STOP
         return SimRequest(request_id=rid, sample=sample, base=base, input_len=int(ids.size), new_total=new_total,
-                          finish=finish, is_resume=is_resume, hasher=hasher, input_ids=ids, prefix_key=prefix_key)
+                          finish=finish, is_resume=is_resume, hasher=hasher, input_ids=ids, prefix_key=prefix_key,
+                          env=sample.env_tokens, turn_end=_turn_end(sample, base, new_total))
 
     def _route(self, request: SimRequest) -> None:
         if request.is_continuation:
@@ -397,6 +431,9 @@ class SimulatedEngine(LoopTaskEngine):
         self._notify()
 
     def _finish(self, request: SimRequest) -> None:
+        if request.at_tool_call:
+            self._call_tool(request)
+            return
         del self._requests[request.request_id]
         self._deliver(request, self._chunk(request, request.finish))
         s = request.sample
@@ -412,16 +449,57 @@ class SimulatedEngine(LoopTaskEngine):
             self._budget_ends.setdefault(digest, deque()).append(self.weight_version)
             self.replicas[request.replica].cache_prefix(digest, request.context)
 
+    def _call_tool(self, request: SimRequest) -> None:
+        """The turn ended with a tool call: the request leaves its replica (reaped) and waits for the result; its
+        context stays cached there for the next turn, which gets the observation and the next turn's end."""
+        s = request.sample
+        assert s.plan is not None
+        self._deliver(request, self._chunk(request, None))
+        call = s.tools_called
+        key = f"{request.request_id}#{call}".encode()
+        self.replicas[request.replica].cache_prefix(key, request.context)
+        # Tool output is truncated to what the KV cache can still hold next to the rest of the request.
+        room = self.cluster.cost.kv_capacity_tokens - request.context - (request.new_total - request.generated)
+        observation = max(0, min(s.plan.observation_tokens[call], room))
+        s.tools_called += 1
+        s.env_tokens += observation
+        s.tool_ready_at = self.now + s.plan.tool_latency_s[call]
+        request.turn_prior = request.context
+        request.env += observation
+        request.turn_key = key
+        request.turn_end = _turn_end(s, request.base, request.new_total)
+        request.prefilled_once = False
+        self._wait_tool(request)
+
+    def _wait_tool(self, request: SimRequest) -> None:
+        request.tool_seq = next(self._tool_keys)
+        self._on_tool[request.tool_seq] = request
+        heapq.heappush(self._tools, (request.sample.tool_ready_at, request.tool_seq))
+
+    def _release_tools(self) -> None:
+        """Requests whose tool result has arrived queue for their next turn: a turn on the replica caching its
+        context, a resumed request wherever the router sends it. Aborted waits are dropped from the heap."""
+        while self._tools and (self._tools[0][1] not in self._on_tool or self._tools[0][0] <= self.now):
+            request = self._on_tool.pop(heapq.heappop(self._tools)[1], None)
+            if request is None:
+                continue
+            request.tool_seq = -1
+            if request.turn_key is not None:
+                self.replicas[request.replica].enqueue(request)
+            else:
+                self._route(request)
+
     def _abort_now(self, ids: list[str]) -> list[GenerationOutput]:
         synced: set[int] = set()
         outputs = []
         for rid in ids:
             request = self._requests.pop(rid)
-            replica = self.replicas[request.replica]
-            if replica.index not in synced and self._paused is None:  # paused: synced at the pause
-                replica.sync(self.now, finish_step=False)
-                synced.add(replica.index)
-            replica.remove(request)
+            if self._on_tool.pop(request.tool_seq, None) is None:  # waiting on its tool: on no replica
+                replica = self.replicas[request.replica]
+                if replica.index not in synced and self._paused is None:  # paused: synced at the pause
+                    replica.sync(self.now, finish_step=False)
+                    synced.add(replica.index)
+                replica.remove(request)
             self._deliver(request, self._chunk(request, FinishReason.ABORT))
             s = request.sample
             out_tokens = response_tokens(s.uid, request.base, request.base + request.generated, None, s.correct)
@@ -494,7 +572,8 @@ class SimulatedEngine(LoopTaskEngine):
         return bool(self.paused_tags) or self._paused is not None
 
     def _step(self) -> bool:
-        """Admit queued work, then jump to the earliest replica event and deliver what finished there."""
+        """Admit queued work, then jump to the earliest replica event or tool result and deliver what finished."""
+        self._release_tools()
         for replica in self.replicas:
             if replica.dirty:
                 replica.sync(self.now, finish_step=True)
@@ -502,6 +581,10 @@ class SimulatedEngine(LoopTaskEngine):
                     self._finish(request)
                 replica.admit()
         t = min(r.next_event() for r in self.replicas)
+        self._release_tools()  # drops aborted waits from the top of the heap: its first entry is a live one
+        if self._tools and self._tools[0][0] < t:
+            self.now = max(self.now, self._tools[0][0])  # the next step releases it
+            return True
         if math.isinf(t):
             return False
         self.now = max(self.now, t)
@@ -529,6 +612,16 @@ class SimulatedEngine(LoopTaskEngine):
                 if stream.waiter is not None and not stream.waiter.done():
                     stream.waiter.set_exception(exc)
             raise
+
+
+def _turn_end(sample: SimSample, base: int, new_total: int) -> int | None:
+    """Where a request of ``sample`` starting at response token ``base`` ends its turn with the next tool call
+    (counted in its generated tokens); None when it runs to its end (the last turn, or the cap comes first)."""
+    plan = sample.plan
+    if plan is None or sample.tools_called >= plan.turns - 1:
+        return None
+    end = plan.tool_call_at(sample.tools_called) - base
+    return end if end < new_total else None
 
 
 def _digest(ids: np.ndarray) -> bytes:

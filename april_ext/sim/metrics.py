@@ -22,6 +22,8 @@ Definitions (docs/sim.md has the reasoning):
   step began counts at its start) to the step's end, as a share of the step's rollout time: the last 10%.
 - continuations (divided rollout): requests continuing a sample past a chunk boundary; those placed on a replica
   without their cached prefix pay its prefill (continuation_prefill_time_fraction), the others hit the cache.
+- agentic trajectories (turns.py): tool calls per step and the replica time prefilling observations (part of the
+  bounds' work: the bounds assume the engines never idle while tools run, other work filling the wait).
 - prediction rank correlation (scheduler): Spearman's between each finished sample's predicted final length at
   its last dispatch and its final length, per step; the run's is the mean weighted by the samples.
 """
@@ -178,6 +180,8 @@ class StepReport:
     prediction_samples: int  # the samples that correlation is over
     long_round: bool  # tail batching: the step ran long-queue groups only
     long_queue_groups: int  # tail batching: groups waiting in the long queue after the step
+    tool_calls: int = 0  # agentic: turns that ended with a tool call in the step
+    env_prefill_time_fraction: float = 0.0  # agentic: replica time prefilling observations / (replicas x rollout)
     response_lens: list[int] = field(default_factory=list, repr=False)
 
 
@@ -226,6 +230,8 @@ def step_report(step: int, metrics: Any, counters: ClusterCounters, bound: Occup
         long_round=bool(sched["long_round"]), long_queue_groups=int(sched["long_queue_groups"]),
         continuation_prefill_time_fraction=(counters.continuation_prefill_time / replica_time
                                             if replica_time > 0 else 0.0),
+        tool_calls=counters.tool_calls,
+        env_prefill_time_fraction=counters.env_prefill_time / replica_time if replica_time > 0 else 0.0,
         response_lens=lens.tolist())
 
 

@@ -7,6 +7,10 @@ forms (CostModel.decode_time / steps_within). Events are a request finishing, th
 (admissions, aborts, weight flushes). Admission runs a prefill batch during which decoding pauses; with the
 cost model's mixed_chunk, admitted requests prefill instead in chunks that ride in the decode iterations, and
 while any is prefilling every iteration is an event (prefill progress is state between events).
+An agentic trajectory (turns.py) leaves its replica at each tool call (reaped like a finish: it holds no decode
+slot while its tool runs) and comes back for its next turn with the observation appended to its context; its
+context's KV stays behind as a prefix-cache entry, so the next turn prefills only the observation unless the
+entry was evicted (then the whole context is recomputed).
 A replica keeps the KV of requests that ended at their token budget (a divided rollout's chunk boundary) in a
 prefix cache, as SGLang's radix cache keeps a finished request's KV: a continuation (prompt + partial response)
 admitted here while its entry survives needs no prefill. Entries are evictable: the cache holds at most the KV
@@ -26,6 +30,7 @@ import numpy as np
 
 from april_ext.batch import FinishReason
 from april_ext.sim.cost import CostModel
+from april_ext.sim.turns import TrajectoryPlan
 
 
 @dataclass
@@ -36,6 +41,10 @@ class SimSample:
     prompt_len: int
     target: int  # natural total response length; the request's cap may cut it
     correct: bool
+    plan: TrajectoryPlan | None = None  # an agentic trajectory's turns and tool calls (None: one turn, no tools)
+    tools_called: int = 0  # tool calls issued so far
+    env_tokens: int = 0  # observation tokens those calls inserted into the context
+    tool_ready_at: float = 0.0  # virtual time the last tool call's result arrives: no turn runs before it
 
 
 @dataclass
@@ -52,6 +61,11 @@ class SimRequest:
     hasher: Any  # blake2b over the input ids, extended with the output on abort
     input_ids: np.ndarray
     prefix_key: bytes | None = None  # a continuation: the digest of its input ids, its prefix-cache key
+    env: int = 0  # observation tokens in the context beyond the input ids (an agentic trajectory)
+    turn_end: int | None = None  # generated count at which the current model turn ends with a tool call
+    turn_key: bytes | None = None  # the next turn after a tool call: its context's prefix-cache key
+    turn_prior: int = 0  # the next turn: its context before the observation (what the prefix cache may hold)
+    tool_seq: int = -1  # while its tool runs: the engine's key of the wait
     generated: int = 0
     delivered: int = 0
     chunk_versions: list[tuple[int, int]] = field(default_factory=list)  # (version, count) per delivered chunk
@@ -59,15 +73,21 @@ class SimRequest:
     running: bool = False
     prefilled_once: bool = False
     prefilled: int = 0  # mixed chunk: context tokens prefilled so far in the current admission
-    prefill_kind: Literal["new", "resume", "continuation", "recompute"] = "new"  # how this admission's prefill counts
+    # How this admission's prefill counts; "turn": the next turn of an agentic trajectory after its tool call.
+    prefill_kind: Literal["new", "resume", "continuation", "recompute", "turn"] = "new"
 
     @property
     def context(self) -> int:
-        return self.input_len + self.generated
+        return self.input_len + self.env + self.generated
 
     @property
     def remaining(self) -> int:
-        return self.new_total - self.generated
+        """Tokens left before the request leaves the replica: at its end, or at its current turn's tool call."""
+        return (self.new_total if self.turn_end is None else self.turn_end) - self.generated
+
+    @property
+    def at_tool_call(self) -> bool:
+        return self.turn_end is not None and self.generated >= self.turn_end
 
     @property
     def is_continuation(self) -> bool:
@@ -99,6 +119,9 @@ class ReplicaCounters:
     continuation_prefill_time: float = 0.0  # prefill of continuations whose prefix was not cached here
     continuation_prefill_tokens: int = 0
     prefix_hit_tokens: int = 0  # context tokens of continuations admitted on their cached prefix (no prefill)
+    tool_calls: int = 0  # agentic turns that ended with a tool call (the request left to wait on it)
+    env_prefill_tokens: int = 0  # observation tokens prefilled for the turn after a tool call
+    env_prefill_time: float = 0.0  # their prefill on top of the cached context (a lost prefix counts as recompute)
 
 
 class Replica:
@@ -250,7 +273,9 @@ class Replica:
             for r in done:
                 r.running = False
                 self.kv -= r.context
-            self.counters.finished += len(done)
+            calls = sum(r.at_tool_call for r in done)
+            self.counters.tool_calls += calls
+            self.counters.finished += len(done) - calls
             self._next = None
         return done
 
@@ -292,8 +317,8 @@ class Replica:
             self.waiting.popleft()
             r.running = True
             first = not r.prefilled_once
-            r.prefill_kind = ("recompute" if not first else "continuation" if r.is_continuation
-                              else "resume" if r.is_resume else "new")
+            r.prefill_kind = ("recompute" if not first else "turn" if r.turn_key is not None
+                              else "continuation" if r.is_continuation else "resume" if r.is_resume else "new")
             r.prefilled_once = True
             if first and r.is_continuation:
                 self.counters.continuations += 1
@@ -302,7 +327,8 @@ class Replica:
                     self.running.append(r)
                     self.kv += r.context
                     continue
-            batch.append(r)
+            cached = (self._pop_prefix(r.turn_key) or 0) if r.prefill_kind == "turn" else 0
+            batch.append((r, cached))
             if cost.mixed_chunk:
                 r.prefilled = 0
                 self.prefilling.append(r)
@@ -315,11 +341,14 @@ class Replica:
             self._evict()
             return
         total = cost.prefill_fixed_s
-        for r in batch:
-            t = cost.prefill_time(0, r.context)
+        for r, cached in batch:
+            t = cost.prefill_time(cached, r.context)
             total += t
-            self._charge_prefill(r, t, r.context)
-            self._charge_work(r, t)
+            if r.prefill_kind == "turn":
+                self._charge_turn(r, t, cached)
+            else:
+                self._charge_prefill(r, t, r.context)
+                self._charge_work(r, t)
         self.counters.prefill_time += total
         self.seg_t0 += total
         self._next = None
@@ -349,11 +378,27 @@ class Replica:
     def _take_prefix(self, request: SimRequest) -> bool:
         """A continuation's cached prefix becomes its KV (admission has checked that the context fits)."""
         assert request.prefix_key is not None
-        tokens = self.prefix_cache.pop(request.prefix_key, None)
-        if tokens is None:
-            return False
-        self._cached_tokens -= tokens
-        return True
+        return self._pop_prefix(request.prefix_key) is not None
+
+    def _pop_prefix(self, key: bytes | None) -> int | None:
+        """Take the entry of ``key`` out of the cache (it becomes a request's KV); its tokens, None on a miss."""
+        tokens = self.prefix_cache.pop(key, None) if key is not None else None
+        if tokens is not None:
+            self._cached_tokens -= tokens
+        return tokens
+
+    def _charge_turn(self, request: SimRequest, seconds: float, cached: int) -> None:
+        """Count the prefill of a turn after a tool call. The observation on top of its context is work any schedule
+        does (in the bounds); the context itself is recomputed when its cached prefix was lost."""
+        c = self.counters
+        env = self.cost.prefill_time(request.turn_prior, request.context)
+        c.prefill_tokens += request.context - cached
+        c.env_prefill_tokens += request.context - request.turn_prior
+        c.env_prefill_time += env
+        c.new_prefill_work_s += env
+        if cached < request.turn_prior:
+            c.recompute_time += seconds - env
+            c.recompute_tokens += request.turn_prior - cached
 
     def _charge_prefill(self, request: SimRequest, seconds: float, tokens: int) -> None:
         """Count prefill work of ``request`` under the kind its admission set (the caller adds prefill_time)."""

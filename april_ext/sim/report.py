@@ -11,6 +11,7 @@ import numpy as np
 from april_ext.persistence import atomic_write_json
 from april_ext.plots import save_figure
 from april_ext.sim.runner import SimResult, gain
+from april_ext.sim.turns import TurnModel
 
 _COLUMNS = (
     ("mode", "{}"), ("tok/s", "{:,.0f}"), ("gain", "{}"), ("useful tok/s", "{:,.0f}"), ("bound", "{:,.0f}"),
@@ -19,6 +20,8 @@ _COLUMNS = (
     ("step s", "{:.1f}"), ("tail", "{:.2f}"), ("rank corr", "{:.2f}"), ("cont/step", "{:.0f}"), ("len ratio", "{:.2f}"),
     ("W1 first->last", "{}"),
 )
+_AGENTIC_COLUMNS = (("tools/step", "{:,.0f}"), ("envpre", "{:.3f}"))
+"""Added to the table of agentic runs: tool calls per step, share of replica time prefilling observations."""
 
 
 def summary_rows(results: dict[str, SimResult]) -> list[dict[str, Any]]:
@@ -37,16 +40,18 @@ def summary_rows(results: dict[str, SimResult]) -> list[dict[str, Any]]:
             "tail": s["tail_latency"], "rank corr": s["prediction_rank_corr"], "cont/step": s["continuations_per_step"],
             "len ratio": s["length_mean_ratio"],
             "W1 first->last": f"{s['first_step_length_w1_rel']:.2f}->{s['last_step_length_w1_rel']:.2f}",
+            "tools/step": s["tool_calls_per_step"], "envpre": s["env_prefill_time_fraction"],
         })
     return rows
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width text table of summary_rows."""
-    cells = [[name for name, _ in _COLUMNS]]
+def format_table(rows: list[dict[str, Any]], agentic: bool = False) -> str:
+    """A fixed-width text table of summary_rows (with the tool columns when ``agentic``)."""
+    columns = _COLUMNS + _AGENTIC_COLUMNS if agentic else _COLUMNS
+    cells = [[name for name, _ in columns]]
     for row in rows:
-        cells.append([fmt.format(row[name]) for name, fmt in _COLUMNS])
-    widths = [max(len(r[i]) for r in cells) for i in range(len(_COLUMNS))]
+        cells.append([fmt.format(row[name]) for name, fmt in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -68,7 +73,18 @@ def describe(results: dict[str, SimResult]) -> str:
             f"bound: the best schedule of each mode's own work (eff: without re-prefill, ceil eff: with it); "
             f"steady-state rate {first.bound.tokens_per_s:,.0f} tok/s (B_sat {first.bound.mean_batch:.1f} per engine)"
             f", natural mean length {first.natural_mean:,.0f}")
-    return head + "\n" + format_table(summary_rows(results))
+    if isinstance(lengths, TurnModel):
+        head += "\n" + describe_turns(lengths)
+    return head + "\n" + format_table(summary_rows(results), agentic=isinstance(lengths, TurnModel))
+
+
+def describe_turns(model: TurnModel) -> str:
+    """The agentic model's figures and what the bound assumes about tool waits."""
+    return (f"agentic {model.name}: turns median {model.median_turns:g} (cap {model.max_turns}), model turn median "
+            f"{model.turn_tokens_median:,.0f} tokens, tool latency median {model.tool_median_s:g} s / p99 "
+            f"{model.tool_p99_s:g} s, observation median {model.observation_median:,.0f} env tokens (prefilled, not "
+            f"trained); the bound counts the observations' prefill and assumes the engines never idle while tools "
+            f"run (other samples fill the wait)")
 
 
 def write_json(results: dict[str, SimResult], path: str) -> None:

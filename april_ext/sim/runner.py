@@ -34,6 +34,7 @@ from april_ext.sim.metrics import (
     step_report,
 )
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
+from april_ext.sim.turns import TURN_PRESETS, TurnModel, turn_preset
 from april_ext.sim.waves import WaveRollout
 from april_ext.strategies import STRATEGIES, configure, synchronous, synchronous_dapo
 
@@ -54,8 +55,10 @@ MODE_SETTINGS = ("refill", "over_sampling")
                                "(replicas x B_sat of the steady-state rate)."})
 class SimConfig:
     """One simulated run. ``cluster`` is a preset name (see CLUSTER_PRESETS) or a ClusterConfig; ``lengths``
-    a length preset name (see LENGTH_PRESETS), a .csv / .jsonl trace path, or a LengthModel. The scheduler's
-    settings are SchedulerConfig's fields (adopted after the fields written here), except MODE_SETTINGS."""
+    a length preset name (see LENGTH_PRESETS), an agentic preset name (see turns.TURN_PRESETS: multi-turn
+    trajectories with tool calls), a .csv / .jsonl trace path, or a LengthModel (a TurnModel for agentic runs).
+    The scheduler's settings are SchedulerConfig's fields (adopted after the fields written here), except
+    MODE_SETTINGS."""
 
     cluster: str | ClusterConfig = "h100-qwen3-8b"
     lengths: str | LengthModel = "dapo-math-17k"
@@ -143,9 +146,14 @@ class SimConfig:
             replace(shared, over_sampling="adaptive", target_inflight_samples=self.target_inflight_samples)
         # None: SchedulerConfig's N' (2N) or the strategy's, so that reports show the value run.
         object.__setattr__(self, "over_sampling_batch_size", shared.over_sampling_batch_size)
-        if isinstance(self.lengths, str) and self.lengths not in LENGTH_PRESETS and not os.path.isfile(self.lengths):
-            raise ConfigError(f"SimConfig.lengths={self.lengths!r} is not allowed: one of {sorted(LENGTH_PRESETS)} "
-                              f"or the path of a .csv / .jsonl length trace")
+        if (isinstance(self.lengths, str) and self.lengths not in LENGTH_PRESETS and self.lengths not in TURN_PRESETS
+                and not os.path.isfile(self.lengths)):
+            raise ConfigError(f"SimConfig.lengths={self.lengths!r} is not allowed: a length preset "
+                              f"({', '.join(sorted(LENGTH_PRESETS))}), an agentic preset "
+                              f"({', '.join(sorted(TURN_PRESETS))}) or the path of a .csv / .jsonl length trace")
+        if self.agentic and self.mixed_chunk:
+            raise ConfigError(f"SimConfig.mixed_chunk=True is not allowed with the agentic lengths {self.lengths!r}: "
+                              "turns are modelled with separate prefill only (mixed_chunk=False)")
 
     def _shared_scheduler_config(self) -> SchedulerConfig:
         """Every mode's scheduler settings but the mode's own, validated by SchedulerConfig; with the strategy in
@@ -185,6 +193,11 @@ class SimConfig:
                               weight_sync_s=self.weight_sync_s, colocated=self.colocate)
 
     @property
+    def agentic(self) -> bool:
+        """The samples are multi-turn trajectories with tool calls (an agentic preset or a TurnModel)."""
+        return isinstance(self.lengths, TurnModel) or (isinstance(self.lengths, str) and self.lengths in TURN_PRESETS)
+
+    @property
     def waves_baseline(self) -> bool:
         """The run is slime's wave-refill DAPO baseline (driven by april_ext.sim.waves, not the scheduler)."""
         return self.mode == "baseline" and self.algorithm == "dapo" and self.dapo_baseline == "waves"
@@ -209,6 +222,8 @@ class SimConfig:
             return self.lengths
         if self.lengths in LENGTH_PRESETS:
             return length_preset(self.lengths, seed=self.seed)
+        if self.lengths in TURN_PRESETS:
+            return turn_preset(self.lengths, seed=self.seed)
         return TraceLengths.from_file(self.lengths)
 
 
@@ -284,6 +299,8 @@ def _summarize(steps: list[StepReport], natural: np.ndarray, bound: OccupancyBou
                                                         durations),
         "chunk_returns_per_step": float(np.mean([s.chunk_returns for s in steady])),
         "long_round_share": float(np.mean([s.long_round for s in steady])),
+        "tool_calls_per_step": float(np.mean([s.tool_calls for s in steady])),
+        "env_prefill_time_fraction": _weighted([s.env_prefill_time_fraction for s in steady], durations),
         "prediction_rank_corr": _weighted([s.prediction_rank_corr for s in predicted],
                                           [float(s.prediction_samples) for s in predicted]) if predicted else math.nan,
         "max_staleness": float(max((len(s.staleness_histogram) - 1 for s in steps), default=0)),
