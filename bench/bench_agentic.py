@@ -1,8 +1,10 @@
 """The multi-turn lookup task on the embedded engine: real training runs of configs/lookup_tiny.toml (a tool call
 with a lognormal latency per lookup, the environment's final reward, tiny Llama, torch trainer), APRIL, APRIL
-with the carry step boundary and a long-tail strategy against the synchronous baseline, over several seeds.
+with continuous refill, APRIL with the carry step boundary and a long-tail strategy against the synchronous
+baseline, over several seeds.
 
     OMP_NUM_THREADS=1 python bench/bench_agentic.py --steps 300 --seeds 0 1 2 --out bench_runs/agentic
+    python bench/bench_agentic.py --combine DIR...   # one table from seeds run in processes of their own
 
 For each seed the runs step in turn in one process (training.run.train_side_by_side), so they see the same
 machine load; tool latencies are real sleeps, so a run does not repeat exactly (docs/agentic.md). Per run:
@@ -35,6 +37,7 @@ CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs
 RUNS: dict[str, dict[str, Any]] = {
     "baseline": {"partial_rollout": False},
     "april": {"partial_rollout": True},
+    "april_continuous": {"partial_rollout": True, "refill": "continuous"},
     "april_carry": {"partial_rollout": True, "strategy": "april_carry"},
     "rollpacker_extra": {"partial_rollout": True, "strategy": "rollpacker_extra"},
 }
