@@ -391,9 +391,9 @@ class CustomGenerateRollout:
 
     # ------------------------------------------------------------------ calls
 
-    def _dispatch(self, version: int) -> bool:
-        """Starts a call per dispatched request; a request of a sample with turns still to replay continues the
-        replay instead. Returns whether a replay advanced."""
+    def _dispatch(self, version: int, other: Callable[[GenerationRequest], None] | None = None) -> bool:
+        """Continues the replay of each dispatched request's sample with turns still to replay; ``other`` takes
+        the other requests (by default: a call each). Returns whether a replay advanced."""
         advanced = False
         for request in self.scheduler.dispatch():
             replay = self._replays.pop(request.sample_id, None)
@@ -404,7 +404,7 @@ class CustomGenerateRollout:
                 continue
             if replay is not None:  # the scheduler restarted the sample from its prompt: the turns are gone
                 self._discard(replay.runs)
-            self._start_call(request)
+            (other or self._start_call)(request)
         return advanced
 
     def _start_call(self, request: GenerationRequest) -> None:
@@ -476,18 +476,7 @@ class CustomGenerateRollout:
         await self._abort_calls()
         self._counts["aborted"] += len(self._replay_returned(version))
         while self._replays:
-            advanced = False
-            for request in self.scheduler.dispatch():
-                replay = self._replays.pop(request.sample_id, None)
-                if replay is not None and request.is_resume:
-                    self._counts["replay_dispatches"] += 1
-                    self._advance(request.sample_id, replay, version)
-                    advanced = True
-                    continue
-                if replay is not None:
-                    self._discard(replay.runs)
-                self.scheduler.on_finish(request.sample_id, "abort")
-            if not advanced:
+            if not self._dispatch(version, lambda request: self.scheduler.on_finish(request.sample_id, "abort")):
                 break  # the turns still to replay are cut when the step ends
 
     async def _post_abort(self, url: str) -> None:

@@ -195,15 +195,14 @@ class Trajectories:
 
     def forget_group(self, group_id: int) -> None:
         """The group was rewarded: its trajectories are over."""
-        for sid in [s for s, live in self._live.items() if live.group_id == group_id]:
-            task = self._tasks.pop(sid, None)
-            if task is not None:
-                task.cancel()
-            del self._live[sid]
+        self._forget([s for s, live in self._live.items() if live.group_id == group_id])
 
     def keep_only(self, sample_ids: set[int]) -> None:
         """Forgets the trajectories of samples the scheduler no longer holds (a dropped group's)."""
-        for sid in [s for s in self._live if s not in sample_ids]:
+        self._forget([s for s in self._live if s not in sample_ids])
+
+    def _forget(self, sample_ids: list[int]) -> None:
+        for sid in sample_ids:
             task = self._tasks.pop(sid, None)
             if task is not None:
                 task.cancel()
