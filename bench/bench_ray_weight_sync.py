@@ -72,7 +72,7 @@ async def timed(run: TrainingRun, pulled: bool) -> tuple[float, dict[str, float]
         start = time.perf_counter()
         if pulled:  # the export through the driver, sent from there
             await engine.update_weights(list(trainer.export_weights()), trainer.version)
-        else:  # the run's sync (cluster.weight_sync)
+        else:  # the run's sync (RayEngine.update_from_trainer)
             await engine.update_from_trainer(trainer.version)
         seconds = time.perf_counter() - start
     return seconds, memory.rise()

@@ -96,8 +96,7 @@ def _stream(world: int, out: str) -> dict[str, Any]:
 
 
 def _disk(world: int, out: str) -> dict[str, Any]:
-    from april_ext.sglang.broadcast import WeightBroadcaster
-    from april_ext.sglang.weights import push_weights
+    from april_ext.weights import WeightBroadcaster, push_weights
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(DISK_MODEL)
@@ -113,9 +112,8 @@ def _disk(world: int, out: str) -> dict[str, Any]:
     def export() -> None:
         if dist.get_rank() == 0:
             workers: Any = _AnsweringWorkers()
-            http: Any = None  # the disk sync makes no HTTP call of its own
-            broadcaster = WeightBroadcaster(workers, http, bucket_bytes=BUCKET_MB * 2**20, timeout_s=60.0)
-            asyncio.run(push_weights(workers, http, trainer.export_weights(), 1, "disk", sync_dir, broadcaster))
+            broadcaster = WeightBroadcaster(workers, bucket_bytes=BUCKET_MB * 2**20, timeout_s=60.0)
+            asyncio.run(push_weights(workers, trainer.export_weights(), 1, "disk", sync_dir, broadcaster))
         else:
             collections.deque(trainer.iter_hf_weights(), maxlen=0)
 

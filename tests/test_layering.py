@@ -36,6 +36,7 @@ LAYERS: tuple[Layer, ...] = (
                          "strategies", "plots")),
     Layer("protocol", ("protocol",), only=("errors", "batch", "data_source")),
     Layer("components", ("memory", "model", "algorithms", "data", "tasks", "triton_kernels")),
+    Layer("weight sync", ("weights",)),
     Layer("rollout loop", ("rollout",)),
     Layer("engines and trainers", ("engine", "sim", "sglang", "trainer"), peers=True),
     Layer("server", ("server",)),
@@ -201,6 +202,14 @@ def test_peer_and_protocol_rules() -> None:
     assert violation("april_ext.protocol.outputs", "april_ext.scheduler") is not None
     assert violation("april_ext.protocol.outputs", "april_ext.errors") is None
     assert violation("april_ext.server.app", "april_ext.engine") is None
+
+
+@pytest.mark.parametrize("target", ["april_ext.sglang.workers", "april_ext.cluster.trainer_ranks",
+                                    "april_ext.trainer.torch_trainer", "april_ext.engine", "april_ext.training.config"])
+def test_weight_sync_imports_no_engine_trainer_or_cluster(target: str) -> None:
+    """Weight sync reads one way: engines, trainers and the cluster import april_ext.weights, never the reverse."""
+    assert violation("april_ext.weights.transport", target) is not None
+    assert violation(target, "april_ext.weights.transport") is None
 
 
 def _layout_lines() -> list[str]:

@@ -26,7 +26,7 @@ import torch
 from _ray_utils import RAY, TINY, label, needs, ray_cluster, ray_run  # noqa: F401 (fixture)
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
-from april_ext.cluster.weight_sync import RankHost
+from april_ext.cluster.rank_export import RankHost
 from april_ext.model import load_pretrained
 from april_ext.training import TrainConfig, TrainingRun
 
@@ -198,7 +198,7 @@ def test_an_engine_killed_while_rank_0_broadcasts_is_left_out_then_rejoins_with_
             seen["history"] = run.history
             return seen
 
-    caplog.set_level(logging.WARNING, logger="april_ext.cluster.weight_sync")
+    caplog.set_level(logging.WARNING, logger="april_ext.cluster.ray_engine")
     seen = asyncio.run(asyncio.wait_for(run(), 600))  # a hang fails the test instead of stalling the suite
     print(f"step 2 with the fault: {seen['step_s']:.1f} s")
     # Step 2's update failed, went again to the engine left, and the run went on.

@@ -20,9 +20,10 @@ from _torch_threads import one_torch_thread
 from april_ext.errors import ConfigError, InvalidArgumentError
 from april_ext.model import save_pretrained
 from april_ext.protocol import SamplingParams, sglang_wire
-from april_ext.protocol.weight_group import dtype_name, parse_dtype
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig, SGLangServerArgs, launch_sglang_server
-from april_ext.sglang.broadcast import WeightBroadcastError, buckets, master_address_for
+from april_ext.weights import WeightBroadcastError, buckets
+from april_ext.weights.group import dtype_name, parse_dtype
+from april_ext.weights.sender import master_address_for
 
 PROMPT = [5, 17, 33, 2]
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)

@@ -20,7 +20,7 @@ from april_ext.model import load_pretrained, save_pretrained
 from april_ext.model.checkpoint import iter_safetensors
 from april_ext.protocol import SamplingParams
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig
-from april_ext.sglang import weights as sglang_weights
+from april_ext.weights import transport
 from april_ext.trainer import TorchTrainer
 
 PROMPT = [5, 17, 33, 2, 60]
@@ -64,7 +64,7 @@ def test_tensor_sync_sends_buckets_and_commits_the_version_with_the_last(monkeyp
     fresh = [(name, p.detach().clone()) for name, p in new.named_parameters()]
     largest = max(t.numel() * t.element_size() for _, t in fresh)
     calls: list[dict[str, Any]] = []
-    load = sglang_weights._load
+    load = transport._load
 
     async def recording(workers: Any, endpoint: str, payload: dict[str, Any], version: int | None,
                         flush_cache: bool) -> None:
@@ -72,7 +72,7 @@ def test_tensor_sync_sends_buckets_and_commits_the_version_with_the_last(monkeyp
         calls.append({"endpoint": endpoint, "version": version, "flush": flush_cache,
                       "labels": await engine_ref[0].weight_versions()})
 
-    monkeypatch.setattr(sglang_weights, "_load", recording)
+    monkeypatch.setattr(transport, "_load", recording)
     engine_ref: list[SGLangEngine] = []
 
     async def body(url: str) -> tuple[list[str], list[Any]]:

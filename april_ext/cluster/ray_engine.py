@@ -3,8 +3,11 @@ calls go through an SGLangEngine pointed at the router (aborts and weights reach
 lists: the router has no /abort_request) or, with ray_routing "least_loaded", at the engines themselves
 (each request to the least loaded); beside it the engine pool's watch keeps the engines that get requests
 to those that answer, and gives a restarted engine the weights of the last update before it rejoins.
-Weights go as cluster.weight_sync says: the trainer's sent by its ranks (or streamed through the driver with
-"disk"), weights held on the driver from here.
+Weights go one way (RayWeightSync): the trainer group's export (its ranks send it themselves,
+cluster.rank_export, or it streams through the driver with "disk") -> the transport weight_sync names
+(april_ext.weights) -> every engine that gets requests. An update that fails because an engine died goes
+again to the engines that answer, once the others are taken out; a restarted engine gets the last update
+before it rejoins. Weights held on the driver go from here.
 """
 
 from __future__ import annotations
@@ -12,20 +15,103 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+import os
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from april_ext.cluster.engine_pool import EnginePool
+from april_ext.cluster.errors import NoEngineLeftError
 from april_ext.cluster.membership import Membership
+from april_ext.cluster.rank_export import rank_source
 from april_ext.cluster.trainer_group import TrainerGroup
-from april_ext.cluster.weight_sync import HeldWeights, RayWeightSync
+from april_ext.errors import InvalidStateError
 from april_ext.protocol.memory_tags import memory_tags
 from april_ext.protocol.outputs import GenerationChunk, GenerationOutput
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.sglang import SGLangEngine
 from april_ext.sglang.background import cancel_and_wait
+from april_ext.weights import WeightBroadcastError, WeightsSource
 
 logger = logging.getLogger(__name__)
+
+HeldWeights = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike[str]
+"""Weights held on the driver: named tensors, or a checkpoint directory every engine reads."""
+
+
+class RayWeightSync:
+    """Weights onto the engines of ``engine`` (the driver's SGLang client of the pool's engines), the last update
+    kept for an engine that rejoins. ``trainer``: the run's trainer group, whose weights from_trainer sends as
+    weight_sync says; None: only weights held on the driver (from_driver)."""
+
+    def __init__(self, engine: SGLangEngine, pool: EnginePool, trainer: TrainerGroup | None = None) -> None:
+        self.engine = engine
+        self.pool = pool
+        self.trainer = trainer
+        self.last: tuple[WeightsSource, int] | None = None
+        # Made once: a weight group lasts while its host (a StageExport's RankHost) stays the same.
+        self._from_ranks = (None if trainer is None
+                            else rank_source(trainer.ranks, engine.config.weight_sync, pool.rank_beside))
+
+    async def from_trainer(self, version: int, members: Membership | None) -> list[str]:
+        """The trainer's current weights, which must be ``version``, onto every engine of ``members`` (the
+        transports of cluster.rank_export); the names loaded."""
+        if self.trainer is None:
+            raise InvalidStateError("RayWeightSync.from_trainer: this sync was built without the trainer group")
+        if self._from_ranks is not None:
+            return await self._push(self._from_ranks, version, self._from_ranks, members)
+        return await self._push(self.trainer.export_weights(), version, self._sync_dir(), members)
+
+    async def from_driver(self, weights: HeldWeights, version: int, members: Membership | None) -> list[str]:
+        """Weights held here onto every engine of ``members``, sent from the driver: a checkpoint directory; or
+        named tensors, streamed into the weight-sync directory with weight_sync "disk" and else held here whole
+        (for a retry and a rejoin). The names loaded."""
+        if isinstance(weights, (str, os.PathLike)):
+            return await self._push(weights, version, weights, members)
+        if self.engine.config.weight_sync == "disk":
+            return await self._push(weights, version, self._sync_dir(), members)
+        tensors = list(weights.items() if isinstance(weights, Mapping) else weights)
+        return await self._push(tensors, version, tensors, members)
+
+    async def onto(self, engine: SGLangEngine) -> None:
+        """The last update onto a restarted engine (``engine``: a client of it alone), before it rejoins."""
+        if self.last is not None:
+            await engine.update_weights(*self.last)
+
+    def _sync_dir(self) -> str:
+        directory = self.engine.config.weight_sync_dir
+        assert directory is not None  # SGLangEngineConfig requires it for "disk"
+        return directory
+
+    async def _push(self, weights: WeightsSource, version: int, kept: WeightsSource,
+                    members: Membership | None) -> list[str]:
+        """``weights`` onto the engines, then ``kept`` (the same weights, as a rejoining engine reads them). A
+        broadcast that fails (an engine died mid-update) goes again to the engines that answer, once the others
+        are taken out of ``members`` (off the router, or out of the driver's worker pool): by the pool's prune
+        (an actor that does not answer, or a server that does not answer over HTTP) or by its watch, which may
+        have taken the dead engine out while the update ran. Raises the failure when no engine was taken out
+        (then no engine's death explains it), NoEngineLeftError when none is left."""
+        while True:
+            serving = self.pool.serving()  # the engines this attempt goes to
+            try:
+                names = await self.engine.update_weights(weights, version)
+                break
+            except WeightBroadcastError as err:
+                if members is None:
+                    raise
+                await self.pool.prune(members)
+                left = self.pool.serving()
+                # Each retry has fewer engines (a rejoin waits for this update): a bounded loop.
+                if not left < serving:
+                    raise
+                if not left:
+                    raise NoEngineLeftError(f"weight update {version} failed ({err}) and no engine is left to take "
+                                            f"it: {sorted(serving)} are all down") from err
+                logger.warning("weight update %d failed (%s); sending it again to the engines left (%s; %s out)",
+                               version, err, sorted(left), sorted(serving - left))
+        self.last = (kept, version)
+        return names
 
 
 class RayEngine:
@@ -122,4 +208,4 @@ def _report_watch_end(task: asyncio.Task[None]) -> None:
         logger.error("the rollout engine watch stopped: %r; dead engines are no longer replaced", task.exception())
 
 
-__all__ = ["RayEngine"]
+__all__ = ["HeldWeights", "RayEngine", "RayWeightSync"]

@@ -2,7 +2,7 @@
 enters the trainer factory first: the Ray session (cluster and placement groups) and the trainer group in
 it; then, after a resume, the engine factory, given that trainer group: the initial checkpoint, the engine
 actors in the same session, the router unless ray_routing is "least_loaded", the driver's SGLang client and
-the RayEngine over them, which sends the trainer group's weights (cluster.weight_sync). It leaves them in the
+the RayEngine over them, which sends the trainer group's weights (april_ext.weights, cluster.rank_export). It leaves them in the
 reverse order.
 """
 
@@ -49,7 +49,7 @@ class RayTopologyRun:
                              memory_tag_prefix: str) -> AsyncIterator[RolloutEngine]:
         """Engines on a checkpoint of the trainer's current weights (after a resume, the checkpoint's),
         labelled with its version, in the trainer group's session. New weights reach them as weight_sync says
-        (cluster.weight_sync): by default written to the weight-sync directory (sglang_weight_sync_dir, which
+        (april_ext.weights): by default written to the weight-sync directory (sglang_weight_sync_dir, which
         every node must see) and loaded from disk, or broadcast or posted by the trainer ranks. Requests go
         through the router or straight to the least loaded engine (ray_routing). Failover as in
         engine='sglang' (sglang_worker_timeout_s): a server that died or stopped answering gets no more

@@ -24,11 +24,11 @@ from april_ext.batch import TrainingBatch
 from april_ext.cluster.process_memory import rss_bytes
 from april_ext.errors import InvalidStateError
 from april_ext.protocol.trainer import StagedTrainer, Trainer
-from april_ext.sglang.broadcast import BucketMeta, WeightSender, buckets
-from april_ext.sglang.weights import post_tensors
+from april_ext.sglang.workers import workers_at
 from april_ext.trainer import distributed
 from april_ext.training.config import TrainConfig
 from april_ext.training.trainers import InitialWeights, build_trainer
+from april_ext.weights import BucketMeta, WeightSender, buckets, post_tensors
 
 
 class TrainerRank:
@@ -39,7 +39,7 @@ class TrainerRank:
         self._stack = contextlib.ExitStack()
         self._trainer: Trainer | None = None
         self._export: Iterator[list[tuple[str, torch.Tensor]]] | None = None
-        # Rank 0 of the engines' weight group (weight_sync="broadcast"; cluster.weight_sync).
+        # Rank 0 of the engines' weight group (weight_sync="broadcast"; cluster.rank_export).
         self._sender = WeightSender(config.weight_sync_timeout_s)
         self._posted = 0  # bytes posted to the engines (weight_sync="tensor")
 
@@ -158,7 +158,12 @@ class TrainerRank:
                 yield name, tensor
 
         bucket_bytes = int(self.config.weight_sync_bucket_mb * 2**20)
-        return asyncio.run(post_tensors(urls, counted(), weights.version, bucket_bytes, flush_cache))
+
+        async def post() -> list[str]:
+            async with workers_at(urls) as workers:
+                return await post_tensors(workers, counted(), weights.version, bucket_bytes, flush_cache)
+
+        return asyncio.run(post())
 
     def weight_bytes_sent(self) -> int:
         """Bytes this rank has broadcast or posted to the engines."""

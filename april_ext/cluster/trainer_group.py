@@ -56,7 +56,7 @@ class TrainerGroup:
         """Rank 0's export as a stream the driver pulls bucket by bucket (weight_sync_bucket_mb each) while every
         rank gathers it, so the driver and rank 0 hold about one bucket at a time. Nothing is exported until
         it is read. (The weight sync of weight_sync="broadcast" and "tensor" has the ranks send their export
-        themselves instead: cluster.weight_sync.)"""
+        themselves instead: cluster.rank_export.)"""
         return ExportedWeights(self._version, self._reading(to_cpu))
 
     def _reading(self, to_cpu: bool) -> Iterator[tuple[str, Any]]:

@@ -1,5 +1,5 @@
 """TrainerRanks: the actors of a Ray run's trainer ranks and every call made to them, by the trainer group (the
-Trainer protocol, trainer_group.py) and by the weight sync (weight_sync.py) alike.
+Trainer protocol, trainer_group.py) and by the weight export (rank_export.py) alike.
 
 One actor per rank in the trainer's placement group, joined in one process group as torchrun would join
 them (trainer_actor.TrainerRank). Every call waits at most ``ray_timeout_s``, also the ranks' process-group

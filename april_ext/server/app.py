@@ -30,7 +30,7 @@ from april_ext.errors import (
 )
 from april_ext.data.tokenizer import encode_prompt, load_tokenizer
 from april_ext.protocol import HOLD_MODES, GenerationChunk, PausableEngine, SamplingParams, ServableEngine, sglang_wire
-from april_ext.server.distributed_weights import DistributedWeights
+from april_ext.weights.receive import DistributedWeights
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ class SGLangEngineConfig:
     came (no stream event, no /health answer) for this many seconds, is removed from the pool; the
     requests it was running end as ABORT with every token received (resumable elsewhere), and it rejoins
     once it answers again and holds the current weights. /health is probed every worker_timeout_s / 4.
-    weight_sync: how update_weights moves named tensors (april_ext.sglang.weights): "disk" writes them to
+    weight_sync: how update_weights moves named tensors (april_ext.weights.transport): "disk" writes them to
     weight_sync_dir (which it needs) and has every server load them with /update_weights_from_disk;
     "tensor" sends them in /update_weights_from_tensor requests; "broadcast" broadcasts them from this
     process to every server through a process group (/init_weights_update_group, then

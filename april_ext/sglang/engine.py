@@ -1,7 +1,7 @@
 """SGLangEngine: the RolloutEngine API served by SGLang over HTTP (the facade of the adapter).
 
 generate() streams /generate and yields per-event deltas (requests.py); abort() returns partial outputs
-(aborts.py); weight updates (weights.py), memory release / resume and health go to every worker, which
+(aborts.py); weight updates (april_ext.weights), memory release / resume and health go to every worker, which
 the worker pool routes to (workers.py). With config.worker_timeout_s, failover.py takes dead or stalled
 workers out of the pool (their requests end as resumable ABORT partials) and brings them back. The
 argument checks, request ids, memory tags and the stream that aborts when its consumer leaves are those
@@ -28,21 +28,20 @@ from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.protocol.sglang_wire import PAUSE_MODES
 from april_ext.sglang.aborts import Aborter
 from april_ext.sglang.background import cancel_and_wait
-from april_ext.sglang.broadcast import BroadcastSource, StagedSource, WeightBroadcaster
 from april_ext.sglang.client import HTTPClient, refused
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangConnectionError, SGLangHTTPError
 from april_ext.sglang.failover import Failover
 from april_ext.sglang.profiles import ServerProfile
 from april_ext.sglang.requests import RequestState, generate_payload, weight_version_of
-from april_ext.sglang.weights import TensorPoster, WeightsSource, push_weights
 from april_ext.sglang.workers import WorkerPool
+from april_ext.weights.broadcast import WeightBroadcaster
+from april_ext.weights.sources import HELD_ELSEWHERE, WeightsSource
+from april_ext.weights.transport import push_weights
 
 logger = logging.getLogger(__name__)
 
 # Weights sent by the processes that hold them (a trainer rank), not by this one.
-_HELD_ELSEWHERE = (BroadcastSource, StagedSource, TensorPoster)
-
 # weight_versions() for a server whose release labels no weights (SGLang 0.4.x).
 UNLABELLED = "unlabelled"
 
@@ -257,7 +256,7 @@ class SGLangEngine:
 
     async def update_weights(self, weights: WeightsSource, version: int) -> list[str]:
         """Loads weights on every worker with weight_version str(version); returns the names loaded.
-        A checkpoint directory or named tensors; see april_ext.sglang.weights for the transports
+        A checkpoint directory or named tensors; see april_ext.weights.transport for the transports
         (SGLangEngineConfig.weight_sync). A stream of named tensors (an ExportedWeights) is read once:
         the disk sync and the tensor sync without failover hold one bucket of it at a time; the tensor sync
         with failover keeps the whole of it for a rejoining worker, as the broadcast does for its retry.
@@ -265,11 +264,11 @@ class SGLangEngine:
         processes that hold the tensors; this one holds none of them, and keeps the source for a rejoining worker."""
         check_weight_version(version)
         streamed = self.config.weight_sync == "disk" or (self.config.weight_sync == "tensor" and self._failover is None)
-        if not isinstance(weights, (str, os.PathLike, Mapping, *_HELD_ELSEWHERE)) and not streamed:
+        if not isinstance(weights, (str, os.PathLike, Mapping, *HELD_ELSEWHERE)) and not streamed:
             weights = dict(weights)
         async with self._weights_lock:
             # Requests held in place keep their KV: SGLang would fail the flush (it flushes only when idle).
-            names = await push_weights(self._workers, self._http, weights, version, self.config.weight_sync,
+            names = await push_weights(self._workers, weights, version, self.config.weight_sync,
                                        self.config.weight_sync_dir, self._broadcaster,
                                        flush_cache=not self._held_in_place)
             self._weight_version = version
@@ -288,18 +287,18 @@ class SGLangEngine:
         when it went away: it gets them through a group of its own, and the next update builds the shared
         group again with every worker."""
         if self.config.weight_sync != "broadcast":
-            await push_weights(one, self._http, weights, self._weight_version, self.config.weight_sync,
+            await push_weights(one, weights, self._weight_version, self.config.weight_sync,
                                self.config.weight_sync_dir, self._broadcaster)
             return
         single = self._new_broadcaster(one)
         try:
-            await push_weights(one, self._http, weights, self._weight_version, "broadcast", None, single)
+            await push_weights(one, weights, self._weight_version, "broadcast", None, single)
         finally:
             await single.close()
         self._broadcaster.reset()
 
     def _new_broadcaster(self, workers: WorkerPool) -> WeightBroadcaster:
-        return WeightBroadcaster(workers, self._http, bucket_bytes=int(self.config.weight_bucket_mb * 2**20),
+        return WeightBroadcaster(workers, bucket_bytes=int(self.config.weight_bucket_mb * 2**20),
                                  timeout_s=self.config.weight_sync_timeout_s,
                                  master_address=self.config.weight_sync_master_address)
 
@@ -425,7 +424,7 @@ def _kept(weights: WeightsSource, weight_sync: str, weight_sync_dir: str | None)
     weight-sync directory holds the last tensors pushed), a BroadcastSource, StagedSource or TensorPoster
     itself (its holders export them again), else a CPU copy of the tensors (a trainer exports its live
     parameters, which its next update changes in place)."""
-    if isinstance(weights, (str, os.PathLike, *_HELD_ELSEWHERE)):
+    if isinstance(weights, (str, os.PathLike, *HELD_ELSEWHERE)):
         return weights
     if weight_sync == "disk":
         assert weight_sync_dir is not None  # SGLangEngineConfig requires it for "disk"

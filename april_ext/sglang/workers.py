@@ -21,15 +21,16 @@ bring it back), and ``admit`` adds a worker, new or dropped, once it holds the c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from april_ext.errors import InvalidStateError
 from april_ext.protocol.sglang_wire import load_tokens
-from april_ext.sglang.client import HTTPClient
+from april_ext.sglang.client import HTTPClient, refused
 from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangConnectionError, SGLangHTTPError, SGLangNoWorkerError
 from april_ext.sglang.profiles import ServerProfile, probe
@@ -263,6 +264,18 @@ class WorkerPool:
         profiles = {p.url: p for p in await self.profiles()}
         return await self._each_url(list(profiles), lambda u: call(profiles[u]))
 
+    async def post(self, url: str, endpoint: str, body: dict[str, Any]) -> Any:
+        """One POST to one worker, not retried (a weight update's call is not idempotent); its failure raises."""
+        return await self._http.call("POST", f"{url}{endpoint}", body, idempotent=False)
+
+    def lost(self, url: str, cause: BaseException) -> bool:
+        """Whether ``cause`` (a failed call to ``url``) says the worker is gone (nothing listens on its port);
+        with failover such a worker is removed, as a lost connection removes it on every other call."""
+        if not (self.failover and refused(cause)):
+            return False
+        self.remove(url, f"refused connections ({cause})")
+        return True
+
     async def call_each(self, urls: list[str], endpoint: str, payload: Any) -> None:
         """POSTs payload to each of urls, as broadcast does (a removed one is skipped)."""
         live = [u for u in urls if u not in self.removed]
@@ -331,4 +344,18 @@ def _parse_workers(answer: Any) -> list[tuple[str, str | None]]:
     return workers
 
 
-__all__ = ["Removal", "WorkerPool"]
+
+@contextlib.asynccontextmanager
+async def workers_at(urls: Sequence[str]) -> AsyncIterator[WorkerPool]:
+    """A pool of ``urls`` with an HTTP client of its own (the adapter's defaults), for a process that calls
+    the workers itself: a Ray trainer rank that posts its weights (weight_sync "tensor")."""
+    config = SGLangEngineConfig(worker_urls=tuple(urls), weight_sync="tensor")
+    http = HTTPClient(timeout_s=config.timeout_s, connect_timeout_s=config.connect_timeout_s, retries=config.retries,
+                      backoff_s=config.backoff_s, max_connections=config.max_connections)
+    await http.start()
+    try:
+        yield WorkerPool(config, http)
+    finally:
+        await http.close()
+
+__all__ = ["Removal", "WorkerPool", "workers_at"]

@@ -32,7 +32,7 @@ from april_ext.model.checkpoint import save_safetensors_sharded
 from april_ext.protocol.rollout_engine import RolloutEngine
 from april_ext.protocol.trainer import Trainer
 from april_ext.training.config import TrainConfig
-from april_ext.training.handoff import sync_weights
+from april_ext.weights import sync_weights
 
 if TYPE_CHECKING:
     from april_ext.sglang import SGLangEngineConfig

@@ -1,22 +1,12 @@
-"""What passes between a run's trainer and its engine: new weights after each update, and (colocated)
-the device memory, which one side releases while the other works. Written against the Trainer and
-RolloutEngine protocols, so every pair (torch or Megatron, embedded or SGLang) goes the same way."""
+"""Colocated runs: the device memory that passes between a run's trainer and its engine, which one side
+releases while the other works (new weights go through april_ext.weights.sync_weights). Written against the
+Trainer and RolloutEngine protocols, so every pair (torch or Megatron, embedded or SGLang) goes the same way."""
 
 from __future__ import annotations
 
-from april_ext.protocol.rollout_engine import RolloutEngine, TrainerFedEngine
+from april_ext.protocol.rollout_engine import RolloutEngine
 from april_ext.protocol.trainer import Trainer
-
-
-async def sync_weights(trainer: Trainer, engine: RolloutEngine) -> None:
-    """The trainer's current weights into the engine, labelled with the trainer's version: named tensors
-    in Hugging Face names, which every engine takes (the embedded engine copies them into its model, the
-    SGLang engine writes them to its weight-sync directory and has every server load them from disk). An
-    engine built with its trainer (TrainerFedEngine: a Ray run's) has the trainer's processes send them."""
-    if isinstance(engine, TrainerFedEngine):
-        await engine.update_from_trainer(trainer.version)
-    else:
-        await engine.update_weights(trainer.export_weights(), trainer.version)
+from april_ext.weights.sync import sync_weights
 
 
 class StepMemory:
@@ -46,4 +36,4 @@ class StepMemory:
         await self.engine.resume_memory(None)
 
 
-__all__ = ["StepMemory", "sync_weights"]
+__all__ = ["StepMemory"]

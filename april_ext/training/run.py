@@ -6,7 +6,7 @@ builds its trainer (training.trainers.build_trainer: torch or Megatron) and one 
 steps the same way. Per step: (colocated: the trainer's memory is paused, the engine's KV cache resumed)
 the rollout loop produces a batch at the trainer's policy version; (colocated: the engine's memory is
 released, the trainer's resumed) the trainer updates the policy; the new weights go to the engine with
-version + 1 (training.handoff.sync_weights). With ``step_boundary="carry"`` the samples still running when
+version + 1 (april_ext.weights.sync_weights). With ``step_boundary="carry"`` the samples still running when
 the batch is taken stay paused in place in the engine through training and the weight update (keeping
 their KV cache: colocated, the embedded engine's KV cache is released with a host copy and restored
 bit-exactly) and continue in the next step. Metrics go to ``<output_dir>/metrics.jsonl`` one line per
@@ -46,7 +46,8 @@ from april_ext.training.checkpoint import CheckpointManager
 from april_ext.training.config import TrainConfig
 from april_ext.training.engines import EngineFactory, build_engine, engine_metrics
 from april_ext.training.evaluation import evaluate
-from april_ext.training.handoff import StepMemory, sync_weights
+from april_ext.training.handoff import StepMemory
+from april_ext.weights import sync_weights
 from april_ext.training.hooks import ImportedFilter, ImportedReward
 from april_ext.training.metrics import read_metrics, step_row, summarize
 from april_ext.training.sinks import TENSORBOARD_DIR, MetricsSink, TensorBoardSink, WandbSink

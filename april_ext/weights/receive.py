@@ -20,7 +20,7 @@ import torch.distributed as dist
 from aiohttp import web
 
 from april_ext.protocol import sglang_wire
-from april_ext.protocol.weight_group import broadcast_tensors, destroy_weight_group, join_weight_group, parse_dtype
+from april_ext.weights.group import broadcast_tensors, destroy_weight_group, join_weight_group, parse_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Weight sync: how new weights reach every SGLang worker, tagged with the version later tokens carry.
+"""The transports: how new weights reach every worker of an SGLang-speaking engine (SGLang's servers or the
+embedded one), tagged with the version later tokens carry.
 
 A checkpoint directory (which the servers must see at the same path) is loaded with
 /update_weights_from_disk, unless the sync is "broadcast", which reads it here and broadcasts it. Named
@@ -8,9 +9,9 @@ tensors go the way SGLangEngineConfig.weight_sync says:
 - "tensor": one /update_weights_from_tensor per bucket, each a base64 safetensors blob, which only the
   embedded server reads (SGLang's own serializer passes CUDA IPC handles between processes of one machine);
   from this process, or from the process that holds them when given as a TensorPoster (a Ray run's trainer
-  rank 0, which calls post_tensors);
-- "broadcast": SGLang's collective update from this process (april_ext.sglang.broadcast), or from the process
-  that holds them when given as a BroadcastSource (a Ray run's trainer rank 0).
+  ranks, which call post_tensors);
+- "broadcast": SGLang's collective update from this process (april_ext.weights.broadcast), or from the process
+  that holds them when given as a BroadcastSource or a StagedSource (a Ray run's trainer ranks).
 The current release runs tensor and collective updates inside a weight-update session
 (/begin_weight_update ... /end_weight_update), which is opened on the workers of that release.
 """
@@ -19,38 +20,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from april_ext.errors import InvalidArgumentError
 from april_ext.model.checkpoint import iter_safetensors, safetensors_files, save_safetensors_sharded
 from april_ext.protocol import sglang_wire
+from april_ext.protocol.sglang_errors import SGLangHTTPError
 from april_ext.protocol.sglang_wire import encode_named_tensors
-from april_ext.errors import InvalidArgumentError
-from april_ext.sglang.broadcast import BroadcastSource, StagedSource, WeightBroadcaster, buckets
-from april_ext.sglang.client import HTTPClient
-from april_ext.sglang.config import SGLangEngineConfig
-from april_ext.sglang.errors import SGLangHTTPError
-from april_ext.sglang.profiles import ServerProfile
-from april_ext.sglang.workers import WorkerPool
+from april_ext.weights.broadcast import WeightBroadcaster
+from april_ext.weights.sources import BroadcastSource, StagedSource, TensorPoster, WeightsSource, buckets
+from april_ext.weights.workers import WorkerProfile, Workers
 
 
-
-@runtime_checkable
-class TensorPoster(Protocol):
-    """Weights that the process holding them posts to the workers itself (weight_sync "tensor")."""
-
-    async def post(self, urls: list[str], version: int, flush_cache: bool) -> list[str]:
-        """/update_weights_from_tensor calls to ``urls`` as push_weights makes them (post_tensors); the names."""
-        ...
-
-
-WeightsSource = (Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | str | os.PathLike[str]
-                 | BroadcastSource | StagedSource | TensorPoster)
-
-
-async def push_weights(workers: WorkerPool, http: HTTPClient, weights: WeightsSource, version: int,
+async def push_weights(workers: Workers, weights: WeightsSource, version: int,
                        weight_sync: str, weight_sync_dir: str | None, broadcaster: WeightBroadcaster, *,
                        flush_cache: bool = True) -> list[str]:
     """Loads the weights on every worker with weight_version str(version), flushing their caches unless
@@ -79,7 +64,7 @@ async def push_weights(workers: WorkerPool, http: HTTPClient, weights: WeightsSo
         return await _broadcast(broadcaster, list(tensors), version, flush_cache)
     if weight_sync == "tensor":
         names: list[str] = []
-        await _in_session(workers, http, lambda: _from_tensors(workers, tensors, broadcaster.bucket_bytes, version,
+        await _in_session(workers, lambda: _from_tensors(workers, tensors, broadcaster.bucket_bytes, version,
                                                                 flush_cache, names))
         return sorted(names)
     assert weight_sync_dir is not None  # SGLangEngineConfig requires it for "disk"
@@ -87,25 +72,17 @@ async def push_weights(workers: WorkerPool, http: HTTPClient, weights: WeightsSo
     return await _from_disk(workers, weight_sync_dir, version, flush_cache)
 
 
-async def post_tensors(urls: list[str], tensors: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
-                       flush_cache: bool) -> list[str]:
-    """The tensor sync made by the process that holds the tensors, with a client of its own: what push_weights
-    does for weight_sync "tensor", one bucket held at a time; returns the names loaded."""
-    config = SGLangEngineConfig(worker_urls=tuple(urls), weight_sync="tensor")
-    http = HTTPClient(timeout_s=config.timeout_s, connect_timeout_s=config.connect_timeout_s, retries=config.retries,
-                      backoff_s=config.backoff_s, max_connections=config.max_connections)
-    await http.start()
-    try:
-        workers = WorkerPool(config, http)
-        names: list[str] = []
-        await _in_session(workers, http, lambda: _from_tensors(workers, tensors, bucket_bytes, version, flush_cache,
-                                                                names))
-        return sorted(names)
-    finally:
-        await http.close()
+async def post_tensors(workers: Workers, tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       bucket_bytes: int, flush_cache: bool) -> list[str]:
+    """The tensor sync made by the process that holds the tensors (a TensorPoster's, with workers of its own:
+    april_ext.sglang.workers.workers_at): what push_weights does for weight_sync "tensor", one bucket held at a
+    time; returns the names loaded."""
+    names: list[str] = []
+    await _in_session(workers, lambda: _from_tensors(workers, tensors, bucket_bytes, version, flush_cache, names))
+    return sorted(names)
 
 
-async def _from_tensors(workers: WorkerPool, tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+async def _from_tensors(workers: Workers, tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
                         version: int, flush_cache: bool, names: list[str]) -> None:
     """One /update_weights_from_tensor per bucket. Every bucket but the last loads its tensors and leaves
     the server's version and cache alone (no weight_version, flush_cache false); the last sets both, so
@@ -121,7 +98,7 @@ async def _from_tensors(workers: WorkerPool, tensors: Iterable[tuple[str, torch.
     await _send_bucket(workers, pending or [], version, flush_cache)
 
 
-async def _send_bucket(workers: WorkerPool, bucket: list[tuple[str, torch.Tensor]], version: int | None,
+async def _send_bucket(workers: Workers, bucket: list[tuple[str, torch.Tensor]], version: int | None,
                        flush_cache: bool) -> None:
     payload = {"serialized_named_tensors": [encode_named_tensors(dict(bucket))], "load_format": None}
     bucket.clear()  # the blob holds the bytes now
@@ -133,7 +110,7 @@ async def _broadcast(broadcaster: WeightBroadcaster, tensors: list[tuple[str, to
     return await broadcaster.push(tensors, version, flush_cache=flush_cache)
 
 
-async def _from_disk(workers: WorkerPool, path: str, version: int, flush_cache: bool) -> list[str]:
+async def _from_disk(workers: Workers, path: str, version: int, flush_cache: bool) -> list[str]:
     names = []
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as handle:
@@ -143,12 +120,12 @@ async def _from_disk(workers: WorkerPool, path: str, version: int, flush_cache: 
     return sorted(names)
 
 
-async def _in_session(workers: WorkerPool, http: HTTPClient, update: Callable[[], Awaitable[None]]) -> None:
+async def _in_session(workers: Workers, update: Callable[[], Awaitable[None]]) -> None:
     """Runs the update inside a weight-update session on the workers whose release has them."""
     async def call(endpoint: str) -> None:
-        async def one(profile: ServerProfile) -> None:
+        async def one(profile: WorkerProfile) -> None:
             if profile.dialect is sglang_wire.CURRENT:
-                await http.call("POST", f"{profile.url}{endpoint}", {}, idempotent=False)
+                await workers.post(profile.url, endpoint, {})
 
         await workers.each(one)
 
@@ -159,7 +136,7 @@ async def _in_session(workers: WorkerPool, http: HTTPClient, update: Callable[[]
         await call("/end_weight_update")
 
 
-async def _load(workers: WorkerPool, endpoint: str, payload: dict[str, Any], version: int | None,
+async def _load(workers: Workers, endpoint: str, payload: dict[str, Any], version: int | None,
                 flush_cache: bool) -> None:
     """Each worker gets the fields its SGLang release defines (0.4.x has no weight_version, flush_cache came
     with 0.5.x, ...); a server without weight versions still loads the weights, and the adapter tags their
@@ -172,4 +149,4 @@ async def _load(workers: WorkerPool, endpoint: str, payload: dict[str, Any], ver
             raise SGLangHTTPError(f"{url}{endpoint}", 200, f"weight update failed: {answer!r}")
 
 
-__all__ = ["TensorPoster", "WeightsSource", "post_tensors", "push_weights"]
+__all__ = ["post_tensors", "push_weights"]

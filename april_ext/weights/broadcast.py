@@ -3,7 +3,7 @@ process that holds the tensors need not be the one that talks to the workers.
 
 - WeightSender, the collective side: rank 0 of the group. It hosts the group's rendezvous, holds one bucket
   of tensors at a time and broadcasts it. It runs where the tensors are: in this process (the SGLang adapter
-  of a single-process run), or in trainer rank 0's Ray actor (april_ext.cluster.weight_sync).
+  of a single-process run), or in trainer rank 0's Ray actor (april_ext.cluster.rank_export).
 - WeightBroadcaster, the HTTP side: the workers' endpoints. Every worker joins the group through
   /init_weights_update_group (worker i is rank 1 + i; world size 1 + workers); each update opens SGLang's
   weight-update session on every worker, then for each bucket (up to bucket_bytes, in the trainer's order)
@@ -27,26 +27,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import uuid
-from collections.abc import Awaitable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
-from urllib.parse import urlsplit
+from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from april_ext.errors import AprilError, InvalidArgumentError, InvalidStateError
+from april_ext.errors import AprilError, InvalidArgumentError
 from april_ext.protocol import sglang_wire
-from april_ext.protocol.weight_group import broadcast_tensors, destroy_weight_group, dtype_name, join_weight_group
-from april_ext.sglang.client import HTTPClient, refused
-from april_ext.sglang.errors import SGLangHTTPError
-from april_ext.sglang.workers import WorkerPool
+from april_ext.protocol.sglang_errors import SGLangHTTPError
+from april_ext.weights.sender import LocalHost, LocalSource, WeightSender
+from april_ext.weights.sources import BroadcastSource, BucketMeta, GroupHost, Named, StagedSource
+from april_ext.weights.workers import Workers
 
 logger = logging.getLogger(__name__)
-
-Named = Sequence[tuple[str, torch.Tensor]]
 
 
 class WeightBroadcastError(AprilError, RuntimeError):
@@ -56,159 +49,6 @@ class WeightBroadcastError(AprilError, RuntimeError):
     worker_gone: bool = False
     """With failover: the failure was a worker that is gone (nothing listens on its port), which failover
     has removed from the pool, so the update can go to the workers left."""
-
-
-@dataclass(frozen=True)
-class BucketMeta:
-    """What the workers are told of a bucket before it is broadcast (the body of
-    /update_weights_from_distributed), and the group backend its tensors need."""
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    backend: str
-
-
-class WeightSender:
-    """Rank 0 of weight groups, in the process that holds the tensors: joins groups by name, holds one
-    bucket, broadcasts it. Its calls block (on the other ranks), each at most timeout_s."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._groups: dict[str, dist.ProcessGroup] = {}
-        self._held: list[torch.Tensor] | None = None
-        self.bytes_sent = 0
-
-    @staticmethod
-    def endpoint(address: str) -> tuple[str, int]:
-        """(address, a free port on it) for a new group's rendezvous, hosted here."""
-        return address, _free_port(address)
-
-    def join(self, address: str, port: int, world_size: int, name: str, backend: str) -> None:
-        self._groups[name] = join_weight_group(address, port, 0, world_size, name, backend, self.timeout_s)
-
-    def hold(self, bucket: Named) -> BucketMeta:
-        """Keeps the bucket's tensors (on the device its backend carries) for send(); returns what the workers
-        are told of it."""
-        backend = "nccl" if bucket[0][1].is_cuda else "gloo"
-        device = "cuda" if backend == "nccl" else "cpu"
-        self._held = [t.detach().to(device).contiguous() for _, t in bucket]
-        return BucketMeta([n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket],
-                          [list(t.shape) for _, t in bucket], backend)
-
-    def send(self, name: str) -> None:
-        """Broadcasts the held bucket in group ``name``, then drops it."""
-        group = self._groups.get(name)
-        if group is None:
-            raise InvalidStateError(f"WeightSender.send: no weight group {name!r} here (join() first)")
-        tensors, self._held = self._held, None
-        if tensors is None:
-            raise InvalidStateError("WeightSender.send: no bucket is held (hold() first)")
-        try:
-            broadcast_tensors(group, tensors)
-        except RuntimeError:  # a peer died or stalled: the group cannot carry another broadcast
-            self.leave(name)
-            raise
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-
-    def drop(self) -> None:
-        """Forgets a held bucket (an update that failed before sending it)."""
-        self._held = None
-
-    def leave(self, name: str) -> None:
-        group = self._groups.pop(name, None)
-        if group is None:
-            return
-        try:
-            destroy_weight_group(group)
-        except (RuntimeError, ValueError) as exc:  # the process is leaving the group either way
-            logger.warning("destroying weight group %r: %s", name, exc)
-
-
-class GroupHost(Protocol):
-    """Rank 0 of the group, seen from the HTTP side: a WeightSender here or in another process. ``lock``:
-    one update at a time goes through a host (it holds one export and one bucket)."""
-
-    lock: asyncio.Lock
-
-    async def endpoint(self, urls: Sequence[str]) -> tuple[str, int]:
-        """Where the workers (``urls``) reach the group's rendezvous: an address of the host's machine and a
-        free port."""
-        ...
-
-    async def join(self, address: str, port: int, world_size: int, name: str, backend: str) -> None: ...
-
-    async def send(self, name: str) -> None:
-        """Broadcasts the bucket the last next_bucket() described."""
-        ...
-
-    async def leave(self, name: str) -> None: ...
-
-
-@runtime_checkable
-class BroadcastSource(Protocol):
-    """The weights of one update and their host."""
-
-    host: GroupHost
-
-    async def rewind(self, version: int) -> None:
-        """Starts reading the weights from the first tensor (again); ``version`` is what they will be labelled."""
-        ...
-
-    async def next_bucket(self) -> BucketMeta | None:
-        """The next bucket, now held by the host for send(); None after the last."""
-        ...
-
-
-class LocalHost:
-    """A WeightSender in this process; the workers reach it at ``master_address`` (None: the address of this
-    machine that the first worker is reached from)."""
-
-    def __init__(self, sender: WeightSender, master_address: str | None) -> None:
-        self.sender = sender
-        self.master_address = master_address
-        self.lock = asyncio.Lock()
-
-    async def endpoint(self, urls: Sequence[str]) -> tuple[str, int]:
-        return self.sender.endpoint(self.master_address or master_address_for(urls))
-
-    async def join(self, address: str, port: int, world_size: int, name: str, backend: str) -> None:
-        await asyncio.to_thread(self.sender.join, address, port, world_size, name, backend)
-
-    async def send(self, name: str) -> None:
-        await asyncio.to_thread(self.sender.send, name)
-
-    async def leave(self, name: str) -> None:
-        self.sender.leave(name)
-
-
-class LocalSource:
-    """Named tensors in this process, cut into buckets of ``bucket_bytes`` each time they are read."""
-
-    def __init__(self, tensors: Named, host: LocalHost, bucket_bytes: int) -> None:
-        self.tensors = tensors
-        self.host = host
-        self.bucket_bytes = bucket_bytes
-        self._buckets: Iterator[list[tuple[str, torch.Tensor]]] = iter(())
-
-    async def rewind(self, version: int) -> None:
-        self._buckets = buckets(self.tensors, self.bucket_bytes)
-
-    async def next_bucket(self) -> BucketMeta | None:
-        bucket = next(self._buckets, None)
-        return None if bucket is None else self.host.sender.hold(bucket)
-
-
-@dataclass(frozen=True)
-class StagedSource:
-    """The weights of one update in parts, each read and sent by its own host (a pipeline stage's first
-    trainer rank), in order; the parts' names together are the whole model's."""
-
-    parts: tuple[BroadcastSource, ...]
-
-    def __post_init__(self) -> None:
-        if not self.parts:
-            raise InvalidArgumentError("StagedSource needs at least one part")
 
 
 @dataclass
@@ -223,10 +63,9 @@ class _Group:
 class WeightBroadcaster:
     """Sends weights to every worker of ``workers`` by broadcast; see the module docstring."""
 
-    def __init__(self, workers: WorkerPool, http: HTTPClient, *, bucket_bytes: int, timeout_s: float,
+    def __init__(self, workers: Workers, *, bucket_bytes: int, timeout_s: float,
                  master_address: str | None = None) -> None:
         self._workers = workers
-        self._http = http
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.local = LocalHost(WeightSender(timeout_s), master_address)
@@ -328,9 +167,9 @@ class WeightBroadcaster:
         name = f"april_ext_weights_{uuid.uuid4().hex[:12]}"  # torch keeps group names for the process's life
         world = 1 + len(urls)
         joined = asyncio.ensure_future(host.join(address, port, world, name, backend))
-        calls = {u: self._http.call("POST", f"{u}/init_weights_update_group", {
+        calls = {u: self._workers.post(u, "/init_weights_update_group", {
             "master_address": address, "master_port": port, "rank_offset": 1 + i, "world_size": world,
-            "group_name": name, "backend": backend}, idempotent=False) for i, u in enumerate(urls)}
+            "group_name": name, "backend": backend}) for i, u in enumerate(urls)}
         await self._together(joined, calls, f"joining weight group {name!r} at {address}:{port}")
         self._groups[part] = _Group(host, name, urls, backend)
         return self._groups[part]
@@ -339,8 +178,7 @@ class WeightBroadcaster:
         body = {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes, "group_name": group.name,
                 "weight_version": str(version), "flush_cache": flush_cache, "abort_all_requests": False}
         sent = asyncio.ensure_future(group.host.send(group.name))
-        calls = {u: self._http.call("POST", f"{u}/update_weights_from_distributed", body, idempotent=False)
-                 for u in group.urls}
+        calls = {u: self._workers.post(u, "/update_weights_from_distributed", body) for u in group.urls}
         await self._together(sent, calls, f"broadcasting {len(bucket.names)} tensors in group {group.name!r}")
 
     async def _bounded(self, call: Awaitable[Any], what: str) -> Any:
@@ -382,9 +220,7 @@ class WeightBroadcaster:
         (whose listeners cut its requests and take it off the router) and the error says so."""
         error = WeightBroadcastError(message)
         error.__cause__ = cause
-        if self._workers.failover and refused(cause):
-            self._workers.remove(url, f"refused connections ({cause})")
-            error.worker_gone = True
+        error.worker_gone = self._workers.lost(url, cause)
         return error
 
     async def _end_sessions(self, urls: Sequence[str]) -> None:
@@ -401,8 +237,7 @@ class WeightBroadcaster:
     async def _post_all(self, urls: Sequence[str], endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         """POSTs to every worker at once; each url's answer, or the exception it raised (TimeoutError when
         it did not answer within timeout_s: a stopped server keeps its connection open)."""
-        tasks = {asyncio.ensure_future(self._http.call("POST", f"{u}{endpoint}", body, idempotent=False)): u
-                 for u in urls}
+        tasks = {asyncio.ensure_future(self._workers.post(u, endpoint, body)): u for u in urls}
         _, pending = await asyncio.wait(tasks, timeout=self.timeout_s) if tasks else (set(), set())
         for task in pending:
             task.cancel()
@@ -410,39 +245,4 @@ class WeightBroadcaster:
         return {u: (late if t in pending else t.exception() or t.result()) for t, u in tasks.items()}
 
 
-def buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive tensors, in order, grouped while a group stays within bucket_bytes (a larger tensor
-    is a bucket of its own). Lazy: a bucket is yielded as soon as the next tensor does not fit, so reading a
-    stream holds one bucket and the next tensor."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def master_address_for(urls: Sequence[str]) -> str:
-    """The address of this machine that the first worker reaches it by (loopback for a local worker): the
-    source address of a route to the worker (a UDP connect sends nothing)."""
-    host = urlsplit(urls[0]).hostname or "127.0.0.1"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))
-        return probe.getsockname()[0]
-
-
-def _free_port(address: str) -> int:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
-
-
-__all__ = ["BroadcastSource", "BucketMeta", "GroupHost", "LocalHost", "LocalSource", "StagedSource",
-           "WeightBroadcastError", "WeightBroadcaster", "WeightSender", "buckets", "master_address_for"]
+__all__ = ["WeightBroadcastError", "WeightBroadcaster"]
