@@ -4,7 +4,7 @@
     .venv/bin/python -m pytest bench/bench_sglang.py --benchmark-only -q
 
 Side by side in one run, on the same engine settings and requests: AsyncEngine called in-process vs
-SGLangEngine -> loopback HTTP -> EngineServer -> AsyncEngine, with the server in a thread of the
+SGLangEngine -> loopback HTTP -> EmbeddedServer -> AsyncEngine, with the server in a thread of the
 benchmark's process (sharing its GIL; streamed, and with stream=False) and in a process of its own (`python -m april_ext.server`,
 started by launch_sglang_server, as an SGLang server would be). Two models: "tiny" (hidden 64, 2
 layers: compute is negligible, so the ratio is the HTTP path's own cost) and "small" (hidden 256, 4 layers, vocab 2048, as bench_engine.py). Reported:

@@ -26,7 +26,7 @@ from april_ext.batch import FinishReason
 from april_ext.engine import AsyncEngine
 from april_ext.errors import ConfigError, InvalidArgumentError, UnknownIdError
 from april_ext.protocol import MEMORY_TAGS, GenerationChunk, RolloutEngine, SamplingParams, ServableEngine
-from april_ext.server import EngineServer, ServerConfig, ServerThread
+from april_ext.server import EmbeddedServer, ServerConfig, ServerThread
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig
 from april_ext.sim import ClusterConfig, CostModel, SimulatedEngine, TraceLengths
 
@@ -309,5 +309,5 @@ def test_the_server_reports_the_capacity_of_the_engine_it_serves_and_refuses_oth
         "page_size": 16, "max_total_num_tokens": 10_000, "context_length": 10_000, "device": "simulated"}
     assert isinstance(_sim(), ServableEngine) and isinstance(_embedded(), ServableEngine)
     client = SGLangEngine(SGLangEngineConfig(worker_urls=("http://127.0.0.1:1",)))
-    with pytest.raises(ConfigError, match="EngineServer serves a ServableEngine .* got a SGLangEngine"):
-        EngineServer(client)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="EmbeddedServer serves a ServableEngine .* got a SGLangEngine"):
+        EmbeddedServer(client)  # type: ignore[arg-type]

@@ -32,8 +32,8 @@ class Layer:
 
 # Bottom to top: the one table of the layer order (the README's Layout is checked against it).
 LAYERS: tuple[Layer, ...] = (
-    Layer("vocabulary", (PACKAGE, "_C", "errors", "batch", "data_source", "persistence", "settings", "scheduler",
-                         "strategies", "plots")),
+    Layer("vocabulary", (PACKAGE, "_C", "errors", "deprecation", "batch", "data_source", "persistence", "settings",
+                         "scheduler", "strategies", "plots")),
     Layer("protocol", ("protocol",), only=("errors", "batch", "data_source")),
     Layer("components", ("memory", "model", "algorithms", "data", "tasks", "triton_kernels")),
     Layer("weight sync", ("weights",)),

@@ -24,7 +24,7 @@ from april_ext.errors import ConfigError
 from april_ext.protocol import SamplingParams
 from april_ext.rollout import RolloutLoop
 from april_ext.server import ServerThread
-from april_ext.server.app import EngineServer
+from april_ext.server.app import EmbeddedServer
 from april_ext.sglang import SGLangEngine, SGLangEngineConfig
 
 CAP = 20
@@ -105,23 +105,23 @@ def test_a_stale_carried_request_that_reached_the_server_during_the_pause_is_abo
     abort_timeout_s (re-sent every abort_resend_s) and the step with it; found by the randomized run of the
     property test above. Every request here reaches the server 0.3 s late, so that some are on their way at
     each pause."""
-    admit, pause = EngineServer.generate, EngineServer.pause_generation
+    admit, pause = EmbeddedServer.generate, EmbeddedServer.pause_generation
     pauses = [0]
     overtaken: list[int] = []  # requests that a pause overtook on their way
 
-    async def late(self: EngineServer, request: Any) -> Any:
+    async def late(self: EmbeddedServer, request: Any) -> Any:
         sent = pauses[0]
         await asyncio.sleep(0.3)
         if pauses[0] != sent:
             overtaken.append(sent)
         return await admit(self, request)
 
-    async def counted(self: EngineServer, request: Any) -> Any:
+    async def counted(self: EmbeddedServer, request: Any) -> Any:
         pauses[0] += 1
         return await pause(self, request)
 
-    monkeypatch.setattr(EngineServer, "generate", late)
-    monkeypatch.setattr(EngineServer, "pause_generation", counted)
+    monkeypatch.setattr(EmbeddedServer, "generate", late)
+    monkeypatch.setattr(EmbeddedServer, "pause_generation", counted)
     config = SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=3, over_sampling_batch_size=4,
                              max_response_len=CAP, refill="continuous", step_boundary="carry", max_staleness=0,
                              staleness_policy="restart")

@@ -23,8 +23,8 @@ from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.batch import FinishReason
 from april_ext.cluster import Topology
-from april_ext.cluster.engine_pool import EnginePool
 from april_ext.cluster.ray_engine import RayEngine
+from april_ext.cluster.server_pool import ServerPool
 from april_ext.cluster.session import RaySession
 from april_ext.cluster.topology_run import client_config
 from april_ext.model import save_pretrained
@@ -54,7 +54,7 @@ def test_requests_go_to_the_least_loaded_engine_of_the_pool_and_follow_its_membe
                          block_size=4, num_blocks=256, max_num_seqs=16, output_dir=str(tmp_path / "run"))
 
     async def body(session: RaySession) -> dict:
-        pool = await EnginePool.start(session, config, checkpoint, 0)
+        pool = await ServerPool.start(session, config, checkpoint, 0)
         seen: dict = {}
         try:
             async with SGLangEngine(client_config(config, pool, 0)) as inner, \

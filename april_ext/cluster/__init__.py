@@ -7,11 +7,12 @@ The driver keeps the scheduler, the rollout loop, the data and the rewards; Ray 
 - session: the cluster (joined or local) and one placement group per role;
 - trainer_actor / trainer_ranks / trainer_group: one actor per trainer rank in one process group, the calls to
   them, and the Trainer over them;
-- engine_actor / engine_pool / router / membership: one actor per engine owning its server, behind
+- server_host / server_pool / router / membership: one actor per engine owning its server, behind
   sglang-router or routed to by the driver's least-loaded pick (ray_routing), restarted by Ray and given the
   current weights before it rejoins;
-- weight_sync: the trainer's weights onto the engines (disk through the driver, or posted or broadcast by the
-  ranks); ray_engine: the RolloutEngine over the engines; topology_run: the factories TrainingRun builds from.
+- rank_export: the trainer group's weights in the forms april_ext.weights sends (posted or broadcast by the
+  ranks; disk through the driver); ray_engine: the RolloutEngine over the engines, which sends them;
+  topology_run: the factories TrainingRun builds from.
 
 Trainers and engines stay plain objects that an actor wraps; none of them imports Ray.
 """

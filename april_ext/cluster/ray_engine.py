@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from april_ext.cluster.engine_pool import EnginePool
 from april_ext.cluster.errors import NoEngineLeftError
 from april_ext.cluster.membership import Membership
 from april_ext.cluster.rank_export import rank_source
+from april_ext.cluster.server_pool import ServerPool
 from april_ext.cluster.trainer_group import TrainerGroup
 from april_ext.errors import InvalidStateError
 from april_ext.protocol.memory_tags import memory_tags
@@ -45,7 +45,7 @@ class RayWeightSync:
     kept for an engine that rejoins. ``trainer``: the run's trainer group, whose weights from_trainer sends as
     weight_sync says; None: only weights held on the driver (from_driver)."""
 
-    def __init__(self, engine: SGLangEngine, pool: EnginePool, trainer: TrainerGroup | None = None) -> None:
+    def __init__(self, engine: SGLangEngine, pool: ServerPool, trainer: TrainerGroup | None = None) -> None:
         self.engine = engine
         self.pool = pool
         self.trainer = trainer
@@ -118,7 +118,7 @@ class RayEngine:
     """``inner``: the driver's SGLang client of ``pool``'s engines; ``trainer``: the run's trainer group, whose
     weights update_from_trainer sends (None: only weights held on the driver, update_weights)."""
 
-    def __init__(self, inner: SGLangEngine, pool: EnginePool, trainer: TrainerGroup | None = None) -> None:
+    def __init__(self, inner: SGLangEngine, pool: ServerPool, trainer: TrainerGroup | None = None) -> None:
         self.inner = inner
         self.pool = pool
         self.weights = RayWeightSync(inner, pool, trainer)

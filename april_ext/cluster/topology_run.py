@@ -13,8 +13,8 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from april_ext.cluster.engine_pool import EnginePool
 from april_ext.cluster.ray_engine import RayEngine
+from april_ext.cluster.server_pool import ServerPool
 from april_ext.cluster.session import RaySession
 from april_ext.cluster.topology import Topology
 from april_ext.cluster.trainer_group import TrainerGroup, start_trainer_group
@@ -59,7 +59,7 @@ class RayTopologyRun:
                                        f"built, got a {type(trainer).__name__}")
         initial = write_hf_checkpoint(trainer, model_config, os.path.join(sglang_dir(config), "initial_model"),
                                       shard_bytes=int(config.weight_sync_bucket_mb * 2**20))
-        pool = await EnginePool.start(trainer.session, config, initial, trainer.version)
+        pool = await ServerPool.start(trainer.session, config, initial, trainer.version)
         try:
             async with SGLangEngine(client_config(config, pool, trainer.version)) as inner, \
                     RayEngine(inner, pool, trainer) as engine:
@@ -68,7 +68,7 @@ class RayTopologyRun:
             pool.stop()
 
 
-def client_config(config: TrainConfig, pool: EnginePool, version: int) -> SGLangEngineConfig:
+def client_config(config: TrainConfig, pool: ServerPool, version: int) -> SGLangEngineConfig:
     """The driver's SGLang client of the pool's engines, labelled ``version`` at start: requests through the
     router, or (ray_routing "least_loaded") straight to the engine with the fewest KV tokens as each reports
     them."""

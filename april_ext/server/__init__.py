@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from april_ext.deprecation import renamed
+
 _EXPORTS = {
-    "EngineServer": "april_ext.server.app",
+    "EmbeddedServer": "april_ext.server.app",
     "ServerConfig": "april_ext.server.app",
     "ServerThread": "april_ext.server.thread",
     "decode_named_tensors": "april_ext.protocol.sglang_wire",
@@ -20,7 +22,12 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'april_ext.server' has no attribute {name!r}")
+def _export(name: str) -> Any:
     return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+_renamed = renamed(__name__, {"EngineServer": "EmbeddedServer"}, _export)
+
+
+def __getattr__(name: str) -> Any:
+    return _export(name) if name in _EXPORTS else _renamed(name)

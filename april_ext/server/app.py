@@ -1,4 +1,4 @@
-"""EngineServer: the SGLang HTTP API subset (shared/sglang-api.md) in front of an in-process engine (aiohttp):
+"""EmbeddedServer: the SGLang HTTP API subset (shared/sglang-api.md) in front of an in-process engine (aiohttp):
 any ServableEngine (april_ext.protocol), e.g. the embedded AsyncEngine or the SimulatedEngine.
 
 The server owns no rollout state: it turns requests into engine calls and engine chunks into SGLang's
@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from april_ext import __version__
+from april_ext.deprecation import renamed
 from april_ext.errors import (
     AprilError,
     ConfigError,
@@ -180,12 +181,12 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return _error(f"internal error: {exc!r}", 500)
 
 
-class EngineServer:
+class EmbeddedServer:
     """Serves one engine over HTTP. `await server.start()` binds and returns the base url."""
 
     def __init__(self, engine: ServableEngine, config: ServerConfig | None = None) -> None:
         if not isinstance(engine, ServableEngine):
-            raise ConfigError(f"EngineServer serves a ServableEngine (e.g. AsyncEngine, SimulatedEngine), got a "
+            raise ConfigError(f"EmbeddedServer serves a ServableEngine (e.g. AsyncEngine, SimulatedEngine), got a "
                               f"{type(engine).__name__}")
         self.engine = engine
         self.config = config or ServerConfig()
@@ -259,7 +260,7 @@ class EngineServer:
         self._distributed.close()
         await self.engine.close()
 
-    async def __aenter__(self) -> EngineServer:
+    async def __aenter__(self) -> EmbeddedServer:
         await self.start()
         return self
 
@@ -531,3 +532,6 @@ class EngineServer:
                 raise _BodyTooLarge(f"{request.path}: the request body has more than {limit} bytes, the limit "
                                     f"{where}")
         return sglang_wire.parse_json(bytes(data), request.path)
+
+
+__getattr__ = renamed(__name__, {"EngineServer": "EmbeddedServer"}, lambda name: globals()[name])

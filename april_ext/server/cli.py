@@ -87,13 +87,13 @@ def build_core(args: argparse.Namespace) -> EngineCore:
 
 async def serve(engine: ServableEngine, config: Any) -> None:
     """Serves `engine` until SIGINT / SIGTERM, then aborts every request and stops. config: a ServerConfig."""
-    from april_ext.server.app import EngineServer
+    from april_ext.server.app import EmbeddedServer
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server = EngineServer(engine, config)
+    server = EmbeddedServer(engine, config)
     url = await server.start()
     print(f"april_ext serve: listening on {url} (weight_version {config.weight_version})", flush=True)
     try:

@@ -1,4 +1,4 @@
-"""ServerThread: an EngineServer on its own event loop in a background thread.
+"""ServerThread: an EmbeddedServer on its own event loop in a background thread.
 
 For tests, notebooks and in-process rollouts: the caller keeps its own (sync or async) code and talks
 to the engine over loopback HTTP exactly as it would to a separate SGLang server.
@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from april_ext.engine import AsyncEngine, EngineCore
 from april_ext.errors import InvalidStateError
 from april_ext.protocol import ServableEngine
-from april_ext.server.app import EngineServer, ServerConfig
+from april_ext.server.app import EmbeddedServer, ServerConfig
 
 T = TypeVar("T")
 
@@ -27,7 +27,7 @@ class ServerThread:
     def __init__(self, engine: EngineCore | ServableEngine, config: ServerConfig | None = None) -> None:
         self.engine = AsyncEngine(engine) if isinstance(engine, EngineCore) else engine
         self.config = config or ServerConfig(port=0)
-        self.server: EngineServer | None = None
+        self.server: EmbeddedServer | None = None
         self.url: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -53,7 +53,7 @@ class ServerThread:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:
-            self.server = EngineServer(self.engine, self.config)
+            self.server = EmbeddedServer(self.engine, self.config)
             self.url = loop.run_until_complete(self.server.start())
         except BaseException as exc:  # handed to start(), which raises it in the caller's thread
             self._error = exc

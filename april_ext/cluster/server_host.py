@@ -1,4 +1,4 @@
-"""EngineHost: what runs inside one rollout engine actor: a server process it owns, the embedded engine's
+"""ServerHost: what runs inside one rollout engine actor: a server process it owns, the embedded engine's
 (``python -m april_ext.server``, ``april-ext serve``) or SGLang's, started with the launcher of
 april_ext.sglang and stopped with the actor.
 
@@ -34,7 +34,7 @@ def _end_previous_server(pid_file: str, module: str) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-class EngineHost:
+class ServerHost:
     def __init__(self, index: int, module: str, args: SGLangServerArgs, run_dir: str, launch_timeout_s: float) -> None:
         import ray
 
@@ -67,4 +67,4 @@ class EngineHost:
             os.remove(self.pid_file)
 
 
-__all__ = ["EngineHost"]
+__all__ = ["ServerHost"]

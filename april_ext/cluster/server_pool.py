@@ -1,6 +1,6 @@
-"""EnginePool: the rollout engine actors of a Ray run and their membership in the routing.
+"""ServerPool: the rollout engine actors of a Ray run and their membership in the routing.
 
-One actor per engine (engine_actor.EngineHost) in its bundle, restarted by Ray up to
+One actor per engine (server_host.ServerHost) in its bundle, restarted by Ray up to
 ``ray_engine_max_restarts`` times. Requests reach the engines through the sglang-router (ray_routing
 "router", launched here or given by ray_router_url) or straight from the driver's SGLang client, least
 loaded by the engines' reported KV ("least_loaded", no router); membership.py says which engines get them.
@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from april_ext.cluster.engine_actor import EngineHost
 from april_ext.cluster.errors import ClusterError
 from april_ext.cluster.membership import DirectMembership, Membership, RouterMembership
 from april_ext.cluster.router import Router
+from april_ext.cluster.server_host import ServerHost
 from april_ext.cluster.session import RaySession
 from april_ext.errors import AprilError
 from april_ext.sglang import SGLangEngine, SGLangServerArgs
@@ -61,7 +61,7 @@ def _server_silence(url: str, timeout_s: float) -> str | None:
 
 
 @dataclass
-class EngineSlot:
+class ServerSlot:
     """One engine: its actor, its server (``pid`` of the actor, ``url``) and whether it gets requests."""
 
     index: int
@@ -86,8 +86,8 @@ def server_args(config: TrainConfig, model_path: str, version: int, index: int, 
                                                   extra_args=extra)
 
 
-class EnginePool:
-    def __init__(self, config: TrainConfig, slots: list[EngineSlot]) -> None:
+class ServerPool:
+    def __init__(self, config: TrainConfig, slots: list[ServerSlot]) -> None:
         self.config = config
         self.slots = slots
         self._router: Router | None = None
@@ -96,14 +96,14 @@ class EnginePool:
         self._health_timeout_s = max(self._probe_timeout_s, min(config.weight_sync_timeout_s, config.ray_timeout_s))
 
     @classmethod
-    async def start(cls, session: RaySession, config: TrainConfig, model_path: str, version: int) -> EnginePool:
+    async def start(cls, session: RaySession, config: TrainConfig, model_path: str, version: int) -> ServerPool:
         """Starts every engine actor (each launches its server on ``model_path``) and, with ray_routing
         "router", the router (or registers them with ``ray_router_url``), and waits until the router lists
         them all as healthy."""
         import ray
 
         topology = session.topology
-        remote = ray.remote(EngineHost)
+        remote = ray.remote(ServerHost)
         run_dir = os.path.abspath(os.path.join(config.output_dir, "cluster"))
         slots = []
         for i in range(topology.num_engines):
@@ -111,7 +111,7 @@ class EnginePool:
             actor = remote.options(max_restarts=config.ray_engine_max_restarts,
                                    **session.actor_options(topology.engine(i))).remote(
                 i, module, args, run_dir, config.sglang_launch_timeout_s)
-            slots.append(EngineSlot(i, actor))
+            slots.append(ServerSlot(i, actor))
         pool = cls(config, slots)
         try:
             addresses = await asyncio.gather(*(ray_result(s.actor.address.remote(), config.ray_timeout_s)
@@ -167,7 +167,7 @@ class EnginePool:
                 except AprilError as err:  # a rejoin that failed is tried again at the next check
                     logger.warning("rollout engine %d (%s) could not rejoin: %s", slot.index, slot.url, err)
 
-    async def _check(self, slot: EngineSlot, rejoin: Callable[[str, str], Awaitable[None]],
+    async def _check(self, slot: ServerSlot, rejoin: Callable[[str, str], Awaitable[None]],
                      members: Membership) -> None:
         import ray
 
@@ -220,7 +220,7 @@ class EnginePool:
             logger.warning("rollout engine %d (%s) is down (%s): it gets no requests", slot.index, gone, reason)
         return pruned
 
-    async def _down(self, slot: EngineSlot) -> str | None:
+    async def _down(self, slot: ServerSlot) -> str | None:
         """Why ``slot``'s engine cannot take a weight update now, or None when it can."""
         import ray
 
@@ -269,4 +269,4 @@ class EnginePool:
         self._router.stop()
 
 
-__all__ = ["EMBEDDED_SERVER", "EnginePool", "EngineSlot", "ray_result", "server_args"]
+__all__ = ["EMBEDDED_SERVER", "ServerPool", "ServerSlot", "ray_result", "server_args"]
