@@ -22,12 +22,10 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def _export(name: str) -> Any:
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
-
-_renamed = renamed(__name__, {"EngineServer": "EmbeddedServer"}, _export)
+_renamed = renamed(__name__, {"EngineServer": "april_ext.server.app.EmbeddedServer"})
 
 
 def __getattr__(name: str) -> Any:
-    return _export(name) if name in _EXPORTS else _renamed(name)
+    if name not in _EXPORTS:
+        return _renamed(name)
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -534,4 +534,4 @@ class EmbeddedServer:
         return sglang_wire.parse_json(bytes(data), request.path)
 
 
-__getattr__ = renamed(__name__, {"EngineServer": "EmbeddedServer"}, lambda name: globals()[name])
+__getattr__ = renamed(__name__, {"EngineServer": "april_ext.server.app.EmbeddedServer"})
