@@ -158,9 +158,12 @@ def test_an_engine_server_killed_or_stopped_mid_step_fails_over_and_rejoins_with
             armed = checked_and_armed(run, trained)
 
             async def mid_step(fault) -> dict:
-                """A step with ``fault()`` made mid-rollout; it must complete."""
+                """A step with ``fault()`` made mid-rollout; it must complete. Its bound allows for a server
+                stopped just before the step's weight sync (while failover has yet to notice it): the sync
+                then waits out its own bounds, weight_sync_timeout_s for a worker's answer and twice that for
+                the trainer rank's (seen on a loaded clean clone: 120 s alone was not enough)."""
                 armed.append(fault)
-                row = await asyncio.wait_for(run.step(), 120)
+                row = await asyncio.wait_for(run.step(), 4 * config.weight_sync_timeout_s)
                 assert not armed, "no token came in the step"
                 return row
 
