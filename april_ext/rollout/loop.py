@@ -568,9 +568,12 @@ class RolloutLoop:
                     env.observation_cut(sid)
             # An observation that filled its sample to the cap may have completed a group, cancelling a sample
             # of it whose end is below (tail_extra_samples): that end is dropped.
-            still = [(sid, answer) for sid, answer in ended if sched.sample(sid).state == "waiting_env"]
-            for sid in {sid for sid, _ in ended} - {sid for sid, _ in still}:
-                env.dropped(sid)
+            still = []
+            for sid, answer in ended:
+                if sched.sample(sid).state == "waiting_env":
+                    still.append((sid, answer))
+                else:
+                    env.dropped(sid)
             ended = still
         if ended:
             sched.on_finish_batch([sid for sid, _ in ended], [int(FinishReason.STOP)] * len(ended))

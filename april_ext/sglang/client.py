@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 
 from april_ext.errors import InvalidStateError
+from april_ext.sglang.config import SGLangEngineConfig
 from april_ext.sglang.errors import SGLangBadRequestError, SGLangConnectionError, SGLangHTTPError
 
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, ConnectionError)
@@ -36,6 +37,12 @@ class HTTPClient:
         self.backoff_s = backoff_s
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def of(cls, config: SGLangEngineConfig) -> HTTPClient:
+        """A client with the timeouts, retries and connection limit ``config`` sets."""
+        return cls(timeout_s=config.timeout_s, connect_timeout_s=config.connect_timeout_s, retries=config.retries,
+                   backoff_s=config.backoff_s, max_connections=config.max_connections)
 
     async def start(self) -> None:
         if self._session is None:

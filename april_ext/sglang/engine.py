@@ -64,9 +64,7 @@ class SGLangEngine:
         if not isinstance(config, SGLangEngineConfig):
             raise ConfigError(f"SGLangEngine needs an SGLangEngineConfig, got {type(config).__name__}")
         self.config = config
-        self._http = HTTPClient(timeout_s=config.timeout_s, connect_timeout_s=config.connect_timeout_s,
-                                retries=config.retries, backoff_s=config.backoff_s,
-                                max_connections=config.max_connections)
+        self._http = HTTPClient.of(config)
         self._workers = WorkerPool(config, self._http)
         self._inflight: dict[str, RequestState] = {}
         self._aborter = Aborter(config, self._workers)

@@ -344,18 +344,17 @@ def _parse_workers(answer: Any) -> list[tuple[str, str | None]]:
     return workers
 
 
-
 @contextlib.asynccontextmanager
 async def workers_at(urls: Sequence[str]) -> AsyncIterator[WorkerPool]:
     """A pool of ``urls`` with an HTTP client of its own (the adapter's defaults), for a process that calls
     the workers itself: a Ray trainer rank that posts its weights (weight_sync "tensor")."""
     config = SGLangEngineConfig(worker_urls=tuple(urls), weight_sync="tensor")
-    http = HTTPClient(timeout_s=config.timeout_s, connect_timeout_s=config.connect_timeout_s, retries=config.retries,
-                      backoff_s=config.backoff_s, max_connections=config.max_connections)
+    http = HTTPClient.of(config)
     await http.start()
     try:
         yield WorkerPool(config, http)
     finally:
         await http.close()
+
 
 __all__ = ["Removal", "WorkerPool", "workers_at"]
