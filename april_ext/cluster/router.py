@@ -29,7 +29,7 @@ import urllib.request
 from typing import IO, Any
 
 from april_ext.cluster.errors import ClusterError
-from april_ext.sglang import free_port
+from april_ext.sglang import free_port, parent_watch
 
 _HTTP_TIMEOUT_S = 10.0
 POLICY = "cache_aware"
@@ -61,6 +61,8 @@ class Router:
         log = open(log_path, "wb")  # noqa: SIM115 - owned by the Router
         # Offline: it would look the workers' model path up on the model hub for a tokenizer it does not need.
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        # Ends with this process, even when it is killed (a session of its own escapes the group's SIGKILL).
+        command = parent_watch.watched(os.getpid(), command)
         try:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        env=env, start_new_session=True)

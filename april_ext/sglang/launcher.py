@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from april_ext.errors import ConfigError
+from april_ext.sglang import parent_watch
 from april_ext.sglang.errors import SGLangLaunchError
 
 
@@ -151,7 +152,8 @@ def launch_sglang_server(args: SGLangServerArgs, *, module: str = "sglang.launch
                          python: str = sys.executable, env: Mapping[str, str] | None = None,
                          timeout_s: float = 600.0, log_path: str | None = None) -> SGLangServerProcess:
     """Starts `python -m module <args>` in its own process group, waits until /health answers 200 and
-    returns the running server (a context manager). The output goes to log_path (default: server.log in
+    returns the running server (a context manager). The server ends with this process, even when it is
+    killed (april_ext.sglang.parent_watch, on Linux). The output goes to log_path (default: server.log in
     the server's directory, kept for inspection).
 
     The server runs in a new temporary directory: `python -m` imports from its working directory first,
@@ -164,7 +166,9 @@ def launch_sglang_server(args: SGLangServerArgs, *, module: str = "sglang.launch
     log = open(log_path, "wb")  # noqa: SIM115 - owned by the returned SGLangServerProcess
     args = dataclasses.replace(args, model_path=_absolute(args.model_path),
                                extra_args=tuple(_absolute(a) for a in args.extra_args))
-    command = [_absolute(python), "-m", module, *args.argv(port)]
+    # Watched by this process: a SIGKILL of the run does not leave the server running (parent_watch).
+    command = parent_watch.watched(os.getpid(), [_absolute(python), "-m", module, *args.argv(port)],
+                                   python=_absolute(python))
     full_env = {**os.environ, **(env or {})}
     if full_env.get("PYTHONPATH"):  # entries relative to this directory keep meaning what they mean here
         full_env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in full_env["PYTHONPATH"].split(os.pathsep))
