@@ -85,7 +85,8 @@ def plot_run(history: Sequence[dict[str, Any]], output_dir: str) -> list[str]:
     ax = axes[1][1]
     ax.plot(steps, [r["rollout/occupancy"] for r in history], marker=".")
     ax.set(title="engine occupancy", xlabel="step", ylabel="mean running / capacity", ylim=(0, 1))
-    fig.suptitle(f"april-ext train ({history[0].get('mode', '')})")
+    # "mode": rows written before the variant had its own key (april_ext.training.metrics.VARIANT).
+    fig.suptitle(f"april-ext train ({history[0].get('variant', history[0].get('mode', ''))})")
     fig.tight_layout()
     training = os.path.join(output_dir, "training.png")
     save_figure(fig, training, dpi=90)

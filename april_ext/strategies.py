@@ -4,8 +4,9 @@ synchronous baselines they are measured against.
 A strategy only sets scheduler settings that already exist; it is a name for a combination, so that
 ``april-ext train --strategy NAME`` and ``april-ext simulate --strategies a,b`` run the same thing. The
 base config's batch shape (N, samples per prompt, response cap, staleness policy) is kept; a strategy reads
-nothing else of it. The baselines (:func:`synchronous`, :func:`synchronous_dapo`) are the one place the rollout
-loop and the simulator take the settings of a run without partial rollout from.
+nothing else of it. The baselines (BASELINES: :func:`synchronous`, :func:`synchronous_dapo`), picked by
+:func:`scheduler_config_for`, are the one place the training run and the simulator take the settings of a run
+without partial rollout from.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import fields, replace
 from typing import Any, Callable, Mapping
 
-from april_ext.errors import ConfigError
+from april_ext.errors import ConfigError, InvalidArgumentError
 from april_ext.scheduler import SchedulerConfig
 
 Strategy = Callable[[SchedulerConfig], SchedulerConfig]
@@ -55,13 +56,25 @@ def apply_strategy(config: SchedulerConfig, name: str) -> SchedulerConfig:
     return STRATEGIES[name](config)
 
 
+_KEPT = frozenset({"step_boundary"})
+"""Strategy fields a baseline keeps as configured: with N' = N nothing is running when its batch is taken, so the
+step boundary changes nothing it does (april_carry's baseline is the plain one, recorded with "carry")."""
+
+_REFERENCE = SchedulerConfig()
+_STRATEGY_FIELDS = frozenset(
+    f.name for f in fields(SchedulerConfig) for strategy in STRATEGIES.values()
+    if getattr(strategy(_REFERENCE), f.name) != getattr(_REFERENCE, f.name)) - _KEPT
+"""The scheduler fields some strategy sets (found by applying each to the default config), which the synchronous
+baseline puts back to SchedulerConfig's defaults so that it is the same whatever the strategy."""
+
+
 def synchronous(config: SchedulerConfig) -> SchedulerConfig:
     """The synchronous baseline (GRPO without partial rollout): N' = N with batch refill, so every launched group
     runs to completion and nothing is aborted or carried over; dispatched in the paper's order, whole, without tail
-    batching."""
-    return replace(config, over_sampling_batch_size=config.rollout_batch_size, refill="batch", over_sampling="fixed",
-                   target_inflight_samples=None, dispatch_order="fifo", resume_priority=True, chunk_tokens=None,
-                   tail_batching=False, tail_batching_restart=False, tail_extra_samples=0)
+    batching (every field a strategy sets at SchedulerConfig's default, but the step boundary)."""
+    pinned = {"over_sampling_batch_size": config.rollout_batch_size, "refill": "batch", "over_sampling": "fixed",
+              "target_inflight_samples": None, "resume_priority": True}
+    return replace(config, **{**{name: getattr(_REFERENCE, name) for name in _STRATEGY_FIELDS}, **pinned})
 
 
 def synchronous_dapo(config: SchedulerConfig) -> SchedulerConfig:
@@ -71,6 +84,22 @@ def synchronous_dapo(config: SchedulerConfig) -> SchedulerConfig:
     policy)."""
     return replace(config, over_sampling_batch_size=config.rollout_batch_size, refill="continuous",
                    over_sampling="fixed", target_inflight_samples=None, max_staleness=0, staleness_policy="drop")
+
+
+BASELINES: dict[str, Strategy] = {"synchronous": synchronous, "synchronous_dapo": synchronous_dapo}
+"""Baseline name -> the SchedulerConfig of a run without partial rollout made of the run's config."""
+
+
+def scheduler_config_for(config: SchedulerConfig, partial_rollout: bool,
+                         baseline: str = "synchronous") -> SchedulerConfig:
+    """The scheduler settings of a run: APRIL (or a long-tail strategy) as configured, or the baseline named
+    ``baseline`` (one of BASELINES; ``synchronous``: N' = N with batch refill, so nothing is aborted or carried
+    over). The one place training and the simulator take a baseline run's settings from."""
+    if not isinstance(partial_rollout, bool):
+        raise InvalidArgumentError(f"partial_rollout={partial_rollout!r} is not allowed: True or False")
+    if baseline not in BASELINES:
+        raise ConfigError(f"baseline={baseline!r} is not allowed: one of {', '.join(repr(n) for n in BASELINES)}")
+    return config if partial_rollout else BASELINES[baseline](config)
 
 
 _SHAPE = ("rollout_batch_size", "n_samples_per_prompt", "max_response_len")

@@ -4,6 +4,7 @@ byte in each file, a truncated or garbage model.safetensors, a missing manifest 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -15,6 +16,8 @@ from april_ext.model import LlamaForCausalLM, ModelConfig, iter_safetensors, loa
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.trainer import TorchTrainer, TrainerConfig
 from april_ext.training import CheckpointManager, TrainConfig, train
+from april_ext.training.checkpoint import write_manifest
+from april_ext.training.metrics import read_metrics
 
 from _torch_threads import one_thread, one_torch_thread  # noqa: F401 (fixture)
 
@@ -139,6 +142,25 @@ def test_a_checkpoint_without_a_manifest_loads_unverified_with_a_warning(run_dir
         assert _restore_into_fresh(run_dir, manager.latest())["step"] == 2
     assert any("step_000002 has no manifest.json" in r.getMessage() and "unverified" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_run_written_under_the_old_key_mode_resumes_with_its_variant(run_dir):
+    """Rows and run.json said "mode" before the variant had its own key: they are read as "variant"."""
+    latest = CheckpointManager(run_dir / "checkpoints").latest()
+    assert json.loads((run_dir / "checkpoints" / "step_000002" / "run.json").read_text()) == {
+        "step": 2, "variant": "april"}
+    (run_dir / "checkpoints" / "step_000002" / "run.json").write_text(json.dumps({"step": 2, "mode": "april"}))
+    write_manifest(latest.path)
+    assert _restore_into_fresh(run_dir, latest) == {"step": 2, "variant": "april"}
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    old = [{("mode" if key == "variant" else key): value for key, value in row.items()} for row in rows]
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in old))
+    assert read_metrics(str(metrics), 2) == rows
+    with one_torch_thread():
+        resumed = train(tiny(run_dir, num_steps=3, resume=True))
+    assert resumed.history[:2] == rows and resumed.history[2]["variant"] == "april"
+    assert all("mode" not in json.loads(line) for line in metrics.read_text().splitlines())
 
 
 def test_a_standalone_model_directory_rejects_a_damaged_header(tmp_path):

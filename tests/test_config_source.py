@@ -11,11 +11,11 @@ from dataclasses import dataclass, fields
 import pytest
 
 from april_ext import cli
+from april_ext.cli import simulate as sim_command
 from april_ext.cli.train import config_from_args
 from april_ext.errors import ConfigError, InvalidArgumentError
 from april_ext.scheduler import SchedulerConfig
 from april_ext.settings import adopt, settings
-from april_ext.sim import command as sim_command
 from april_ext.sim.runner import MODE_SETTINGS, SimConfig
 from april_ext.training import TrainConfig, TrainingRun
 

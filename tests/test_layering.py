@@ -84,6 +84,10 @@ def imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
 
 def layer_member(module: str) -> str:
     parts = module.split(".")
+    if parts[-1] == "__main__":
+        # A package's __main__ is a program run by `python -m` that nothing imports: the command line, wherever it
+        # sits (python -m april_ext.server runs `april-ext serve`).
+        return "cli"
     if len(parts) == 1 or parts[1] not in LAYER_OF:
         return PACKAGE
     return parts[1]
@@ -202,6 +206,8 @@ def test_peer_and_protocol_rules() -> None:
     assert violation("april_ext.protocol.outputs", "april_ext.scheduler") is not None
     assert violation("april_ext.protocol.outputs", "april_ext.errors") is None
     assert violation("april_ext.server.app", "april_ext.engine") is None
+    assert violation("april_ext.server.__main__", "april_ext.cli.serve") is None
+    assert violation("april_ext.server.foreground", "april_ext.cli.serve") is not None
 
 
 @pytest.mark.parametrize("target", ["april_ext.sglang.workers", "april_ext.cluster.trainer_ranks",

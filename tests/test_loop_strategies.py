@@ -83,6 +83,27 @@ def test_the_baseline_is_the_plain_synchronous_one_whatever_the_strategy(name) -
     assert replace(baseline, step_boundary="abort") == plain
 
 
+def test_the_scheduler_config_is_built_once_with_the_train_config() -> None:
+    config = TrainConfig(strategy="seer")
+    assert config.scheduler_config() is config.scheduler_config()
+    # The task's cap stands in for a max_response_len of None; a config's own cap wins over it.
+    assert config.scheduler_config(40).chunk_tokens == 5
+    capped = TrainConfig(strategy="seer", max_response_len=64)
+    assert capped.scheduler_config(40) is capped.scheduler_config() and capped.scheduler_config().chunk_tokens == 8
+
+
+@pytest.mark.parametrize("changes", [dict(step_boundary="carry"), dict(strategy="april_carry"),
+                                     dict(strategy="april_carry", partial_rollout=False)])
+def test_colocated_carry_over_sglang_is_refused_when_the_config_is_built(tmp_path, changes) -> None:
+    sglang: dict[str, Any] = dict(engine="sglang", sglang_urls=("http://127.0.0.1:1",), model=str(tmp_path))
+    given = "--strategy april_carry" if "strategy" in changes else "--step-boundary carry"
+    with pytest.raises(ConfigError, match=r"TrainConfig\.step_boundary='carry' with colocate needs the embedded "
+                                          rf"engine: .* \({given}, --colocate, --engine sglang\): use "):
+        TrainConfig(colocate=True, **sglang, **changes)
+    assert TrainConfig(**sglang, **changes).scheduler_config().step_boundary == "carry"  # not colocated
+    assert TrainConfig(colocate=True, **changes).colocate  # the embedded engine
+
+
 def _tail_share(lengths: list[int]) -> float:
     sched = Scheduler(SchedulerConfig(rollout_batch_size=len(lengths), n_samples_per_prompt=1,
                                       over_sampling_batch_size=len(lengths), max_response_len=100),

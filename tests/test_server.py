@@ -14,11 +14,11 @@ from _torch_threads import one_torch_thread
 
 from april_ext.batch import FinishReason
 from april_ext.cli import build_parser
+from april_ext.cli.serve import add_parser, build_core
 from april_ext.errors import InvalidArgumentError
 from april_ext.model import save_pretrained
 from april_ext.protocol import sglang_wire
 from april_ext.server import ServerThread, decode_named_tensors, encode_named_tensors
-from april_ext.server.cli import add_parser, build_core
 from april_ext.sglang import SGLangServerArgs, launch_sglang_server
 
 PROMPT = [5, 17, 33, 2, 60]

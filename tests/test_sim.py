@@ -480,6 +480,16 @@ def test_scheduler_settings_per_mode():
         SimConfig(target_inflight_samples=4)
 
 
+def test_the_baseline_is_a_named_one_ending_its_steps_as_slime_does():
+    # april_ext.strategies' baselines, with the simulator's step end (abort) and no cap on samples in flight.
+    config = SimConfig(mode="baseline", step_boundary="carry", max_inflight_samples=600,
+                       dispatch_order="shortest_first")
+    assert config.scheduler_config() == SchedulerConfig(rollout_batch_size=32, over_sampling_batch_size=32)
+    assert replace(config, algorithm="dapo").scheduler_config() == SchedulerConfig(
+        rollout_batch_size=32, over_sampling_batch_size=32, refill="continuous", max_staleness=0,
+        staleness_policy="drop", dispatch_order="shortest_first")
+
+
 def test_adaptive_mode_holds_the_engine_at_its_capacity_in_a_tiny_run():
     # One engine with B_sat = 4 slots, so the target is 4 live samples. Step 0 starts like batch refill with
     # groups 0 ([2, 4]) and 1 ([5, 5]); when sample 0 ends at t = 2, a third group is launched and one of its

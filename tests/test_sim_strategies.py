@@ -264,7 +264,7 @@ def test_simulate_compares_strategies_in_one_table(capsys):
 
 def test_simulate_runs_one_strategy_and_flags_win(capsys):
     from april_ext.cli import build_parser
-    from april_ext.sim.command import config_from_args
+    from april_ext.cli.simulate import config_from_args
 
     args = build_parser().parse_args([*SMALL, "--strategy", "seer", "--chunk-tokens", "300"])
     config = config_from_args(args).scheduler_config()

@@ -26,7 +26,7 @@ def _rows(path) -> list[dict]:
 
 
 def test_scalars_keep_numbers_and_spread_the_staleness_histogram():
-    row = {"step": 3, "mode": "april", "rollout/reward_mean": 0.5, "rollout/staleness_histogram": [6, 2],
+    row = {"step": 3, "variant": "april", "rollout/reward_mean": 0.5, "rollout/staleness_histogram": [6, 2],
            "rollout/response_lens": [1, 2], "train/loss": float("nan"), "train/skipped": True}
     assert scalars(row) == {"rollout/reward_mean": 0.5, "rollout/staleness_histogram/0": 6.0,
                             "rollout/staleness_histogram/1": 2.0, "train/skipped": 1.0}
@@ -103,7 +103,7 @@ def test_wandb_offline_run_directory_holds_the_metrics_and_the_config(tmp_path, 
     for logged, row in zip(history, rows):
         assert logged["rollout/reward_mean"] == pytest.approx(row["rollout/reward_mean"])
         assert logged["train/loss"] == pytest.approx(row["train/loss"])
-    assert config["rollout_batch_size"] == 2 and config["use_wandb"] is True and config["mode"] == "april"
+    assert config["rollout_batch_size"] == 2 and config["use_wandb"] is True and config["variant"] == "april"
     assert os.path.isdir(os.path.dirname(runs[0]))
 
 

@@ -41,7 +41,7 @@ def test_end_to_end_run_writes_metrics_plots_and_checkpoint(tmp_path, partial):
     rows = _rows(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3] == [r["step"] for r in result.history]
     assert [r["policy_version"] for r in rows] == [0, 1, 2]
-    assert all(r["mode"] == ("april" if partial else "baseline") for r in rows)
+    assert all(r["variant"] == ("april" if partial else "baseline") for r in rows)
     for r in rows:
         assert r["rollout/batch_groups"] == 2 and len(r["rollout/response_lens"]) == 8
         assert r["train/version"] == r["policy_version"] + 1

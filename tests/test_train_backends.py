@@ -52,7 +52,7 @@ def _check_rows(rows: list[dict], steps: int, *, sglang: bool) -> None:
     # A step may be served entirely by groups finished during the step before, not every step generates.
     assert sum(r["rollout/generated_tokens"] for r in rows) > 0
     for r in rows:
-        assert r["mode"] == "april"
+        assert r["variant"] == "april"
         assert r["rollout/batch_groups"] == TINY["rollout_batch_size"]
         assert len(r["rollout/response_lens"]) == TINY["rollout_batch_size"] * TINY["n_samples_per_prompt"]
         assert 0 <= r["rollout/reward_mean"] <= 1

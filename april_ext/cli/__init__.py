@@ -14,8 +14,8 @@ from april_ext.errors import AprilError
 
 COMMANDS: list[str] = [
     "april_ext.cli.train",
-    "april_ext.sim.command",
-    "april_ext.server.cli",
+    "april_ext.cli.simulate",
+    "april_ext.cli.serve",
 ]
 
 

@@ -144,6 +144,11 @@ class RayEngine:
     async def abort(self, request_ids: str | Iterable[str] | None = None) -> list[GenerationOutput]:
         return await self.inner.abort(request_ids)
 
+    async def abort_all(self) -> None:
+        """Every request on every engine's server, whoever sent it (protocol.AbortAllEngine), through the SGLang
+        client as the other aborts go."""
+        await self.inner.abort_all()
+
     async def update_weights(self, weights: HeldWeights, version: int) -> list[str]:
         """Weights held on the driver (named tensors, or a checkpoint directory every engine reads) onto every
         engine that gets requests, sent from here (RayWeightSync.from_driver); the names loaded."""

@@ -114,6 +114,20 @@ class LockstepEngine(Protocol):
 
 
 @runtime_checkable
+class AbortAllEngine(Protocol):
+    """An engine that can abort every request on its servers, including requests it did not send itself (those a
+    slime custom generate function posts to the servers on its own), what CustomGenerateRollout needs beyond
+    RolloutEngine: ``abort(None)`` ends only the engine's own requests.
+
+    - ``abort_all()``: one abort of everything on every server (SGLang's ``/abort_request`` with
+      ``{"rid": "", "abort_all": true}``); it returns once each server answered, not once the requests ended. A
+      request that reaches a server after it may run on: the caller sends it again until its requests are back.
+    """
+
+    async def abort_all(self) -> None: ...
+
+
+@runtime_checkable
 class TrainerFedEngine(Protocol):
     """An engine built with its trainer, whose processes send it the trainer's weights themselves (a Ray run's
     engine: the trainer ranks post or broadcast them), so that the caller never holds them: what the run's
@@ -137,5 +151,5 @@ def engine_clock(engine: object, clock: Clock | None = None) -> Clock:
     return time.perf_counter
 
 
-__all__ = ["HOLD_MODES", "Clock", "LockstepEngine", "PausableEngine", "RolloutEngine", "ServableEngine",
-           "TrainerFedEngine", "engine_clock"]
+__all__ = ["HOLD_MODES", "AbortAllEngine", "Clock", "LockstepEngine", "PausableEngine", "RolloutEngine",
+           "ServableEngine", "TrainerFedEngine", "engine_clock"]

@@ -7,8 +7,8 @@ from april_ext.rollout.loop import (
     RolloutLoop,
     RolloutMetrics,
     RolloutResult,
-    scheduler_config_for,
 )
+from april_ext.strategies import scheduler_config_for
 
 __all__ = [
     "Clock",

@@ -10,99 +10,51 @@ update, and the next step continues them (after aborting those the staleness bou
 
 APRIL and the synchronous baseline are this same code: the baseline is a scheduler with
 over_sampling_batch_size == rollout_batch_size, so nothing is left running when N groups are accepted
-and nothing is aborted (see :func:`scheduler_config_for`).
+and nothing is aborted (see :func:`april_ext.strategies.scheduler_config_for`).
 
 ``deterministic=True`` over an engine that steps in lockstep (protocol.LockstepEngine: the embedded
 AsyncEngine) makes a seeded run repeat exactly: the engine runs a model step only after the loop has handed
 the previous step's chunks to the scheduler, rewarded the groups they completed and sent its requests and
 aborts, and rewards reach the scheduler in the order the groups completed, not in the order their reward
 tasks end (docs/loop.md, "Deterministic rollouts").
+
+It is a protocol.RolloutDriver. Its parts of their own: the reward pipeline (rewards.py, shared with
+CustomGenerateRollout), the step's metrics (step_metrics.py) and the multi-turn hand-over between the
+scheduler and the environment (environment_turns.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import itertools
-import math
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 
-from april_ext.batch import FinishReason, TrainingBatch
-from april_ext.data_source import Prompt
+from april_ext.batch import FinishReason
 from april_ext.errors import InternalError, InvalidArgumentError, UnknownIdError
 from april_ext.protocol.environment import Environment
-from april_ext.protocol.reward import score_group
 from april_ext.protocol.rollout_engine import Clock, LockstepEngine, PausableEngine, RolloutEngine, engine_clock
+from april_ext.protocol.rollout_result import RolloutMetrics, RolloutResult
 from april_ext.protocol.sampling_params import SamplingParams
-from april_ext.rollout.trajectories import Trajectories, turn_of
+from april_ext.rollout import environment_turns as turns
+# GroupFilter, RewardFn, RolloutMetrics and tail_latency are also imported from here (their home before they had
+# modules of their own): re-exported.
+from april_ext.rollout.rewards import GroupFilter, RewardFn, RewardPipeline, Verdict, raise_first
+from april_ext.rollout.step_metrics import step_metrics, tail_latency
+from april_ext.rollout.trajectories import Trajectories
 from april_ext.scheduler import (
     ENV_WAIT,
     CompletedGroup,
     GenerationRequest,
     Scheduler,
-    SchedulerConfig,
 )
-from april_ext.strategies import synchronous
 
 _E = TypeVar("_E", bound=tuple)
-
-RewardFn = Callable[[Prompt, np.ndarray], "float | Awaitable[float]"]
-"""Scores one response (token ids) of a prompt; may be a plain function (run in a worker thread) or async."""
-GroupFilter = Callable[[Sequence[float]], bool]
-"""Decides from a group's rewards whether it is trained on (True) or dropped (e.g. DAPO dynamic sampling)."""
-
-
-@dataclass(frozen=True)
-class RolloutMetrics:
-    """What one rollout step did, timed with the loop's clock (the engine's, for a simulated engine)."""
-
-    policy_version: int
-    wall_s: float
-    """From begin_step to the batch in hand."""
-    time_to_done_s: float
-    """From begin_step until N groups were accepted (the abort is issued right then)."""
-    generated_tokens: int
-    """Response tokens the engine produced during the step (streamed and in abort results)."""
-    tokens_per_s: float
-    requests: int
-    resumed_requests: int
-    aborted_samples: int
-    mean_inflight_samples: float
-    occupancy: float
-    """mean_inflight_samples / capacity (the engine's concurrency, else the scheduler's dispatch cap)."""
-    batch_groups: int
-    reward_mean: float
-    response_lens: list[int]
-    engine_steps: int
-    """Model steps (iterations) the engine ran during the step, when its stats() count them (EngineStats.steps);
-    else 0. generated_tokens / engine_steps is the mean batch: a throughput figure that no machine load moves."""
-    tail_share: float
-    """The long tail: the share of time_to_done_s spent after 90% of the samples that finished during it had
-    finished (stop, or the response cap; not a chunk boundary); 0 when fewer than two finished."""
-    scheduler: dict[str, Any] = field(default_factory=dict)
-    """Scheduler.stats() after the step (partial / off-policy ratios, buffered and surplus groups, the samples
-    carried into the step and their tokens, the re-prefilled tokens, ...)."""
-    env: dict[str, float] = field(default_factory=dict)
-    """Multi-turn runs (an environment): the step's turns handed to the environment (tool_calls), answers,
-    observations and their env_tokens, tool_wait_p50_s / p99_s, trajectories finished by reason
-    (finished_<reason>, tool_errors, tool_timeouts), waiting_at_boundary (trajectories whose turn was with the
-    environment when the step's batch was taken) and engine_idle_while_tools (the share of the time some turn
-    was with the environment during which the engine had no request). Empty without an environment."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class RolloutResult:
-    batch: TrainingBatch
-    metrics: RolloutMetrics
 
 
 @dataclass
@@ -182,14 +134,14 @@ class RolloutLoop:
             min(caps) if caps else cfg.over_sampling_batch_size * (cfg.n_samples_per_prompt + cfg.tail_extra_samples))
         self._seed = seed
         self._prefix = request_prefix
-        self._async_reward = inspect.iscoroutinefunction(reward_fn) or \
-            inspect.iscoroutinefunction(getattr(reward_fn, "__call__", None))
         self._ids = itertools.count()
-        self._reward_tasks: set[asyncio.Task[Any]] = set()
         # deterministic: engine steps in lockstep with the loop; rewards reported in completion order of groups.
         self.deterministic = deterministic and isinstance(engine, LockstepEngine)
-        self._reward_order: deque[tuple[CompletedGroup, asyncio.Task[Any]]] = deque()
+        self._reward_order: deque[tuple[CompletedGroup, asyncio.Task[Verdict]]] = deque()
         self._failures: list[BaseException] = []
+        self._scoring = RewardPipeline(reward_fn, group_filter, failures=self._failures, notify=self._notify,
+                                       rewards_of=self._group_rewards,
+                                       report=None if self.deterministic else self._report)
         self._wake: asyncio.Event | None = None
         self._streams: dict[int, _Stream] = {}
         self._stream_tasks: set[asyncio.Task[None]] = set()
@@ -219,7 +171,7 @@ class RolloutLoop:
     @property
     def pending_rewards(self) -> int:
         """Groups that completed but whose rewards have not reached the scheduler yet."""
-        return len(self._reward_order) if self.deterministic else len(self._reward_tasks)
+        return len(self._reward_order) if self.deterministic else self._scoring.pending
 
     async def run_step(self, policy_version: int) -> RolloutResult:
         """Generates until N groups are accepted (or data runs out), then aborts the rest (step_boundary
@@ -229,7 +181,8 @@ class RolloutLoop:
         self._generated = 0
         self._area = self._tool_area = self._idle_tool_area = 0.0
         if self._env is not None:
-            self._env.rerun_pending(self._waiting_turn)  # the steps a loaded state had running
+            # The steps a loaded state had running.
+            self._env.rerun_pending(lambda sid: turns.waiting_turn(self.scheduler, sid))
         # Chunks the carried samples produced before the last pause reach the scheduler with their version.
         self._flush()
         if self._rewards_before_step or self.deterministic:
@@ -284,12 +237,12 @@ class RolloutLoop:
                 continue
             dispatched = sched.dispatch()
             if self._env is not None:
-                await self._start_trajectories(dispatched)
+                await turns.start_trajectories(self._env, sched, dispatched)
             for request in dispatched:
                 requests += 1
                 resumed += request.is_resume
                 self._start_stream(request)
-            if not self._stream_tasks and not self._reward_tasks and not sched.step_done and not (
+            if not self._stream_tasks and not self._scoring.pending and not sched.step_done and not (
                     self._env is not None and self._env.busy):
                 raise InternalError(f"rollout loop stalled: nothing running, no reward pending and the step "
                                     f"is not done (scheduler stats: {sched.stats()})")
@@ -311,18 +264,11 @@ class RolloutLoop:
         batch = sched.take_batch()
         end = self.clock()
         self._account(end)
-        wall = end - start
-        metrics = RolloutMetrics(
-            policy_version=policy_version, wall_s=wall, time_to_done_s=done_at - start,
-            generated_tokens=self._generated, tokens_per_s=self._generated / wall if wall > 0 else 0.0,
-            requests=requests, resumed_requests=resumed, aborted_samples=aborted,
-            mean_inflight_samples=self._area / wall if wall > 0 else 0.0,
-            occupancy=self._area / wall / self.capacity if wall > 0 else 0.0,
-            batch_groups=batch.n_groups,
-            reward_mean=float(batch.rewards.mean()) if batch.n_samples else math.nan,
-            response_lens=batch.response_lens.tolist(), engine_steps=self._engine_steps() - engine_steps,
-            tail_share=_tail_share(self._finished_at, start, done_at), scheduler=sched.stats(),
-            env=self._env_metrics(waiting_at_boundary))
+        metrics = step_metrics(
+            policy_version, batch, start=start, done_at=done_at, end=end, generated=self._generated,
+            requests=requests, resumed=resumed, aborted=aborted, inflight_area=self._area, capacity=self.capacity,
+            engine_steps=self._engine_steps() - engine_steps, finished_at=self._finished_at,
+            scheduler=sched.stats(), env=self._env_metrics(waiting_at_boundary))
         return RolloutResult(batch, metrics)
 
     @property
@@ -353,8 +299,7 @@ class RolloutLoop:
         """Hands the chunks received so far to the scheduler and waits for every pending reward task (its
         rewards reach the scheduler; deterministic: in completion order of the groups); raises the first failure."""
         self._flush()
-        while self._reward_tasks:
-            await asyncio.wait(set(self._reward_tasks))
+        await self._scoring.wait()
         self._raise_failures()
         self._report_in_order(until_done=False)
 
@@ -504,8 +449,9 @@ class RolloutLoop:
             self.scheduler.on_finish_batch([e[0] for e in finishes], [e[1] for e in finishes])
         if self._env is not None:
             self._account(self.clock())  # the time before, with the turns with the environment then
-            self._hand_turns_to_env(sorted(sid for sid, code in finishes if code == ENV_WAIT))
-            self._deliver_env_answers()
+            waiting = sorted(sid for sid, code in finishes if code == ENV_WAIT)
+            turns.hand_turns_to_env(self._env, self.scheduler, waiting)
+            turns.deliver_env_answers(self._env, self.scheduler)
 
     # ------------------------------------------------------------------ environment (multi-turn)
 
@@ -513,80 +459,6 @@ class RolloutLoop:
     def _env_pending(self) -> int:
         """Trajectories whose turn is with the environment."""
         return 0 if self._env is None else self._env.pending
-
-    async def _start_trajectories(self, requests: list[GenerationRequest]) -> None:
-        """env.start for each fresh trajectory dispatched (a first dispatch, or a restart), before its stream
-        opens; a resumed one keeps its state (one without, from a checkpoint written before it had one,
-        starts from the prompt)."""
-        env, data = self._env, self.scheduler.data
-        assert env is not None
-        fresh = [r for r in requests if not r.is_resume or not env.knows(r.sample_id)]
-        if fresh:
-            await asyncio.gather(*(env.start(r.sample_id, r.group_id, data[r.prompt_index]) for r in fresh))
-
-    def _hand_turns_to_env(self, sample_ids: list[int]) -> None:
-        """Turns that ended at a stop token: each waiting sample's turn goes to the environment; a sample the
-        turn filled to max_response_len was finished with "length" by the scheduler (reward 0); a cancelled one
-        (its group completed by another sample of the same hand-over) is left alone."""
-        env = self._env
-        assert env is not None
-        for sid in sample_ids:
-            view = self.scheduler.sample(sid)
-            if view.state == "waiting_env":
-                env.hand_over(sid, turn_of(view.token_ids, view.env_mask))
-            elif view.state == "done":
-                env.cut(sid)
-
-    def _deliver_env_answers(self) -> None:
-        """The environment's answers that arrived, to the scheduler in sample-id order: an observation queues
-        its sample for dispatch (prompt + response with it), an end finishes it. An answer for a sample the
-        scheduler no longer waits on (cancelled, restarted or dropped meanwhile) is dropped."""
-        env, sched = self._env, self.scheduler
-        assert env is not None
-        observed: list[tuple[int, Any, tuple[int, ...]]] = []
-        ended: list[tuple[int, Any]] = []
-        for sid, answer in env.answers():
-            try:
-                view = sched.sample(sid)
-            except UnknownIdError:
-                view = None
-            if view is None or view.state != "waiting_env":
-                env.dropped(sid)
-            elif answer.done:
-                ended.append((sid, answer))
-            else:
-                # An observation past max_response_len is cut at it: the scheduler ends the sample with "length".
-                room = self._max_response_len - int(view.token_ids.size)
-                observed.append((sid, answer, answer.observation[:room]))
-        if observed:
-            counts = [len(tokens) for _, _, tokens in observed]
-            tokens = np.fromiter(itertools.chain.from_iterable(t for _, _, t in observed), np.int32, sum(counts))
-            sched.on_env_tokens_batch([sid for sid, _, _ in observed], counts, tokens)
-            for sid, answer, kept in observed:
-                env.delivered(sid, answer)
-                if len(kept) < len(answer.observation) or sched.sample(sid).state == "done":
-                    env.observation_cut(sid)
-            # An observation that filled its sample to the cap may have completed a group, cancelling a sample
-            # of it whose end is below (tail_extra_samples): that end is dropped.
-            still = []
-            for sid, answer in ended:
-                if sched.sample(sid).state == "waiting_env":
-                    still.append((sid, answer))
-                else:
-                    env.dropped(sid)
-            ended = still
-        if ended:
-            sched.on_finish_batch([sid for sid, _ in ended], [int(FinishReason.STOP)] * len(ended))
-            for sid, answer in ended:
-                env.delivered(sid, answer)
-
-    def _waiting_turn(self, sample_id: int) -> np.ndarray | None:
-        """The turn of a sample the scheduler has waiting on its environment; None when it does not."""
-        try:
-            view = self.scheduler.sample(sample_id)
-        except UnknownIdError:
-            return None
-        return turn_of(view.token_ids, view.env_mask) if view.state == "waiting_env" else None
 
     def _env_metrics(self, waiting_at_boundary: int) -> dict[str, float]:
         if self._env is None:
@@ -603,10 +475,7 @@ class RolloutLoop:
         if self._env is None:
             return None
         self._flush()
-        held = {sid for state in ("queued", "running", "aborting", "done", "waiting_env")
-                for sid in self.scheduler.sample_ids(state)}
-        self._env.keep_only(held)
-        return self._env.dumps()
+        return turns.trajectories_state(self._env, self.scheduler)
 
     def load_environment_state(self, data: bytes) -> None:
         """Restores environment_state's bytes (after the scheduler's state of the same moment was loaded). The
@@ -625,9 +494,7 @@ class RolloutLoop:
     # ------------------------------------------------------------------ rewards
 
     def _start_reward(self, group: CompletedGroup) -> None:
-        task = asyncio.create_task(self._reward(group))
-        self._reward_tasks.add(task)
-        task.add_done_callback(self._reward_done)
+        task = self._scoring.start(group)
         if self.deterministic:
             self._reward_order.append((group, task))
 
@@ -640,32 +507,18 @@ class RolloutLoop:
             group, task = order.popleft()
             if task.cancelled() or task.exception() is not None:
                 continue  # its failure is raised by _raise_failures
-            values, accepted = task.result()
-            self.scheduler.report_rewards(group.group_id, values, accepted)
+            self._report(group, *task.result())
 
-    def _reward_done(self, task: asyncio.Task[None]) -> None:
-        self._reward_tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self._failures.append(task.exception())  # type: ignore[arg-type]
-        self._notify()
+    async def _group_rewards(self, group: CompletedGroup) -> list[float]:
+        """A multi-turn group's rewards are its trajectories' final ones; else reward_fn's."""
+        if self._env is None:
+            return await self._scoring.score_group(group.prompt, group.responses)
+        rewards = self._env.rewards(group.sample_ids)
+        self._env.forget_group(group.group_id)
+        return rewards
 
-    async def _reward(self, group: CompletedGroup) -> tuple[list[float], bool] | None:
-        score_whole_group = getattr(self.reward_fn, "score_group", None)
-        if self._env is not None:
-            rewards = self._env.rewards(group.sample_ids)
-            self._env.forget_group(group.group_id)
-        elif score_whole_group is not None:  # a group-level reward (training.hooks) schedules its own calls
-            rewards = await score_whole_group(group.prompt, group.responses)
-        elif self._async_reward:
-            rewards = list(await asyncio.gather(*(self.reward_fn(group.prompt, r) for r in group.responses)))
-        else:
-            rewards = await asyncio.to_thread(score_group, self.reward_fn, group.prompt, group.responses)
-        values = [float(r) for r in rewards]  # type: ignore[arg-type]
-        accepted = True if self.group_filter is None else bool(self.group_filter(values))
-        if self.deterministic:
-            return values, accepted  # reported by _report_in_order
+    def _report(self, group: CompletedGroup, values: list[float], accepted: bool) -> None:
         self.scheduler.report_rewards(group.group_id, values, accepted)
-        return None
 
     # ------------------------------------------------------------------ helpers
 
@@ -697,29 +550,7 @@ class RolloutLoop:
         if self._env is not None and self._env.failures:
             self._failures += self._env.failures
             self._env.failures.clear()
-        if self._failures:
-            failure = self._failures[0]
-            self._failures.clear()
-            raise failure
-
-
-def tail_latency(finish_times: np.ndarray, start: float, end: float, share: float = 0.9) -> float:
-    """(end - the time by which ``share`` of the samples had finished) / (end - start). Finish times before
-    ``start`` count as ``start``; unknown ones (NaN) are left out. NaN when no time is known or end <= start."""
-    times = np.sort(np.asarray(finish_times, np.float64))
-    times = times[~np.isnan(times)]
-    if times.size == 0 or end <= start:
-        return math.nan
-    reached = max(start, float(times[math.ceil(share * times.size) - 1]))
-    return (end - reached) / (end - start)
-
-
-def _tail_share(finished_at: list[float], start: float, done_at: float) -> float:
-    """tail_latency of the samples finished by done_at; 0 with fewer than two or no time."""
-    times = [t for t in finished_at if t <= done_at]
-    if len(times) < 2 or done_at <= start:
-        return 0.0
-    return tail_latency(np.asarray(times), start, done_at)
+        raise_first(self._failures)
 
 
 def _split(events: list[_E], held: set[int]) -> tuple[list[_E], list[_E]]:
@@ -727,12 +558,4 @@ def _split(events: list[_E], held: set[int]) -> tuple[list[_E], list[_E]]:
     return [e for e in events if e[0] in held], [e for e in events if e[0] not in held]
 
 
-def scheduler_config_for(config: SchedulerConfig, partial_rollout: bool) -> SchedulerConfig:
-    """The scheduler settings of a run: APRIL (or a long-tail strategy) as configured, or the synchronous
-    baseline (april_ext.strategies.synchronous: N' = N with batch refill, so nothing is aborted or carried over)."""
-    if not isinstance(partial_rollout, bool):
-        raise InvalidArgumentError(f"partial_rollout={partial_rollout!r} is not allowed: True or False")
-    return config if partial_rollout else synchronous(config)
-
-
-__all__ = ["GroupFilter", "RewardFn", "RolloutLoop", "RolloutMetrics", "RolloutResult", "scheduler_config_for", "tail_latency"]
+__all__ = ["GroupFilter", "RewardFn", "RolloutLoop", "RolloutMetrics", "RolloutResult", "tail_latency"]

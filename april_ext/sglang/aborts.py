@@ -33,10 +33,12 @@ class Aborter:
 
     async def abort_all(self, states: list[RequestState], version: int) -> None:
         """abort_all on every worker; returns once the given streams ended."""
-        async def send() -> None:
-            await self._workers.call_each(await self._workers.worker_urls(), "/abort_request",
-                                          {"rid": "", "abort_all": True})
-        await self._until_done(states, send, version)
+        await self._until_done(states, self.send_abort_all, version)
+
+    async def send_abort_all(self) -> None:
+        """One abort_all to every worker, whoever sent their requests; returns once each answered."""
+        await self._workers.call_each(await self._workers.worker_urls(), "/abort_request",
+                                      {"rid": "", "abort_all": True})
 
     async def abort_states(self, states: list[RequestState], version: int) -> None:
         """Aborts each request by its rid; returns once their streams ended."""

@@ -250,6 +250,13 @@ class SGLangEngine:
         self._aborted += sum(s.finish_reason is FinishReason.ABORT for s in states)
         return [s.output() for s in states]
 
+    async def abort_all(self) -> None:
+        """Aborts every request on every worker, also those this client did not send (a slime custom generate
+        function's: protocol.AbortAllEngine); returns once each worker answered, not once the requests ended (this
+        client's own streams end with the servers' ABORT answers). A request that reaches a worker after it runs
+        on: the caller sends it again until its requests are back."""
+        await self._aborter.send_abort_all()
+
     # Weights, memory, health --------------------------------------------------------------------------
 
     async def update_weights(self, weights: WeightsSource, version: int) -> list[str]:

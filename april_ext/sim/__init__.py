@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from april_ext.sim.cost import CLUSTER_PRESETS, ClusterConfig, CostModel, GpuSpec, ModelSpec, cluster_preset
-from april_ext.sim.engine import ClusterCounters, SimulatedEngine
+from april_ext.sim.counters import ClusterCounters
+from april_ext.sim.engine import SimulatedEngine
 from april_ext.sim.lengths import (LENGTH_PRESETS, LengthModel, LogNormalLengths, SampleDraw, TraceLengths,
                                    length_preset)
 from april_ext.sim.metrics import OccupancyBound, StepReport, full_occupancy_bound

@@ -7,9 +7,8 @@ event of any replica (finish, KV full), so a step of 512 responses x 16K tokens 
 events, not millions of token steps. A request receives its tokens in few chunks: at finish, at abort,
 and when a weight update flushes it (chunks never mix versions).
 
-A sample's length is drawn once, from the length model keyed by (prompt, sample ordinal, weight
-version), when the engine first sees it; a resumed request (prompt + partial response, exactly as aborted)
-is recognised by a hash of its ids and continues to the same target.
+A sample's length is drawn once, when the engine first sees it; a resumed request (prompt + partial response,
+exactly as aborted) continues it to the same target (samples.py).
 
 ``pause_generation("in_place")`` holds the running requests with their KV (also across update_weights, after
 which they continue under the new version) until ``continue_generation``; the clock stands still meanwhile. On
@@ -33,19 +32,18 @@ generated or trained) and the next turn queues on the same replica, prefilling o
 context is still cached. An abort during a tool call ends the request but not the tool: the resumed request waits
 for what is left of the latency, then prefills prompt + partial response + every observation so far.
 The engine remembers when each request finished, keyed by its full ids (``finish_time``), for the
-tail latency.
+tail latency. Its counters (counters.py) sum its replicas'.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import heapq
 import itertools
 import math
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -59,54 +57,15 @@ from april_ext.protocol.outputs import EngineStats, GenerationChunk, GenerationO
 from april_ext.protocol.request_ids import RequestIds, abort_ids
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.sim.cost import ClusterConfig
+from april_ext.sim.counters import ClusterCounters
 from april_ext.sim.lengths import LengthModel
 from april_ext.sim.replica import Replica, ReplicaCounters, SimRequest, SimSample
-from april_ext.sim.tokens import as_ids, prompt_key, response_logprobs, response_tokens
+from april_ext.sim.samples import SampleBook
+from april_ext.sim.tokens import as_ids, response_logprobs, response_tokens
 from april_ext.sim.turns import TurnModel
 
 # The memory tags whose release the simulation models (protocol.memory_tags has the full list).
 _SIMULATED_TAGS = ("weights", "kv_cache")
-
-
-@dataclass(frozen=True)
-class ClusterCounters:
-    """Cumulative counters summed over replicas, at virtual time ``now``."""
-
-    now: float
-    num_engines: int
-    decode_steps: int
-    decode_tokens: int
-    decode_time: float
-    slot_time: float
-    prefill_time: float
-    prefill_tokens: int
-    resume_prefill_time: float
-    resume_prefill_tokens: int
-    recompute_time: float
-    recompute_tokens: int
-    preemptions: int
-    finished: int
-    aborted: int
-    kv_reads: int
-    new_prefill_work_s: float
-    resume_prefill_work_s: float
-    delivered_tokens: int
-    kv_copy_time: float  # virtual seconds the clock moved on for host copies of held KV (colocated pauses)
-    kv_copy_tokens: int  # KV tokens copied to host and back
-    continuations: int
-    continuation_prefill_time: float
-    continuation_prefill_tokens: int
-    prefix_hit_tokens: int
-    tool_calls: int
-    env_prefill_tokens: int
-    env_prefill_time: float
-
-    def minus(self, earlier: ClusterCounters) -> ClusterCounters:
-        """Counters accumulated since ``earlier`` (``now`` becomes the elapsed time)."""
-        a, b = asdict(self), asdict(earlier)
-        out = {k: a[k] - b[k] for k in a}
-        out["num_engines"] = self.num_engines
-        return ClusterCounters(**out)
 
 
 class _Stream:
@@ -150,12 +109,7 @@ class SimulatedEngine(LoopTaskEngine):
         self._streams: dict[str, _Stream] = {}
         self._waiting = 0  # open streams whose consumer waits for a chunk
         self._activity = 0  # bumped by every call and every consumer wait
-        self._resumable: dict[bytes, deque[SimSample]] = {}
-        # Resumable ids that ended at their budget -> the weight versions they ended under.
-        self._budget_ends: dict[bytes, deque[int]] = {}
-        self._finish_times: dict[bytes, float] = {}  # digest of prompt + response -> virtual time of its finish
-        self._ordinals: defaultdict[int, int] = defaultdict(int)
-        self._uids = itertools.count()
+        self._samples = SampleBook(lengths)
         self._ids = RequestIds("sim")
         self._rr = itertools.cycle(range(cluster.num_engines))
         self._delivered_tokens = 0
@@ -333,7 +287,7 @@ class SimulatedEngine(LoopTaskEngine):
     def finish_time(self, ids: Sequence[int] | np.ndarray) -> float:
         """Virtual time at which the request whose prompt + response are ``ids`` finished (stop or length), taken
         out of the record; NaN when no request ended so (unknown, aborted, or continued past a chunk boundary)."""
-        return self._finish_times.pop(_digest(as_ids(ids)), math.nan)
+        return self._samples.finish_time(ids)
 
     # ------------------------------------------------------------------ requests
 
@@ -347,36 +301,8 @@ class SimulatedEngine(LoopTaskEngine):
         if ids.size + params.max_new_tokens > capacity:
             raise InvalidArgumentError(f"request {rid!r}: {ids.size} input ids + max_new_tokens "
                                        f"{params.max_new_tokens} exceed the KV capacity of {capacity} tokens")
-        hasher = hashlib.blake2b(ids.tobytes(), digest_size=16)
-        digest = hasher.digest()
-        known = self._resumable.get(digest)
-        prefix_key = None
-        if known:
-            sample = known.popleft()
-            if not known:
-                del self._resumable[digest]
-            is_resume = ids.size > sample.prompt_len
-            ended = self._budget_ends.get(digest)
-            if ended:
-                version = ended.popleft()
-                if not ended:
-                    del self._budget_ends[digest]
-                self._finish_times.pop(digest, None)  # a chunk boundary, not the sample's finish
-                # Under other weights its prefix is no cache hit: a resume like an aborted partial's.
-                prefix_key = digest if version == self.weight_version else None
-        else:
-            key = prompt_key(ids)
-            ordinal = self._ordinals[key]
-            self._ordinals[key] += 1
-            if isinstance(self.lengths, TurnModel):
-                plan = self.lengths.plan(key, ordinal, self.weight_version)
-                sample = SimSample(uid=next(self._uids), prompt_len=int(ids.size), target=plan.model_tokens,
-                                   correct=plan.correct, plan=plan)
-            else:
-                draw = self.lengths.draw(key, ordinal, self.weight_version)
-                sample = SimSample(uid=next(self._uids), prompt_len=int(ids.size), target=int(draw.length),
-                                   correct=bool(draw.correct))
-            is_resume = False
+        opened = self._samples.open(ids, self.weight_version)
+        sample = opened.sample
         base = int(ids.size) - sample.prompt_len
         left = max(sample.target - base, 1)
         if params.ignore_eos or left > params.max_new_tokens:
@@ -384,8 +310,9 @@ class SimulatedEngine(LoopTaskEngine):
         else:
             new_total, finish = left, FinishReason.STOP
         return SimRequest(request_id=rid, sample=sample, base=base, input_len=int(ids.size), new_total=new_total,
-                          finish=finish, is_resume=is_resume, hasher=hasher, input_ids=ids, prefix_key=prefix_key,
-                          env=sample.env_tokens, turn_end=_turn_end(sample, base, new_total))
+                          finish=finish, is_resume=opened.is_resume, hasher=opened.hasher, input_ids=ids,
+                          prefix_key=opened.prefix_key, env=sample.env_tokens,
+                          turn_end=_turn_end(sample, base, new_total))
 
     def _route(self, request: SimRequest) -> None:
         if request.is_continuation:
@@ -442,11 +369,10 @@ class SimulatedEngine(LoopTaskEngine):
         hasher.update(response_tokens(s.uid, request.base, request.base + request.generated, stop_at,
                                       s.correct).tobytes())
         digest = hasher.digest()
-        self._finish_times[digest] = self.now
-        if request.finish == FinishReason.LENGTH:
+        at_budget = request.finish == FinishReason.LENGTH
+        self._samples.finished(digest, s, self.now, self.weight_version if at_budget else None)
+        if at_budget:
             # The sample may go on from here (a chunk boundary): its ids are known and its KV stays cached.
-            self._resumable.setdefault(digest, deque()).append(s)
-            self._budget_ends.setdefault(digest, deque()).append(self.weight_version)
             self.replicas[request.replica].cache_prefix(digest, request.context)
 
     def _call_tool(self, request: SimRequest) -> None:
@@ -504,7 +430,7 @@ class SimulatedEngine(LoopTaskEngine):
             s = request.sample
             out_tokens = response_tokens(s.uid, request.base, request.base + request.generated, None, s.correct)
             request.hasher.update(out_tokens.tobytes())
-            self._resumable.setdefault(request.hasher.digest(), deque()).append(s)
+            self._samples.aborted(request.hasher.digest(), s)
             versions = [v for v, n in request.chunk_versions for _ in range(n)]
             outputs.append(GenerationOutput(
                 request_id=rid, prompt_ids=request.input_ids.tolist(), token_ids=out_tokens.tolist(),
@@ -622,11 +548,6 @@ def _turn_end(sample: SimSample, base: int, new_total: int) -> int | None:
         return None
     end = plan.tool_call_at(sample.tools_called) - base
     return end if end < new_total else None
-
-
-def _digest(ids: np.ndarray) -> bytes:
-    """The key of a request's ids (as its hasher computes it)."""
-    return hashlib.blake2b(ids.tobytes(), digest_size=16).digest()
 
 
 __all__ = ["ClusterCounters", "SimulatedEngine"]

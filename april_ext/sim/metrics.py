@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from april_ext.batch import FinishReason
-from april_ext.rollout.loop import tail_latency
+from april_ext.rollout.step_metrics import tail_latency
 from april_ext.sim.cost import ClusterConfig, CostModel
-from april_ext.sim.engine import ClusterCounters
+from april_ext.sim.counters import ClusterCounters
 from april_ext.sim.lengths import LengthModel
 from april_ext.sim.replica import Replica, SimRequest, SimSample
 

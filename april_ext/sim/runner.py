@@ -36,7 +36,7 @@ from april_ext.sim.metrics import (
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
 from april_ext.sim.turns import TURN_PRESETS, TurnModel, turn_preset
 from april_ext.sim.waves import WaveRollout
-from april_ext.strategies import STRATEGIES, configure, synchronous, synchronous_dapo
+from april_ext.strategies import STRATEGIES, configure, scheduler_config_for
 
 Mode = Literal["baseline", "april-batch", "april-continuous", "april-adaptive"]
 MODES: tuple[str, ...] = ("baseline", "april-batch", "april-continuous", "april-adaptive")
@@ -163,9 +163,9 @@ class SimConfig:
         return configure(given, None if self.mode == "baseline" else self.strategy)
 
     def scheduler_config(self, engine_capacity: int | None = None) -> SchedulerConfig:
-        """APRIL as configured; the baseline is what slime does without partial rollout (april_ext.strategies:
-        synchronous for GRPO, synchronous_dapo for DAPO's dynamic sampling), ending its steps as slime does
-        (step_boundary "abort") with no cap on samples in flight; the APRIL modes use step_boundary as configured.
+        """APRIL as configured; the baseline is what slime does without partial rollout (april_ext.strategies'
+        baseline "synchronous" for GRPO, "synchronous_dapo" for DAPO's dynamic sampling), ending its steps as slime
+        does (step_boundary "abort") with no cap on samples in flight; the APRIL modes use step_boundary as configured.
         april-adaptive is continuous refill with adaptive over-sampling, its target target_inflight_samples
         or else ``engine_capacity`` (samples the engines run at once)."""
         adaptive = self.mode == "april-adaptive"
@@ -176,7 +176,7 @@ class SimConfig:
         shared = self._shared_scheduler_config()
         if self.mode == "baseline":
             base = replace(shared, max_inflight_samples=None, step_boundary="abort")
-            return synchronous_dapo(base) if self.algorithm == "dapo" else synchronous(base)
+            return scheduler_config_for(base, False, "synchronous_dapo" if self.algorithm == "dapo" else "synchronous")
         return replace(shared, refill="continuous" if self.mode in ("april-continuous", "april-adaptive") else "batch",
                        over_sampling="adaptive" if adaptive else "fixed",
                        target_inflight_samples=target if adaptive else None)

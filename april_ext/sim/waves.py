@@ -34,7 +34,7 @@ from april_ext.batch import FinishReason
 from april_ext.errors import ConfigError
 from april_ext.protocol.rollout_engine import RolloutEngine, engine_clock
 from april_ext.protocol.sampling_params import SamplingParams
-from april_ext.rollout.loop import RolloutMetrics, tail_latency
+from april_ext.rollout.step_metrics import RolloutMetrics, tail_latency
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
 
 

@@ -35,6 +35,7 @@ from april_ext.persistence import (
 )
 from april_ext.scheduler import Scheduler
 from april_ext.trainer import Trainer
+from april_ext.training.metrics import with_variant
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +162,8 @@ class CheckpointManager:
 
     def load(self, info: CheckpointInfo, trainer: Trainer, scheduler: Scheduler) -> dict[str, Any]:
         """Verifies the checkpoint, then restores trainer and scheduler from it; returns its run state
-        (run.json). A damaged checkpoint raises CorruptStateError before anything is restored."""
+        (run.json; the variant under metrics.VARIANT, also from a checkpoint that wrote it under "mode"). A
+        damaged checkpoint raises CorruptStateError before anything is restored."""
         if not self.verify(info):
             logger.warning("checkpoint %s has no %s (written by an older april_ext): loading it unverified",
                            info.path, MANIFEST_FILE)
@@ -169,7 +171,7 @@ class CheckpointManager:
         run_state = read_json(run_file)
         trainer.load_checkpoint(os.path.join(info.path, _TRAINER_DIR))
         scheduler.load(os.path.join(info.path, _SCHEDULER_FILE))
-        return dict(run_state)
+        return with_variant(dict(run_state))
 
     def read_environment(self, info: CheckpointInfo) -> bytes | None:
         """The multi-turn environment state a loaded checkpoint holds (checked with the rest by ``load``'s

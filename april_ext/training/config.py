@@ -9,45 +9,48 @@ the config file, then flags. Every SchedulerConfig field is a TrainConfig field 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
-import re
-import shlex
 import sys
 import typing
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
 from april_ext.algorithms import KL_SHAPED_ADVANTAGES
 from april_ext.errors import ConfigError
 from april_ext.scheduler import SchedulerConfig
-from april_ext.settings import adopt, settings
+from april_ext.settings import adopt
 from april_ext.strategies import STRATEGIES, configure
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
+from april_ext.training.config_rules import (
+    ALGORITHMS,
+    ENGINES,
+    IMPORT_PATH,
+    PARALLEL_SETTINGS,
+    SCHEDULER_SETTINGS,
+    TASKS,
+    TRAINERS,
+    EngineKind,
+    KlType,
+    RayRouting,
+    RewardKind,
+    TrainerKind,
+    WeightSync,
+    bad,
+    check_colocated_carry,
+    check_custom_generate,
+    check_lookup,
+    check_parallel,
+    check_ray,
+    check_sglang,
+    check_type,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
-
-TASKS = ("counting", "lookup")
-ALGORITHMS = ("grpo", "drgrpo", "dapo", "gspo", *KL_SHAPED_ADVANTAGES)
-_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*|\.[A-Za-z_]\w*)")
-RewardKind = Literal["auto", "sample", "batch", "group"]
-KlType = Literal["k1", "k2", "k3", "low_var_kl"]
-WeightSync = Literal["disk", "tensor", "broadcast"]
-RayRouting = Literal["router", "least_loaded"]
-EngineKind = Literal["embedded", "sglang"]
-TrainerKind = Literal["torch", "megatron"]
-ENGINES: tuple[str, ...] = typing.get_args(EngineKind)
-TRAINERS: tuple[str, ...] = typing.get_args(TrainerKind)
-
-
-SCHEDULER_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(SchedulerConfig))
-"""The TrainConfig fields that are SchedulerConfig's."""
-PARALLEL_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(MegatronParallelConfig) if f.name != "timeout_s")
-"""The TrainConfig fields that are MegatronParallelConfig's (its timeout_s is distributed_timeout_minutes)."""
-
 
 # A run's batch is the counting task's on a CPU: 8 groups, not SchedulerConfig's 32.
 @dataclass(frozen=True)
@@ -327,86 +330,87 @@ class TrainConfig:
             object.__setattr__(self, "sglang_urls", tuple(self.sglang_urls))
         for f in fields(self):
             if f.name not in SCHEDULER_SETTINGS and f.name not in PARALLEL_SETTINGS:
-                _check_type(f.name, getattr(self, f.name))
+                check_type(self, f.name, getattr(self, f.name))
         if self.strategy is not None and self.strategy not in STRATEGIES:
-            _bad("strategy", self.strategy, f"None or one of {', '.join(repr(n) for n in STRATEGIES)}")
-        self.scheduler_config()
-        self._check_parallel()
+            bad("strategy", self.strategy, f"None or one of {', '.join(repr(n) for n in STRATEGIES)}")
+        self.scheduler_config()  # built and validated here, once: the run and its engine read the same one
+        check_parallel(self)
         if self.task is not None and self.task not in TASKS:
-            _bad("task", self.task, f"one of {TASKS}, or None with data")
+            bad("task", self.task, f"one of {TASKS}, or None with data")
         if (self.task is None) == (self.data is None):
-            _bad("task", self.task, f"exactly one of task and data (data={self.data!r})")
+            bad("task", self.task, f"exactly one of task and data (data={self.data!r})")
         if self.task == "lookup":
-            self._check_lookup()
+            check_lookup(self)
         if self.data is not None and self.model is None:
-            _bad("model", None, "a checkpoint directory when data is given (the tiny model is for the counting task)")
+            bad("model", None, "a checkpoint directory when data is given (the tiny model is for the counting task)")
         for name in ("num_epochs", "counting_max_count", "counting_symbols", "hidden_size", "num_layers",
                      "max_num_seqs", "num_blocks", "block_size", "micro_batch_tokens", "num_steps", "keep_checkpoints",
                      "n_samples_per_eval_prompt", "eval_counting_prompts"):
             if getattr(self, name) < 1:
-                _bad(name, getattr(self, name), "an int >= 1")
+                bad(name, getattr(self, name), "an int >= 1")
         if self.custom_rm_text and (self.custom_rm_path is None or self.data is None):
-            _bad("custom_rm_text", True, "False unless custom_rm_path and data are given (the text is decoded "
-                 "with data's tokenizer)")
+            bad("custom_rm_text", True, "False unless custom_rm_path and data are given (the text is decoded "
+                "with data's tokenizer)")
         if self.eval_prompt_data is not None and self.data is None:
-            _bad("eval_prompt_data", self.eval_prompt_data, "None unless data is given (it is read with data's "
-                 "tokenizer and keys; the counting task evaluates on eval_counting_prompts held-out prompts)")
+            bad("eval_prompt_data", self.eval_prompt_data, "None unless data is given (it is read with data's "
+                "tokenizer and keys; the counting task evaluates on eval_counting_prompts held-out prompts)")
         if self.eval_prompt_data is not None and self.eval_interval == 0:
-            _bad("eval_interval", 0, "an int >= 1 when eval_prompt_data is given (0 never evaluates)")
+            bad("eval_interval", 0, "an int >= 1 when eval_prompt_data is given (0 never evaluates)")
         for name in ("seed", "save_interval", "eval_interval"):
             if getattr(self, name) < 0:
-                _bad(name, getattr(self, name), "an int >= 0")
+                bad(name, getattr(self, name), "an int >= 0")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            _bad("micro_batch_size", self.micro_batch_size, "None or an int >= 1")
+            bad("micro_batch_size", self.micro_batch_size, "None or an int >= 1")
         if self.num_threads is not None and self.num_threads < 1:
-            _bad("num_threads", self.num_threads, "None or an int >= 1")
+            bad("num_threads", self.num_threads, "None or an int >= 1")
         for name, allowed in (("algorithm", ALGORITHMS), ("engine", ENGINES), ("trainer", TRAINERS),
                               ("custom_rm_kind", typing.get_args(RewardKind)),
                               ("kl_loss_type", typing.get_args(KlType))):
             if getattr(self, name) not in allowed:
-                _bad(name, getattr(self, name), f"one of {allowed}")
+                bad(name, getattr(self, name), f"one of {allowed}")
         for name in ("counting_median", "lr", "custom_rm_timeout_s"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
-                _bad(name, getattr(self, name), "a finite number > 0")
+                bad(name, getattr(self, name), "a finite number > 0")
         if self.counting_median < 1:
-            _bad("counting_median", self.counting_median, "a finite number >= 1")
+            bad("counting_median", self.counting_median, "a finite number >= 1")
         for name in ("counting_sigma", "kl_loss_coef", "kl_coef", "temperature"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
-                _bad(name, getattr(self, name), "a finite number >= 0")
+                bad(name, getattr(self, name), "a finite number >= 0")
         if self.tis_cap is not None and (not math.isfinite(self.tis_cap) or self.tis_cap <= 0):
-            _bad("tis_cap", self.tis_cap, "None or a finite number > 0")
+            bad("tis_cap", self.tis_cap, "None or a finite number > 0")
         if self.tis_floor != 0 and (self.tis_cap is None or not 0 <= self.tis_floor < self.tis_cap):
-            _bad("tis_floor", self.tis_floor, f"0, or a number in [0, tis_cap) with tis_cap set (tis_cap={self.tis_cap})")
+            bad("tis_floor", self.tis_floor, f"0, or a number in [0, tis_cap) with tis_cap set (tis_cap={self.tis_cap})")
         if not 0 < self.top_p <= 1:
-            _bad("top_p", self.top_p, "a number in (0, 1]")
+            bad("top_p", self.top_p, "a number in (0, 1]")
         if not 0 <= self.gamma <= 1:
-            _bad("gamma", self.gamma, "a number in [0, 1]")
+            bad("gamma", self.gamma, "a number in [0, 1]")
         if self.behav_imp_weight_cap is not None and (not self.use_decoupled_loss or not math.isfinite(
                 self.behav_imp_weight_cap) or self.behav_imp_weight_cap <= 1):
-            _bad("behav_imp_weight_cap", self.behav_imp_weight_cap, "None, or a finite number > 1 with "
-                 f"use_decoupled_loss (use_decoupled_loss={self.use_decoupled_loss})")
+            bad("behav_imp_weight_cap", self.behav_imp_weight_cap, "None, or a finite number > 1 with "
+                f"use_decoupled_loss (use_decoupled_loss={self.use_decoupled_loss})")
         if self.use_decoupled_loss and self.tis_cap is not None:
-            _bad("tis_cap", self.tis_cap, "None with use_decoupled_loss (the decoupled loss weights each token by "
-                 "pi_prox / pi_behavior itself; behav_imp_weight_cap caps it)")
+            bad("tis_cap", self.tis_cap, "None with use_decoupled_loss (the decoupled loss weights each token by "
+                "pi_prox / pi_behavior itself; behav_imp_weight_cap caps it)")
         for name in ("eps_clip", "eps_clip_high"):
             value = getattr(self, name)
             if value is not None and (not math.isfinite(value) or value < 0 or (name == "eps_clip" and value >= 1)):
-                _bad(name, value, "None or a finite number in [0, 1)" if name == "eps_clip"
-                     else "None or a finite number >= 0")
+                bad(name, value, "None or a finite number in [0, 1)" if name == "eps_clip"
+                    else "None or a finite number >= 0")
         if self.global_batch_size is not None:
             n, total = self.n_samples_per_prompt, self.rollout_batch_size * self.n_samples_per_prompt
             if self.global_batch_size < 1 or self.global_batch_size % n or total % self.global_batch_size:
-                _bad("global_batch_size", self.global_batch_size,
-                     f"None or a multiple of n_samples_per_prompt ({n}) that divides rollout_batch_size * "
-                     f"n_samples_per_prompt ({total})")
+                bad("global_batch_size", self.global_batch_size,
+                    f"None or a multiple of n_samples_per_prompt ({n}) that divides rollout_batch_size * "
+                    f"n_samples_per_prompt ({total})")
         if self.custom_generate_function_path is not None:
-            self._check_custom_generate()
+            check_custom_generate(self)
         for name in ("custom_rm_path", "dynamic_sampling_filter_path", "custom_generate_function_path"):
             path = getattr(self, name)
-            if path is not None and not _IMPORT_PATH.fullmatch(path):
-                _bad(name, path, "an import path 'pkg.module:function' or 'pkg.module.function'")
-        self._check_sglang()
-        self._check_ray()
+            if path is not None and not IMPORT_PATH.fullmatch(path):
+                bad(name, path, "an import path 'pkg.module:function' or 'pkg.module.function'")
+        check_sglang(self)
+        check_ray(self)
+        check_colocated_carry(self, self.scheduler_config())
 
     def lookup_task_config(self) -> Any:
         """The lookup task's settings (april_ext.tasks.LookupTaskConfig) for ``seed``."""
@@ -416,126 +420,27 @@ class TrainConfig:
                                 max_tool_calls=self.max_tool_calls, latency_median_s=self.tool_latency_median_s,
                                 latency_p99_s=self.tool_latency_p99_s, seed=self.seed)
 
-    def _check_lookup(self) -> None:
-        names = {"max_hops": "lookup_max_hops", "max_turns": "max_turns", "max_tool_calls": "max_tool_calls",
-                 "latency_median_s / latency_p99_s": "tool_latency_median_s / tool_latency_p99_s",
-                 "seed": "seed"}
-        try:
-            self.lookup_task_config()
-        except ConfigError as err:
-            message = str(err)
-            for theirs, ours in names.items():
-                message = message.replace(f"LookupTaskConfig.{theirs}", f"TrainConfig.{ours}")
-            raise ConfigError(message) from None
-        if not math.isfinite(self.tool_timeout_s) or self.tool_timeout_s <= 0:
-            _bad("tool_timeout_s", self.tool_timeout_s, "a finite number > 0")
-        if self.max_concurrent_tool_calls is not None and self.max_concurrent_tool_calls < 1:
-            _bad("max_concurrent_tool_calls", self.max_concurrent_tool_calls, "None or an int >= 1")
-        if self.custom_rm_path is not None:
-            _bad("custom_rm_path", self.custom_rm_path, "None with task='lookup' (the environment gives each "
-                 "trajectory its final reward)")
-        if self.eval_interval:
-            _bad("eval_interval", self.eval_interval, "0 with task='lookup' (evaluation runs single-turn "
-                 "generations; a multi-turn evaluation is not built yet)")
-
-    def _check_custom_generate(self) -> None:
-        path = self.custom_generate_function_path
-        if self.engine != "sglang":
-            _bad("custom_generate_function_path", path, "None with engine='embedded' (the function posts to SGLang "
-                 "servers' /generate itself: engine='sglang')")
-        if self.ray:
-            _bad("custom_generate_function_path", path, "None with ray (the function's servers are the driver's "
-                 "SGLang engine's)")
-        if self.eval_interval:
-            _bad("eval_interval", self.eval_interval, "0 with custom_generate_function_path (evaluation runs the "
-                 "engine's own generations)")
-
-    def _check_ray(self) -> None:
-        for name in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine", "num_gpus_per_node"):
-            if getattr(self, name) < 1:
-                _bad(name, getattr(self, name), "an int >= 1")
-        if self.rollout_num_gpus is not None and self.rollout_num_gpus < 1:
-            _bad("rollout_num_gpus", self.rollout_num_gpus, "None or an int >= 1")
-        if self.ray_engine_max_restarts < 0:
-            _bad("ray_engine_max_restarts", self.ray_engine_max_restarts, "an int >= 0")
-        for name in ("ray_num_cpus_per_actor", "ray_timeout_s", "ray_engine_check_interval_s"):
-            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
-                _bad(name, getattr(self, name), "a finite number > 0")
-        if self.ray_routing not in typing.get_args(RayRouting):
-            _bad("ray_routing", self.ray_routing, f"one of {typing.get_args(RayRouting)}")
-        if self.ray_router_url is not None and not self.ray_router_url.startswith(("http://", "https://")):
-            _bad("ray_router_url", self.ray_router_url, "None or an http:// or https:// url")
-        if self.ray_router_url is not None and self.ray_routing != "router":
-            _bad("ray_router_url", self.ray_router_url, f"None with ray_routing={self.ray_routing!r} (requests go "
-                 "straight to the engines; a router is used with ray_routing='router' only)")
-        if self.ray and self.engine == "sglang" and not self.sglang_launch:
-            _bad("engine", self.engine, "with ray, 'embedded' or 'sglang' with sglang_launch=true (each engine actor "
-                 "launches its server; servers given by url are not Ray's to place)")
-
-    def _check_parallel(self) -> None:
-        if not math.isfinite(self.distributed_timeout_minutes) or self.distributed_timeout_minutes <= 0:
-            _bad("distributed_timeout_minutes", self.distributed_timeout_minutes, "a finite number > 0")
-        split = self.parallel_config()
-        if self.trainer == "torch":
-            # TorchTrainer is data parallel only (DDP): every rank holds the whole model.
-            for name in PARALLEL_SETTINGS:
-                if getattr(split, name) != getattr(MegatronParallelConfig, name):
-                    _bad(name, getattr(self, name), f"{getattr(MegatronParallelConfig, name)!r} with trainer='torch' "
-                         "(the torch trainer is data parallel only; trainer='megatron' splits the model)")
-
     def parallel_config(self) -> MegatronParallelConfig:
         """The parallel layout as a MegatronParallelConfig, which validates it (ConfigErrors name
         MegatronParallelConfig); its timeout is distributed_timeout_minutes."""
         return MegatronParallelConfig(**{name: getattr(self, name) for name in PARALLEL_SETTINGS},
                                       timeout_s=60.0 * self.distributed_timeout_minutes)
 
-    def _check_sglang(self) -> None:
-        for url in (*self.sglang_urls, *([self.sglang_router_url] if self.sglang_router_url else [])):
-            if not url.startswith(("http://", "https://")):
-                _bad("sglang_urls" if url in self.sglang_urls else "sglang_router_url", url,
-                     "http:// or https:// urls")
-        sources = [name for name, on in (("sglang_urls", bool(self.sglang_urls)),
-                                         ("sglang_router_url", self.sglang_router_url is not None),
-                                         ("sglang_launch", self.sglang_launch)) if on]
-        if self.engine == "embedded" and sources:
-            _bad(sources[0], getattr(self, sources[0]), "unset unless engine='sglang'")
-        if self.engine == "sglang" and len(sources) != 1:
-            _bad("engine", self.engine, "exactly one of sglang_urls, sglang_router_url or sglang_launch=true "
-                 f"with engine='sglang' (set: {sources or 'none'})")
-        if self.engine == "sglang" and not self.sglang_launch and self.model is None:
-            _bad("model", None, "the checkpoint directory the SGLang servers serve (the trainer starts from the "
-                 "same weights); or sglang_launch=true, which starts servers on the run's initial weights")
-        if self.weight_sync not in typing.get_args(WeightSync):
-            _bad("weight_sync", self.weight_sync, f"one of {typing.get_args(WeightSync)}")
-        if self.weight_sync != "disk" and self.engine != "sglang" and not self.ray:
-            _bad("weight_sync", self.weight_sync, "'disk' (the default) unless engine='sglang' or ray")
-        for name in ("weight_sync_bucket_mb", "weight_sync_timeout_s"):
-            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
-                _bad(name, getattr(self, name), "a finite number > 0")
-        if self.sglang_num_servers < 1:
-            _bad("sglang_num_servers", self.sglang_num_servers, "an int >= 1")
-        if not math.isfinite(self.sglang_launch_timeout_s) or self.sglang_launch_timeout_s <= 0:
-            _bad("sglang_launch_timeout_s", self.sglang_launch_timeout_s, "a finite number > 0")
-        timeout = self.sglang_worker_timeout_s
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not math.isfinite(timeout) or timeout <= 0):
-            _bad("sglang_worker_timeout_s", timeout, "None (no failover) or a finite number of seconds > 0")
-        if not self.sglang_module:
-            _bad("sglang_module", self.sglang_module, "a module name such as 'sglang.launch_server'")
-        try:
-            args = shlex.split(self.sglang_args)
-        except ValueError as err:
-            _bad("sglang_args", self.sglang_args, f"shell-quoted flags ({err})")
-        owned = sorted({"--model-path", "--model", "--host", "--port"} & {a.split("=")[0] for a in args})
-        if owned:
-            _bad("sglang_args", self.sglang_args, f"flags other than {owned} (the run sets them)")
-
     def scheduler_config(self, max_response_len: int | None = None) -> SchedulerConfig:
-        """The scheduler settings as a SchedulerConfig, which validates them (ConfigErrors name SchedulerConfig).
-        ``max_response_len`` stands in for a max_response_len of None (the run passes its task's cap; without
-        it, SchedulerConfig's default does). The baseline's N' = N is scheduler_config_for's."""
+        """The scheduler settings as a SchedulerConfig (the strategy applied), built and validated once with the
+        config (ConfigErrors name SchedulerConfig). ``max_response_len`` stands in for a max_response_len of None
+        (the run passes its task's cap; without it, SchedulerConfig's default does). The baseline's N' = N is
+        scheduler_config_for's."""
+        if max_response_len is None or self.max_response_len is not None:
+            return self._scheduler
+        return self._configure_scheduler(max_response_len)
+
+    @functools.cached_property
+    def _scheduler(self) -> SchedulerConfig:
+        return self._configure_scheduler(self.max_response_len)
+
+    def _configure_scheduler(self, cap: int | None) -> SchedulerConfig:
         values = {name: getattr(self, name) for name in SCHEDULER_SETTINGS}
-        cap = self.max_response_len if self.max_response_len is not None else max_response_len
         if cap is None:
             del values["max_response_len"]
         else:
@@ -604,32 +509,6 @@ class TrainConfig:
                               f"loss weight it named before is kl_loss_coef (slime's k1 by default, kl_loss_type = "
                               f"'k3' for the former loss): rename the key")
         return config
-
-
-def _bad(name: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"TrainConfig.{name}={value!r} is not allowed: {allowed}")
-
-
-def _check_type(name: str, value: Any) -> None:
-    setting = settings(TrainConfig)[name]
-    base, optional = setting.kind, setting.optional
-    if value is None:
-        if not optional:
-            _bad(name, value, f"a {base.__name__}")
-        return
-    if base is bool:
-        ok = isinstance(value, bool)
-    elif base is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif base is tuple:
-        ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
-    elif base is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, base)
-    if not ok:
-        kind = "a list of strings" if base is tuple else f"a {base.__name__}"
-        _bad(name, value, kind + (" or None" if optional else ""))
 
 
 __all__ = ["ALGORITHMS", "ENGINES", "PARALLEL_SETTINGS", "SCHEDULER_SETTINGS", "TASKS", "TRAINERS", "TrainConfig"]

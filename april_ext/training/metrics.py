@@ -12,9 +12,28 @@ import numpy as np
 
 from april_ext.rollout import RolloutMetrics
 
+VARIANT = "variant"
+"""The key of a metrics row, a checkpoint's run.json and the resolved config naming what the run is: "april"
+(partial_rollout) or "baseline". The README keeps "mode" for the simulator's runs."""
+_OLD_VARIANT = "mode"
+"""VARIANT's name in what runs wrote before: read_metrics and CheckpointManager.load take it."""
+
+
+def variant_of(partial_rollout: bool) -> str:
+    return "april" if partial_rollout else "baseline"
+
+
+def with_variant(record: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row or a checkpoint's run state with the variant under VARIANT, where an older run wrote it
+    under "mode" (same order of keys)."""
+    if _OLD_VARIANT not in record or VARIANT in record:
+        return record
+    return {VARIANT if key == _OLD_VARIANT else key: value for key, value in record.items()}
+
 
 def read_metrics(path: str, up_to_step: int) -> list[dict[str, Any]]:
-    """Rows of an earlier run's metrics.jsonl up to a step (the rows a resumed run keeps)."""
+    """Rows of an earlier run's metrics.jsonl up to a step (the rows a resumed run keeps), the variant under
+    VARIANT even in rows written under "mode"."""
     rows = []
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as handle:
@@ -25,7 +44,7 @@ def read_metrics(path: str, up_to_step: int) -> list[dict[str, Any]]:
                     except json.JSONDecodeError:  # a line cut short by a kill
                         continue
                     if row.get("step", math.inf) <= up_to_step:
-                        rows.append(row)
+                        rows.append(with_variant(row))
     return rows
 
 
@@ -64,11 +83,11 @@ def _env_summary(history: list[dict[str, Any]]) -> dict[str, float]:
             "waiting_at_boundary": float(np.mean([r["env/waiting_at_boundary"] for r in history]))}
 
 
-def step_row(step: int, mode: str, rm: RolloutMetrics, tm: dict[str, float], train_s: float, sync_s: float,
+def step_row(step: int, variant: str, rm: RolloutMetrics, tm: dict[str, float], train_s: float, sync_s: float,
              step_s: float) -> dict[str, Any]:
     """One metrics.jsonl row: rollout metrics and the main scheduler statistics under rollout/, the trainer's
     metrics under train/, durations under time/."""
-    row: dict[str, Any] = {"step": step, "mode": mode, "policy_version": rm.policy_version}
+    row: dict[str, Any] = {"step": step, VARIANT: variant, "policy_version": rm.policy_version}
     for key, value in rm.as_dict().items():
         if key not in ("scheduler", "env"):
             row[f"rollout/{key}"] = value
@@ -93,4 +112,4 @@ def step_row(step: int, mode: str, rm: RolloutMetrics, tm: dict[str, float], tra
     return row
 
 
-__all__ = ["read_metrics", "step_row", "summarize"]
+__all__ = ["VARIANT", "read_metrics", "step_row", "summarize", "variant_of", "with_variant"]

@@ -37,7 +37,7 @@ from april_ext.data_source import DataSource, Prompt
 from april_ext.errors import ConfigError, InvalidArgumentError
 from april_ext.model import LlamaForCausalLM, ModelConfig
 from april_ext.persistence import atomic_write_json, atomic_write_text
-from april_ext.protocol import Environment, RolloutEngine, SamplingParams, Trainer
+from april_ext.protocol import Environment, RolloutDriver, RolloutEngine, SamplingParams, Trainer
 from april_ext.rollout import GroupFilter, RewardFn, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler
 from april_ext.trainer.distributed import launched_by_torchrun
@@ -49,7 +49,7 @@ from april_ext.training.evaluation import evaluate
 from april_ext.training.handoff import StepMemory
 from april_ext.weights import sync_weights
 from april_ext.training.hooks import ImportedFilter, ImportedReward
-from april_ext.training.metrics import read_metrics, step_row, summarize
+from april_ext.training.metrics import VARIANT, read_metrics, step_row, summarize, variant_of
 from april_ext.training.sinks import TENSORBOARD_DIR, MetricsSink, TensorBoardSink, WandbSink
 from april_ext.training.trainers import (
     InitialWeights,
@@ -269,7 +269,7 @@ class TrainingRun:
                  engine_factory: EngineFactory = build_engine) -> None:
         self.config = config
         self.bar_position = bar_position
-        self.mode = "april" if config.partial_rollout else "baseline"
+        self.variant = variant_of(config.partial_rollout)
         self.history: list[dict[str, Any]] = []
         self.resumed_from: int | None = None
         self.last_saved: str | None = None
@@ -299,10 +299,6 @@ class TrainingRun:
 
     async def _open(self) -> TrainingRun:
         config = self.config
-        # The step boundary as run: a strategy (april_carry) may set it.
-        if config.scheduler_config().step_boundary == "carry" and config.colocate and config.engine == "sglang":
-            raise ConfigError("step_boundary='carry' with colocate needs the embedded engine: an SGLang server "
-                              "releases its KV cache only when idle (use step_boundary='abort', or no colocate)")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         _seed_everything(config.seed)
@@ -329,7 +325,7 @@ class TrainingRun:
                                        stop_token_ids=task.stop_token_ids, max_new_tokens=task.max_response_len)
         self.reward_fn = reward_fn
         if config.custom_generate_function_path is not None:
-            self.rollout = self._custom_generate_rollout(reward_fn, group_filter, task)
+            self.rollout: RolloutDriver = self._custom_generate_rollout(reward_fn, group_filter, task)
         else:
             self.rollout = RolloutLoop(
                 self.engine, self.scheduler, reward_fn, sampling=self.sampling,
@@ -344,7 +340,7 @@ class TrainingRun:
         return self
 
     def _custom_generate_rollout(self, reward_fn: RewardFn | None, group_filter: GroupFilter | None,
-                                 task: _Task) -> Any:
+                                 task: _Task) -> RolloutDriver:
         """slime's custom generate function driving the scheduler (april_ext.rollout.slime_generate)."""
         from april_ext.rollout.slime_generate import CustomGenerateRollout
 
@@ -376,7 +372,7 @@ class TrainingRun:
 
         config = self.config
         self.bar = self._stack.enter_context(tqdm(
-            total=config.num_steps, initial=self.steps_done, desc=f"train[{self.mode}]", unit="step",
+            total=config.num_steps, initial=self.steps_done, desc=f"train[{self.variant}]", unit="step",
             disable=not config.progress, dynamic_ncols=True, position=self.bar_position))
         self.metrics_file = self._stack.enter_context(open(self.metrics_path, "a", encoding="utf-8"))
 
@@ -385,7 +381,7 @@ class TrainingRun:
         """Every setting of the run as it runs (the defaults filled in), logged at the start; "scheduler": the
         scheduler's settings as it runs them (the strategy applied, the baseline's N' = N)."""
         return {**dataclasses.asdict(self.config), "checkpoint_dir": self.config.checkpoint_dir,
-                "mode": self.mode, "scheduler": dataclasses.asdict(self.scheduler.config)}
+                VARIANT: self.variant, "scheduler": dataclasses.asdict(self.scheduler.config)}
 
     def _open_sinks(self) -> list[MetricsSink]:
         """The TensorBoard / W&B sinks the config asks for, closed with the run."""
@@ -433,7 +429,7 @@ class TrainingRun:
         else:
             await sync_weights(trainer, engine)
         self.steps_done += 1
-        row = step_row(self.steps_done, self.mode, rm, tm, train_s, time.perf_counter() - sync_start,
+        row = step_row(self.steps_done, self.variant, rm, tm, train_s, time.perf_counter() - sync_start,
                    time.perf_counter() - step_start)
         row.update(await engine_metrics(engine))
         if config.eval_interval and self.steps_done % config.eval_interval == 0:
@@ -468,7 +464,7 @@ class TrainingRun:
         """Checkpoints now (after every pending reward reached the scheduler). Carried samples are saved as
         partials with every token received (their KV cache is not saved: a resumed run re-prefills them)."""
         await self.rollout.drain_rewards()
-        self.last_saved = self.checkpoints.save(self.steps_done, self.trainer, self.scheduler, {"mode": self.mode},
+        self.last_saved = self.checkpoints.save(self.steps_done, self.trainer, self.scheduler, {VARIANT: self.variant},
                                                 environment=self.rollout.environment_state())
         return self.last_saved
 

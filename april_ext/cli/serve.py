@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from april_ext.engine import AsyncEngine, EngineConfig, EngineCore
 from april_ext.errors import AprilError, ConfigError
 from april_ext.model import LlamaForCausalLM, ModelConfig
 from april_ext.model.config import DTYPES
-from april_ext.protocol import ServableEngine
-from april_ext.protocol.sglang_wire import DIALECTS
+from april_ext.protocol.sglang_dialects import DIALECTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,25 +82,10 @@ def build_core(args: argparse.Namespace) -> EngineCore:
     return EngineCore(model, config)
 
 
-async def serve(engine: ServableEngine, config: Any) -> None:
-    """Serves `engine` until SIGINT / SIGTERM, then aborts every request and stops. config: a ServerConfig."""
-    from april_ext.server.app import EmbeddedServer
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    server = EmbeddedServer(engine, config)
-    url = await server.start()
-    print(f"april_ext serve: listening on {url} (weight_version {config.weight_version})", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
-
-
 def run(args: argparse.Namespace) -> int:
+    # The server needs aiohttp: imported here, so the command line registers `serve` without it.
     from april_ext.server.app import ServerConfig
+    from april_ext.server.foreground import serve
 
     core = build_core(args)
     config = ServerConfig(host=args.host, port=args.port, model_path=args.model or args.random_init_config,
@@ -116,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m april_ext.server` (the launcher's stand-in module): the `serve` command on its own."""
     parser = argparse.ArgumentParser(prog="april-ext serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
@@ -124,3 +107,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AprilError as err:
         print(f"april-ext serve: error: {err}", file=sys.stderr)
         return 2
+
+
+__all__ = ["add_arguments", "add_parser", "build_core", "main", "run"]
