@@ -141,12 +141,12 @@ def region(tag: str, cpu_backup: bool = False) -> Iterator[None]:
 def pause(tag: str | None = None) -> None:
     """Releases the physical memory of tag (every active tag when None), keeping its addresses.
 
-    Allocations made with cpu_backup=True are copied to host memory first. Raises InvalidStateError
+    The devices of the tag finish their queued work first. Allocations made with cpu_backup=True
+    are copied to host memory first. Raises InvalidStateError
     when the named tag is already paused, UnknownIdError for a tag never used, OutOfMemoryError when
     the host cannot hold the backups (then the tag stays active).
     """
     tag = _check_optional_tag(tag)
-    torch_cuda.synchronize_if_active()
     _mem.pause(tag)
 
 

@@ -87,9 +87,3 @@ def use_pool(pool: object) -> Iterator[None]:
             raise OutOfMemoryError(f"allocation in an april_ext region failed: {reason}") from exc
         raise
 
-
-def synchronize_if_active() -> None:
-    """Waits for queued GPU work before memory it may use is unmapped."""
-    if active() and torch.cuda.is_initialized():
-        for device in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(device)
