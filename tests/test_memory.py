@@ -579,3 +579,103 @@ def test_a_range_a_pause_could_not_reserve_again_is_reserved_by_resume():
         _C.memory.cpu_set_pause_frees_va(False)
     with pytest.raises(mem.InvalidArgumentError, match="'reserve_at' or 'unmap'"):
         _C.memory.cpu_inject_faults("map", 1, False)
+
+
+class TorchPoolModel:
+    """The pool bookkeeping of torch's CUDA caching allocator that region routing relies on, as
+    c10/cuda/CUDACachingAllocator.cpp has it (torch on a GPU is not available here): begin appends a
+    (pool, filter) entry and takes a use count, refusing a pool already begun ("already recording to
+    mempool_id"); end removes the entry and keeps the count; release gives a count back; an
+    allocation is served by the first entry whose filter matches (get_pool). The MemPool object holds
+    one count of its own."""
+
+    def __init__(self, *pools: tuple[int, int]) -> None:
+        self.use_count = dict.fromkeys(pools, 1)
+        self.underway: list[tuple[tuple[int, int], str]] = []
+
+    def begin_thread(self, device: int, pool: tuple[int, int]) -> None:
+        self._begin(pool, "thread")
+
+    def begin_capture(self, pool: tuple[int, int]) -> None:
+        self._begin(pool, "capture")
+
+    def _begin(self, pool: tuple[int, int], kind: str) -> None:
+        self.use_count[pool] += 1
+        if any(p == pool for p, _ in self.underway):
+            raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+        self.underway.append((pool, kind))
+
+    def end(self, device: int, pool: tuple[int, int]) -> None:
+        for i, (p, _) in enumerate(self.underway):
+            if p == pool:
+                del self.underway[i]
+                return
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    def release(self, device: int, pool: tuple[int, int]) -> None:
+        self.use_count[pool] -= 1
+        assert self.use_count[pool] >= 1, "released the MemPool's own count: torch would free the pool"
+
+    def serving(self, *kinds: str) -> tuple[int, int] | None:
+        """The pool an allocation matching these filters comes from (None: torch's default pool)."""
+        return next((p for p, k in self.underway if k in kinds), None)
+
+
+OUTER, INNER = (0, 1), (0, 2)
+
+
+def test_nested_regions_route_torch_allocations_to_the_innermost_pool():
+    torch_model = TorchPoolModel(OUTER, INNER)
+    routing = torch_cuda.PoolRouting(torch_model.begin_thread, torch_model.end, torch_model.release)
+    with routing.route(0, OUTER):
+        assert torch_model.serving("thread") == OUTER
+        with routing.route(0, INNER):
+            # Both begun, torch would serve the outer pool while the hook tags the inner region.
+            assert torch_model.serving("thread") == INNER
+            assert routing.routed() == [(0, INNER)]
+        assert torch_model.serving("thread") == OUTER
+    assert torch_model.underway == [] and torch_model.use_count == {OUTER: 1, INNER: 1}
+
+
+def test_a_failed_route_routes_the_enclosing_pool_again():
+    torch_model = TorchPoolModel(OUTER)  # INNER unknown to torch: its begin fails
+    routing = torch_cuda.PoolRouting(torch_model.begin_thread, torch_model.end, torch_model.release)
+    with routing.route(0, OUTER):
+        with pytest.raises(KeyError):
+            with routing.route(0, INNER):
+                pass
+        assert torch_model.serving("thread") == OUTER and routing.routed() == [(0, OUTER)]
+    assert torch_model.underway == [] and torch_model.use_count == {OUTER: 1}
+
+
+def test_a_graph_captures_into_the_region_pool_while_its_routing_is_suspended():
+    refused = TorchPoolModel(OUTER)
+    refused.begin_thread(0, OUTER)
+    with pytest.raises(RuntimeError, match="already recording"):
+        refused.begin_capture(OUTER)  # torch.cuda.graph(pool=...) inside a plain use_mem_pool
+
+    torch_model = TorchPoolModel(OUTER)
+    routing = torch_cuda.PoolRouting(torch_model.begin_thread, torch_model.end, torch_model.release)
+    with routing.route(0, OUTER):
+        with routing.suspended() as (device, pool):
+            assert (device, pool) == (0, OUTER) and routing.routed() == []
+            torch_model.begin_capture(pool)  # capture_begin(pool)
+            assert torch_model.serving("capture", "thread") == OUTER
+            torch_model.end(0, pool)  # capture_end; the graph keeps its count until it is reset
+        assert torch_model.serving("thread") == OUTER and routing.routed() == [(0, OUTER)]
+    assert torch_model.underway == [] and torch_model.use_count == {OUTER: 2}  # MemPool + graph
+    with pytest.raises(mem.InvalidStateError, match="no region pool is routed"):
+        with routing.suspended():
+            pass
+
+
+def test_capture_graph_needs_a_region_and_a_gpu_backend():
+    with pytest.raises(mem.InvalidStateError, match="only allowed inside"):
+        with mem.capture_graph(None):
+            pass
+    if torch_cuda.active():
+        return
+    with mem.region(new_tag("graph")):
+        with pytest.raises(mem.InvalidStateError, match="CUDA / ROCm device"):
+            with mem.capture_graph(None):
+                pass
