@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from april_ext.algorithms import KL_SHAPED_ADVANTAGES
 from april_ext.errors import ConfigError
+from april_ext.rollout.slime_generate import refused_settings
 from april_ext.scheduler import SchedulerConfig
 from april_ext.settings import settings
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
@@ -101,6 +102,9 @@ def check_custom_generate(config: TrainConfig) -> None:
     if config.eval_interval:
         bad("eval_interval", config.eval_interval, "0 with custom_generate_function_path (evaluation runs the "
             "engine's own generations)")
+    refused = refused_settings(config.scheduler_config())
+    if refused is not None:
+        raise ConfigError(f"TrainConfig.custom_generate_function_path={path!r}: {refused}")
 
 
 def check_ray(config: TrainConfig) -> None:

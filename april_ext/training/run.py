@@ -333,8 +333,8 @@ class TrainingRun:
                 seed=config.seed, engine_capacity=config.max_num_seqs, deterministic=config.deterministic_rollout,
                 environment=task.environment, tool_timeout_s=config.tool_timeout_s,
                 max_concurrent_tool_calls=config.max_concurrent_tool_calls)
-            if self._environment_state is not None:
-                self.rollout.load_environment_state(self._environment_state)
+        if self._environment_state is not None:
+            self.rollout.load_environment_state(self._environment_state)
         self._stack.push_async_callback(self.rollout.close)
         self.memory = StepMemory(self.engine, self.trainer) if config.colocate else None
         return self
@@ -356,7 +356,7 @@ class TrainingRun:
         # The newest intact checkpoint: a damaged newer one is skipped with a warning.
         latest = source.restore_newest(self.trainer, self.scheduler)
         if latest is not None:
-            # Loaded into the rollout loop once it exists (it is built after the engine, below).
+            # Loaded into the rollout driver once it exists (it is built after the engine, below).
             self._environment_state = source.read_environment(latest)
             self.resumed_from = self.steps_done = latest.step
             self.last_saved = latest.path
