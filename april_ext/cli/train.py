@@ -25,7 +25,7 @@ _GROUPS = {
     "data and task": ("task", "data", "tokenizer", "prompt_key", "label_key", "num_epochs", "counting_median",
                       "counting_sigma", "counting_max_count", "counting_symbols", "lookup_max_hops", "max_turns",
                       "max_tool_calls", "tool_latency_median_s", "tool_latency_p99_s", "tool_timeout_s",
-                      "max_concurrent_tool_calls"),
+                      "max_concurrent_tool_calls", "environment_path"),
     "model and engine": ("model", "hidden_size", "num_layers", "max_num_seqs", "num_blocks", "block_size", "device",
                          "engine"),
     "SGLang engine": ("sglang_urls", "sglang_router_url", "sglang_launch", "sglang_num_servers", "sglang_module",

@@ -2,9 +2,10 @@
 
 A checkpoint ``<dir>/step_000012/`` holds ``trainer/`` (model, optimizer, RNG: Trainer.save_checkpoint),
 ``scheduler.state`` (buffer with every partial rollout, counters, data position: Scheduler.save),
-``environment.pkl`` in a multi-turn run (the trajectories' environment states and the turns with the
-environment: RolloutLoop.environment_state), ``run.json`` (the step, the run's variant and the checkpoint
-format, RUN_FORMAT) and ``manifest.json`` (size and sha256 of every other file). It is assembled in a temporary directory, every file and directory is fsynced, and
+``environment.pkl`` when the rollout driver has state of its own (a multi-turn run's trajectories:
+RolloutLoop.environment_state; a custom generate function's rewards: CustomGenerateRollout.environment_state),
+``run.json`` (the step, the run's variant and the checkpoint format, RUN_FORMAT) and ``manifest.json`` (size
+and sha256 of every other file). It is assembled in a temporary directory, every file and directory is fsynced, and
 then it is renamed into place (april_ext.persistence.atomic_directory), so a process killed at any
 moment leaves either the complete new checkpoint or none (temporary leftovers are ignored and cleaned
 up). Loading checks every file against the manifest before anything is restored, so a damaged file

@@ -40,6 +40,7 @@ from april_ext.training.config_rules import (
     bad,
     check_colocated_carry,
     check_custom_generate,
+    check_environment,
     check_lookup,
     check_parallel,
     check_ray,
@@ -100,6 +101,10 @@ class TrainConfig:
     "tool_timeout" and reward 0."""
     max_concurrent_tool_calls: int | None = None
     """Multi-turn tasks: environment steps running at once at most (real tools have rate limits); None: no cap."""
+    environment_path: str | None = None
+    """A multi-turn Environment of your own by import path ("pkg.module:make"; docs/agentic.md), over data's
+    prompts: an Environment object, or a callable returning one (given the run's tokenizer when it takes a
+    parameter). Its final rewards are the samples'; its optional stop_token_ids end a turn besides EOS."""
     # --- model
     model: str | None = None
     """Hugging Face checkpoint directory; None builds a tiny random model for the counting task."""
@@ -341,6 +346,8 @@ class TrainConfig:
             bad("task", self.task, f"exactly one of task and data (data={self.data!r})")
         if self.task == "lookup":
             check_lookup(self)
+        if self.environment_path is not None:
+            check_environment(self)
         if self.data is not None and self.model is None:
             bad("model", None, "a checkpoint directory when data is given (the tiny model is for the counting task)")
         for name in ("num_epochs", "counting_max_count", "counting_symbols", "hidden_size", "num_layers",
@@ -404,7 +411,8 @@ class TrainConfig:
                     f"n_samples_per_prompt ({total})")
         if self.custom_generate_function_path is not None:
             check_custom_generate(self)
-        for name in ("custom_rm_path", "dynamic_sampling_filter_path", "custom_generate_function_path"):
+        for name in ("custom_rm_path", "dynamic_sampling_filter_path", "custom_generate_function_path",
+                     "environment_path"):
             path = getattr(self, name)
             if path is not None and not IMPORT_PATH.fullmatch(path):
                 bad(name, path, "an import path 'pkg.module:function' or 'pkg.module.function'")

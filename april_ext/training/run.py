@@ -48,7 +48,7 @@ from april_ext.training.engines import EngineFactory, build_engine, engine_metri
 from april_ext.training.evaluation import evaluate
 from april_ext.training.handoff import StepMemory
 from april_ext.weights import sync_weights
-from april_ext.training.hooks import ImportedFilter, ImportedReward
+from april_ext.training.hooks import ImportedFilter, ImportedReward, load_environment
 from april_ext.training.metrics import VARIANT, read_metrics, step_row, summarize, variant_of
 from april_ext.training.sinks import TENSORBOARD_DIR, MetricsSink, TensorBoardSink, WandbSink
 from april_ext.training.trainers import (
@@ -170,9 +170,18 @@ def _build_task(config: TrainConfig) -> _Task:
             prompt_key=config.prompt_key, label_key=config.label_key, shuffle=False))
         return [held_out[i] for i in range(len(held_out))]
 
-    return _Task(dataset, MathReward(tokenizer), () if eos is None else (int(eos),),
-                 config.max_response_len or 1024, lambda: model_dir, eval_prompts,
-                 lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
+    environment, stops = _user_environment(config, tokenizer)
+    return _Task(dataset, MathReward(tokenizer) if environment is None else None,
+                 (*(() if eos is None else (int(eos),)), *stops), config.max_response_len or 1024, lambda: model_dir,
+                 eval_prompts, lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True), environment)
+
+
+def _user_environment(config: TrainConfig, tokenizer: Any) -> tuple[Environment | None, tuple[int, ...]]:
+    """environment_path's Environment and the tokens that end its turns besides EOS (training.hooks); (None, ())
+    without one."""
+    if config.environment_path is None:
+        return None, ()
+    return load_environment(config.environment_path, tokenizer)
 
 
 def _reward_fn(config: TrainConfig, task: _Task) -> RewardFn | None:
@@ -324,6 +333,7 @@ class TrainingRun:
         self.sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                        stop_token_ids=task.stop_token_ids, max_new_tokens=task.max_response_len)
         self.reward_fn = reward_fn
+        self.environment = task.environment
         if config.custom_generate_function_path is not None:
             self.rollout: RolloutDriver = self._custom_generate_rollout(reward_fn, group_filter, task)
         else:
@@ -333,8 +343,8 @@ class TrainingRun:
                 seed=config.seed, engine_capacity=config.max_num_seqs, deterministic=config.deterministic_rollout,
                 environment=task.environment, tool_timeout_s=config.tool_timeout_s,
                 max_concurrent_tool_calls=config.max_concurrent_tool_calls)
-            if self._environment_state is not None:
-                self.rollout.load_environment_state(self._environment_state)
+        if self._environment_state is not None:
+            self.rollout.load_environment_state(self._environment_state)
         self._stack.push_async_callback(self.rollout.close)
         self.memory = StepMemory(self.engine, self.trainer) if config.colocate else None
         return self
@@ -356,7 +366,7 @@ class TrainingRun:
         # The newest intact checkpoint: a damaged newer one is skipped with a warning.
         latest = source.restore_newest(self.trainer, self.scheduler)
         if latest is not None:
-            # Loaded into the rollout loop once it exists (it is built after the engine, below).
+            # Loaded into the rollout driver once it exists (it is built after the engine, below).
             self._environment_state = source.read_environment(latest)
             self.resumed_from = self.steps_done = latest.step
             self.last_saved = latest.path
@@ -455,7 +465,8 @@ class TrainingRun:
         async with self.rollout.running_engine():
             metrics = await evaluate(self.engine, self.eval_prompts, self.reward_fn, self.sampling,
                                      n_samples=self.config.n_samples_per_eval_prompt, seed=self.config.seed,
-                                     concurrency=self.config.max_num_seqs)
+                                     concurrency=self.config.max_num_seqs, environment=self.environment,
+                                     tool_timeout_s=self.config.tool_timeout_s)
         if self.memory is not None:
             await self.memory.to_training()
         return {**metrics, "time/eval_s": time.perf_counter() - start}
