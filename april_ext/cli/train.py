@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from april_ext.errors import ConfigError, InvalidStateError
 from april_ext.model.checkpoint import safetensors_files
@@ -21,8 +22,12 @@ from april_ext.training.checkpoint import CheckpointManager
 from april_ext.training.config import PARALLEL_SETTINGS, SCHEDULER_SETTINGS, TrainConfig
 from april_ext.training.ranks import check_world
 
+if TYPE_CHECKING:
+    from april_ext.training.run import TrainResult
+
 _GROUPS = {
-    "data and task": ("task", "data", "tokenizer", "prompt_key", "label_key", "num_epochs", "counting_median",
+    "data and task": ("task", "data", "tokenizer", "prompt_key", "label_key", "num_epochs", "rollout_shuffle",
+                      "counting_median",
                       "counting_sigma", "counting_max_count", "counting_symbols", "lookup_max_hops", "max_turns",
                       "max_tool_calls", "tool_latency_median_s", "tool_latency_p99_s", "tool_timeout_s",
                       "max_concurrent_tool_calls"),
@@ -100,6 +105,10 @@ def _add_slime_flags(group: Any) -> None:
                        help="with --use-tis: the floor of the importance ratio: sets tis_floor (default: 0, none)")
     group.add_argument("--use-kl-loss", action="store_true", default=argparse.SUPPRESS,
                        help="a KL loss term (--kl-loss-type) weighted by --kl-loss-coef, which it must come with")
+    group.add_argument("--num-epoch", type=int, default=argparse.SUPPRESS, metavar="INT", dest="slime_num_epoch",
+                       help="slime's: sets num_epochs; without --num-rollout / --num-steps the run trains until those "
+                            "passes over the prompt file are used up (num_steps none), as slime derives num_rollout "
+                            "from it")
     group.add_argument("--apply-chat-template", action="store_true", default=argparse.SUPPRESS,
                        help="accepted for slime's command lines: a prompt that is a chat (list of messages) always "
                             "goes through the tokenizer's chat template, a text prompt never")
@@ -125,6 +134,12 @@ def _slime_overrides(args: argparse.Namespace) -> dict[str, Any]:
                           "--use-kl-loss")
     if given.get("use_kl_loss") and "kl_loss_coef" not in given:
         raise ConfigError("--use-kl-loss needs --kl-loss-coef (slime's default 0 would turn the loss off)")
+    if "slime_num_epoch" in given:
+        if "num_epochs" in given:
+            raise ConfigError("--num-epochs and --num-epoch both set num_epochs; give one of them")
+        out["num_epochs"] = given["slime_num_epoch"]
+        if "num_steps" not in given:
+            out["num_steps"] = None
     for ours, theirs in (("tis_cap", "--use-tis"), ("tis_floor", "--tis-clip-low")):
         if ours in out and ours in given:
             raise ConfigError(f"--{ours.replace('_', '-')} and {theirs} both set {ours}; give one of them")
@@ -167,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         _print_summary({"run": result.summary})
         print(f"metrics: {os.path.join(result.output_dir, 'metrics.jsonl')}  checkpoint: {result.checkpoint}")
-        return 0
+        return _report_end(result)
     from april_ext.plots import plot_compare
 
     # Side by side: the two runs take steps in turn, so both see the same machine load.
@@ -192,6 +207,20 @@ def run(args: argparse.Namespace) -> int:
     if config.plots:
         path = plot_compare({n: r.history for n, r in results.items()}, os.path.join(config.output_dir, "compare.png"))
         print(f"plot: {path}")
+    return 0
+
+
+def _report_end(result: TrainResult) -> int:
+    """The exit code of a run: 1, with the reason on stderr, when a bound the user set (the prompt file's passes)
+    ended it before num_steps; a resumed run that had nothing left to train says so."""
+    if (reason := result.stopped_early) is not None:
+        print(f"april-ext train: stopped early: {reason}", file=sys.stderr)
+        return 1
+    if result.resumed_from is not None and result.steps_done == result.resumed_from:
+        bound = (f"the end of its num_epochs={result.config.num_epochs} passes over the prompt file"
+                 if result.data_exhausted else f"num_steps={result.config.num_steps}")
+        print(f"april-ext train: nothing to train: the checkpoint of step {result.resumed_from} already reached "
+              f"{bound}", file=sys.stderr)
     return 0
 
 

@@ -75,8 +75,12 @@ class TrainConfig:
     """Record field holding the prompt (text or chat); dotted keys walk nested objects."""
     label_key: str = "label"
     """Record field holding the reference answer."""
-    num_epochs: int = 1
-    """Passes over the prompt file before the data runs out."""
+    num_epochs: int | None = None
+    """Passes over the prompt file before the data runs out (slime's --num-epoch); None: the file cycles, pass
+    after pass, until num_steps, as slime's data source does."""
+    rollout_shuffle: bool = False
+    """Visit the prompt file in a new permutation each pass, drawn from (seed, pass); False: file order (slime's
+    --rollout-shuffle and default)."""
     counting_median: float = 4.0
     """Counting task: median target count N (log-normal, so a long tail of large N)."""
     counting_sigma: float = 1.0
@@ -218,8 +222,9 @@ class TrainConfig:
     micro_batch_size: int | None = None
     """Trainer: at most this many samples in one forward/backward besides the token budget (slime's
     --micro-batch-size); None: the token budget alone."""
-    num_steps: int = 20
-    """Training steps of the run (a resumed run counts its earlier steps)."""
+    num_steps: int | None = 20
+    """Training steps of the run (a resumed run counts its earlier steps); None: until the num_epochs passes over
+    the prompt file are used up."""
     seed: int = 0
     """Seeds the task stream, model init, request sampling and RNGs."""
     deterministic_rollout: bool = True
@@ -343,11 +348,12 @@ class TrainConfig:
             check_lookup(self)
         if self.data is not None and self.model is None:
             bad("model", None, "a checkpoint directory when data is given (the tiny model is for the counting task)")
-        for name in ("num_epochs", "counting_max_count", "counting_symbols", "hidden_size", "num_layers",
-                     "max_num_seqs", "num_blocks", "block_size", "micro_batch_tokens", "num_steps", "keep_checkpoints",
+        for name in ("counting_max_count", "counting_symbols", "hidden_size", "num_layers",
+                     "max_num_seqs", "num_blocks", "block_size", "micro_batch_tokens", "keep_checkpoints",
                      "n_samples_per_eval_prompt", "eval_counting_prompts"):
             if getattr(self, name) < 1:
                 bad(name, getattr(self, name), "an int >= 1")
+        self._check_data_bounds()
         if self.custom_rm_text and (self.custom_rm_path is None or self.data is None):
             bad("custom_rm_text", True, "False unless custom_rm_path and data are given (the text is decoded "
                 "with data's tokenizer)")
@@ -411,6 +417,20 @@ class TrainConfig:
         check_sglang(self)
         check_ray(self)
         check_colocated_carry(self, self.scheduler_config())
+
+    def _check_data_bounds(self) -> None:
+        """num_steps and num_epochs, the two bounds of a run's length, and the settings of a prompt file's passes."""
+        for name in ("num_epochs", "num_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                bad(name, value, "None or an int >= 1")
+        for name, value in (("num_epochs", self.num_epochs), ("rollout_shuffle", self.rollout_shuffle)):
+            if value not in (None, False) and self.data is None:
+                bad(name, value, f"{'None' if name == 'num_epochs' else 'False'} unless data is given (the built-in "
+                    "tasks are generated streams, not files read in passes)")
+        if self.num_steps is None and self.num_epochs is None:
+            bad("num_steps", None, "an int >= 1, or None with num_epochs set (train until the passes over the "
+                "prompt file are used up)")
 
     def lookup_task_config(self) -> Any:
         """The lookup task's settings (april_ext.tasks.LookupTaskConfig) for ``seed``."""

@@ -80,6 +80,21 @@ class TrainResult:
     summary: dict[str, float] = field(default_factory=dict)
     memory_tag_prefix: str = ""
     """Prefix of this run's april_ext.memory tags (engine "weights" / "kv_cache", colocated "trainer")."""
+    steps_done: int = 0
+    """The run's last step (a resumed run counts its earlier steps)."""
+
+    @property
+    def stopped_early(self) -> str | None:
+        """Why the run ended before num_steps, when a bound the user set ended it (the passes over the prompt
+        file were used up); None when it ran its num_steps (or had none)."""
+        config = self.config
+        if not self.data_exhausted or config.num_steps is None or self.steps_done >= config.num_steps:
+            return None
+        trained = self.steps_done - (self.resumed_from or 0)
+        where = (f"the checkpoint of step {self.resumed_from} had used them up; this run trained no step"
+                 if trained == 0 and self.resumed_from is not None else f"after step {self.steps_done}")
+        return (f"the prompt data ran out before num_steps={config.num_steps}: num_epochs={config.num_epochs} "
+                f"passes over {config.data} ({where}); give more epochs, or none to cycle the file until num_steps")
 
 
 @dataclass
@@ -160,7 +175,8 @@ def _build_task(config: TrainConfig) -> _Task:
     assert config.data is not None and config.tokenizer_dir is not None and config.model is not None
     tokenizer = load_tokenizer(config.tokenizer_dir)
     dataset = PromptDataset.from_file(config.data, tokenizer, DatasetConfig(
-        prompt_key=config.prompt_key, label_key=config.label_key, seed=config.seed, epochs=config.num_epochs))
+        prompt_key=config.prompt_key, label_key=config.label_key, seed=config.seed, epochs=config.num_epochs,
+        shuffle=config.rollout_shuffle))
     eos = tokenizer.eos_token_id
     model_dir = config.model
 
@@ -287,7 +303,8 @@ class TrainingRun:
 
     @property
     def done(self) -> bool:
-        return self.data_exhausted or self.steps_done >= self.config.num_steps
+        limit = self.config.num_steps
+        return self.data_exhausted or (limit is not None and self.steps_done >= limit)
 
     async def __aenter__(self) -> TrainingRun:
         try:
@@ -482,7 +499,7 @@ class TrainingRun:
 
             plot_run(self.history, self.config.output_dir)
         return TrainResult(self.config, self.history, self.config.output_dir, self.last_saved, self.resumed_from,
-                           self.data_exhausted, summarize(self.history), self.memory_tag_prefix)
+                           self.data_exhausted, summarize(self.history), self.memory_tag_prefix, self.steps_done)
 
 
 __all__ = ["CONFIG_FILE", "METRICS_FILE", "StepMemory", "TrainResult", "TrainingRun", "summarize", "train",
