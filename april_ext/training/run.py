@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
+WANDB_RUN_ID = "wandb_run_id"
+"""The run-state key (a checkpoint's run.json) of the W&B run a resumed run continues."""
 _run_ids = itertools.count()
 
 
@@ -186,7 +188,7 @@ def _build_task(config: TrainConfig) -> _Task:
             prompt_key=config.prompt_key, label_key=config.label_key, shuffle=False))
         return [held_out[i] for i in range(len(held_out))]
 
-    return _Task(dataset, MathReward(tokenizer), () if eos is None else (int(eos),),
+    return _Task(dataset, MathReward(tokenizer, config.rm_type or "math"), () if eos is None else (int(eos),),
                  config.max_response_len or 1024, lambda: model_dir, eval_prompts,
                  lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
 
@@ -300,6 +302,8 @@ class TrainingRun:
         self._engine_factory = engine_factory
         self._stack = contextlib.AsyncExitStack()
         self._environment_state: bytes | None = None
+        self._wandb_run_id: str | None = None
+        """The W&B run a resumed run continues (from its checkpoint's run state), then this run's."""
 
     @property
     def done(self) -> bool:
@@ -341,6 +345,11 @@ class TrainingRun:
         self.sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                        stop_token_ids=task.stop_token_ids, max_new_tokens=task.max_response_len)
         self.reward_fn = reward_fn
+        # slime's --eval-* overrides; each unset one follows the rollouts'.
+        overrides = {"temperature": config.eval_temperature, "top_p": config.eval_top_p, "top_k": config.eval_top_k,
+                     "max_new_tokens": config.eval_max_response_len}
+        self.eval_sampling = dataclasses.replace(
+            self.sampling, **{name: value for name, value in overrides.items() if value is not None})
         if config.custom_generate_function_path is not None:
             self.rollout: RolloutDriver = self._custom_generate_rollout(reward_fn, group_filter, task)
         else:
@@ -375,6 +384,7 @@ class TrainingRun:
         if latest is not None:
             # Loaded into the rollout loop once it exists (it is built after the engine, below).
             self._environment_state = source.read_environment(latest)
+            self._wandb_run_id = source.run_state(latest).get(WANDB_RUN_ID)
             self.resumed_from = self.steps_done = latest.step
             self.last_saved = latest.path
             self.history = read_metrics(self.metrics_path, latest.step)
@@ -404,10 +414,14 @@ class TrainingRun:
         """The TensorBoard / W&B sinks the config asks for, closed with the run."""
         config, sinks = self.config, []
         if config.use_tensorboard:
-            sinks.append(TensorBoardSink(os.path.join(config.output_dir, TENSORBOARD_DIR), self.resolved_config))
+            sinks.append(TensorBoardSink(os.path.join(config.output_dir, TENSORBOARD_DIR), self.resolved_config,
+                                         self.resumed_from))
         if config.use_wandb:
-            sinks.append(WandbSink(config.wandb_project, config.wandb_dir or config.output_dir,
-                                   os.path.basename(os.path.abspath(config.output_dir)), self.resolved_config))
+            wandb = WandbSink(config.wandb_project, config.wandb_dir or config.output_dir,
+                              os.path.basename(os.path.abspath(config.output_dir)), self.resolved_config,
+                              group=config.wandb_group, run_id=self._wandb_run_id)
+            self._wandb_run_id = wandb.run_id
+            sinks.append(wandb)
         for sink in sinks:
             self._stack.callback(sink.close)
         return sinks
@@ -470,7 +484,7 @@ class TrainingRun:
             await self.memory.to_rollout()
         # Carried samples (step_boundary="carry") continue meanwhile, under the weights just loaded.
         async with self.rollout.running_engine():
-            metrics = await evaluate(self.engine, self.eval_prompts, self.reward_fn, self.sampling,
+            metrics = await evaluate(self.engine, self.eval_prompts, self.reward_fn, self.eval_sampling,
                                      n_samples=self.config.n_samples_per_eval_prompt, seed=self.config.seed,
                                      concurrency=self.config.max_num_seqs)
         if self.memory is not None:
@@ -481,7 +495,10 @@ class TrainingRun:
         """Checkpoints now (after every pending reward reached the scheduler). Carried samples are saved as
         partials with every token received (their KV cache is not saved: a resumed run re-prefills them)."""
         await self.rollout.drain_rewards()
-        self.last_saved = self.checkpoints.save(self.steps_done, self.trainer, self.scheduler, {VARIANT: self.variant},
+        run_state: dict[str, Any] = {VARIANT: self.variant}
+        if self._wandb_run_id is not None:
+            run_state[WANDB_RUN_ID] = self._wandb_run_id
+        self.last_saved = self.checkpoints.save(self.steps_done, self.trainer, self.scheduler, run_state,
                                                 environment=self.rollout.environment_state())
         return self.last_saved
 
