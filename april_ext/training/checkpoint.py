@@ -212,6 +212,10 @@ class CheckpointManager:
         scheduler.load(os.path.join(info.path, _SCHEDULER_FILE))
         return with_variant(run_state)
 
+    def run_state(self, info: CheckpointInfo) -> dict[str, Any]:
+        """A checkpoint's run state (run.json: the step, the variant, the W&B run id), as ``load`` returns it."""
+        return with_variant(dict(read_json(os.path.join(info.path, _RUN_FILE))))
+
     def read_environment(self, info: CheckpointInfo) -> bytes | None:
         """The multi-turn environment state a loaded checkpoint holds (checked with the rest by ``load``'s
         manifest check); None when it has none."""

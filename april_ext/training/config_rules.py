@@ -28,6 +28,10 @@ WeightSync = Literal["disk", "tensor", "broadcast"]
 RayRouting = Literal["router", "least_loaded"]
 EngineKind = Literal["embedded", "sglang"]
 TrainerKind = Literal["torch", "megatron"]
+OptimizerKind = Literal["adam"]
+LrDecayStyle = Literal["constant", "linear", "cosine"]
+LossAggregation = Literal["token", "sequence"]
+RmType = Literal["math", "deepscaler", "dapo"]
 ENGINES: tuple[str, ...] = typing.get_args(EngineKind)
 TRAINERS: tuple[str, ...] = typing.get_args(TrainerKind)
 
