@@ -18,8 +18,9 @@ LOOPBACK = "127.0.0.1"
 
 
 def new_api_key() -> str:
-    """A run's key: 256 random bits, URL-safe (it travels in an Authorization header)."""
-    return secrets.token_urlsafe(32)
+    """A run's key: 256 random bits in hex (it travels in an Authorization header, and on the servers' and the
+    router's command lines, where a URL-safe key starting with '-' would read as a flag)."""
+    return secrets.token_hex(32)
 
 
 @dataclass(frozen=True)
