@@ -222,3 +222,17 @@ def test_a_standalone_model_directory_rejects_a_damaged_header(tmp_path):
     _flip(path, 0.0)  # the header length
     with pytest.raises(CorruptStateError, match=str(path)):
         load_pretrained(tmp_path)
+
+
+def test_damaged_newer_checkpoints_never_push_the_intact_ones_out(run_dir):
+    """Retention keeps the newest keep_checkpoints intact checkpoints: two damaged directories numbered past the
+    run's steps (each a step without run.json) do not count, so resuming and saving keeps steps 1-3."""
+    ckpt = run_dir / "checkpoints"
+    for step in (7, 8):
+        (ckpt / f"step_{step:06d}").mkdir()
+    resumed = train(tiny(run_dir, num_steps=3, resume=True))
+    assert resumed.resumed_from == 2
+    assert [c.step for c in CheckpointManager(ckpt).list()] == [1, 2, 3, 7, 8]
+    resumed = train(tiny(run_dir, num_steps=4, resume=True))
+    assert resumed.resumed_from == 3
+    assert [c.step for c in CheckpointManager(ckpt).list()] == [2, 3, 4, 7, 8]

@@ -108,6 +108,7 @@ def test_a_megatron_trainer_actor_reads_the_checkpoint_directory_without_buildin
     directory, not a model: the Megatron trainer reads it itself (across ranks each rank only its slice) and
     no whole april_ext model is built (before: setup ran load_pretrained)."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
+    from april_ext.cluster.network import RunNetwork
     from april_ext.cluster.trainer_actor import TrainerRank
     from april_ext.model import (
         LlamaForCausalLM,
@@ -130,7 +131,7 @@ def test_a_megatron_trainer_actor_reads_the_checkpoint_directory_without_buildin
 
     monkeypatch.setattr(LlamaForCausalLM, "__init__", counting_init)
     rank = TrainerRank(TrainConfig(trainer="megatron", model=str(tmp_path / "hf"), output_dir=str(tmp_path / "run")),
-                       0, 1)
+                       0, 1, RunNetwork(loopback=True))
     try:
         rank.setup(("127.0.0.1", 0), str(tmp_path / "hf"), "actor-test-")
         exported = dict(rank.trainer.export_weights(to_cpu=True))

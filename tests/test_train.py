@@ -202,18 +202,20 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path):
 
 
 def test_checkpoint_directory_ignores_and_cleans_partial_writes(tmp_path):
-    """A kill during a save leaves a temporary directory (or, before run.json, an incomplete one): the
-    newest complete checkpoint is still the one found, and the next save removes the leftovers."""
+    """A kill during a save leaves a temporary directory, which is not a checkpoint; a step directory without
+    run.json (saves rename only complete ones, so it was damaged later) is a damaged checkpoint: --resume
+    passes over it to the newest intact one, and the next save removes the temporary leftovers."""
     first = train(tiny(tmp_path, num_steps=1))
     ckpt = tmp_path / "run" / "checkpoints"
     (ckpt / ".step_000002.tmp-abc").mkdir()
-    (ckpt / "step_000003").mkdir()  # no run.json: never completed
+    (ckpt / "step_000003").mkdir()
     manager = CheckpointManager(ckpt)
-    assert manager.latest().step == 1 and manager.latest().path == first.checkpoint
+    assert [c.step for c in manager.list()] == [1, 3]
     resumed = train(tiny(tmp_path, num_steps=2, resume=True))
     assert resumed.resumed_from == 1 and resumed.checkpoint.endswith("step_000002")
+    assert first.checkpoint.endswith("step_000001")
     assert not (ckpt / ".step_000002.tmp-abc").exists()
-    assert [c.step for c in manager.list()] == [1, 2]
+    assert [c.step for c in manager.list()] == [1, 2, 3]
 
 
 def test_resumed_baseline_run_equals_an_uninterrupted_one(tmp_path):

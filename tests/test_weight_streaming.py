@@ -116,6 +116,7 @@ def test_the_embedded_engine_copies_a_stream_tensor_by_tensor() -> None:
 
 
 def test_a_ray_trainer_rank_hands_its_export_out_bucket_by_bucket(tmp_path) -> None:
+    from april_ext.cluster.network import RunNetwork
     from april_ext.cluster.trainer_actor import TrainerRank
     from april_ext.training.config import TrainConfig
 
@@ -124,7 +125,7 @@ def test_a_ray_trainer_rank_hands_its_export_out_bucket_by_bucket(tmp_path) -> N
     bucket_bytes = 3 * max(t.numel() * t.element_size() for t in want.values())
     config = TrainConfig(hidden_size=16, num_layers=1, output_dir=str(tmp_path), progress=False, plots=False,
                          weight_sync_bucket_mb=bucket_bytes / 2**20)
-    rank = TrainerRank(config, 0, 1)
+    rank = TrainerRank(config, 0, 1, RunNetwork(loopback=True))
     rank.setup(("127.0.0.1", 0), model, "")
     try:
         assert rank.begin_export(False, True) == 0
@@ -145,6 +146,7 @@ def test_a_ray_trainer_rank_holds_one_bucket_for_the_broadcast_and_refuses_anoth
     """Rank 0 of a Ray run's weight broadcast: each bucket stays on the rank (the driver gets its names, dtypes
     and shapes); an export asked for as another version than the trainer's is refused (a train step came
     between the update and a rejoining engine's export)."""
+    from april_ext.cluster.network import RunNetwork
     from april_ext.cluster.trainer_actor import TrainerRank
     from april_ext.training.config import TrainConfig
 
@@ -152,7 +154,7 @@ def test_a_ray_trainer_rank_holds_one_bucket_for_the_broadcast_and_refuses_anoth
     bucket_bytes = 3 * max(p.numel() * p.element_size() for p in model.parameters())
     config = TrainConfig(hidden_size=16, num_layers=1, output_dir=str(tmp_path), progress=False, plots=False,
                          weight_sync_bucket_mb=bucket_bytes / 2**20)
-    rank = TrainerRank(config, 0, 1)
+    rank = TrainerRank(config, 0, 1, RunNetwork(loopback=True))
     rank.setup(("127.0.0.1", 0), model, "")
     try:
         with pytest.raises(InvalidStateError, match="version 0, not 1"):

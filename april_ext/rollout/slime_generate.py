@@ -157,6 +157,8 @@ class CustomGenerateRollout:
         # The verdict that would end the step waits (with any after it) until every call is back and replayed
         # whole: once the step is done the scheduler dispatches nothing, and a call's later turns need dispatches.
         self._held: list[tuple[int, list[float], bool]] | None = None
+        self._collecting = False
+        """run_step's loop is running: a verdict that would end the step may be held until its calls are back."""
         self._accepted: set[int] = set()  # groups reported accepted, not trained or dropped: the step's end
         self._ending_at: float | None = None
         self._failures: list[BaseException] = []
@@ -182,6 +184,7 @@ class CustomGenerateRollout:
         self._prune_accepted(())  # begin_step may drop stale groups
         start = self._last_change = time.monotonic()
         self._ending_at = None
+        self._collecting = True
         while True:
             raise_first(self._failures)
             self._replay_returned(policy_version)
@@ -200,6 +203,7 @@ class CustomGenerateRollout:
                                     f"is not done (scheduler stats: {sched.stats()})")
             self._wake.clear()
             await self._wake.wait()
+        self._collecting = False
         done_at = min(time.monotonic(), self._ending_at or math.inf)
         to_abort = set(sched.samples_to_abort())
         await self._abort_calls()
@@ -462,7 +466,9 @@ class CustomGenerateRollout:
 
     def _verdict(self, group: CompletedGroup, rewards: list[float], accepted: bool) -> None:
         """Reports the filter's verdict, or holds it back (with any after it) when it would end the step."""
-        if self._held is None and accepted and (self._calls or self._replays) and \
+        # Once the step's loop has ended (its calls being aborted) a late verdict is a surplus group's: nothing
+        # would release it, so it is reported at once.
+        if self._held is None and accepted and (self._calls or self._replays) and self._collecting and \
                 len(self._accepted) + 1 >= self.scheduler.config.rollout_batch_size:
             self._held = []  # this verdict ends the step (as far as we can tell): the calls come back first
             self._ending_at = time.monotonic()

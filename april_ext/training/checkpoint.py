@@ -266,8 +266,15 @@ class CheckpointManager:
             raise CorruptStateError(f"every checkpoint under {self.directory!r} is damaged: " + "; ".join(damaged))
 
     def _prune(self) -> None:
-        for info in self.list()[:-self.keep]:
-            shutil.rmtree(info.path, ignore_errors=True)
+        """Removes every checkpoint older than the newest ``keep`` intact ones (by ``check_resumable``'s presence
+        check): a damaged checkpoint never counts as kept, so it cannot push out the last intact ones."""
+        found = self.list()
+        intact = [info for info in found if _presence_problem(info.path) is None]
+        if len(intact) > self.keep:
+            oldest_kept = intact[-self.keep].step
+            for info in found:
+                if info.step < oldest_kept:
+                    shutil.rmtree(info.path, ignore_errors=True)
         for name in os.listdir(self.directory):
             if is_temporary(name):
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
