@@ -22,7 +22,6 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import _kernel_cases as kc  # noqa: E402  (makes april_ext importable from a plain checkout)
+from _procs import run_in_group  # noqa: E402
 from april_ext.persistence import atomic_write_text  # noqa: E402
 
 # The dense reference materializes the logits: only run it where they fit in a few GB.
@@ -97,12 +97,12 @@ def run_tests(timeout_s: int) -> dict:
         env = {**os.environ, "APRIL_EXT_GPU_TESTS": "1"}
         env.pop("TRITON_INTERPRET", None)
         started = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as exc:
-            return {"error": f"timed out after {timeout_s} s", "output_tail": str(exc.stdout)[-4000:]}
+        # In a process group of its own: a timeout kills pytest's xdist workers too.
+        proc = run_in_group(cmd, timeout_s, cwd=ROOT, env=env)
+        if proc.returncode is None:
+            return {"error": f"timed out after {timeout_s} s", "output_tail": proc.output[-4000:]}
         result: dict = {"exit_code": proc.returncode, "seconds": round(time.monotonic() - started, 1),
-                        "output_tail": (proc.stdout + proc.stderr)[-4000:]}
+                        "output_tail": proc.output[-4000:]}
         if xml_path.exists():
             suite = ET.parse(xml_path).getroot()
             suite = suite if suite.tag == "testsuite" else suite.find("testsuite")

@@ -5,8 +5,9 @@
 Per size: device memory freed by pause (torch.cuda.mem_get_info), pause / resume latency with and
 without a CPU backup, the backup / restore copy bandwidth next to torch's own device <-> host copies
 of the same bytes (pageable and pinned) in the same run, and the allocation cost next to torch's
-caching allocator on a cold cache (cudaMalloc). Also checks that a CUDA graph replays after a
-pause / resume.
+caching allocator on a cold cache (cudaMalloc). Also checks that a CUDA graph captured in a region
+replays after a pause / resume. The report is written after each size and again with the graph
+check's result (its error when it fails), so a failure or a timeout keeps what was measured.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import json
 import statistics
 import sys
 import time
+import traceback
 import uuid
+from collections.abc import Callable
 
 import torch
 
 import april_ext.memory as mem
-from april_ext.memory import torch_cuda
 from april_ext.persistence import atomic_write_json
 
 GiB = 1 << 30
@@ -87,14 +89,19 @@ def measure_size(nbytes: int, rounds: int) -> dict:
     del src, pageable, pinned
     torch.cuda.empty_cache()
 
+    # The allocation alone on both sides: each tensor is kept until its time is taken (a dropped
+    # one would count our free and unmap in; torch's drop only returns the block to its cache).
     tag = f"report-alloc-{uuid.uuid4().hex[:8]}"
+    held: list[torch.Tensor] = []
     ours = []
     for _ in range(rounds):
-        ours.append(_timed(lambda: mem.empty((nbytes,), torch.uint8, tag=tag, device="cuda")))
+        ours.append(_timed(lambda: held.append(mem.empty((nbytes,), torch.uint8, tag=tag, device="cuda"))))
+        held.clear()
     theirs = []
     for _ in range(rounds):
         torch.cuda.empty_cache()
-        theirs.append(_timed(lambda: torch.empty((nbytes,), dtype=torch.uint8, device="cuda")))
+        theirs.append(_timed(lambda: held.append(torch.empty((nbytes,), dtype=torch.uint8, device="cuda"))))
+        held.clear()
     out["alloc_seconds"] = {"april": _median(ours), "torch_cold_cache": _median(theirs)}
     return out
 
@@ -111,7 +118,7 @@ def graph_check() -> dict:
             torch.matmul(x, w, out=y)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=torch_cuda.pool_id(tag, True)):
+        with mem.capture_graph(g):
             torch.matmul(x, w, out=y)
     g.replay()
     want = y.clone()
@@ -121,6 +128,24 @@ def graph_check() -> dict:
     g.replay()
     torch.cuda.synchronize()
     return {"graph_replay_after_resume_ok": bool(torch.equal(y, want))}
+
+
+def write_report(path: str, report: dict, sizes: list[int], measure: Callable[[int], dict],
+                 check: Callable[[], dict]) -> dict:
+    """Fills report with measure(size) per size and then the graph check, writing it to path after
+    each, so a failing check or a timeout keeps the sizes. A failing check is recorded as its error."""
+    report["sizes"] = []
+    for nbytes in sizes:
+        report["sizes"].append(measure(nbytes))
+        atomic_write_json(path, report, indent=2)
+    try:
+        report.update(check())
+    except Exception as exc:  # noqa: BLE001 - recorded in the report, which keeps the sizes
+        report["graph_replay_after_resume_ok"] = False
+        report["graph_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        report["graph_trace"] = traceback.format_exc()[-3000:]
+    atomic_write_json(path, report, indent=2)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,12 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "backends": [dataclasses.asdict(b) for b in mem.backends()],
         "granularity": mem.granularity("cuda"),
-        "sizes": [measure_size(int(s * GiB), args.rounds) for s in args.sizes_gib],
     }
-    report.update(graph_check())
-    atomic_write_json(args.out, report, indent=2)
+    write_report(args.out, report, [int(size * GiB) for size in args.sizes_gib],
+                 lambda nbytes: measure_size(nbytes, args.rounds), graph_check)
     print(json.dumps(report, indent=2))
-    return 0
+    return 0 if report["graph_replay_after_resume_ok"] else 1
 
 
 if __name__ == "__main__":

@@ -60,9 +60,17 @@ async def wait(condition, timeout_s: float, what: str, poll_s: float = 0.2) -> N
         await asyncio.sleep(poll_s)
 
 
+_RUN_KEY: list[str] = []  # the key of the run ray_run built last: its servers refuse calls without it
+
+
 def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as response:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=run_headers()), timeout=10) as response:
         return json.loads(response.read())
+
+
+def run_headers() -> dict[str, str]:
+    """The Authorization header of the run ray_run built last (none before one)."""
+    return {"Authorization": f"Bearer {_RUN_KEY[-1]}"} if _RUN_KEY else {}
 
 
 def label(url: str) -> str:
@@ -117,9 +125,21 @@ def checked_and_armed(run, trained_groups: set[int]) -> list:
     return armed
 
 
+def keyed_session(config):
+    """A RaySession of ``config``'s topology whose key the helpers here send (a test that builds the pool itself)."""
+    from april_ext.cluster import Topology
+    from april_ext.cluster.network import new_api_key
+    from april_ext.cluster.session import RaySession
+
+    _RUN_KEY.append(new_api_key())
+    return RaySession(config, Topology.from_config(config), _RUN_KEY[-1])
+
+
 def ray_run(config):
     """The TrainingRun of a Ray config, with the cluster layer's factories (as `april-ext train --ray`)."""
     from april_ext.cluster import RayTopologyRun
     from april_ext.training import TrainingRun
 
-    return TrainingRun(config, **RayTopologyRun(config).factories())
+    topology = RayTopologyRun(config)
+    _RUN_KEY.append(topology.api_key)
+    return TrainingRun(config, **topology.factories())

@@ -22,7 +22,8 @@ _servers = itertools.count()
 @contextlib.contextmanager
 def live_server(model: LlamaForCausalLM | None = None, *, memory_saver: bool = True,
                 weight_version: str = "default", stream_interval: int = 1, sglang_compat: str = "current",
-                tokenizer_path: str | None = None, **engine_overrides: Any) -> Iterator[ServerThread]:
+                tokenizer_path: str | None = None, api_key: str | None = None,
+                **engine_overrides: Any) -> Iterator[ServerThread]:
     """The tiny engine (block size 4, 256 blocks, 16 sequences unless overridden) served on a free port.
 
     The engine owns `model` (it moves the parameters into its memory regions and updates them in place):
@@ -31,7 +32,8 @@ def live_server(model: LlamaForCausalLM | None = None, *, memory_saver: bool = T
     core = engine(model if model is not None else tiny_model(), **engine_overrides)
     with ServerThread(core, ServerConfig(port=0, enable_memory_saver=memory_saver,
                                          weight_version=weight_version, stream_interval=stream_interval,
-                                         sglang_compat=sglang_compat, tokenizer_path=tokenizer_path)) as server:
+                                         sglang_compat=sglang_compat, tokenizer_path=tokenizer_path,
+                                         api_key=api_key)) as server:
         yield server
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 
 import pytest
@@ -16,7 +17,8 @@ from april_ext.model import LlamaForCausalLM, ModelConfig, iter_safetensors, loa
 from april_ext.tasks import CountingTask, CountingTaskConfig
 from april_ext.trainer import TorchTrainer, TrainerConfig
 from april_ext.training import CheckpointManager, TrainConfig, train
-from april_ext.training.checkpoint import write_manifest
+from april_ext.cli.train import check_before_start
+from april_ext.training.checkpoint import RUN_FORMAT, write_manifest
 from april_ext.training.metrics import read_metrics
 
 from _torch_threads import one_thread, one_torch_thread  # noqa: F401 (fixture)
@@ -133,22 +135,71 @@ def test_resume_with_every_checkpoint_damaged_is_a_corrupt_state_error(run_dir):
         train(tiny(run_dir, num_steps=3, resume=True))
 
 
-def test_a_checkpoint_without_a_manifest_loads_unverified_with_a_warning(run_dir, caplog):
-    """Checkpoints written before manifests existed still resume; the log says they were not verified."""
+def test_an_older_checkpoint_without_a_manifest_loads_unverified_with_a_warning(run_dir, caplog):
+    """Checkpoints of versions before RUN_FORMAT (run.json without a format; the oldest have no manifest)
+    still resume; the log says they were not verified."""
     manager = CheckpointManager(run_dir / "checkpoints")
-    (run_dir / "checkpoints" / "step_000002" / "manifest.json").unlink()
+    step = run_dir / "checkpoints" / "step_000002"
+    (step / "run.json").write_text(json.dumps({"step": 2, "variant": "april"}))
+    (step / "manifest.json").unlink()
     assert manager.verify(manager.latest()) is False
     with caplog.at_level(logging.WARNING, logger="april_ext.training.checkpoint"):
-        assert _restore_into_fresh(run_dir, manager.latest())["step"] == 2
+        assert _restore_into_fresh(run_dir, manager.latest()) == {"step": 2, "variant": "april"}
     assert any("step_000002 has no manifest.json" in r.getMessage() and "unverified" in r.getMessage()
                for r in caplog.records)
+
+
+def _resume_as_the_cli_does(run_dir, caplog):
+    """`april-ext train --resume`: the check before the start, then the run; (its result, the warnings)."""
+    config = tiny(run_dir, num_steps=3, resume=True)
+    with caplog.at_level(logging.WARNING, logger="april_ext.training.checkpoint"), one_torch_thread():
+        check_before_start(config, 1)
+        resumed = train(config)
+    return resumed, [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("damage", ["damaged manifest", "missing manifest", "missing run.json"])
+def test_resume_passes_over_a_newest_checkpoint_whose_manifest_or_run_file_is_damaged_or_missing(
+        run_dir, caplog, damage):
+    """A checkpoint this version wrote always has run.json (with RUN_FORMAT) and a manifest: lacking either,
+    or with a manifest that is not JSON, it is damaged, and the check before the start and the resume both
+    fall back to the newest intact one (formerly the damaged manifest stopped the run before it started,
+    the missing one switched the check off, and a step without run.json was skipped silently)."""
+    step = run_dir / "checkpoints" / "step_000002"
+    assert json.loads((step / "run.json").read_text())["format"] == RUN_FORMAT
+    if damage == "damaged manifest":
+        (step / "manifest.json").write_text('{"format": "april_ext.checkpoint_manifest/1", "files": {')
+        expected = f"{step / 'manifest.json'}: damaged JSON"
+    elif damage == "missing manifest":
+        (step / "manifest.json").unlink()
+        expected = f"{step / 'manifest.json'}: missing, though run.json says the checkpoint was written with one"
+    else:
+        (step / "run.json").unlink()
+        expected = f"{step / 'run.json'}: missing (listed in {step / 'manifest.json'})"
+    manager = CheckpointManager(run_dir / "checkpoints")
+    with pytest.raises(CorruptStateError, match=re.escape(expected)):
+        manager.verify(manager.latest())
+    resumed, warnings = _resume_as_the_cli_does(run_dir, caplog)
+    assert resumed.resumed_from == 1
+    assert [r["step"] for r in resumed.history] == [1, 2, 3]
+    # Logged by the check before the start and by the resume.
+    assert sum(f"checkpoint {step} is damaged: {expected}" in w for w in warnings) == 2, warnings
+
+
+def test_a_checkpoint_with_neither_run_file_nor_manifest_is_damaged(run_dir, caplog):
+    step = run_dir / "checkpoints" / "step_000002"
+    (step / "run.json").unlink()
+    (step / "manifest.json").unlink()
+    resumed, warnings = _resume_as_the_cli_does(run_dir, caplog)
+    assert resumed.resumed_from == 1
+    assert any(f"checkpoint {step} is damaged: {step / 'run.json'}: missing" in w for w in warnings)
 
 
 def test_a_run_written_under_the_old_key_mode_resumes_with_its_variant(run_dir):
     """Rows and run.json said "mode" before the variant had its own key: they are read as "variant"."""
     latest = CheckpointManager(run_dir / "checkpoints").latest()
     assert json.loads((run_dir / "checkpoints" / "step_000002" / "run.json").read_text()) == {
-        "step": 2, "variant": "april"}
+        "format": RUN_FORMAT, "step": 2, "variant": "april"}
     (run_dir / "checkpoints" / "step_000002" / "run.json").write_text(json.dumps({"step": 2, "mode": "april"}))
     write_manifest(latest.path)
     assert _restore_into_fresh(run_dir, latest) == {"step": 2, "variant": "april"}

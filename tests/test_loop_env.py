@@ -349,3 +349,119 @@ def test_an_observation_that_completes_a_group_drops_the_end_of_its_cancelled_sa
     assert states == ["done", "cancelled"]
     (group,) = sched.pop_completed_groups()
     assert group.sample_ids.tolist() == [0]
+
+
+class FailingStartEnv(ScriptedEnv):
+    """ScriptedEnv whose start raises for a script with "start": "raise" and outlives any timeout for "hang"."""
+
+    async def start(self, prompt: Prompt) -> dict[str, Any]:
+        if prompt.metadata.get("start") == "raise":
+            raise KeyError("this record has no table")
+        if prompt.metadata.get("start") == "hang":
+            await asyncio.sleep(3600)
+        return await super().start(prompt)
+
+
+def test_a_start_that_fails_ends_its_trajectory_with_reward_0_and_the_run_goes_on(one_thread) -> None:
+    env = FailingStartEnv()
+    scripts = [{"turns": 1, "obs_len": 2, "latency": [0.01]}, {"turns": 1, "obs_len": 2, "latency": [], "start": "raise"},
+               {"turns": 0, "obs_len": 1, "latency": [], "start": "hang"}]
+    prompts = _prompts(9, scripts)
+    results, reference = asyncio.run(_steps(APRIL, prompts, env, None, tool_timeout_s=0.3))
+    assert sum(r.metrics.env.get("finished_start_error", 0) for r in results) == 2 * 6  # 6 prompts of 2 samples
+    for r in results[:-1]:
+        _check_batch(r.batch, reference, env, APRIL.max_response_len)
+        b = r.batch
+        for i in range(b.n_samples):
+            if b.metadata[int(b.group_index[i])].get("start"):  # never started: no token, reward 0
+                assert int(b.offsets[i + 1] - b.offsets[i]) == int(b.prompt_lens[i]) and b.rewards[i] == 0.0
+    _assert_every_group_trained_once(results, prompts, APRIL.n_samples_per_prompt)
+
+
+def test_carry_keeps_trajectories_in_the_engine_across_the_update_mid_turn_beside_others_mid_tool(one_thread) -> None:
+    """step_boundary="carry" with an environment and a new policy each step: at the boundaries some trajectories
+    are in the engine mid-turn (carried, their KV kept in place through the update) while others wait on their
+    tool. Every trained model token has the logprob the engine streamed for it (token-exact bookkeeping across the
+    boundary); where its whole context was computed by the weights of the version it is stamped with (not after a
+    mid-turn update, which keeps the older weights' KV by design), rescoring by that version's weights gives it.
+    Env tokens are never trained and are the environment's answers; samples are trained with a version change
+    inside one model turn (carried) and across a tool call (waited, then re-prefilled)."""
+    config = SchedulerConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=6,
+                             max_response_len=48, step_boundary="carry")
+    env = ScriptedEnv()
+    scripts = [{"turns": 2, "obs_len": 2, "latency": [0.0, 0.2]}, {"turns": 1, "obs_len": 3, "latency": [0.1]}]
+    prompts = _prompts(80, scripts)
+    steps = 6
+    models = [_model(seed) for seed in range(steps + 1)]
+    boundaries: list[tuple[int, float]] = []
+    streamed: dict[tuple[int, int], float] = {}  # (sample id, response position) -> the logprob the engine streamed
+
+    async def main() -> list[Any]:
+        results = []
+        sched = Scheduler(config, ListDataSource(prompts))
+        async with AsyncEngine(_core(_model(0))) as engine:
+            generate = engine.generate
+
+            async def recorded(input_ids: list[int], params: Any = None, request_id: Any = None) -> Any:
+                sid, at = int(request_id.split("-")[1]), len(input_ids) - 3  # every prompt has 3 tokens
+                async for chunk in generate(input_ids, params, request_id):
+                    for lp in chunk.logprobs:
+                        streamed[(sid, at)] = lp
+                        at += 1
+                    yield chunk
+
+            engine.generate = recorded  # type: ignore[method-assign]
+            loop = RolloutLoop(engine, sched, None, sampling=SamplingParams(temperature=1.0, stop_token_ids=(4, 5)),
+                               environment=env, seed=1)
+            for version in range(steps):
+                result = await asyncio.wait_for(loop.run_step(version), 60)
+                results.append(result)
+                boundaries.append((loop.carried, result.metrics.env["waiting_at_boundary"]))
+                await engine.update_weights(dict(models[version + 1].state_dict()), version + 1)
+            await loop.abort_carried()
+            await loop.close()
+        return results
+
+    results = asyncio.run(main())
+    assert any(carried > 0 and waiting > 0 for carried, waiting in boundaries[:-1]), boundaries
+    assert sum(r.metrics.scheduler["carried_samples"] for r in results[1:]) > 0
+    mid_turn = mid_tool = carried_after_tool = rescored_tokens = 0
+    with torch.inference_mode():
+        for r in results:
+            b = r.batch
+            for i in range(b.n_samples):
+                start, end, plen = int(b.offsets[i]), int(b.offsets[i + 1]), int(b.prompt_lens[i])
+                sid = int(b.sample_ids[i])
+                ids = torch.as_tensor(b.tokens[start:end], dtype=torch.int64)
+                mask = b.loss_mask[start + plen:end].astype(bool)
+                versions = b.versions[start + plen:end]
+                held = b.behavior_logprobs[start + plen:end]
+                assert (held[~mask] == 0).all() and (versions[~mask] == -1).all() and (versions[mask] >= 0).all()
+                model_at = np.flatnonzero(mask)
+                assert [streamed[(sid, int(k))] for k in model_at] == pytest.approx(held[mask].tolist(), abs=1e-6)
+                # Tokens of a turn after a version change inside it ran on the older weights' KV (carry).
+                exact = mask.copy()
+                for a, c in zip(model_at[:-1], model_at[1:]):
+                    if versions[c] != versions[a]:
+                        if c == a + 1:
+                            mid_turn += 1
+                            # A trajectory carried in a later turn: its KV spans model and env tokens.
+                            carried_after_tool += bool((~mask[:a]).any())
+                            k = c
+                            while k < len(mask) and mask[k]:
+                                exact[k] = False
+                                k += 1
+                        else:
+                            mid_tool += 1
+                for v in set(versions[exact].tolist()):
+                    rescored = torch.log_softmax(models[v](ids).float(), -1)[plen - 1:-1].gather(
+                        -1, ids[plen:, None]).squeeze(-1).numpy()
+                    pick = exact & (versions == v)
+                    np.testing.assert_allclose(held[pick], rescored[pick], atol=2e-3)
+                    rescored_tokens += int(pick.sum())
+                prompt_id = b.prompt_ids[int(b.group_index[i])]
+                _, env_runs = _replay(b, i, {})
+                for k, run in enumerate(env_runs):
+                    assert run == env.answers[(prompt_id, k)].observation[:len(run)]
+    assert mid_turn > 0 and mid_tool > 0 and carried_after_tool > 0 and rescored_tokens > 0, (
+        mid_turn, mid_tool, carried_after_tool, rescored_tokens)

@@ -26,7 +26,7 @@ from april_ext.errors import (  # noqa: E402
     InvalidArgumentError,
     InvalidStateError,
 )
-from april_ext.model import LlamaForCausalLM, ModelConfig, load_pretrained  # noqa: E402
+from april_ext.model import LlamaForCausalLM, ModelConfig, load_pretrained, save_pretrained  # noqa: E402
 from april_ext.protocol import SamplingParams  # noqa: E402
 from april_ext.trainer import TorchTrainer, TrainerConfig  # noqa: E402
 from april_ext.trainer.megatron import (  # noqa: E402
@@ -375,3 +375,23 @@ def test_initialisation_is_seeded_and_leaves_the_global_rng_alone() -> None:
     for name, tensor in weights[0].items():
         assert torch.equal(tensor, weights[1][name]), name
     assert not torch.equal(weights[0]["model.embed_tokens.weight"], weights[2]["model.embed_tokens.weight"])
+
+
+def test_slimes_optimiser_entropy_bonus_and_reference_match_the_torch_trainer(tmp_path) -> None:
+    """slime's --weight-decay / --adam-beta2 / --lr-decay-style with warmup / --entropy-coef / --ref-load give the
+    Megatron trainer the torch trainer's update."""
+    save_pretrained(make_model(9), tmp_path / "ref")
+    model = make_model(3)
+    config = trainer_config(weight_decay=0.1, betas=(0.9, 0.98), lr_warmup_iters=1, lr_decay_style="cosine",
+                            lr_decay_iters=4, min_lr=1e-3, minibatches=2, reference=str(tmp_path / "ref"),
+                            algorithm=AlgorithmConfig(kl_loss_coef=0.05, kl_loss_type="k3", entropy_coef=0.01))
+    torch_trainer = TorchTrainer(copy.deepcopy(model), config)
+    megatron = MegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=config), model.named_parameters())
+    expected_record, got_record = OptimizerRecord(torch_trainer), OptimizerRecord(megatron)
+    for step in range(2):
+        batch = make_batch(model, step, seed=step)
+        expected, got = torch_trainer.train_step(batch), megatron.train_step(batch)
+        for key in ("loss", "kl", "entropy", "lr"):
+            assert got[key] == pytest.approx(expected[key], rel=TOL["rtol"], abs=TOL["atol"] / 10), (step, key)
+    assert expected["kl"] > 0 and expected["lr"] < config.lr
+    check_same_update(torch_trainer, megatron, expected_record, got_record)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import subprocess
 from collections.abc import Iterator, Mapping
@@ -347,3 +348,35 @@ def test_distributed_optimizer_checkpoint_resumes(tmp_path: Path) -> None:
             torch.testing.assert_close(tensor, weights[key], rtol=1e-6, atol=1e-7)
     finally:
         parallel.shutdown()
+
+
+def test_slimes_optimiser_entropy_bonus_and_reference_in_a_world_of_one(tmp_path: Path) -> None:
+    """--weight-decay / --adam-beta2 / --lr-decay-style with warmup / --entropy-coef (the entropy's gradient
+    through the vocabulary-parallel sums) / --ref-load through the distributed path equal the embedded trainer."""
+    from april_ext.algorithms import AlgorithmConfig
+    from april_ext.model import save_pretrained
+
+    save_pretrained(make_model(9), tmp_path / "ref")
+    settings = dataclasses.replace(
+        trainer_config(), weight_decay=0.1, betas=(0.9, 0.98), lr_warmup_iters=1, lr_decay_style="linear",
+        lr_decay_iters=4, reference=str(tmp_path / "ref"),
+        algorithm=AlgorithmConfig(kl_loss_coef=0.05, kl_loss_type="k3", entropy_coef=0.01, max_staleness=None))
+    model = make_model(3)
+    embedded = TorchTrainer(copy.deepcopy(model), settings)
+    record = OptimizerRecord(embedded)
+    batches = [make_batch(model, step, seed=step) for step in range(2)]
+    expected = {"logprobs": embedded.token_logprobs(batches[0]), "metrics": [embedded.train_step(b) for b in batches],
+                "weights": dict(embedded.export_weights(to_cpu=True).tensors), "record": record}
+    try:
+        trainer = DistributedMegatronTrainer(MegatronTrainerConfig(model=model.config, trainer=settings),
+                                             model.named_parameters())
+        recorder = GradientRecorder(trainer)
+        got = {"logprobs": trainer.token_logprobs(batches[0]), "metrics": [trainer.train_step(b) for b in batches],
+               "weights": dict(trainer.export_weights(to_cpu=True).tensors), "gradients": recorder.gradients}
+    finally:
+        parallel.shutdown()
+    assert expected["metrics"][0]["kl"] > 0 and expected["metrics"][1]["lr"] < settings.lr
+    for step, (mine, theirs) in enumerate(zip(got["metrics"], expected["metrics"])):
+        for key in ("kl", "lr"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (step, key)
+    check(got, "world of one, slime's settings", expected)

@@ -472,3 +472,210 @@ def test_documented_allocation_info_keys_are_the_returned_keys():
     documented = set(re.findall(r"`(\w+)`", description))
     info = mem.allocation_info(mem.empty((3,), torch.uint8, tag=new_tag("info")))
     assert documented == set(info)
+
+
+def test_free_and_pause_synchronize_the_device_before_unmapping():
+    """A kernel still queued on memory must finish before the memory is unmapped: a free of a live
+    allocation (a tensor deleter, torch's free hook) and a pause synchronize the device first; a free
+    of a paused allocation has nothing mapped and does not."""
+    calls = _C.memory.cpu_synchronize_calls
+    tag = new_tag("sync")
+    a = mem.empty((MiB,), torch.uint8, tag=tag)
+    b = mem.empty((MiB,), torch.uint8, tag=tag)
+    before = calls()
+    del a
+    assert calls() == before + 1
+    mem.pause(tag)  # one device: one synchronize, however many allocations
+    assert calls() == before + 2
+    del b
+    assert calls() == before + 2
+    mem.resume(tag)
+
+    lib = ctypes.CDLL(_C.__file__)
+    malloc_name, free_name = _C.memory.torch_symbols()
+    malloc = getattr(lib, malloc_name)
+    malloc.restype = ctypes.c_void_p
+    malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    free = getattr(lib, free_name)
+    free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    _C.memory.set_hook_device_kind("cpu")
+    try:
+        with mem.region(tag):
+            ptr = malloc(4096, 0, None)
+        before = calls()
+        free(ptr, 4096, 0, None)
+        assert calls() == before + 1
+    finally:
+        _C.memory.set_hook_device_kind(gpu_kind())
+
+
+_HOOKS = """
+import ctypes
+from april_ext import _C
+lib = ctypes.CDLL(_C.__file__)
+malloc_name, free_name = _C.memory.torch_symbols()
+malloc = getattr(lib, malloc_name)
+malloc.restype = ctypes.c_void_p
+malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+free = getattr(lib, free_name)
+free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+_C.memory.set_hook_device_kind("cpu")
+"""
+
+
+@pytest.mark.parametrize("foreign", [False, True], ids=["april-error", "std-exception"])
+def test_no_exception_escapes_the_torch_free_hook(foreign):
+    """torch calls the free hook from C++ through an extern "C" function: any exception in it (a
+    driver error, or one that is not april_ext's) becomes the hook error instead of escaping into
+    torch, which would terminate the process."""
+    run_isolated(_HOOKS + f"""
+with mem.region("hooked"):
+    ptr = malloc(8192, 0, None)
+_C.memory.cpu_inject_faults("unmap", 1, {foreign})
+free(ptr, 8192, 0, None)
+assert "injected failure of unmapping" in _C.memory.take_hook_error()
+assert _C.memory.take_hook_error() == ""
+""")
+
+
+def test_no_exception_escapes_the_dlpack_deleter():
+    """The deleter of a tensor's DLPack capsule runs inside torch when the tensor dies."""
+    run_isolated("""
+from april_ext import _C
+t = mem.empty((8192,), torch.uint8, tag="deleted")
+_C.memory.cpu_inject_faults("unmap", 1, True)
+del t
+assert mem.stats()["deleted"].allocations == 0
+""")
+
+
+def test_a_range_a_pause_could_not_reserve_again_is_reserved_by_resume():
+    """ROCm returns memory only when its range is freed, so pause frees the range and reserves the
+    same address again (simulated here on the CPU backend). When that fails, the allocation is paused
+    without a range: resume must reserve the address again before it maps memory there, and while it
+    cannot, fail and leave the tag paused."""
+    tag = new_tag("rocm-va")
+    t = mem.empty((3 * MiB + 5,), torch.uint8, tag=tag, cpu_backup=True)
+    t.copy_(torch.arange(3 * MiB + 5, dtype=torch.int64).remainder(251).to(torch.uint8))
+    want, ptr = digest(t), t.data_ptr()
+    _C.memory.cpu_set_pause_frees_va(True)
+    try:
+        mem.pause(tag)  # the simulation itself works: a pause that frees and re-reserves the range
+        mem.resume(tag)
+        assert digest(t) == want and t.data_ptr() == ptr
+        _C.memory.cpu_inject_faults("reserve_at", 1, False)
+        with pytest.raises(mem.DriverError, match="could not be reserved again"):
+            mem.pause(tag)
+        assert mem.stats()[tag].paused and mem.stats()[tag].resident_bytes == 0
+        _C.memory.cpu_inject_faults("reserve_at", 1, False)
+        with pytest.raises(mem.DriverError, match="resume of tag .* stays paused"):
+            mem.resume(tag)
+        s = mem.stats()[tag]
+        assert s.paused and s.resident_bytes == 0 and s.backup_bytes > 0
+        mem.resume(tag)
+        assert digest(t) == want and t.data_ptr() == ptr
+    finally:
+        _C.memory.cpu_inject_faults("reserve_at", 0, False)
+        _C.memory.cpu_set_pause_frees_va(False)
+    with pytest.raises(mem.InvalidArgumentError, match="'reserve_at' or 'unmap'"):
+        _C.memory.cpu_inject_faults("map", 1, False)
+
+
+class TorchPoolModel:
+    """The pool bookkeeping of torch's CUDA caching allocator that region routing relies on, as
+    c10/cuda/CUDACachingAllocator.cpp has it (torch on a GPU is not available here): begin appends a
+    (pool, filter) entry and takes a use count, refusing a pool already begun ("already recording to
+    mempool_id"); end removes the entry and keeps the count; release gives a count back; an
+    allocation is served by the first entry whose filter matches (get_pool). The MemPool object holds
+    one count of its own."""
+
+    def __init__(self, *pools: tuple[int, int]) -> None:
+        self.use_count = dict.fromkeys(pools, 1)
+        self.underway: list[tuple[tuple[int, int], str]] = []
+
+    def begin_thread(self, device: int, pool: tuple[int, int]) -> None:
+        self._begin(pool, "thread")
+
+    def begin_capture(self, pool: tuple[int, int]) -> None:
+        self._begin(pool, "capture")
+
+    def _begin(self, pool: tuple[int, int], kind: str) -> None:
+        self.use_count[pool] += 1
+        if any(p == pool for p, _ in self.underway):
+            raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+        self.underway.append((pool, kind))
+
+    def end(self, device: int, pool: tuple[int, int]) -> None:
+        for i, (p, _) in enumerate(self.underway):
+            if p == pool:
+                del self.underway[i]
+                return
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    def release(self, device: int, pool: tuple[int, int]) -> None:
+        self.use_count[pool] -= 1
+        assert self.use_count[pool] >= 1, "released the MemPool's own count: torch would free the pool"
+
+    def serving(self, *kinds: str) -> tuple[int, int] | None:
+        """The pool an allocation matching these filters comes from (None: torch's default pool)."""
+        return next((p for p, k in self.underway if k in kinds), None)
+
+
+OUTER, INNER = (0, 1), (0, 2)
+
+
+def test_nested_regions_route_torch_allocations_to_the_innermost_pool():
+    torch_model = TorchPoolModel(OUTER, INNER)
+    routing = torch_cuda.PoolRouting(torch_model.begin_thread, torch_model.end, torch_model.release)
+    with routing.route(0, OUTER):
+        assert torch_model.serving("thread") == OUTER
+        with routing.route(0, INNER):
+            # Both begun, torch would serve the outer pool while the hook tags the inner region.
+            assert torch_model.serving("thread") == INNER
+            assert routing.routed() == [(0, INNER)]
+        assert torch_model.serving("thread") == OUTER
+    assert torch_model.underway == [] and torch_model.use_count == {OUTER: 1, INNER: 1}
+
+
+def test_a_failed_route_routes_the_enclosing_pool_again():
+    torch_model = TorchPoolModel(OUTER)  # INNER unknown to torch: its begin fails
+    routing = torch_cuda.PoolRouting(torch_model.begin_thread, torch_model.end, torch_model.release)
+    with routing.route(0, OUTER):
+        with pytest.raises(KeyError):
+            with routing.route(0, INNER):
+                pass
+        assert torch_model.serving("thread") == OUTER and routing.routed() == [(0, OUTER)]
+    assert torch_model.underway == [] and torch_model.use_count == {OUTER: 1}
+
+
+def test_a_graph_captures_into_the_region_pool_while_its_routing_is_suspended():
+    refused = TorchPoolModel(OUTER)
+    refused.begin_thread(0, OUTER)
+    with pytest.raises(RuntimeError, match="already recording"):
+        refused.begin_capture(OUTER)  # torch.cuda.graph(pool=...) inside a plain use_mem_pool
+
+    torch_model = TorchPoolModel(OUTER)
+    routing = torch_cuda.PoolRouting(torch_model.begin_thread, torch_model.end, torch_model.release)
+    with routing.route(0, OUTER):
+        with routing.suspended() as (device, pool):
+            assert (device, pool) == (0, OUTER) and routing.routed() == []
+            torch_model.begin_capture(pool)  # capture_begin(pool)
+            assert torch_model.serving("capture", "thread") == OUTER
+            torch_model.end(0, pool)  # capture_end; the graph keeps its count until it is reset
+        assert torch_model.serving("thread") == OUTER and routing.routed() == [(0, OUTER)]
+    assert torch_model.underway == [] and torch_model.use_count == {OUTER: 2}  # MemPool + graph
+    with pytest.raises(mem.InvalidStateError, match="no region pool is routed"):
+        with routing.suspended():
+            pass
+
+
+def test_capture_graph_needs_a_region_and_a_gpu_backend():
+    with pytest.raises(mem.InvalidStateError, match="only allowed inside"):
+        with mem.capture_graph(None):
+            pass
+    if torch_cuda.active():
+        return
+    with mem.region(new_tag("graph")):
+        with pytest.raises(mem.InvalidStateError, match="CUDA / ROCm device"):
+            with mem.capture_graph(None):
+                pass

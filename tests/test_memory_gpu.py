@@ -80,7 +80,6 @@ def test_torch_allocations_in_a_region_pause_and_resume():
 def test_graph_replays_after_pause_and_resume():
     run_scenario(
         """
-        from april_ext.memory import torch_cuda
         tag = "graph"
         with mem.region(tag, cpu_backup=True):
             x = torch.randn(1024, 1024, device="cuda")
@@ -92,9 +91,11 @@ def test_graph_replays_after_pause_and_resume():
                 torch.matmul(x, w, out=y)
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=torch_cuda.pool_id(tag, True)):
+            with mem.capture_graph(g):
                 torch.matmul(x, w, out=y)
                 z = y.relu() * 2
+            after = torch.ones(8, device="cuda")  # routing to the region's pool resumed
+        assert mem.stats()[tag].allocations >= 1
         g.replay()
         want = z.clone()
         mem.pause(tag)
@@ -103,6 +104,43 @@ def test_graph_replays_after_pause_and_resume():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(z, want)
+        """
+    )
+
+
+def test_nested_regions_allocate_in_the_inner_tag_and_pausing_it_spares_the_outer():
+    run_scenario(
+        """
+        with mem.region("outer"):
+            a = torch.ones(1 << 20, device="cuda")  # leaves room in the outer pool's segment
+            with mem.region("inner"):
+                b = torch.full((1 << 20,), 2.0, device="cuda")
+            c = torch.full((1 << 20,), 3.0, device="cuda")
+        assert mem.stats()["inner"].allocations >= 1, mem.stats()
+        mem.pause("inner")
+        assert float(a.sum()) == 1 << 20 and float(c.sum()) == 3 * (1 << 20)
+        mem.resume("inner")
+        b.fill_(5.0)
+        assert float(b.sum()) == 5 * (1 << 20)
+        """
+    )
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two devices")
+def test_calls_on_one_device_use_its_context_while_another_is_current():
+    run_scenario(
+        """
+        torch.cuda.set_device(0)
+        torch.zeros(1, device="cuda:0")  # device 0's context is current on this thread
+        held = torch.empty(4 << 30, dtype=torch.uint8, device="cuda:1")
+        ours, torch_free = mem.memory_info("cuda:1")[0], torch.cuda.mem_get_info(1)[0]
+        assert abs(ours - torch_free) < (256 << 20), (ours, torch_free)
+        assert mem.memory_info("cuda:0")[0] - ours > (3 << 30)
+        t = mem.empty((64 << 20,), torch.uint8, tag="dev1", device="cuda:1", cpu_backup=True)
+        t.fill_(7)
+        mem.pause("dev1")  # the backup copy runs on device 1's stream, in device 1's context
+        mem.resume("dev1")
+        assert bool((t == 7).all())
         """
     )
 

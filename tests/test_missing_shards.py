@@ -8,6 +8,7 @@ saved in a world of one."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -131,3 +132,27 @@ def test_resuming_when_every_checkpoint_lacks_a_file_is_refused_before_launch(
                   "--nproc-per-node", "2", "--load", str(tmp_path / "checkpoints"))
     assert isinstance(err, CorruptStateError)
     assert f"is damaged: {shard}: missing (listed in {step / 'manifest.json'})" in str(err)
+
+
+@pytest.mark.parametrize("listed", ["/etc/passwd", "../outside.safetensors", "link.safetensors"])
+def test_an_index_naming_a_file_outside_the_checkpoint_is_refused_before_it_is_opened(
+        tmp_path: Path, listed: str) -> None:
+    """The shards of an index are files inside its directory: an absolute path, a '..' or a link out is
+    refused with PersistenceError naming the index and the shard (formerly the file was opened and parsed)."""
+    model = make_model(0)
+    hf = tmp_path / "hf"
+    model.config.save_pretrained(hf)
+    save_safetensors_sharded(model.named_parameters(), hf, shard_bytes=8192)
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(next(hf.glob("*-of-*.safetensors")), outside)
+    (hf / "link.safetensors").symlink_to(outside)
+    index_path = hf / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = listed
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(PersistenceError, match=re.escape(f"{index_path}: shard {listed!r} lies outside the "
+                                                         f"checkpoint directory {hf}")):
+        list(iter_safetensors(hf))
+    with pytest.raises(PersistenceError, match="lies outside the checkpoint directory"):
+        load_pretrained(hf)

@@ -20,10 +20,15 @@ each test starts its own run's actors and placement groups in it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 
+import psutil
 import pytest
 from _ray_utils import RAY, TINY, checked_and_armed, needs, ray_cluster, ray_run  # noqa: F401 (fixture)
 from _ray_utils import alive as _alive
@@ -79,6 +84,54 @@ def test_two_ranks_and_two_engines_train_as_one_process_and_a_killed_engine_rejo
     assert seen["label_on_rejoin"] == "2"
     assert seen["old_url"] not in seen["listed"] and seen["new_url"] in seen["listed"] and len(seen["listed"]) == 2
     assert seen["labels"] == ["4"]
+
+
+def _listening(pid: int) -> set[str]:
+    """The addresses the process ``pid`` and its children listen on (TCP)."""
+    process = psutil.Process(pid)
+    return {c.laddr.ip for p in (process, *process.children(recursive=True))
+            for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def _status(url: str, token: str | None) -> int:
+    request = urllib.request.Request(f"{url}/generate", json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}).encode(),
+                                     {"Content-Type": "application/json", **({"Authorization": token} if token else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_a_one_node_run_binds_loopback_and_its_servers_and_router_take_only_the_run_key(tmp_path) -> None:
+    """On a cluster of one node the engine servers, the router and the trainer's rendezvous are on 127.0.0.1
+    (formerly the node's address); every server and the router refuse a call without the run's key (401),
+    which the run itself sends, and the key is in no log or metrics file."""
+    config = TrainConfig(**TINY, **RAY, num_steps=2, output_dir=str(tmp_path / "run"), weight_sync="broadcast")
+
+    async def run() -> dict:
+        async with ray_run(config) as run:
+            await run.step()
+            pool, key = run.engine.pool, run.engine.pool.network.api_key
+            servers = [await asyncio.wrap_future(s.actor.server_pid.remote().future()) for s in pool.slots]
+            rendezvous = await asyncio.wrap_future(run.trainer.actors[0].rendezvous.remote().future())
+            seen = {"key": key, "rendezvous": rendezvous[0], "loopback": pool.network.loopback,
+                    "urls": [urllib.parse.urlsplit(u).hostname for u in [pool.router.url, *(s.url for s in pool.slots)]],
+                    "listening": set().union(*(_listening(pid) for pid in [*servers, pool.router.process.pid])),
+                    "statuses": {(url, token): _status(url, token) for url in [pool.router.url, pool.slots[0].url]
+                                 for token in (None, "Bearer wrong", f"Bearer {key}")}}
+            await run.step()
+            await run.finish()
+            return seen
+
+    seen = asyncio.run(run())
+    assert seen["loopback"] and seen["rendezvous"] == "127.0.0.1" and set(seen["urls"]) == {"127.0.0.1"}
+    assert seen["listening"] == {"127.0.0.1"}, seen["listening"]
+    statuses = {(token.split()[-1] if token else None): code for (_, token), code in seen["statuses"].items()}
+    assert statuses == {None: 401, "wrong": 401, seen["key"]: 200}, seen["statuses"]
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file() and path.suffix in (".log", ".jsonl", ".json", ".toml"):
+            assert seen["key"] not in path.read_text(errors="replace"), path
 
 
 def test_a_killed_trainer_rank_stops_the_run_and_resume_completes_it(tmp_path) -> None:

@@ -23,7 +23,7 @@ import urllib.request
 
 import pytest
 import torch
-from _ray_utils import RAY, TINY, label, needs, ray_cluster, ray_run  # noqa: F401 (fixture)
+from _ray_utils import RAY, TINY, label, needs, ray_cluster, ray_run, run_headers  # noqa: F401 (fixture)
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.cluster.rank_export import RankHost
@@ -57,7 +57,8 @@ def _greedy_reference(model, prompt: list[int]) -> list[int]:
 
 
 def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                     **run_headers()})
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
 

@@ -18,11 +18,11 @@ import signal
 
 import pytest
 from _engine_utils import tiny_model
-from _ray_utils import RAY, TINY, checked_and_armed, generated_tokens, label, needs, ray_cluster, ray_run, wait  # noqa: F401
+from _ray_utils import RAY, TINY, checked_and_armed, generated_tokens, keyed_session, label, needs, ray_cluster  # noqa: F401
+from _ray_utils import ray_run, wait
 from _torch_threads import one_thread  # noqa: F401 (fixture)
 
 from april_ext.batch import FinishReason
-from april_ext.cluster import Topology
 from april_ext.cluster.ray_engine import RayEngine
 from april_ext.cluster.server_pool import ServerPool
 from april_ext.cluster.session import RaySession
@@ -61,7 +61,7 @@ def test_requests_go_to_the_least_loaded_engine_of_the_pool_and_follow_its_membe
                     RayEngine(inner, pool) as engine:
                 busy, idle = (s.url for s in pool.slots)
                 # Another client fills the first engine with long requests, held there with their KV.
-                async with SGLangEngine(SGLangEngineConfig(worker_urls=(busy,))) as other:
+                async with SGLangEngine(SGLangEngineConfig(worker_urls=(busy,), api_key=pool.network.api_key)) as other:
                     held = [other.generate(list(range(1 + i, 61 + i)), LONG, f"other-{i}") for i in range(3)]
                     for stream in held:
                         await anext(stream)
@@ -91,7 +91,7 @@ def test_requests_go_to_the_least_loaded_engine_of_the_pool_and_follow_its_membe
                 stalled = pool.slots[1]
                 try:
                     # Held on their servers, so that they still run when the stalled actor is noticed.
-                    async with SGLangEngine(SGLangEngineConfig(worker_urls=(busy, idle))) as holder:
+                    async with SGLangEngine(SGLangEngineConfig(worker_urls=(busy, idle), api_key=pool.network.api_key)) as holder:
                         await holder.pause_generation("in_place")
                         os.kill(stalled.pid, signal.SIGSTOP)
                         await wait(lambda: pool.states()[1] == "down", 30, "the stalled actor's engine taken out")
@@ -116,7 +116,7 @@ def test_requests_go_to_the_least_loaded_engine_of_the_pool_and_follow_its_membe
         return seen
 
     async def run() -> dict:
-        with RaySession(config, Topology.from_config(config)) as session:
+        with keyed_session(config) as session:
             return await body(session)
 
     seen = asyncio.run(run())

@@ -176,3 +176,76 @@ def test_an_april_training_run_through_the_router(tmp_path) -> None:
     # aborted at the end of a step were resumed in the next.
     assert all(n > 0 for n in generated.values()), generated
     assert any(r["rollout/carried_token_ratio"] > 0 for r in rows[1:])
+
+
+def test_a_keyed_router_in_front_of_keyed_servers_refuses_calls_without_the_key(tmp_path) -> None:
+    """The run's key on the servers and on the launched router (cluster.router.Router.launch): the adapter
+    with the key generates through it and reaches every worker; without it, or with a wrong one, the router
+    and the servers answer 401."""
+    from april_ext.cluster.router import Router
+
+    key = "router-key-42"
+    short = SamplingParams(max_new_tokens=4, temperature=0.0)
+
+    async def body(router: str, workers: list[str]):
+        async with SGLangEngine(SGLangEngineConfig(router_url=router, api_key=key)) as engine:
+            tokens = [t async for c in engine.generate(PROMPT, short) for t in c.token_ids]
+            listed = sorted(await engine.worker_urls())
+            checked = await engine.check_health()
+        return tokens, listed, checked
+
+    with one_torch_thread(), live_server(tiny_model(seed=1), api_key=key) as a, \
+            live_server(tiny_model(seed=1), api_key=key) as b:
+        workers = sorted([a.url, b.url])
+        router = Router.launch(workers, str(tmp_path / "router.log"), timeout_s=60, request_timeout_s=60,
+                               api_key=key)
+        try:
+            tokens, listed, checked = asyncio.run(body(router.url, workers))
+            statuses = {}
+            for url in (router.url, *workers):
+                for token in (None, "Bearer wrong"):
+                    request = urllib.request.Request(f"{url}/generate", data=json.dumps({"input_ids": PROMPT}).encode(),
+                                                     headers={"Content-Type": "application/json",
+                                                              **({"Authorization": token} if token else {})})
+                    try:
+                        urllib.request.urlopen(request, timeout=10)
+                        statuses[(url, token)] = 200
+                    except urllib.error.HTTPError as err:
+                        statuses[(url, token)] = err.code
+        finally:
+            router.stop()
+    assert tokens == greedy_reference(tiny_model(seed=1), PROMPT, 4)
+    assert listed == workers and checked["status"] == "ok"
+    assert set(statuses.values()) == {401}, statuses
+    assert key not in (tmp_path / "router.log").read_text()
+
+
+def test_failover_keeps_a_worker_its_owner_took_off_the_router_and_put_back(tmp_path) -> None:
+    """A Ray engine pool takes a stalled engine off the router itself and adds it back when its actor answers
+    (cluster.router.Router, as the pool does). The adapter's failover did not watch it meanwhile; formerly its
+    silence counted from before it left, so the first check after its return removed it again ("no answer ...
+    for 11.3 s") and it went through another remove, push and rejoin."""
+    from april_ext.cluster.router import Router
+
+    timeout_s = 1.0
+
+    async def body(router: Router, workers: list[str]):
+        config = SGLangEngineConfig(router_url=router.url, worker_timeout_s=timeout_s)
+        async with SGLangEngine(config) as engine:
+            await asyncio.sleep(2 * timeout_s)  # watched while listed
+            await asyncio.to_thread(router.remove, workers[1], 30)
+            await asyncio.sleep(3 * timeout_s)  # off the list for longer than the timeout
+            await asyncio.to_thread(router.add, workers[1])
+            await asyncio.to_thread(router.wait_until, lambda w: workers[1] in w, 30, f"list {workers[1]}")
+            await asyncio.sleep(3 * timeout_s)  # several checks after its return
+            return engine.pool_health(), sorted(await engine.worker_urls())
+
+    with one_torch_thread(), live_server(tiny_model(seed=1)) as a, live_server(tiny_model(seed=1)) as b:
+        workers = [a.url, b.url]
+        router = Router.launch(workers, str(tmp_path / "router.log"), timeout_s=60, request_timeout_s=60)
+        try:
+            health, listed = asyncio.run(body(router, workers))
+        finally:
+            router.stop()
+    assert health["removals"] == 0 and health["rejoins"] == 0, health
+    assert listed == sorted(workers)

@@ -31,9 +31,10 @@ PROMPT = [5, 17, 33, 2, 60]
 
 def test_versions_map_to_the_newest_documented_release_not_newer() -> None:
     assert version_tuple("0.4.10.post2") == (0, 4, 10) and version_tuple("0.5.3rc1") == (0, 5, 3)
-    assert [dialect_for(v).name for v in ("0.3.6", "0.4.10.post2", "0.5.0", "0.5.3", "0.5.9", SGLANG_RELEASE,
-                                          "0.6.1", None, "unknown")] == \
-        ["0.4", "0.4", "0.4", "0.5.3", "0.5.3", "current", "current", "current", "current"]
+    assert [dialect_for(v).name for v in ("0.3.6", "0.4.10.post2", "0.5.0", "0.5.3", "0.5.8", "0.5.9", "0.5.14",
+                                          "0.5.15.post1", "0.5.22", SGLANG_RELEASE, "0.6.1", None, "unknown")] == \
+        ["0.4", "0.4", "0.4", "0.5.3", "0.5.3", "0.5.9", "0.5.9", "0.5.15", "0.5.15", "current", "current", "current",
+         "current"]
 
 
 def test_top_k_zero_is_sent_as_minus_one() -> None:
@@ -74,7 +75,7 @@ def test_the_adapter_speaks_each_release_line(compat, tmp_path) -> None:
             await engine.continue_generation()
             after_pause = await _tokens(engine, greedy)
             async with aiohttp.ClientSession() as session:
-                paused = (await get(session, f"{url}/{'server_info' if compat == 'current' else 'get_server_info'}"))
+                paused = await get(session, f"{url}{DIALECTS[compat].server_info[0]}")
             return profile, before, names, after, labels, info, retract, after_pause, paused
 
     with one_torch_thread(), live_server(tiny_model(seed=1), sglang_compat=compat) as server:
@@ -88,7 +89,7 @@ def test_the_adapter_speaks_each_release_line(compat, tmp_path) -> None:
     # adapter's own version.
     assert after == (greedy_reference(second, PROMPT, 6), {3}) and after_pause[1] == {3}
     assert labels == {server.url: "3" if dialect.weight_versions else UNLABELLED}
-    if compat == "current":
+    if dialect.pause_has_modes:
         assert retract == "paused"
     else:
         assert "not served by" in retract and f"SGLang {dialect.version}" in retract
@@ -119,7 +120,7 @@ def test_each_release_line_is_mimicked_strictly(compat) -> None:
                       *(("/get_weight_version",) if dialect.get_weight_version else ())}
     assert set(paths.values()) <= {200, 404}
     assert relabel == (200 if dialect.weight_versions else 404)  # 0.4.x labels no weights
-    if compat == "current":
+    if "flush_cache" in dialect.disk_fields:
         assert disk[0] == 400 and "Failed to update weights" in disk[1]["message"]  # read, then the path fails
     else:
         assert disk[0] == 400 and "unknown fields" in disk[1]["error"]["message"]

@@ -122,3 +122,61 @@ def test_evaluation_rows_reach_metrics_jsonl_and_tensorboard(tmp_path):
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     assert [e.step for e in events.Scalars("eval/reward_mean")] == [2, 4]
+
+
+def _drop_newest_checkpoint(out) -> None:
+    """As if the run had been killed after its last periodic checkpoint: the final one is gone."""
+    import shutil
+
+    newest = sorted((out / "checkpoints").iterdir())[-1]
+    shutil.rmtree(newest)
+
+
+def test_a_resumed_run_continues_its_tensorboard_history(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    base = dict(TINY, output_dir=str(out), use_tensorboard=True, save_interval=2)
+    train(TrainConfig(**{**base, "num_steps": 3}))
+    _drop_newest_checkpoint(out)  # the run resumes at step 2; its step 3 is logged again
+    result = train(TrainConfig(**{**base, "num_steps": 4}, resume=True))
+    assert result.resumed_from == 2
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = events.Scalars("rollout/reward_mean")
+    rows = _rows(out / "metrics.jsonl")
+    assert [e.step for e in logged] == [1, 2, 3, 4]
+    assert [e.value for e in logged] == pytest.approx([r["rollout/reward_mean"] for r in rows], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_same_wandb_run_in_its_group(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "120")
+    out = tmp_path / "run"
+    base = dict(TINY, output_dir=str(out), use_wandb=True, wandb_project="april-test", wandb_group="g1",
+                save_interval=2)
+    train(TrainConfig(**{**base, "num_steps": 3}))
+    _drop_newest_checkpoint(out)
+    train(TrainConfig(**{**base, "num_steps": 4}, resume=True))
+    runs = sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb")))
+    assert len(runs) == 2
+    ids, steps, groups = [], [], []
+    for path in runs:
+        history = []
+        for record in _wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                ids.append(record.run.run_id)
+                groups.append(record.run.run_group)
+            elif kind == "history":
+                history.append(next(json.loads(i.value_json) for i in record.history.item
+                                    if (i.key or "/".join(i.nested_key)) == "_step"))
+        steps.append(history)
+    # One W&B run: the resumed session logs under the first one's id from the checkpoint's step on.
+    assert len(set(ids)) == 1 and set(groups) == {"g1"}
+    assert steps == [[1, 2, 3], [3, 4]]
+    state = json.loads((out / "checkpoints" / "step_000004" / "run.json").read_text())
+    assert state["wandb_run_id"] == ids[0]

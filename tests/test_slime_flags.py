@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from april_ext import cli
 from april_ext.cli.train import SLIME_ALIASES, config_from_args
@@ -224,3 +225,202 @@ def test_tis_clip_low_floors_the_importance_weights():
     behavior = torch.log(torch.tensor([0.8, 0.4, 0.3]))
     weights = truncated_is_weights(train, behavior, algo.tis_cap, algo.tis_floor)
     assert weights.tolist() == pytest.approx([0.5, 1.0, 2.0])  # 0.125 floored, 1, 3 capped
+
+
+# The flags of slime's scripts/run-qwen3-4B.sh (its model flags aside), the README's slime line and APRIL's
+# partial-rollout scripts: 69, each accepted with slime's meaning, passed to what the run launches, or refused
+# by name (docs/loop.md, "slime's flags"). Each entry: the flag with a value a script gives it.
+ACCEPTED = [
+    ["--hf-checkpoint", "ckpt"], ["--load", "l"], ["--save", "s"], ["--save-interval", "20"],
+    ["--prompt-data", "p.jsonl"], ["--input-key", "prompt"], ["--label-key", "label"], ["--apply-chat-template"],
+    ["--num-rollout", "3000"], ["--rollout-batch-size", "4"], ["--n-samples-per-prompt", "8"],
+    ["--rollout-max-response-len", "8192"], ["--rollout-temperature", "0.8"], ["--global-batch-size", "32"],
+    ["--eval-interval", "20"], ["--eval-prompt-data", "aime", "aime.jsonl"], ["--n-samples-per-eval-prompt", "16"],
+    ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"], ["--pipeline-model-parallel-size", "1"],
+    ["--context-parallel-size", "1"], ["--expert-model-parallel-size", "1"], ["--advantage-estimator", "grpo"],
+    ["--use-kl-loss"], ["--kl-loss-coef", "0.00"], ["--kl-loss-type", "low_var_kl"], ["--eps-clip", "0.2"],
+    ["--eps-clip-high", "0.28"], ["--lr", "1e-6"], ["--use-wandb"], ["--wandb-project", "slime-dev"],
+    ["--rollout-num-gpus-per-engine", "2"], ["--actor-num-nodes", "1"], ["--actor-num-gpus-per-node", "8"],
+    ["--colocate"], ["--partial-rollout"], ["--over-sampling-batch-size", "8"],
+    ["--mask-offpolicy-in-partial-rollout"],
+    # Missing before issue 35.
+    ["--ref-load", "ref"], ["--skip-eval-before-train"], ["--calculate-per-token-loss"], ["--optimizer", "adam"],
+    ["--lr-decay-style", "cosine"], ["--lr-warmup-iters", "10"], ["--weight-decay", "0.1"], ["--adam-beta1", "0.9"],
+    ["--adam-beta2", "0.98"], ["--num-epoch", "2"], ["--balance-data"], ["--rollout-shuffle"],
+    ["--entropy-coef", "0.00"], ["--rm-type", "deepscaler"], ["--eval-max-response-len", "16384"],
+    ["--eval-top-p", "0.7"], ["--eval-top-k", "20"], ["--use-dynamic-batch-size"], ["--max-tokens-per-gpu", "9216"],
+    ["--wandb-group", "qwen3-4B-test"],
+    # Megatron's, naming what the trainers do.
+    ["--attention-dropout", "0.0"], ["--hidden-dropout", "0.0"], ["--accumulate-allreduce-grads-in-fp32"],
+    ["--attention-softmax-in-fp32"], ["--expert-tensor-parallel-size", "1"],
+]
+PASSED = [["--sglang-mem-fraction-static", "0.7"], ["--sglang-cuda-graph-max-bs", "32"]]
+REFUSED = [["--recompute-granularity", "full"], ["--recompute-method", "uniform"], ["--recompute-num-layers", "1"],
+           ["--attention-backend", "flash"]]
+# What the accepted line needs besides (the Megatron trainer for the fp32 softmax, launched servers for the
+# pass-through).
+CONTEXT = ["--trainer", "megatron", "--engine", "sglang", "--sglang-launch"]
+
+
+def test_the_flags_of_slime_and_april_scripts_are_accepted_passed_through_or_refused_by_name(tmp_path):
+    from april_ext.model import LlamaForCausalLM, ModelConfig, save_pretrained
+
+    flags = [f[0] for f in ACCEPTED + PASSED + REFUSED]
+    assert len(flags) == len(set(flags)) == 69
+    assert len(ACCEPTED) + len(PASSED) >= 60
+    # A dense model (read for --expert-tensor-parallel-size 1 under --tensor-model-parallel-size 2).
+    save_pretrained(LlamaForCausalLM(ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+                                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                                 max_position_embeddings=32)), tmp_path / "ckpt")
+    argv = [str(tmp_path / "ckpt") if a == "ckpt" else a for flag in ACCEPTED + PASSED for a in flag]
+    config = _config(*CONTEXT, *argv)
+    assert (config.model == str(tmp_path / "ckpt")) and (config.model, config.ref_load, config.num_epochs, config.num_steps, config.rollout_shuffle,
+            config.weight_decay, config.adam_beta2, config.lr_decay_style, config.lr_warmup_iters,
+            config.loss_aggregation, config.rm_type, config.eval_top_p, config.eval_top_k,
+            config.eval_max_response_len, config.micro_batch_tokens, config.wandb_group) == (
+        str(tmp_path / "ckpt"), "ref", 2, 3000, True, 0.1, 0.98, "cosine", 10, "token", "deepscaler", 0.7, 20, 16384, 9216,
+        "qwen3-4B-test")
+    assert config.sglang_args == "--mem-fraction-static 0.7 --cuda-graph-max-bs 32"
+    for flag in REFUSED:
+        with pytest.raises(ConfigError, match=f"{flag[0]} is not supported: "):
+            _config(*flag)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--attention-dropout", "0.1"], "--attention-dropout 0.1 is not allowed: 0.0"),
+    (["--attention-softmax-in-fp32"], "--attention-softmax-in-fp32 needs --trainer megatron"),
+    (["--sglang-mem-fraction-static", "0.7"], "--sglang-mem-fraction-static: these configure the SGLang servers"),
+    (["--optimizer", "sgd"], "optimizer='sgd' is not allowed: one of ('adam',)"),
+    (["--lr-decay-style", "WSD"], "lr_decay_style='WSD' is not allowed: one of ('constant', 'linear', 'cosine')"),
+    (["--calculate-per-token-loss", "--loss-aggregation", "sequence"], "contradict"),
+    (["--num-epoch", "2", "--num-epochs", "3"], "give one of them"),
+    (["--rm-type", "math"], "rm_type='math' is not allowed: None unless data is given"),
+    (["--min-lr", "1", "--lr", "0.1"], "min_lr"),
+    (["--adam-beta2", "1.0"], "adam_beta2"),
+    (["--lr-decay-iters", "3", "--lr-warmup-iters", "5"], "lr_decay_iters"),
+    (["--eval-top-p", "0"], "eval_top_p"),
+])
+def test_slime_flags_with_values_they_cannot_have_here_are_refused(argv, message, capsys):
+    with pytest.raises((ConfigError, SystemExit)) as err:
+        _config(*argv)
+    text = str(err.value) if err.type is ConfigError else capsys.readouterr().err
+    assert message in text
+
+
+def test_optimiser_flags_reach_both_trainers_settings():
+    from april_ext.trainer.megatron.distributed_trainer import optimizer_config
+    from april_ext.trainer.megatron.parallel import MegatronParallelConfig
+
+    settings = trainer_config(_config("--weight-decay", "0.1", "--adam-beta1", "0.8", "--adam-beta2", "0.98",
+                                      "--adam-eps", "1e-6", "--clip-grad", "0", "--lr-decay-style", "linear",
+                                      "--lr-warmup-iters", "2", "--min-lr", "1e-4", "--num-rollout", "5",
+                                      "--entropy-coef", "0.01", "--calculate-per-token-loss",
+                                      "--advantage-estimator", "gspo"))
+    assert (settings.weight_decay, settings.betas, settings.adam_eps, settings.grad_clip) == (0.1, (0.8, 0.98), 1e-6,
+                                                                                             None)
+    # The decay ends at the run's last optimizer step (Megatron's train_iters): 5 rollouts of one step.
+    assert (settings.lr_decay_style, settings.lr_warmup_iters, settings.lr_decay_iters, settings.min_lr) == (
+        "linear", 2, 5, 1e-4)
+    assert (settings.algorithm.entropy_coef, settings.algorithm.aggregation) == (0.01, "token")
+    assert algorithm_config(_config("--advantage-estimator", "gspo")).aggregation == "sequence"
+    megatron = optimizer_config(settings, MegatronParallelConfig(), bf16=False)
+    assert (megatron.weight_decay, megatron.adam_beta1, megatron.adam_beta2, megatron.adam_eps) == (0.1, 0.8, 0.98,
+                                                                                                    1e-6)
+
+
+def test_the_learning_rate_follows_megatrons_schedule():
+    from april_ext.trainer import TorchTrainer, TrainerConfig
+    from april_ext.trainer.config import lr_at
+
+    from _trainer_utils import make_batch, make_model
+
+    cosine = TrainerConfig(lr=1.0, lr_warmup_iters=2, lr_decay_style="cosine", lr_decay_iters=6, min_lr=0.1)
+    assert [lr_at(cosine, i) for i in range(8)] == pytest.approx(
+        [0.0, 0.5, 1.0, 0.1 + 0.9 * 0.5 * (1 + 0.7071067811865476), 0.55, 0.1 + 0.9 * 0.5 * (1 - 0.7071067811865476),
+         0.1, 0.1])
+    linear = TrainerConfig(lr=1.0, lr_decay_style="linear", lr_decay_iters=4)
+    assert [lr_at(linear, i) for i in range(6)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0, 0.0])
+    assert lr_at(TrainerConfig(lr=0.3, lr_decay_iters=4), 3) == 0.3  # constant
+    trainer = TorchTrainer(make_model(), TrainerConfig(lr=0.01, lr_decay_style="linear", lr_decay_iters=4,
+                                                       minibatches=2, mixed_precision="fp32", device="cpu"))
+    lrs = []
+    for step in range(2):
+        lrs.append(trainer.train_step(make_batch(trainer.model, step, seed=step))["lr"])
+        assert [g["lr"] for g in trainer.optimizer.param_groups] == [lrs[-1]]
+    # Two optimizer steps per train step: the second of each is the one reported.
+    assert lrs == pytest.approx([0.0075, 0.0025]) and trainer.iterations == 4
+
+
+def test_entropy_bonus_subtracts_the_weighted_entropy_and_moves_the_gradient():
+    import copy
+
+    from april_ext.algorithms import AlgorithmConfig
+    from april_ext.trainer import TorchTrainer, TrainerConfig
+
+    from _trainer_utils import make_batch, make_model
+
+    model = make_model()
+    batch = make_batch(model, 0)
+    plain, bonus = (TorchTrainer(copy.deepcopy(model), TrainerConfig(
+        lr=0.01, mixed_precision="fp32", device="cpu", algorithm=AlgorithmConfig(entropy_coef=coef)))
+        for coef in (0.0, 0.5))
+    a, b = plain.train_step(batch), bonus.train_step(batch)
+    assert b["entropy"] == pytest.approx(a["entropy"]) and a["entropy"] > 0
+    assert b["loss"] == pytest.approx(a["pg_loss"] - 0.5 * a["entropy"], abs=1e-6)
+    assert b["grad_norm"] != pytest.approx(a["grad_norm"])
+
+
+def test_ref_load_is_the_kl_reference_of_the_torch_trainer(tmp_path):
+    from april_ext.algorithms import AlgorithmConfig
+    from april_ext.model import save_pretrained
+    from april_ext.trainer import TorchTrainer, TrainerConfig
+
+    from _trainer_utils import make_batch, make_model
+
+    save_pretrained(make_model(seed=7), tmp_path / "ref")
+    kl = AlgorithmConfig(kl_loss_coef=0.1, kl_loss_type="k3")
+    settings = dict(lr=0.01, mixed_precision="fp32", device="cpu", algorithm=kl)
+    own = TorchTrainer(make_model(), TrainerConfig(**settings))
+    other = TorchTrainer(make_model(), TrainerConfig(**settings, reference=str(tmp_path / "ref")))
+    assert other.ref_model is not None
+    for name, param in other.ref_model.named_parameters():
+        assert torch.equal(param, dict(make_model(seed=7).named_parameters())[name])
+    batch = make_batch(own.model, 0)
+    # Before any update the policy is its own reference (KL 0), not the other checkpoint.
+    assert own.train_step(batch)["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert other.train_step(batch)["kl"] > 1e-3
+
+
+def test_rm_type_scores_as_slimes_built_in_rewards():
+    from april_ext.data_source import Prompt
+    from april_ext.tasks import MathReward
+
+    class Text:
+        def decode(self, ids, skip_special_tokens):
+            return ["<think>2+2 is 4</think> The answer is \\boxed{4}", "<think>\\boxed{4}", "\\boxed{5}"][ids[0]]
+
+    prompt = Prompt(id=0, token_ids=(1,), metadata={"label": "4"})
+    scores = {rm: [MathReward(Text(), rm)(prompt, [i]) for i in range(3)] for rm in ("math", "deepscaler", "dapo")}
+    # deepscaler grades the text after </think> only: an unfinished thought scores 0.
+    assert scores == {"math": [1.0, 1.0, 0.0], "deepscaler": [1.0, 0.0, 0.0], "dapo": [1.0, 1.0, -1.0]}
+    with pytest.raises(ConfigError, match="rm_type"):
+        MathReward(Text(), "f1")
+
+
+def test_eval_sampling_flags_override_the_rollouts_for_evaluation_only(tmp_path):
+    import asyncio
+
+    from april_ext.training import TrainingRun
+
+    async def sampling(*argv):
+        config = _config("--output-dir", str(tmp_path), "--hidden-size", "16", "--num-layers", "1",
+                         "--eval-interval", "1", "--no-progress", "--no-plots", "--rollout-top-p", "0.9", *argv)
+        async with TrainingRun(config) as run:
+            return run.sampling, run.eval_sampling
+
+    rollout, evaluation = asyncio.run(sampling("--eval-top-p", "0.7", "--eval-top-k", "5",
+                                               "--eval-max-response-len", "3", "--eval-temperature", "0"))
+    assert (rollout.top_p, rollout.top_k, rollout.temperature) == (0.9, -1, 1.0)
+    assert (evaluation.top_p, evaluation.top_k, evaluation.max_new_tokens, evaluation.temperature) == (0.7, 5, 3, 0.0)
+    rollout, evaluation = asyncio.run(sampling())
+    assert evaluation == rollout

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +68,13 @@ def _config(**overrides: Any) -> SchedulerConfig:
 
 
 async def _run(url: str, generate: Any, config: SchedulerConfig, data: Any, steps: int | None,
-               latency_s: float = 0.03) -> tuple[list[Any], list[Any], CustomGenerateRollout]:
-    """``steps`` steps (None: until a step trains nothing); each call recorded as (sample id, tokens given)."""
+               latency_s: float = 0.03, *, restart_after: Iterable[int] = (), reward_fn: Any = None,
+               saved: list[bytes] | None = None) -> tuple[list[Any], list[Any], CustomGenerateRollout]:
+    """``steps`` steps (None: until a step trains nothing); each call recorded as (sample id, tokens given). After
+    each step in ``restart_after`` the scheduler's and the rollout's states are saved (the latter appended to
+    ``saved``), and a new scheduler and rollout continue from them, as a resumed run does."""
     calls: list[tuple[int, list[int]]] = []
+    restarts = set(restart_after)
 
     async def recorded(args: Any, sample: Any, sampling_params: dict[str, Any]) -> Any:
         calls.append((sample.index, list(sample.tokens)))
@@ -78,14 +82,29 @@ async def _run(url: str, generate: Any, config: SchedulerConfig, data: Any, step
 
     results = []
     async with SGLangEngine(SGLangEngineConfig(worker_urls=(url,))) as engine:
-        rollout = CustomGenerateRollout(recorded, Scheduler(config, data), engine,
-                                        slime_args(url, config, lookup_tool_latency_s=latency_s))
+        def build(state: tuple[dict[str, Any], bytes] | None) -> CustomGenerateRollout:
+            scheduler = Scheduler(config, data)
+            if state is not None:
+                scheduler.load_state_dict(state[0])
+            rollout = CustomGenerateRollout(recorded, scheduler, engine, reward_fn=reward_fn,
+                                            args=slime_args(url, config, lookup_tool_latency_s=latency_s))
+            if state is not None:
+                rollout.load_environment_state(state[1])
+            return rollout
+
+        rollout = build(None)
         try:
             for version in range(steps if steps is not None else 100):
                 result = await asyncio.wait_for(rollout.run_step(version), 60)
                 results.append(result)
                 if steps is None and result.batch.n_groups == 0:
                     break
+                if version in restarts:
+                    await rollout.drain_rewards()
+                    state = (rollout.scheduler.state_dict(), rollout.environment_state())
+                    (saved if saved is not None else []).append(state[1])
+                    await rollout.close()
+                    rollout = build(state)
             await asyncio.wait_for(rollout.drain_rewards(), 30)
         finally:
             await rollout.close()
@@ -184,6 +203,45 @@ def test_every_group_is_trained_exactly_once_until_the_data_runs_out(server, loo
         _check_batch(result.batch)
 
 
+@pytest.mark.parametrize("with_reward_fn", [False, True])
+def test_a_resumed_run_keeps_the_rewards_of_samples_whose_group_was_not_complete(
+        server, lookup_generate, with_reward_fn) -> None:
+    """Restarts from saved state after every step, with a slow tool (0.2 s): samples that finished with the
+    function's reward while their group did not are saved with it, so after each restart every group gets the
+    function's rewards (never reward_fn's, which would give -1), and every group is trained once until the data
+    runs out."""
+    import pickle
+
+    prompts = TASK.prompts(0, 9)
+    saved: list[bytes] = []
+    reward_fn = (lambda prompt, response: -1.0) if with_reward_fn else None
+    with one_torch_thread():
+        results, _, rollout = asyncio.run(_run(server.url, lookup_generate, _config(), ListDataSource(prompts),
+                                               steps=None, latency_s=0.2, restart_after=range(100),
+                                               reward_fn=reward_fn, saved=saved))
+    states = [pickle.loads(s) for s in saved]
+    assert any(state["rewards"] for state in states), "no save held a finished sample of an incomplete group"
+    seen = [pid for r in results for pid in r.batch.prompt_ids]
+    assert sorted(seen) == sorted(p.id for p in prompts)
+    assert results[-1].batch.n_groups == 0 and rollout.pending_rewards == 0
+    for result in results:
+        _check_batch(result.batch)
+        assert asyncio.run(_environment_rewards(result.batch)) == result.batch.rewards.tolist()
+
+
+def test_a_rollout_state_that_is_not_one_is_refused(server) -> None:
+    from april_ext.errors import CorruptStateError
+
+    async def run() -> None:
+        async with SGLangEngine(SGLangEngineConfig(worker_urls=(server.url,))) as engine:
+            rollout = CustomGenerateRollout(_fine, Scheduler(_config(), TASK), engine)
+            rollout.load_environment_state(rollout.environment_state())  # an empty state round-trips
+            with pytest.raises(CorruptStateError, match="custom generate rollout's state cannot be read"):
+                rollout.load_environment_state(b"not a state")
+
+    asyncio.run(run())
+
+
 def test_a_function_reward_is_kept_and_reward_fn_scores_the_rest(server) -> None:
     """A call that sets no reward is scored by reward_fn; one that sets it keeps its own."""
 
@@ -274,10 +332,12 @@ def test_settings_a_function_cannot_run_under_are_refused(server) -> None:
         async with SGLangEngine(SGLangEngineConfig(worker_urls=(server.url,))) as engine:
             CustomGenerateRollout(_fine, Scheduler(config, TASK), engine)
 
-    with pytest.raises(ConfigError, match="step_boundary='carry'"):
+    with pytest.raises(ConfigError, match="step_boundary='carry' .allowed: 'abort': .* must return at the step"):
         asyncio.run(run(_config(step_boundary="carry")))
-    with pytest.raises(ConfigError, match="chunk_tokens=4"):
+    with pytest.raises(ConfigError, match="chunk_tokens=4 .allowed: None: .* max_new_tokens itself"):
         asyncio.run(run(_config(chunk_tokens=4)))
+    with pytest.raises(ConfigError, match="tail_extra_samples=1 .allowed: 0: .* all at once"):
+        asyncio.run(run(_config(tail_batching=True, tail_extra_samples=1)))
     with pytest.raises(InvalidArgumentError, match="an SGLangEngine"):
         CustomGenerateRollout(_fine, Scheduler(_config(), TASK), object())
 

@@ -159,8 +159,8 @@ def test_prompt_file_running_out_ends_training(tmp_path):
                             for a in (1, 2, 3)))
     result = train(tiny(tmp_path, task=None, data=str(data), tokenizer=str(tmp_path / "tok"),
                         model=str(tmp_path / "model"), prompt_key="question", label_key="answer",
-                        max_response_len=6, num_steps=10))
-    assert result.data_exhausted
+                        max_response_len=6, num_steps=10, num_epochs=1))
+    assert result.data_exhausted and "ran out before num_steps=10" in result.stopped_early
     assert [r["rollout/batch_groups"] for r in result.history] == [2, 1]
 
 

@@ -97,3 +97,85 @@ def test_a_custom_generate_function_needs_the_sglang_engine(tmp_path) -> None:
     with pytest.raises(ConfigError, match="custom_generate_function_path='m.fn' is not allowed: None with "
                                           "engine='embedded'"):
         _config(tmp_path, custom_generate_function_path="m.fn")
+
+
+SLOW_TOOL = """import slime_generate_lookup
+
+
+async def generate(args, sample, sampling_params):
+    args.lookup_tool_latency_s = 0.3  # a slow tool: samples finish while their group does not
+    return await slime_generate_lookup.generate(args, sample, sampling_params)
+"""
+
+
+def _function_rewards(checkpoint: str) -> dict[int, float]:
+    with open(os.path.join(checkpoint, "environment.pkl"), "rb") as handle:
+        return pickle.loads(handle.read())["rewards"]
+
+
+@pytest.mark.slow
+def test_a_custom_generate_run_with_a_slow_tool_resumes_after_sigkill_and_after_a_stop(tmp_path, monkeypatch) -> None:
+    """`april-ext train --custom-generate-function-path` with a 0.3 s tool, SIGKILLed once a checkpoint holds
+    rewards the function gave to samples whose group was not complete, resumes from it (those rewards were lost
+    before, and the resume exited 2); then a plain stop and --resume. Every step trains its N groups."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from _trainer_utils import cli_flags
+
+    from april_ext import cli
+    from april_ext.training.checkpoint import CheckpointManager
+
+    examples = os.path.join(os.path.dirname(__file__), "..", "examples")
+    (tmp_path / "slow_lookup.py").write_text(SLOW_TOOL)
+    monkeypatch.syspath_prepend(examples)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    flags = {**TINY, "output_dir": str(out), "engine": "sglang", "sglang_launch": True,
+             "sglang_module": "april_ext.server", "sglang_launch_timeout_s": 120.0,
+             "sglang_args": "--num-blocks 256 --max-running-requests 64 --seed 0",
+             "custom_generate_function_path": "slow_lookup.generate", "save_interval": 1, "keep_checkpoints": 3,
+             "num_threads": 1}
+    pythonpath = os.pathsep.join([examples, str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, "-m", "april_ext.cli", "train", *cli_flags({**flags, "num_steps": 60})],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": pythonpath})
+    manager = CheckpointManager(str(out / "checkpoints"))
+    deadline, killed_at = time.monotonic() + 180, None
+    try:
+        while killed_at is None:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no checkpoint held a function's reward within 180 s"
+            latest = manager.latest()
+            try:
+                if latest is not None and _function_rewards(latest.path):
+                    os.kill(proc.pid, signal.SIGKILL)  # its servers end with it (april_ext.sglang.parent_watch)
+                    killed_at = latest.step
+            except FileNotFoundError:
+                pass  # pruned meanwhile
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=60)
+    latest = manager.latest()
+    assert latest is not None and latest.step >= killed_at and latest.step < 60
+    resumed_steps = latest.step + 2
+    assert cli.main(["train", *cli_flags({**flags, "num_steps": resumed_steps, "resume": True})]) == 0
+    assert cli.main(["train", *cli_flags({**flags, "num_steps": resumed_steps + 2, "resume": True})]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == list(range(1, resumed_steps + 3))
+    assert all(r["rollout/batch_groups"] == 2 for r in rows)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"step_boundary": "carry"}, r"step_boundary='carry' \(allowed: 'abort': .* must return at the step's end"),
+    ({"strategy": "april_carry"}, r"step_boundary='carry' \(allowed: 'abort'"),
+    ({"chunk_tokens": 4}, r"chunk_tokens=4 \(allowed: None: .* max_new_tokens itself"),
+    ({"tail_batching": True, "tail_extra_samples": 1}, r"tail_extra_samples=1 \(allowed: 0: .* all at once"),
+])
+def test_scheduler_settings_a_custom_generate_function_cannot_run_under_are_refused_saying_why(
+        tmp_path, changes, message) -> None:
+    with pytest.raises(ConfigError, match=r"TrainConfig.custom_generate_function_path='m.fn': .*" + message):
+        _config(tmp_path, engine="sglang", sglang_launch=True, custom_generate_function_path="m.fn", **changes)

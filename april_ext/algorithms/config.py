@@ -51,6 +51,8 @@ class AlgorithmConfig:
         pi_prox / pi_behavior (behavior: the rollout log-probs stored per token).
     behav_imp_weight_cap: with use_decoupled_loss, tokens whose pi_prox / pi_behavior exceeds this (> 1) get
         weight 0 (they still count in the aggregation, as AReaL's); None: no cap.
+    entropy_coef: weight of the entropy bonus: the loss is the policy loss minus entropy_coef times the
+        aggregated entropy of pi_train at the loss tokens (slime's --entropy-coef; 0: none).
     dynamic_sampling: the rollout loop should install `reject_uniform_groups` as the group filter (DAPO).
     adv_eps: added to the group std before dividing (grpo).
     """
@@ -71,6 +73,7 @@ class AlgorithmConfig:
     max_staleness: int | None = None
     use_decoupled_loss: bool = False
     behav_imp_weight_cap: float | None = None
+    entropy_coef: float = 0.0
     dynamic_sampling: bool = False
     adv_eps: float = 1e-6
 
@@ -84,6 +87,7 @@ class AlgorithmConfig:
         _number("eps_high", self.eps_high, low=0.0, high=math.inf, allowed="a finite number >= 0")
         _number("kl_loss_coef", self.kl_loss_coef, low=0.0, high=math.inf, allowed="a finite number >= 0")
         _number("kl_coef", self.kl_coef, low=0.0, high=math.inf, allowed="a finite number >= 0")
+        _number("entropy_coef", self.entropy_coef, low=0.0, high=math.inf, allowed="a finite number >= 0")
         _number("gamma", self.gamma, low=0.0, high=1.0, allowed="a number in [0, 1]")
         _number("adv_eps", self.adv_eps, low=0.0, high=math.inf, allowed="a finite number >= 0")
         if self.tis_cap is not None:

@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-group-timeout", type=float, default=60.0, metavar="S",
                         help="seconds joining the trainer's weight group and each weight broadcast may wait for "
                              "the other ranks")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="as SGLang: every request but /health and /health_generate needs "
+                             "'Authorization: Bearer KEY' (401 otherwise); without it, a --host beyond loopback warns")
     parser.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1, help="only 1 (one engine process)")
 
 
@@ -92,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
                           weight_version=args.weight_version, enable_memory_saver=args.enable_memory_saver,
                           stream_interval=args.stream_interval, max_request_bytes=args.max_request_bytes,
                           tokenizer_path=None if args.skip_tokenizer_init else args.tokenizer_path,
-                          sglang_compat=args.sglang_compat, weight_group_timeout_s=args.weight_group_timeout)
+                          sglang_compat=args.sglang_compat, weight_group_timeout_s=args.weight_group_timeout,
+                          api_key=args.api_key)
     asyncio.run(serve(AsyncEngine(core), config))
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import fields, replace
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -33,20 +34,21 @@ SCHEDULER_FLAGS = tuple(f.name for f in fields(SchedulerConfig) if f.name not in
 """SimConfig's scheduler settings, each a flag (over_sampling_batch_size takes a list of N' to compare)."""
 
 
-def _modes(text: str) -> tuple[str, ...]:
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in modes if m not in MODES]
-    if not modes or bad:
-        raise argparse.ArgumentTypeError(f"--modes {text!r}: a comma-separated subset of {', '.join(MODES)}")
-    return modes
+def _subset(flag: str, allowed: Iterable[str]) -> Callable[[str], tuple[str, ...]]:
+    """The argparse type of a flag taking a comma-separated subset of ``allowed``."""
+    allowed = tuple(allowed)
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        if not names or any(n not in allowed for n in names):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: a comma-separated subset of {', '.join(allowed)}")
+        return names
+
+    return parse
 
 
-def _strategies(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    bad = [n for n in names if n not in STRATEGIES]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"--strategies {text!r}: a comma-separated subset of {', '.join(STRATEGIES)}")
-    return names
+_modes = _subset("--modes", MODES)
+_strategies = _subset("--strategies", STRATEGIES)
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from april_ext.errors import ConfigError, InvalidStateError
 from april_ext.model.checkpoint import safetensors_files
@@ -21,11 +22,15 @@ from april_ext.training.checkpoint import CheckpointManager
 from april_ext.training.config import PARALLEL_SETTINGS, SCHEDULER_SETTINGS, TrainConfig
 from april_ext.training.ranks import check_world
 
+if TYPE_CHECKING:
+    from april_ext.training.run import TrainResult
+
 _GROUPS = {
-    "data and task": ("task", "data", "tokenizer", "prompt_key", "label_key", "num_epochs", "counting_median",
+    "data and task": ("task", "data", "tokenizer", "prompt_key", "label_key", "num_epochs", "rollout_shuffle",
+                      "counting_median",
                       "counting_sigma", "counting_max_count", "counting_symbols", "lookup_max_hops", "max_turns",
                       "max_tool_calls", "tool_latency_median_s", "tool_latency_p99_s", "tool_timeout_s",
-                      "max_concurrent_tool_calls"),
+                      "max_concurrent_tool_calls", "environment_path"),
     "model and engine": ("model", "hidden_size", "num_layers", "max_num_seqs", "num_blocks", "block_size", "device",
                          "engine"),
     "SGLang engine": ("sglang_urls", "sglang_router_url", "sglang_launch", "sglang_num_servers", "sglang_module",
@@ -39,9 +44,13 @@ _GROUPS = {
                 "temperature", "top_p", "top_k"),
     "rewards and filters": ("custom_rm_path", "custom_rm_kind", "custom_rm_text", "custom_rm_timeout_s",
                             "dynamic_sampling_filter_path", "custom_generate_function_path"),
-    "evaluation": ("eval_interval", "eval_prompt_data", "n_samples_per_eval_prompt", "eval_counting_prompts"),
+    "evaluation": ("eval_interval", "eval_prompt_data", "n_samples_per_eval_prompt", "eval_counting_prompts",
+                   "eval_temperature", "eval_top_p", "eval_top_k", "eval_max_response_len"),
     "parallel (across ranks)": (*PARALLEL_SETTINGS, "distributed_timeout_minutes"),
-    "metrics": ("use_tensorboard", "use_wandb", "wandb_project", "wandb_dir", "plots", "progress"),
+    "metrics": ("use_tensorboard", "use_wandb", "wandb_project", "wandb_dir", "wandb_group", "plots", "progress"),
+    "optimiser and loss": ("lr", "optimizer", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+                           "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "min_lr", "entropy_coef",
+                           "loss_aggregation", "ref_load", "rm_type"),
 }
 
 SLIME_ALIASES: dict[str, tuple[str, ...]] = {
@@ -56,6 +65,7 @@ SLIME_ALIASES: dict[str, tuple[str, ...]] = {
     "prompt_key": ("--input-key",),
     "num_steps": ("--num-rollout",),
     "seed": ("--rollout-seed",),
+    "micro_batch_tokens": ("--max-tokens-per-gpu",),
 }
 """slime's names of our settings (docs/loop.md has the table): each flag is another name of the same setting."""
 
@@ -87,6 +97,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
              "trains with the engine, the others follow its trainer; under torchrun leave it out or give torchrun's")
     _add_slime_flags(parser.add_argument_group(
         "slime flags", "slime's flags whose meaning takes two of its flags; see docs/loop.md"))
+    _add_megatron_and_sglang_flags(parser.add_argument_group(
+        "Megatron and SGLang flags of slime's", "passed to the servers a run launches, accepted where they name "
+        "what the trainers do, else refused with the reason; see docs/loop.md"))
     parser.set_defaults(func=run)
     return parser
 
@@ -101,9 +114,98 @@ def _add_slime_flags(group: Any) -> None:
                        help="with --use-tis: the floor of the importance ratio: sets tis_floor (default: 0, none)")
     group.add_argument("--use-kl-loss", action="store_true", default=argparse.SUPPRESS,
                        help="a KL loss term (--kl-loss-type) weighted by --kl-loss-coef, which it must come with")
+    group.add_argument("--num-epoch", type=int, default=argparse.SUPPRESS, metavar="INT", dest="slime_num_epoch",
+                       help="slime's: sets num_epochs; without --num-rollout / --num-steps the run trains until those "
+                            "passes over the prompt file are used up (num_steps none), as slime derives num_rollout "
+                            "from it")
+    group.add_argument("--calculate-per-token-loss", action="store_true", default=argparse.SUPPRESS,
+                       help="the loss averages over all loss tokens of the batch: sets loss_aggregation 'token' "
+                            "(without it, the algorithm's: gspo averages per sample first)")
     group.add_argument("--apply-chat-template", action="store_true", default=argparse.SUPPRESS,
                        help="accepted for slime's command lines: a prompt that is a chat (list of messages) always "
                             "goes through the tokenizer's chat template, a text prompt never")
+
+
+# slime's flags that ask for what the trainers always do: accepted, with why (shown in --help).
+_ALWAYS = {
+    "--use-dynamic-batch-size": "micro-batches are always packed up to the token budget --max-tokens-per-gpu "
+                                "(--micro-batch-tokens)",
+    "--skip-eval-before-train": "evaluation never runs before the first training step (only every "
+                                "--eval-interval steps)",
+    "--balance-data": "the update is the same however the samples are split across data-parallel ranks (slime "
+                      "balances their tokens for speed; here each rank takes consecutive samples)",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are fp32 (fp32 parameters; Megatron's DDP reduces them in "
+                                            "fp32)",
+}
+# SGLang server flags of slime's (--sglang-X) passed to the servers a run launches as --X.
+_SGLANG_PASS = {"--sglang-mem-fraction-static": float, "--sglang-cuda-graph-max-bs": int}
+# Megatron flags no trainer here has: refused by name with the reason.
+_REFUSED = {
+    "--recompute-granularity": "activation recomputation is not supported (the trainers keep activations; a smaller "
+                               "--max-tokens-per-gpu saves memory)",
+    "--recompute-method": "activation recomputation is not supported",
+    "--recompute-num-layers": "activation recomputation is not supported",
+    "--attention-backend": "the Megatron model is built with megatron-core's local layer spec (its own attention, "
+                           "no Transformer Engine), whose attention backend is fixed",
+}
+
+
+def _add_megatron_and_sglang_flags(group: Any) -> None:
+    for flag, why in _ALWAYS.items():
+        group.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=f"accepted: {why}")
+    for flag in ("--attention-dropout", "--hidden-dropout"):
+        group.add_argument(flag, type=float, default=argparse.SUPPRESS, metavar="0.0",
+                           help="0 only: the models train without dropout, as slime's scripts set it")
+    group.add_argument("--attention-softmax-in-fp32", action="store_true", default=argparse.SUPPRESS,
+                       help="accepted with --trainer megatron, whose model takes the attention softmax in fp32")
+    group.add_argument("--expert-tensor-parallel-size", type=int, default=argparse.SUPPRESS, metavar="INT",
+                       help="the experts' tensor parallel size: --tensor-model-parallel-size's (or any, for a model "
+                            "without experts)")
+    for flag, kind in _SGLANG_PASS.items():
+        group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+                           help=f"passed to the servers the run launches as --{flag.removeprefix('--sglang-')}")
+    for flag, why in _REFUSED.items():
+        group.add_argument(flag, nargs="?", default=argparse.SUPPRESS, help=f"refused: {why}")
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _apply_megatron_and_sglang_flags(given: dict[str, Any], config: TrainConfig) -> TrainConfig:
+    """What slime's Megatron and SGLang flags mean for ``config``: the SGLang ones joined to its sglang_args; the
+    refused ones, a dropout other than 0, fp32 softmax with the torch trainer and an expert tensor parallel size
+    the experts are not split by raise ConfigError naming the flag."""
+    for flag, why in _REFUSED.items():
+        if _dest(flag) in given:
+            raise ConfigError(f"{flag} is not supported: {why}")
+    for flag in ("--attention-dropout", "--hidden-dropout"):
+        if given.get(_dest(flag), 0.0) != 0.0:
+            raise ConfigError(f"{flag} {given[_dest(flag)]} is not allowed: 0.0 (the models here train without "
+                              "dropout)")
+    if given.get("attention_softmax_in_fp32") and config.trainer != "megatron":
+        raise ConfigError("--attention-softmax-in-fp32 needs --trainer megatron (its model takes the attention "
+                          "softmax in fp32); the torch trainer's attention is torch's scaled_dot_product_attention")
+    if "expert_tensor_parallel_size" in given:
+        _check_expert_tensor_parallel(given["expert_tensor_parallel_size"], config)
+    passed = [f"--{flag.removeprefix('--sglang-')} {given[_dest(flag)]}" for flag in _SGLANG_PASS if _dest(flag) in given]
+    if not passed:
+        return config
+    if not (config.sglang_launch or config.ray):
+        raise ConfigError(f"{', '.join(f for f in _SGLANG_PASS if _dest(f) in given)}: these configure the SGLang "
+                          "servers a run launches (--sglang-launch or --ray); servers started elsewhere take their "
+                          "own flags")
+    return config.replace(sglang_args=" ".join(filter(None, (config.sglang_args, *passed))))
+
+
+def _check_expert_tensor_parallel(size: int, config: TrainConfig) -> None:
+    """slime's --expert-tensor-parallel-size: the experts here are split like the dense layers, so it must be
+    tensor_model_parallel_size's, unless the model has no experts."""
+    from april_ext.training.run import run_model_config
+
+    if size != config.tensor_model_parallel_size and run_model_config(config).num_experts:
+        raise ConfigError(f"--expert-tensor-parallel-size {size} is not allowed: the experts are split like the "
+                          f"dense layers, so {config.tensor_model_parallel_size} (--tensor-model-parallel-size)")
 
 
 _TIS_CLIP = 2.0
@@ -126,6 +228,16 @@ def _slime_overrides(args: argparse.Namespace) -> dict[str, Any]:
                           "--use-kl-loss")
     if given.get("use_kl_loss") and "kl_loss_coef" not in given:
         raise ConfigError("--use-kl-loss needs --kl-loss-coef (slime's default 0 would turn the loss off)")
+    if given.get("calculate_per_token_loss"):
+        if given.get("loss_aggregation", "token") != "token":
+            raise ConfigError("--calculate-per-token-loss and --loss-aggregation sequence contradict each other")
+        out["loss_aggregation"] = "token"
+    if "slime_num_epoch" in given:
+        if "num_epochs" in given:
+            raise ConfigError("--num-epochs and --num-epoch both set num_epochs; give one of them")
+        out["num_epochs"] = given["slime_num_epoch"]
+        if "num_steps" not in given:
+            out["num_steps"] = None
     for ours, theirs in (("tis_cap", "--use-tis"), ("tis_floor", "--tis-clip-low")):
         if ours in out and ours in given:
             raise ConfigError(f"--{ours.replace('_', '-')} and {theirs} both set {ours}; give one of them")
@@ -144,8 +256,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if "data" in overrides and "task" not in overrides:
         overrides["task"] = None
     if args.config:
-        return TrainConfig.from_toml(args.config, **overrides)
-    return TrainConfig.from_dict(overrides, where="command line")
+        config = TrainConfig.from_toml(args.config, **overrides)
+    else:
+        config = TrainConfig.from_dict(overrides, where="command line")
+    return _apply_megatron_and_sglang_flags(vars(args), config)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         _print_summary({"run": result.summary})
         print(f"metrics: {os.path.join(result.output_dir, 'metrics.jsonl')}  checkpoint: {result.checkpoint}")
-        return 0
+        return _report_end(result)
     from april_ext.plots import plot_compare
 
     # Side by side: the two runs take steps in turn, so both see the same machine load.
@@ -193,6 +307,20 @@ def run(args: argparse.Namespace) -> int:
     if config.plots:
         path = plot_compare({n: r.history for n, r in results.items()}, os.path.join(config.output_dir, "compare.png"))
         print(f"plot: {path}")
+    return 0
+
+
+def _report_end(result: TrainResult) -> int:
+    """The exit code of a run: 1, with the reason on stderr, when a bound the user set (the prompt file's passes)
+    ended it before num_steps; a resumed run that had nothing left to train says so."""
+    if (reason := result.stopped_early) is not None:
+        print(f"april-ext train: stopped early: {reason}", file=sys.stderr)
+        return 1
+    if result.resumed_from is not None and result.steps_done == result.resumed_from:
+        bound = (f"the end of its num_epochs={result.config.num_epochs} passes over the prompt file"
+                 if result.data_exhausted else f"num_steps={result.config.num_steps}")
+        print(f"april-ext train: nothing to train: the checkpoint of step {result.resumed_from} already reached "
+              f"{bound}", file=sys.stderr)
     return 0
 
 
@@ -229,8 +357,9 @@ def check_before_start(config: TrainConfig, world_size: int) -> None:
     world_size = _trainer_world(config, world_size)
     model = run_model_config(config) if config.trainer == "megatron" else None
     dp = check_world(config, world_size, model)
-    if config.model is not None:
-        safetensors_files(config.model)
+    for directory in (config.model, config.ref_load):
+        if directory is not None:
+            safetensors_files(directory)
     if config.resume_dir is not None:
         CheckpointManager(config.resume_dir, keep=config.keep_checkpoints).check_resumable(
             _trainer_files_check(config, world_size, dp))

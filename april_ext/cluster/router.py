@@ -5,7 +5,9 @@ Workers are listed, added and removed with its REST API (GET / POST /workers, DE
 it keeps a dead worker listed (unhealthy) until it is removed, which the engine pool does. Launched
 here it checks its workers' health every second and gives up on a request after ``request_timeout_s``
 (its defaults: 60 s and 30 min); its metrics endpoint binds loopback on a free port, so two runs on
-one machine do not collide.
+one machine do not collide. With the run's ``api_key`` (cluster.network) it is launched with --api-key: it
+refuses calls without the key and sends it to its workers; a worker registered here carries it too (POST
+/workers takes a per-worker ``api_key``), so a router given by url reaches the run's engines as well.
 
 Routing policy: ``cache_aware`` (the router's default, passed explicitly): a request goes to the worker whose
 cached prefixes match it best, unless the workers' loads (requests the router has in flight on each) differ
@@ -37,19 +39,22 @@ POLICY = "cache_aware"
 
 
 class Router:
-    """A router at ``url``; ``process`` when this run launched it (``stop`` ends it)."""
+    """A router at ``url``; ``process`` when this run launched it (``stop`` ends it). ``api_key``: the run's
+    key, sent with every call and given to each worker registered."""
 
     def __init__(self, url: str, process: subprocess.Popen[bytes] | None = None, log: IO[bytes] | None = None,
-                 log_path: str | None = None) -> None:
+                 log_path: str | None = None, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
+        self._api_key = api_key
         self.process = process
         self._log = log
         self.log_path = log_path
 
     @classmethod
-    def launch(cls, worker_urls: list[str], log_path: str, timeout_s: float, request_timeout_s: float) -> Router:
-        """Starts ``python -m sglang_router.launch_router`` on a free loopback port with ``worker_urls`` and
-        waits until it lists every one of them as healthy."""
+    def launch(cls, worker_urls: list[str], log_path: str, timeout_s: float, request_timeout_s: float,
+               api_key: str | None = None) -> Router:
+        """Starts ``python -m sglang_router.launch_router`` on a free loopback port with ``worker_urls`` (and
+        ``--api-key``) and waits until it lists every one of them as healthy."""
         port = free_port()
         command = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                    "--worker-urls", *worker_urls, "--policy", POLICY, "--log-level", "warn",
@@ -57,6 +62,8 @@ class Router:
                    "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
                    "--health-check-timeout-secs", "2", "--worker-startup-check-interval", "1",
                    "--request-timeout-secs", str(max(1, int(request_timeout_s)))]
+        if api_key is not None:
+            command += ["--api-key", api_key]
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         log = open(log_path, "wb")  # noqa: SIM115 - owned by the Router
         # Offline: it would look the workers' model path up on the model hub for a tokenizer it does not need.
@@ -69,7 +76,7 @@ class Router:
         except OSError as err:
             log.close()
             raise ClusterError(f"could not start the sglang-router ({err}): pip install 'april_ext[ray]'") from None
-        router = cls(f"http://127.0.0.1:{port}", process, log, log_path)
+        router = cls(f"http://127.0.0.1:{port}", process, log, log_path, api_key)
         try:
             router.wait_until(lambda workers: all(workers.get(u, {}).get("is_healthy") for u in worker_urls),
                               timeout_s, f"list {worker_urls} as healthy")
@@ -81,8 +88,10 @@ class Router:
     def _request(self, method: str, path: str, body: Any = None, missing_ok: bool = False) -> Any:
         """The router's JSON answer; ``missing_ok``: a 404 (what was asked for is gone) answers None."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self._api_key is not None:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        request = urllib.request.Request(f"{self.url}{path}", data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=_HTTP_TIMEOUT_S) as response:
                 return json.loads(response.read() or b"null")
@@ -100,8 +109,8 @@ class Router:
         return {w["url"].rstrip("/"): w for w in answer.get("workers", []) if isinstance(w, dict) and "url" in w}
 
     def add(self, url: str) -> None:
-        """Registers a worker (the router adds it in the background; see ``wait_until``)."""
-        self._request("POST", "/workers", {"url": url})
+        """Registers a worker, with the run's key (the router adds it in the background; see ``wait_until``)."""
+        self._request("POST", "/workers", {"url": url} if self._api_key is None else {"url": url, "api_key": self._api_key})
 
     def remove(self, url: str, timeout_s: float) -> None:
         """Unregisters a worker, if listed (the engine pool's watch and a failed update's prune may both remove

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import signal
 
+from april_ext.cluster.network import RunNetwork
 from april_ext.cluster.process_memory import rss_bytes
 from april_ext.persistence import atomic_write_text
 from april_ext.sglang import SGLangServerArgs, launch_sglang_server
@@ -35,16 +36,15 @@ def _end_previous_server(pid_file: str, module: str) -> None:
 
 
 class ServerHost:
-    def __init__(self, index: int, module: str, args: SGLangServerArgs, run_dir: str, launch_timeout_s: float) -> None:
-        import ray
-
+    def __init__(self, index: int, module: str, args: SGLangServerArgs, run_dir: str, launch_timeout_s: float,
+                 network: RunNetwork) -> None:
         os.makedirs(run_dir, exist_ok=True)
         self.index = index
         self.pid_file = os.path.join(run_dir, f"engine_{index}.pid")
         _end_previous_server(self.pid_file, module)
-        # Reachable from the driver's node: this node's address, not loopback.
-        args = dataclasses.replace(args, host=ray.util.get_node_ip_address())
-        self.server = launch_sglang_server(args, module=module, timeout_s=launch_timeout_s,
+        # Loopback on a cluster of one node; else this node's address, which the driver's node reaches.
+        args = dataclasses.replace(args, host=network.node_address(), api_key=network.api_key)
+        self.server = launch_sglang_server(args, module=module, timeout_s=launch_timeout_s, env=network.gloo_env(),
                                            log_path=os.path.join(run_dir, f"engine_{index}.{os.getpid()}.log"))
         atomic_write_text(self.pid_file, str(self.server.process.pid))
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from april_ext.cluster.errors import ClusterError
 from april_ext.cluster.membership import DirectMembership, Membership, RouterMembership
+from april_ext.cluster.network import RunNetwork
 from april_ext.cluster.router import Router
 from april_ext.cluster.server_host import ServerHost
 from april_ext.cluster.session import RaySession
@@ -87,9 +88,10 @@ def server_args(config: TrainConfig, model_path: str, version: int, index: int, 
 
 
 class ServerPool:
-    def __init__(self, config: TrainConfig, slots: list[ServerSlot]) -> None:
+    def __init__(self, config: TrainConfig, slots: list[ServerSlot], network: RunNetwork) -> None:
         self.config = config
         self.slots = slots
+        self.network = network
         self._router: Router | None = None
         self._probe_timeout_s = max(2.0, 2 * config.ray_engine_check_interval_s)
         # A server that is gone refuses at once; a live one may be slow on a loaded machine (or busy loading).
@@ -102,7 +104,8 @@ class ServerPool:
         them all as healthy."""
         import ray
 
-        topology = session.topology
+        topology, network = session.topology, session.network
+        assert network is not None, "the session is entered"
         remote = ray.remote(ServerHost)
         run_dir = os.path.abspath(os.path.join(config.output_dir, "cluster"))
         slots = []
@@ -110,9 +113,9 @@ class ServerPool:
             module, args = server_args(config, model_path, version, i, topology.gpus_per_engine)
             actor = remote.options(max_restarts=config.ray_engine_max_restarts,
                                    **session.actor_options(topology.engine(i))).remote(
-                i, module, args, run_dir, config.sglang_launch_timeout_s)
+                i, module, args, run_dir, config.sglang_launch_timeout_s, network)
             slots.append(ServerSlot(i, actor))
-        pool = cls(config, slots)
+        pool = cls(config, slots, network)
         try:
             addresses = await asyncio.gather(*(ray_result(s.actor.address.remote(), config.ray_timeout_s)
                                                for s in slots))
@@ -129,9 +132,9 @@ class ServerPool:
         try:
             if config.ray_router_url is None:
                 pool._router = await asyncio.to_thread(Router.launch, urls, os.path.join(run_dir, "router.log"),
-                                                       config.ray_timeout_s, config.ray_timeout_s)
+                                                       config.ray_timeout_s, config.ray_timeout_s, network.api_key)
             else:
-                pool._router = Router(config.ray_router_url)
+                pool._router = Router(config.ray_router_url, api_key=network.api_key)
                 for url in urls:
                     await asyncio.to_thread(pool.router.add, url)
                 await asyncio.to_thread(pool.router.wait_until, lambda w: all(w.get(u, {}).get("is_healthy")

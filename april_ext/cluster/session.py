@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from april_ext.cluster.errors import ClusterError
+from april_ext.cluster.network import RunNetwork, new_api_key
 from april_ext.cluster.topology import Placement, Topology
 from april_ext.training.config import TrainConfig
 
@@ -22,13 +23,16 @@ logger = logging.getLogger(__name__)
 class RaySession:
     """``with RaySession(config, topology) as session:`` the cluster is up, each role's placement group
     ready (``session.strategy(placement)`` places an actor); on exit the groups are removed and a
-    cluster started here is shut down."""
+    cluster started here is shut down. ``network``: where the run's servers and rendezvous bind (loopback
+    on a cluster of one node) and the run's API key (cluster.network)."""
 
-    def __init__(self, config: TrainConfig, topology: Topology) -> None:
+    def __init__(self, config: TrainConfig, topology: Topology, api_key: str | None = None) -> None:
         self.config = config
+        self._api_key = api_key or new_api_key()
         self.topology = topology
         self._groups: dict[str, Any] = {}
         self._started = False
+        self.network: RunNetwork | None = None
 
     def __enter__(self) -> RaySession:
         try:
@@ -38,6 +42,7 @@ class RaySession:
         if not ray.is_initialized():
             self._init(ray)
         try:
+            self.network = RunNetwork(sum(1 for node in ray.nodes() if node.get("Alive")) == 1, self._api_key)
             self._place(ray)
         except BaseException:
             self.close()

@@ -13,6 +13,7 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from april_ext.cluster.network import new_api_key
 from april_ext.cluster.ray_engine import RayEngine
 from april_ext.cluster.server_pool import ServerPool
 from april_ext.cluster.session import RaySession
@@ -33,6 +34,11 @@ class RayTopologyRun:
 
     def __init__(self, config: TrainConfig) -> None:
         self.topology = Topology.from_config(config)
+        # The run's key (cluster.network), for its servers, its router and its clients; in memory only.
+        self.api_key = new_api_key()
+
+    def __repr__(self) -> str:
+        return f"RayTopologyRun({self.topology!r})"
 
     def factories(self) -> dict[str, Any]:
         """TrainingRun's (and train()'s) factory keywords."""
@@ -40,7 +46,7 @@ class RayTopologyRun:
 
     @contextlib.contextmanager
     def trainer_factory(self, config: TrainConfig, initial: InitialWeights, memory_tag_prefix: str) -> Iterator[Trainer]:
-        with RaySession(config, self.topology) as session, \
+        with RaySession(config, self.topology, self.api_key) as session, \
                 start_trainer_group(session, config, initial, memory_tag_prefix) as group:
             yield group
 
@@ -71,10 +77,11 @@ class RayTopologyRun:
 def client_config(config: TrainConfig, pool: ServerPool, version: int) -> SGLangEngineConfig:
     """The driver's SGLang client of the pool's engines, labelled ``version`` at start: requests through the
     router, or (ray_routing "least_loaded") straight to the engine with the fewest KV tokens as each reports
-    them."""
+    them; with the run's API key."""
     if config.ray_routing == "router":
-        return sglang_engine_config(config, version, router_url=pool.router.url)
-    return sglang_engine_config(config, version, worker_urls=tuple(s.url for s in pool.slots))
+        return sglang_engine_config(config, version, router_url=pool.router.url, api_key=pool.network.api_key)
+    return sglang_engine_config(config, version, worker_urls=tuple(s.url for s in pool.slots),
+                                api_key=pool.network.api_key)
 
 
 __all__ = ["RayTopologyRun", "client_config"]

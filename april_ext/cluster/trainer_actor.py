@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from april_ext.batch import TrainingBatch
+from april_ext.cluster.network import RunNetwork
 from april_ext.cluster.process_memory import rss_bytes
 from april_ext.errors import InvalidStateError
 from april_ext.protocol.trainer import StagedTrainer, Trainer
@@ -32,8 +33,9 @@ from april_ext.weights import BucketMeta, WeightSender, buckets, post_tensors
 
 
 class TrainerRank:
-    def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, network: RunNetwork) -> None:
         self.config = config
+        self.network = network
         self.rank = rank
         self.world_size = world_size
         self._stack = contextlib.ExitStack()
@@ -44,19 +46,19 @@ class TrainerRank:
         self._posted = 0  # bytes posted to the engines (weight_sync="tensor")
 
     def rendezvous(self) -> tuple[str, int]:
-        """(this node's address, a free port): where the other ranks meet this one (rank 0)."""
-        import ray
-
+        """(this node's address, loopback on a cluster of one node; a free port there): where the other ranks
+        (or a weight group's engines) meet this one."""
         from april_ext.sglang import free_port
 
-        return ray.util.get_node_ip_address(), free_port("")
+        address = self.network.node_address()
+        return address, free_port(address)
 
     def setup(self, master: tuple[str, int], initial: InitialWeights, memory_tag_prefix: str) -> int:
         """Joins the process group and builds the trainer (TrainConfig.trainer) from ``initial``: a model, or
         a checkpoint directory the trainer reads itself (a Megatron rank only its slice); returns this
         process's pid."""
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
-                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), **self.network.gloo_env())
         config = self.config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -160,7 +162,7 @@ class TrainerRank:
         bucket_bytes = int(self.config.weight_sync_bucket_mb * 2**20)
 
         async def post() -> list[str]:
-            async with workers_at(urls) as workers:
+            async with workers_at(urls, self.network.api_key) as workers:
                 return await post_tensors(workers, counted(), weights.version, bucket_bytes, flush_cache)
 
         return asyncio.run(post())

@@ -72,7 +72,8 @@ class TrainerRanks:
         topology = session.topology
         remote = ray.remote(TrainerRank)
         ranks = cls([remote.options(max_restarts=0, **session.actor_options(topology.trainer(rank)))
-                     .remote(config, rank, topology.trainer_ranks) for rank in range(topology.trainer_ranks)],
+                     .remote(config, rank, topology.trainer_ranks, session.network)
+                     for rank in range(topology.trainer_ranks)],
                     config.ray_timeout_s)
         try:
             master = ranks.all("rendezvous", [ranks.actors[0].rendezvous.remote()])[0]

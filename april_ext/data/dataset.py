@@ -21,15 +21,15 @@ class DatasetConfig:
     prompt_key: a string or a chat (list of {"role", "content"}). label_key: the reference answer.
     id_key: a stable id (default: "<file name>:<line>"). max_prompt_len: longer prompts are skipped
     (counted in ``PromptDataset.skipped``). epochs: how many passes the data source offers before the
-    scheduler sees it run out. shuffle: each epoch visits the prompts in a permutation drawn from
-    (seed, epoch).
+    scheduler sees it run out; None: endless, pass after pass (slime cycles its prompts the same way).
+    shuffle: each epoch visits the prompts in a permutation drawn from (seed, epoch); False: file order.
     """
 
     prompt_key: str = "prompt"
     label_key: str = "label"
     id_key: str | None = None
     max_prompt_len: int | None = None
-    epochs: int = 1
+    epochs: int | None = 1
     shuffle: bool = True
     seed: int = 0
 
@@ -45,15 +45,21 @@ class DatasetConfig:
                                                 or self.max_prompt_len < 1):
             raise ConfigError(f"DatasetConfig.max_prompt_len must be None or an integer >= 1, "
                               f"got {self.max_prompt_len!r}")
-        if not isinstance(self.epochs, int) or isinstance(self.epochs, bool) or self.epochs < 1:
-            raise ConfigError(f"DatasetConfig.epochs must be an integer >= 1, got {self.epochs!r}")
+        if self.epochs is not None and (not isinstance(self.epochs, int) or isinstance(self.epochs, bool)
+                                        or self.epochs < 1):
+            raise ConfigError(f"DatasetConfig.epochs must be None (endless) or an integer >= 1, got {self.epochs!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ConfigError(f"DatasetConfig.seed must be an integer >= 0, got {self.seed!r}")
 
 
+# The length an endless dataset reports: the scheduler's data size is an int64, and no run gets near it.
+ENDLESS = 2**62
+
+
 class PromptDataset:
-    """A scheduler DataSource: ``len()`` = epochs x prompts; ``dataset[position]`` walks the epochs, each a
-    (seeded) permutation of the prompts when shuffling. ``prompts`` holds the distinct prompts in file order."""
+    """A scheduler DataSource: ``len()`` = epochs x prompts (ENDLESS when epochs is None); ``dataset[position]``
+    walks the epochs, each a (seeded) permutation of the prompts when shuffling. ``prompts`` holds the distinct
+    prompts in file order."""
 
     def __init__(self, prompts: list[Prompt], config: DatasetConfig | None = None, *, skipped: int = 0) -> None:
         if not prompts:
@@ -89,6 +95,8 @@ class PromptDataset:
         return cls(prompts, config, skipped=skipped)
 
     def __len__(self) -> int:
+        if self.config.epochs is None:
+            return ENDLESS
         return len(self.prompts) * self.config.epochs
 
     def __getitem__(self, position: int) -> Prompt:

@@ -93,6 +93,10 @@ class EngineCore:
         bad = [t for t in ids if t >= vocab]
         if bad:
             raise InvalidArgumentError(f"input_ids contains {bad[:5]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidArgumentError(f"stop_token_ids contains {bad[:5]} outside the vocabulary [0, {vocab}): "
+                                       "no token the model generates could match them")
         total = len(ids) + params.max_new_tokens
         capacity = min(self.max_model_len, self.config.num_blocks * self.config.block_size)
         if total > capacity:
@@ -193,7 +197,7 @@ class EngineCore:
         and sets the weight version. Running requests keep their KV cache (computed by the older weights)
         and continue: their later tokens carry the new version (PipelineRL's in-flight update, SGLang's
         `in_place` pause). The prefix cache starts a new epoch, so no new request reuses older K/V; to
-        recompute the running requests instead, `flush_cache` first. Bad names or shapes raise
+        recompute the running requests instead, `flush_cache` first. Bad names or shapes, and non-finite values, raise
         InvalidArgumentError and change nothing, except in a stream: named tensors that are not a Mapping
         (a trainer's ExportedWeights) are copied as they are read, one held at a time, and an error leaves
         those before it copied (the version stays)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from april_ext import _C
-from april_ext.errors import InvalidArgumentError
+from april_ext.errors import InvalidArgumentError, InvalidStateError
 from april_ext.memory import torch_cuda
 from april_ext.memory.devices import resolve
 
@@ -121,7 +121,8 @@ def region(tag: str, cpu_backup: bool = False) -> Iterator[None]:
 
     On the CPU the tag is the default of to_region / move_module_to_region. On CUDA / ROCm torch
     allocations inside the block come from the allocator too (a torch MemPool per tag, device and
-    backup setting over the extension's pluggable-allocator symbols).
+    backup setting over the extension's pluggable-allocator symbols); an enclosing region's pool
+    stops serving them until the block ends. Capture CUDA graphs inside it with capture_graph.
     """
     _check_tag(tag)
     if not isinstance(cpu_backup, bool):
@@ -138,15 +139,38 @@ def region(tag: str, cpu_backup: bool = False) -> Iterator[None]:
         _mem.pop_region()
 
 
+@contextlib.contextmanager
+def capture_graph(graph: torch.cuda.CUDAGraph, *, stream: torch.cuda.Stream | None = None,
+                  capture_error_mode: str = "global") -> Iterator[torch.cuda.CUDAGraph]:
+    """Captures a CUDA / HIP graph whose memory is in the current region's tag: use it in place of
+    ``torch.cuda.graph(graph)`` inside ``with region(tag):`` (stream and capture_error_mode as there).
+
+    Why a helper: the region routes the thread's allocations to its pool, and torch refuses to
+    capture into a pool the thread is routed to ("beginAllocateToPool: already recording to
+    mempool_id"); a capture after the region closed reaches the allocator with no region open and
+    fails as out of memory. So for the capture the routing stops, the capture allocates into the
+    region's pool with the region still open (its tag and cpu_backup apply), and the routing resumes
+    after. Raises InvalidStateError outside a region or without a usable GPU backend.
+    """
+    if current_region() is None:
+        raise InvalidStateError("capture_graph is only allowed inside `with april_ext.memory.region(tag):` "
+                                "(the graph's memory goes to that region's tag)")
+    if not torch_cuda.active():
+        raise InvalidStateError("capture_graph needs a CUDA / ROCm device whose allocator backend is usable "
+                                "(see april_ext.memory.backends())")
+    with torch_cuda.capture_graph(graph, stream=stream, capture_error_mode=capture_error_mode):
+        yield graph
+
+
 def pause(tag: str | None = None) -> None:
     """Releases the physical memory of tag (every active tag when None), keeping its addresses.
 
-    Allocations made with cpu_backup=True are copied to host memory first. Raises InvalidStateError
+    The devices of the tag finish their queued work first. Allocations made with cpu_backup=True
+    are copied to host memory first. Raises InvalidStateError
     when the named tag is already paused, UnknownIdError for a tag never used, OutOfMemoryError when
     the host cannot hold the backups (then the tag stays active).
     """
     tag = _check_optional_tag(tag)
-    torch_cuda.synchronize_if_active()
     _mem.pause(tag)
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -42,6 +43,7 @@ def safetensors_files(directory: str | os.PathLike[str]) -> list[str]:
             raise CorruptStateError(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from None
         shards = sorted(set(weight_map.values()))
         for shard in shards:
+            _check_contained(directory, shard, index)
             _check_shard(directory, shard, weight_map)
         return [os.path.join(directory, shard) for shard in shards]
     if os.path.exists(os.path.join(directory, _SINGLE)):
@@ -50,6 +52,18 @@ def safetensors_files(directory: str | os.PathLike[str]) -> list[str]:
     if not files:
         raise InvalidArgumentError(f"checkpoint directory {directory!r} holds no .safetensors file")
     return [os.path.join(directory, f) for f in files]
+
+
+def _check_contained(directory: str, shard: Any, index: str) -> None:
+    """PersistenceError for a shard name that is not a file name inside ``directory``: an index listing an
+    absolute path, ``..`` or a link out of the directory would have the loader open and parse any file."""
+    if not isinstance(shard, str) or not shard:
+        raise PersistenceError(f"{index}: shard {shard!r} is not a file name; the index may name only files "
+                               f"inside {directory}")
+    root = os.path.realpath(directory)
+    if os.path.isabs(shard) or os.path.commonpath([root, os.path.realpath(os.path.join(root, shard))]) != root:
+        raise PersistenceError(f"{index}: shard {shard!r} lies outside the checkpoint directory {directory}; the "
+                               "index may name only files inside it (relative names without '..', no links out)")
 
 
 def _check_shard(directory: str, shard: str, weight_map: dict[str, str]) -> None:

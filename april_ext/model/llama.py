@@ -216,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
                      atomic: bool = True) -> list[str]:
         """Copies named tensors into the existing parameters in place (their storage, e.g. an allocator
         region, is kept); a tied model ignores `lm_head.weight`. Returns the names loaded. ``atomic``:
-        validates every name and shape before copying anything (holding every tensor of ``weights`` until
+        validates every name, shape and value (finite) before copying anything (holding every tensor of ``weights`` until
         then); otherwise each tensor is validated and copied as it is read, so a stream is held one tensor at
         a time, and an error leaves the tensors before it copied (the message says how many)."""
         params = dict(self.named_parameters())
@@ -233,6 +233,10 @@ class LlamaForCausalLM(nn.Module):
                 if tuple(tensor.shape) != tuple(params[name].shape):
                     raise InvalidArgumentError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model "
                                                f"expects {tuple(params[name].shape)}")
+                # A diverged trainer's NaN / inf would load silently and the model then generates garbage.
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise InvalidArgumentError(f"weight {name!r} holds non-finite values (NaN or infinity); "
+                                               "weights must be finite")
                 if atomic:
                     staged[name] = tensor
                 else:

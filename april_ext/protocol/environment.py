@@ -5,8 +5,7 @@ the typed ToolError and the per-call timeout that turn a failing or slow tool in
 each token with its behavior logprob and policy version) and environment segments (tool output, user
 turns: never trained, no logprob).
 
-Nothing drives an Environment yet: the scheduler and the rollout loop take trajectories in a later change
-(docs/agentic.md has the design this vocabulary is made for).
+The rollout loop drives an Environment (april_ext.rollout.trajectories; docs/agentic.md).
 """
 
 from __future__ import annotations
@@ -29,6 +28,10 @@ FINISH_TOOL_ERROR = "tool_error"
 """The finish reason of a trajectory whose tool raised ToolError (step_with_timeout)."""
 FINISH_TOOL_TIMEOUT = "tool_timeout"
 """The finish reason of a trajectory whose step outlived its timeout (step_with_timeout)."""
+
+FINISH_START_ERROR = "start_error"
+"""The finish reason of a trajectory whose Environment.start raised or outlived the step timeout: it ends with
+reward 0 before its first turn, and the run goes on."""
 
 SegmentKind = Literal["model", "env"]
 SEGMENT_KINDS: tuple[SegmentKind, ...] = ("model", "env")
@@ -125,7 +128,9 @@ class Environment(Protocol):
     """The world a multi-turn agent acts in: a tool, a sandbox, a simulated user.
 
     - ``await start(prompt)``: a fresh state for one trajectory (one sample of the prompt's group). It
-      should be quick (no tool call): the loop awaits it before the first turn is generated.
+      should be quick (no tool call): the loop awaits it before the first turn is generated. One that raises
+      (a prompt it cannot start from) or outlives the step timeout ends that trajectory with finish reason
+      "start_error" and reward 0; the run goes on.
     - ``await step(state, model_turn)``: the model's turn (its tokens as generated, ending with the stop
       token that ended it) answered: an EnvStep with observation tokens, or done with a reward. It may
       call slow tools; the loop awaits it as a task of its own, bounded by a timeout (step_with_timeout),
@@ -318,6 +323,7 @@ class Trajectory:
 
 
 __all__ = [
+    "FINISH_START_ERROR",
     "FINISH_TOOL_ERROR",
     "FINISH_TOOL_TIMEOUT",
     "MAX_TOKEN_ID",

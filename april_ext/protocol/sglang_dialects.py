@@ -27,7 +27,8 @@ class SGLangDialect:
     meta_info, /model_info or /get_weight_version, and the weight_version field of the updates).
     pause_modes: the modes /pause_generation takes (an older server reads no body and always aborts).
     disk_fields / tensor_fields: the fields of update_weights_from_disk / _from_tensor. load_path: the GET
-    path of the server's load report (KV tokens in use and queued; load_tokens reads each release's answer)."""
+    path of the server's load report (KV tokens in use and queued; load_tokens reads each release's answer).
+    base_req: every request class also takes BaseReq's fields (BASE_REQ_FIELDS)."""
 
     name: str
     version: str
@@ -39,6 +40,7 @@ class SGLangDialect:
     disk_fields: tuple[str, ...]
     tensor_fields: tuple[str, ...]
     load_path: str
+    base_req: bool = False
 
     @property
     def version_tuple(self) -> tuple[int, ...]:
@@ -54,15 +56,22 @@ _DISK_04 = ("model_path", "load_format", "abort_all_requests")
 _TENSOR_04 = ("serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests")
 _DISK_053 = (*_DISK_04, "weight_version", "is_async", "torch_empty_cache", "keep_pause")
 _TENSOR_053 = (*_TENSOR_04, "weight_version")
+_DISK_059 = (*_DISK_053, "recapture_cuda_graph", "token_step", "flush_cache", "manifest")
+_INFO_059 = (("/server_info", "/get_server_info"), ("/model_info", "/get_model_info"))
+# 0.5.9 and 0.5.15.post1 (slime's pin) read from their wheels: /pause_generation takes a body with a mode (a
+# body-less call is a 422), /get_weight_version answers 404 (the label is in /model_info), the load report is
+# /get_load; the tensor update gained disable_draft_model and torch_empty_cache in between.
 DIALECTS: dict[str, SGLangDialect] = {d.name: d for d in (
     SGLangDialect("0.4", "0.4.10.post2", ("/get_server_info",), ("/get_model_info",), False, False, ("abort",),
                   _DISK_04, _TENSOR_04, "/get_load"),
     SGLangDialect("0.5.3", "0.5.3", ("/get_server_info",), ("/get_model_info",), True, True, ("abort",),
                   _DISK_053, _TENSOR_053, "/get_load"),
-    SGLangDialect("current", SGLANG_RELEASE, ("/server_info", "/get_server_info"), ("/model_info", "/get_model_info"),
-                  False, True, PAUSE_MODES,
-                  (*_DISK_053, "recapture_cuda_graph", "token_step", "flush_cache", "manifest"),
-                  (*_TENSOR_053, "selector", "torch_empty_cache"), "/v1/loads"),
+    SGLangDialect("0.5.9", "0.5.9", *_INFO_059, False, True, PAUSE_MODES, _DISK_059, _TENSOR_053, "/get_load",
+                  base_req=True),
+    SGLangDialect("0.5.15", "0.5.15.post1", *_INFO_059, False, True, PAUSE_MODES, _DISK_059,
+                  (*_TENSOR_053, "disable_draft_model", "torch_empty_cache"), "/get_load", base_req=True),
+    SGLangDialect("current", SGLANG_RELEASE, *_INFO_059, False, True, PAUSE_MODES, _DISK_059,
+                  (*_TENSOR_053, "selector", "torch_empty_cache"), "/v1/loads", base_req=True),
 )}
 CURRENT = DIALECTS["current"]
 # Fields every request class of the current release inherits (BaseReq): an id for its logs and the IPC

@@ -40,7 +40,7 @@ def parse_weights_from_disk(body: Any, dialect: SGLangDialect = CURRENT) -> Weig
     manifest (a list of the files to load) is accepted only as null: the server loads the whole directory."""
     what = "/update_weights_from_disk"
     body = json_object(body, what)
-    check_keys(body, dialect.disk_fields + (BASE_REQ_FIELDS if dialect is CURRENT else ()), what)
+    check_keys(body, dialect.disk_fields + (BASE_REQ_FIELDS if dialect.base_req else ()), what)
     base_fields(body, what)
     path = body.get("model_path")
     if not isinstance(path, str) or not path:
@@ -68,7 +68,7 @@ class WeightsFromTensor:
 def parse_weights_from_tensor(body: Any, dialect: SGLangDialect = CURRENT) -> WeightsFromTensor:
     what = "/update_weights_from_tensor"
     body = json_object(body, what)
-    check_keys(body, dialect.tensor_fields + (BASE_REQ_FIELDS if dialect is CURRENT else ()), what)
+    check_keys(body, dialect.tensor_fields + (BASE_REQ_FIELDS if dialect.base_req else ()), what)
     base_fields(body, what)
     blobs = body.get("serialized_named_tensors")
     if not isinstance(blobs, list) or not blobs or not all(isinstance(b, str) for b in blobs):
@@ -100,6 +100,10 @@ def _update_options(body: Mapping[str, Any], what: str) -> None:
     if body.get("selector") not in (None, "all", "target"):
         raise InvalidArgumentError(f"{what}: selector must be null, 'all' or 'target' (no draft model here), "
                                    f"got {show(body['selector'])}")
+    # 0.5.15's form of the same choice: skipping a draft model is all there is to do without one.
+    if body.get("disable_draft_model") not in (None, False, True):
+        raise InvalidArgumentError(f"{what}: disable_draft_model must be null or a bool, got "
+                                   f"{show(body['disable_draft_model'])}")
     bool_field(body, "flush_cache", True, what)
     bool_field(body, "torch_empty_cache", False, what)
 
@@ -215,6 +219,10 @@ def parse_weight_update_session(body: Any, what: str) -> None:
     if body.get("selector") not in (None, "all", "target"):
         raise InvalidArgumentError(f"{what}: selector must be null, 'all' or 'target' (no draft model here), "
                                    f"got {show(body['selector'])}")
+    # 0.5.15's form of the same choice: skipping a draft model is all there is to do without one.
+    if body.get("disable_draft_model") not in (None, False, True):
+        raise InvalidArgumentError(f"{what}: disable_draft_model must be null or a bool, got "
+                                   f"{show(body['disable_draft_model'])}")
 
 
 def _group_name(body: Mapping[str, Any], what: str) -> str:

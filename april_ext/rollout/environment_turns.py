@@ -21,14 +21,21 @@ HELD_STATES = ("queued", "running", "aborting", "done", "waiting_env")
 """The scheduler states of a sample whose trajectory is kept."""
 
 
-async def start_trajectories(env: Trajectories, scheduler: Scheduler, requests: list[GenerationRequest]) -> None:
+async def start_trajectories(env: Trajectories, scheduler: Scheduler,
+                             requests: list[GenerationRequest]) -> list[GenerationRequest]:
     """env.start for each fresh trajectory dispatched (a first dispatch, or a restart), before its stream opens; a
     resumed one keeps its state (one without, from a checkpoint written before it had one, starts from the
-    prompt)."""
+    prompt). Returns the requests to generate: a sample whose start failed is finished at once with "stop" and
+    what it has (reward 0, finish reason "start_error")."""
     data = scheduler.data
     fresh = [r for r in requests if not r.is_resume or not env.knows(r.sample_id)]
-    if fresh:
-        await asyncio.gather(*(env.start(r.sample_id, r.group_id, data[r.prompt_index]) for r in fresh))
+    if not fresh:
+        return requests
+    started = await asyncio.gather(*(env.start(r.sample_id, r.group_id, data[r.prompt_index]) for r in fresh))
+    failed = {r.sample_id for r, ok in zip(fresh, started, strict=True) if not ok}
+    if failed:
+        scheduler.on_finish_batch(sorted(failed), [int(FinishReason.STOP)] * len(failed))
+    return [r for r in requests if r.sample_id not in failed]
 
 
 def hand_turns_to_env(env: Trajectories, scheduler: Scheduler, sample_ids: list[int]) -> None:

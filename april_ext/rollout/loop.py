@@ -236,12 +236,14 @@ class RolloutLoop:
                 aborted += len(await self._abort(cancelled))
                 continue
             dispatched = sched.dispatch()
-            if self._env is not None:
+            started = dispatched if self._env is None else \
                 await turns.start_trajectories(self._env, sched, dispatched)
-            for request in dispatched:
+            for request in started:
                 requests += 1
                 resumed += request.is_resume
                 self._start_stream(request)
+            if len(started) < len(dispatched):
+                continue  # trajectories whose start failed were finished: their groups may be complete
             if not self._stream_tasks and not self._scoring.pending and not sched.step_done and not (
                     self._env is not None and self._env.busy):
                 raise InternalError(f"rollout loop stalled: nothing running, no reward pending and the step "

@@ -31,7 +31,9 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import logging
 import math
+import pickle
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from april_ext.errors import ConfigError, InternalError, InvalidArgumentError, InvalidStateError
+from april_ext.errors import ConfigError, CorruptStateError, InternalError, InvalidArgumentError, InvalidStateError
 from april_ext.protocol.rollout_engine import AbortAllEngine
 from april_ext.protocol.rollout_result import RolloutResult
 from april_ext.protocol.sampling_params import SamplingParams
@@ -55,7 +57,27 @@ from april_ext.rollout.slime_function import (
 )
 from april_ext.rollout.slime_replay import Replay, Run, parse_call
 from april_ext.rollout.step_metrics import step_metrics
-from april_ext.scheduler import CompletedGroup, GenerationRequest, Scheduler
+from april_ext.scheduler import CompletedGroup, GenerationRequest, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+_STATE_FORMAT = "april_ext.custom_generate/1"
+
+
+def refused_settings(config: SchedulerConfig) -> str | None:
+    """Why a custom generate function cannot run under ``config``, or None when it can. Each refused setting needs
+    the rollout to stop or hold one request of the function's in the engine, and the function owns its requests:
+    the engine can only abort all of them at once (abort_all), after which every call returns (ABORTED)."""
+    reasons = {
+        "step_boundary": (config.step_boundary == "abort", "'abort': 'carry' keeps a step's running requests paused "
+                          "in the engine, but a call's requests are the function's, which must return at the step's "
+                          "end to be replayed"),
+        "chunk_tokens": (config.chunk_tokens is None, "None: a divided rollout ends a request after chunk_tokens "
+                         "tokens, but the function sets each /generate's max_new_tokens itself"),
+        "tail_extra_samples": (config.tail_extra_samples == 0, "0: the surplus samples of a group are aborted one by "
+                               "one mid-step, but the function's requests can only be aborted all at once"),
+    }
+    refused = [f"{name}={getattr(config, name)!r} (allowed: {why})" for name, (ok, why) in reasons.items() if not ok]
+    return None if not refused else "a custom generate function cannot run with " + "; ".join(refused)
 
 
 @dataclass
@@ -80,9 +102,12 @@ class CustomGenerateRollout:
     new /generate after the abort, between its turns); abort_timeout_s: the most a step waits for its calls to
     return (InvalidStateError past it).
 
-    Refused scheduler settings (ConfigError): step_boundary="carry" (the calls own their requests; nothing can
-    hold them in place), chunk_tokens (the function decides its turns' lengths) and tail_extra_samples (they
-    abort single samples mid-step)."""
+    Refused scheduler settings (ConfigError, :func:`refused_settings` says why): step_boundary="carry",
+    chunk_tokens and tail_extra_samples.
+
+    Checkpoints: ``environment_state()`` holds what the scheduler's state does not (the function's rewards of
+    samples whose group is not complete, the accepted groups not trained, the ABORTED calls' sample objects);
+    a resumed run loads it after the scheduler's."""
 
     def __init__(self, generate_fn: GenerateFn | str, scheduler: Scheduler, engine: AbortAllEngine,
                  args: argparse.Namespace | None = None, *, reward_fn: RewardFn | None = None,
@@ -99,13 +124,9 @@ class CustomGenerateRollout:
                                        f"the servers the function posts to (protocol.AbortAllEngine: abort_all()), "
                                        f"such as an SGLangEngine, is required")
         cfg = scheduler.config
-        refused = [f"{name}={value!r}" for name, value, ok in (
-            ("step_boundary", cfg.step_boundary, cfg.step_boundary == "abort"),
-            ("chunk_tokens", cfg.chunk_tokens, cfg.chunk_tokens is None),
-            ("tail_extra_samples", cfg.tail_extra_samples, cfg.tail_extra_samples == 0)) if not ok]
-        if refused:
-            raise ConfigError(f"a custom generate function runs with step_boundary='abort', chunk_tokens=None and "
-                              f"tail_extra_samples=0; got {', '.join(refused)}")
+        refused = refused_settings(cfg)
+        if refused is not None:
+            raise ConfigError(refused)
         for name, fn in (("reward_fn", reward_fn), ("group_filter", group_filter), ("decode", decode)):
             if fn is not None and not callable(fn):
                 raise InvalidArgumentError(f"{name}={fn!r} is not callable")
@@ -222,15 +243,43 @@ class CustomGenerateRollout:
         """The engine is free between steps (nothing is carried): other work (evaluation) uses it as it is."""
         yield
 
-    def environment_state(self) -> None:
-        """Nothing to save beside the scheduler's state: a call's partial is the scheduler's (a resumed run
-        rebuilds the sample from it)."""
-        return None
+    def environment_state(self) -> bytes:
+        """What a checkpoint needs beside the scheduler's state, as bytes: the rewards the function gave to
+        finished samples whose group is not complete yet (the scheduler holds their tokens, not these), the groups
+        reported accepted and not trained (the prediction of the verdict that ends a step), and the sample objects
+        of ABORTED calls (so that a resumed call gets the object with the function's own fields; one that does not
+        pickle is left out, with a warning, and its call gets a sample rebuilt from the scheduler's partial). Call
+        between steps, after drain_rewards (as for the scheduler's save): InvalidStateError while calls are out."""
+        if self._calls or self._replays or self._held is not None:
+            raise InvalidStateError(f"environment_state is saved between steps: {len(self._calls)} calls are still "
+                                    f"out (call it after run_step and drain_rewards)")
+        self._forget_finished()
+        partials = {}
+        for sid, sample in self._partials.items():
+            try:
+                partials[sid] = pickle.dumps(sample)
+            except Exception as err:  # noqa: BLE001 - any field of the function's own may refuse to pickle
+                logger.warning("custom generate sample %d does not pickle (%s: %s): a resumed run rebuilds it from "
+                               "the scheduler's partial", sid, type(err).__name__, err)
+        return pickle.dumps({"format": _STATE_FORMAT, "rewards": dict(self._rewards), "accepted": sorted(self._accepted),
+                             "partials": partials})
 
     def load_environment_state(self, data: bytes) -> None:
-        """There is no state to load (environment_state saves none): InvalidArgumentError."""
-        raise InvalidArgumentError("a custom generate rollout keeps no environment state to load (a call's partial "
-                                   "is the scheduler's)")
+        """Restores environment_state's bytes, after the scheduler's state of the same moment was loaded; what
+        belongs to samples the scheduler no longer holds is dropped. CorruptStateError for bytes that are not such
+        a state."""
+        try:
+            loaded = pickle.loads(data)  # noqa: S301 - the run's own checkpoint, checked by its manifest
+            if not isinstance(loaded, dict) or loaded.get("format") != _STATE_FORMAT:
+                raise ValueError(f"not a {_STATE_FORMAT} state")
+            rewards = {int(s): None if r is None else float(r) for s, r in loaded["rewards"].items()}
+            accepted = {int(g) for g in loaded["accepted"]}
+            partials = {int(s): pickle.loads(p) for s, p in loaded["partials"].items()}  # noqa: S301 - as above
+        except Exception as err:  # noqa: BLE001 - any failure to read is a corrupt file
+            raise CorruptStateError(f"the custom generate rollout's state cannot be read: {err}") from None
+        self._rewards, self._accepted, self._partials = rewards, accepted, partials
+        self._forget_finished()
+        self._prune_accepted(())
 
     async def close(self) -> None:
         """Nothing to end: the calls of a step end with it (the servers' aborts go through the engine)."""
@@ -452,4 +501,4 @@ class CustomGenerateRollout:
 
 
 __all__ = ["CustomGenerateRollout", "GenerateFn", "Sample", "check_generate_function", "load_generate_function",
-           "sampling_params_of", "slime_args"]
+           "refused_settings", "sampling_params_of", "slime_args"]

@@ -16,6 +16,7 @@ fresh request, which replaces the trajectory, so the late answer of the old one 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import pickle
 import time
@@ -28,6 +29,7 @@ import numpy as np
 from april_ext.data_source import Prompt
 from april_ext.errors import CorruptStateError, InvalidArgumentError
 from april_ext.protocol.environment import (
+    FINISH_START_ERROR,
     FINISH_TOOL_ERROR,
     FINISH_TOOL_TIMEOUT,
     Environment,
@@ -35,6 +37,7 @@ from april_ext.protocol.environment import (
     step_with_timeout,
 )
 
+logger = logging.getLogger(__name__)
 _FORMAT = "april_ext.trajectories/1"
 FINISH_LENGTH = "length"
 """The finish reason of a trajectory cut by max_response_len (the environment is not asked: reward 0)."""
@@ -131,13 +134,25 @@ class Trajectories:
         """A step is running or an answer waits to be handed to the scheduler: the loop will hear from it."""
         return bool(self._tasks) or any(live.answer is not None for live in self._live.values())
 
-    async def start(self, sample_id: int, group_id: int, prompt: Prompt) -> None:
-        """A fresh trajectory for ``sample_id`` (its first dispatch, or a restart): env.start(prompt)."""
-        state = await self.env.start(prompt)
+    async def start(self, sample_id: int, group_id: int, prompt: Prompt) -> bool:
+        """A fresh trajectory for ``sample_id`` (its first dispatch, or a restart): env.start(prompt), bounded by
+        tool_timeout_s. False when it raised or timed out: the trajectory is over with finish reason
+        "start_error" and reward 0 (the cause is logged), and the caller ends its sample."""
         old = self._tasks.pop(sample_id, None)
         if old is not None:
             old.cancel()
+        try:
+            state = await asyncio.wait_for(self.env.start(prompt), self.tool_timeout_s)
+        except Exception as err:  # noqa: BLE001 - a prompt the environment cannot start from costs its trajectory
+            cause = f"did not answer within {self.tool_timeout_s} s" if isinstance(err, TimeoutError) else \
+                f"raised {type(err).__name__}: {err}"
+            logger.warning("%s.start %s on prompt %r: sample %d ends with %r", type(self.env).__name__, cause,
+                           prompt.id, sample_id, FINISH_START_ERROR)
+            self._live[sample_id] = _Live(group_id, None, reward=0.0, finish_reason=FINISH_START_ERROR)
+            self._count_finish(FINISH_START_ERROR)
+            return False
         self._live[sample_id] = _Live(group_id, state)
+        return True
 
     def knows(self, sample_id: int) -> bool:
         return sample_id in self._live

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
+import ipaddress
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -53,7 +55,10 @@ class ServerConfig:
     april_ext.protocol.sglang_wire.DIALECTS: "0.4", "0.5.3" or "current"), so clients can be tested
     against each line over real HTTP.
     weight_group_timeout_s: how long joining the trainer's weight group and each broadcast may wait for the
-    other ranks (the current dialect's /init_weights_update_group and /update_weights_from_distributed)."""
+    other ranks (the current dialect's /init_weights_update_group and /update_weights_from_distributed).
+    api_key: as SGLang's --api-key: every request but /health and /health_generate must carry
+    ``Authorization: Bearer <api_key>``, else it answers 401 (None: no check; a server bound beyond loopback
+    without a key warns at its start). Never shown by repr, /server_info or the logs."""
 
     host: str = "127.0.0.1"
     port: int = 30000
@@ -66,8 +71,13 @@ class ServerConfig:
     tokenizer_path: str | None = None
     sglang_compat: str = "current"
     weight_group_timeout_s: float = 60.0
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key
+                                         or not self.api_key.isprintable() or " " in self.api_key):
+            raise ConfigError("ServerConfig.api_key must be None or a non-empty string of printable characters "
+                              "without spaces (it travels in an Authorization header)")
         if self.sglang_compat not in sglang_wire.DIALECTS:
             raise ConfigError(f"ServerConfig.sglang_compat must be one of {sorted(sglang_wire.DIALECTS)}, "
                               f"got {self.sglang_compat!r}")
@@ -181,6 +191,37 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return _error(f"internal error: {exc!r}", 500)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server on this machine (a loopback address or "localhost")."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def _unprotected(path: str) -> bool:
+    # As SGLang's add_api_key_middleware: the health checks (/health, /health_generate) need no key.
+    return path.startswith("/health")
+
+
+def _authentication(api_key: str) -> Any:
+    """The middleware that refuses a request without ``Authorization: Bearer <api_key>`` (401)."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode()
+        if _unprotected(request.path) or hmac.compare_digest(given, expected):
+            return await handler(request)
+        what = "no Authorization header" if not given else "a wrong Authorization header"
+        return _error(f"Unauthorized: {request.path} needs 'Authorization: Bearer <key>' with the key the server was "
+                      f"started with (--api-key); the request had {what}", 401)
+
+    return authenticate
+
+
 class EmbeddedServer:
     """Serves one engine over HTTP. `await server.start()` binds and returns the base url."""
 
@@ -204,7 +245,8 @@ class EmbeddedServer:
         self.app = self._build_app()
 
     def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=self.config.max_request_bytes)
+        checks = [] if self.config.api_key is None else [_authentication(self.config.api_key)]
+        app = web.Application(middlewares=[*checks, _errors], client_max_size=self.config.max_request_bytes)
         routes = [
             ("POST", "/generate", self.generate), ("PUT", "/generate", self.generate),
             ("POST", "/abort_request", self.abort_request),
@@ -237,6 +279,10 @@ class EmbeddedServer:
 
     async def start(self) -> str:
         """Starts the engine loop and listens; returns the base url (with the real port when port was 0)."""
+        if self.config.api_key is None and not is_loopback(self.config.host):
+            logger.warning("the server binds %s, beyond loopback, without an API key: any peer that reaches it can "
+                           "generate, update its weights, abort its requests and release its memory; start it with "
+                           "--api-key (ServerConfig.api_key)", self.config.host)
         await self.engine.start()
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
         # lingering_time 0: a body left unread (one refused with 413) closes the connection instead of
@@ -316,10 +362,17 @@ class EmbeddedServer:
                 if chunk.finish_reason is not None:
                     break
                 chunk = await anext(stream)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
         except AprilError as exc:  # the headers are out: report in-band as SGLang does
             await response.write(b"data: " + json.dumps(sglang_wire.error_json(str(exc))).encode() + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError as exc:
+            # The client left mid-stream and a write came before the handler's cancellation: nothing failed
+            # here (generate's exit aborts the request), so one line, not a traceback.
+            logger.info("%s %s: the client disconnected mid-stream (%s); request %s aborted", request.method,
+                        request.path, exc, output.rid)
         return response
 
     def _encode(self, text: str) -> list[int]:

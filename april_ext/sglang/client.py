@@ -27,10 +27,12 @@ def http_error(url: str, status: int, body: str) -> SGLangHTTPError:
 
 class HTTPClient:
     """One aiohttp session for every server. `timeout_s` bounds a whole control call and the silence
-    between two events of a stream; `retries` and `backoff_s` apply to idempotent calls only."""
+    between two events of a stream; `retries` and `backoff_s` apply to idempotent calls only. `api_key`: sent
+    as a Bearer token with every call (servers and routers started with --api-key)."""
 
     def __init__(self, *, timeout_s: float, connect_timeout_s: float, retries: int, backoff_s: float,
-                 max_connections: int) -> None:
+                 max_connections: int, api_key: str | None = None) -> None:
+        self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.retries = retries
@@ -42,14 +44,14 @@ class HTTPClient:
     def of(cls, config: SGLangEngineConfig) -> HTTPClient:
         """A client with the timeouts, retries and connection limit ``config`` sets."""
         return cls(timeout_s=config.timeout_s, connect_timeout_s=config.connect_timeout_s, retries=config.retries,
-                   backoff_s=config.backoff_s, max_connections=config.max_connections)
+                   backoff_s=config.backoff_s, max_connections=config.max_connections, api_key=config.api_key)
 
     async def start(self) -> None:
         if self._session is None:
             # limit 0 = unlimited: over-provisioned rollouts keep hundreds of streams open, and an abort
             # must never queue behind them for a pooled connection.
             connector = aiohttp.TCPConnector(limit=self.max_connections)
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
 
     async def close(self) -> None:
         if self._session is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from april_ext.errors import ConfigError
@@ -50,6 +50,8 @@ class SGLangEngineConfig:
     address this machine reaches the first worker from). None: "disk" when weight_sync_dir is set, else
     "tensor".
     weight_sync_dir: a directory every server can read at the same path (shared file system).
+    api_key: the key of servers (and a router) started with --api-key: sent as ``Authorization: Bearer
+    <api_key>`` on every call; never shown by repr.
     """
 
     worker_urls: tuple[str, ...] = ()
@@ -72,8 +74,13 @@ class SGLangEngineConfig:
     worker_timeout_s: float | None = None
     load_interval_s: float | None = 0.5
     priority: bool = False
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key
+                                         or not self.api_key.isprintable() or " " in self.api_key):
+            raise ConfigError("SGLangEngineConfig.api_key must be None or a non-empty string of printable "
+                              "characters without spaces (it travels in an Authorization header)")
         if isinstance(self.worker_urls, str):
             raise ConfigError("SGLangEngineConfig.worker_urls must be a sequence of urls, not one string")
         urls = tuple(_base_url(u, "worker_urls") for u in self.worker_urls)

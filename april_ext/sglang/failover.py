@@ -99,6 +99,11 @@ class Failover:
             live = await self._workers.worker_urls()
         except SGLangNoWorkerError:
             live = []
+        # A url out of the live list is not watched; when it is listed again (the owner of the list took it out
+        # and put it back, e.g. a Ray engine pool after its actor stalled) its silence counts from now, not
+        # from before it left.
+        for url in set(self._last_seen) - set(live):
+            del self._last_seen[url]
         for url in live:
             if lagged or url not in self._last_seen:
                 self._last_seen[url] = now

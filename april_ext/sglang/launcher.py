@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO
 
 from april_ext.errors import ConfigError
@@ -30,7 +30,9 @@ from april_ext.sglang.errors import SGLangLaunchError
 class SGLangServerArgs:
     """The launch flags. port None picks a free port. enable_memory_saver allows releasing memory
     between rollouts (colocated RL); skip_tokenizer_init makes the server token-only;
-    enable_weights_cpu_backup keeps a host copy of released weights. extra_args are appended as given."""
+    enable_weights_cpu_backup keeps a host copy of released weights. api_key: the server's --api-key (every
+    call but /health then needs it as a Bearer token; never shown by repr or in an error). extra_args are
+    appended as given."""
 
     model_path: str
     host: str = "127.0.0.1"
@@ -41,6 +43,7 @@ class SGLangServerArgs:
     skip_tokenizer_init: bool = True
     enable_weights_cpu_backup: bool = False
     extra_args: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -63,7 +66,14 @@ class SGLangServerArgs:
                          ("--enable-weights-cpu-backup", self.enable_weights_cpu_backup)):
             if on:
                 args.append(flag)
+        if self.api_key is not None:
+            args += ["--api-key", self.api_key]
         return args + list(self.extra_args)
+
+
+def _redacted(command: list[str]) -> list[str]:
+    """``command`` with the value of each --api-key hidden, for messages and logs."""
+    return [("<hidden>" if i > 0 and command[i - 1] == "--api-key" else arg) for i, arg in enumerate(command)]
 
 
 def _absolute(arg: str) -> str:
@@ -177,7 +187,7 @@ def launch_sglang_server(args: SGLangServerArgs, *, module: str = "sglang.launch
                                    env=full_env, start_new_session=True, cwd=workdir)
     except OSError as exc:
         log.close()
-        raise SGLangLaunchError(f"could not start {command!r}: {exc}") from exc
+        raise SGLangLaunchError(f"could not start {_redacted(command)!r}: {exc}") from exc
     # A server bound to every interface is reached over loopback.
     host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(args.host, args.host)
     host = host if ":" not in host or host.startswith("[") else f"[{host}]"

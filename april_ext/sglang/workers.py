@@ -180,7 +180,9 @@ class WorkerPool:
         there (POST /workers) and back in the pool once the router lists it."""
         router = self.config.router_url
         if router is not None:
-            await self._http.call("POST", f"{router}/workers", {"url": url}, idempotent=False)
+            # The router calls the worker with the key it was registered with (servers started with --api-key).
+            body = {"url": url} if self.config.api_key is None else {"url": url, "api_key": self.config.api_key}
+            await self._http.call("POST", f"{router}/workers", body, idempotent=False)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + float(self.config.worker_timeout_s or self.config.timeout_s)
             while url not in (listed := [u for u, _ in await self._router_workers()]):
@@ -345,10 +347,10 @@ def _parse_workers(answer: Any) -> list[tuple[str, str | None]]:
 
 
 @contextlib.asynccontextmanager
-async def workers_at(urls: Sequence[str]) -> AsyncIterator[WorkerPool]:
-    """A pool of ``urls`` with an HTTP client of its own (the adapter's defaults), for a process that calls
-    the workers itself: a Ray trainer rank that posts its weights (weight_sync "tensor")."""
-    config = SGLangEngineConfig(worker_urls=tuple(urls), weight_sync="tensor")
+async def workers_at(urls: Sequence[str], api_key: str | None = None) -> AsyncIterator[WorkerPool]:
+    """A pool of ``urls`` with an HTTP client of its own (the adapter's defaults, the servers' ``api_key``), for
+    a process that calls the workers itself: a Ray trainer rank that posts its weights (weight_sync "tensor")."""
+    config = SGLangEngineConfig(worker_urls=tuple(urls), weight_sync="tensor", api_key=api_key)
     http = HTTPClient.of(config)
     await http.start()
     try:

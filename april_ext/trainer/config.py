@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -12,6 +13,7 @@ from april_ext.algorithms import AlgorithmConfig
 from april_ext.errors import ConfigError
 
 MIXED_PRECISION = ("auto", "bf16", "fp32")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,11 @@ class TrainerConfig:
         pi_train is the engine's sampling distribution after them (april_ext.model.logits.processed_logprobs): the tokens
         they drop are chosen without gradient, and the log-softmax renormalises over the kept ones; a
         dropped token (an off-policy token outside the current policy's top-p) gets DROPPED_LOGPROB.
+    lr_decay_style, lr_warmup_iters, lr_decay_iters, min_lr: Megatron's schedule of the learning rate over
+        optimizer steps: a linear warmup from 0 to lr over lr_warmup_iters steps, then "constant" (lr),
+        "linear" or "cosine" decay to min_lr at lr_decay_iters (None: no decay; min_lr is held after it).
+    reference: a Hugging Face checkpoint directory holding the KL reference policy (slime's --ref-load);
+        None: a frozen copy of the initial weights.
     colocated: weights, gradients, optimizer state (and the KL reference) live in april_ext.memory under
         ``memory_tag``, so ``offload`` / ``onload`` release and restore them (weights and optimizer state
         are backed up to host memory; gradients, zero between steps, are not).
@@ -47,6 +54,11 @@ class TrainerConfig:
     micro_batch_tokens: int = 8192
     micro_batch_size: int | None = None
     minibatches: int = 1
+    lr_decay_style: str = "constant"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    min_lr: float = 0.0
+    reference: str | None = None
     mixed_precision: str = "auto"
     device: str | None = None
     temperature: float = 1.0
@@ -84,6 +96,20 @@ class TrainerConfig:
                                                   or self.micro_batch_size < 1):
             raise ConfigError(f"TrainerConfig.micro_batch_size must be None or an integer >= 1, "
                               f"got {self.micro_batch_size!r}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ConfigError(f"TrainerConfig.lr_decay_style must be one of {LR_DECAY_STYLES}, got "
+                              f"{self.lr_decay_style!r}")
+        if not isinstance(self.lr_warmup_iters, int) or isinstance(self.lr_warmup_iters, bool) or self.lr_warmup_iters < 0:
+            raise ConfigError(f"TrainerConfig.lr_warmup_iters must be an integer >= 0, got {self.lr_warmup_iters!r}")
+        if self.lr_decay_iters is not None and (not isinstance(self.lr_decay_iters, int)
+                                                or isinstance(self.lr_decay_iters, bool)
+                                                or self.lr_decay_iters <= self.lr_warmup_iters):
+            raise ConfigError(f"TrainerConfig.lr_decay_iters must be None or an integer > lr_warmup_iters "
+                              f"({self.lr_warmup_iters}), got {self.lr_decay_iters!r}")
+        if not _is_number(self.min_lr) or not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"TrainerConfig.min_lr must be a number in [0, lr={self.lr}], got {self.min_lr!r}")
+        if self.reference is not None and (not isinstance(self.reference, str) or not self.reference):
+            raise ConfigError(f"TrainerConfig.reference must be None or a checkpoint directory, got {self.reference!r}")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ConfigError(f"TrainerConfig.mixed_precision must be one of {MIXED_PRECISION}, "
                               f"got {self.mixed_precision!r}")
@@ -99,6 +125,32 @@ class TrainerConfig:
                                   f"'cpu' or 'cuda:0', got {self.device!r}") from None
 
 
+def lr_at(config: TrainerConfig, iteration: int) -> float:
+    """The learning rate of the optimizer step after ``iteration`` steps under the config's schedule, as
+    Megatron's OptimizerParamScheduler computes it (its first warmup step has lr 0): linear warmup, then the
+    decay style down to min_lr."""
+    if config.lr_warmup_iters > 0 and iteration <= config.lr_warmup_iters:
+        return config.lr * iteration / config.lr_warmup_iters
+    if config.lr_decay_style == "constant" or config.lr_decay_iters is None:
+        return config.lr
+    span = config.lr_decay_iters - config.lr_warmup_iters
+    progress = min(1.0, (iteration - config.lr_warmup_iters) / span)
+    if config.lr_decay_style == "linear":
+        factor = 1.0 - progress
+    else:
+        factor = 0.5 * (math.cos(math.pi * progress) + 1.0)
+    return config.min_lr + (config.lr - config.min_lr) * factor
+
+
+def set_scheduled_lr(optimizer: Any, config: TrainerConfig, iteration: int) -> float:
+    """Sets the learning rate of the optimizer step after ``iteration`` steps on every parameter group (a
+    torch optimizer's or megatron-core's) and returns it."""
+    lr = lr_at(config, iteration)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -108,4 +160,4 @@ def _positive(name: str, value: object, allowed: str = "a finite number > 0") ->
         raise ConfigError(f"TrainerConfig.{name} must be {allowed}, got {value!r}")
 
 
-__all__ = ["MIXED_PRECISION", "TrainerConfig"]
+__all__ = ["LR_DECAY_STYLES", "MIXED_PRECISION", "TrainerConfig", "lr_at", "set_scheduled_lr"]

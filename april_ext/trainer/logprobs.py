@@ -41,10 +41,10 @@ class PolicyLogprobs:
                         if config.temperature > 0 and (config.top_k > 0 or config.top_p < 1) else None)
 
     def __call__(self, model: LlamaForCausalLM, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probability of each token given the tokens before it in its sample (0 at sample starts)
-        under the sampling distribution, and that distribution's entropy (without gradient; zeros unless
-        ``with_entropy``)."""
+        under the sampling distribution, and that distribution's entropy (zeros unless ``with_entropy``;
+        with gradient when ``entropy_grad``, for the entropy bonus)."""
         logp = torch.log_softmax(self._sampling_logits(model, tokens, cu_seqlens), dim=-1)
         out = torch.zeros(tokens.shape[0], dtype=torch.float32, device=tokens.device)
         picked = logp[:-1].gather(1, tokens[1:, None]).squeeze(1)
@@ -55,10 +55,10 @@ class PolicyLogprobs:
         out = out.index_fill(0, starts, 0.0)
         entropy = torch.zeros_like(out)
         if with_entropy:
-            with torch.no_grad():
+            with torch.no_grad() if not entropy_grad else contextlib.nullcontext():
                 # entr(0) = 0: dropped tokens add nothing (exp(-inf) * -inf would be nan).
-                entropy[1:] = torch.special.entr(logp[:-1].exp()).sum(-1)
-                entropy.index_fill_(0, starts, 0.0)
+                entropy = torch.cat((entropy[:1], torch.special.entr(logp[:-1].exp()).sum(-1)))
+                entropy = entropy.index_fill(0, starts, 0.0)
         return out, entropy
 
     @torch.no_grad()

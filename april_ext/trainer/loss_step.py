@@ -66,7 +66,8 @@ class LossStep:
         u0, u1 = int(offsets[a]), int(offsets[b])
         cu = offsets[a:b + 1] - offsets[a]
         tokens = inputs.tokens[u0:u1]
-        logprobs, entropy = self.logprobs(self.model, tokens, cu, with_entropy=True)
+        bonus = self.algorithm.entropy_coef
+        logprobs, entropy = self.logprobs(self.model, tokens, cu, with_entropy=True, entropy_grad=bonus > 0)
         ref = self.logprobs.no_grad(self.ref_model, tokens, cu) if self.ref_model is not None else None
         out = policy_loss(self.algorithm, PolicyLossInputs(
             logprobs=logprobs,
@@ -74,9 +75,11 @@ class LossStep:
             behavior_logprobs=inputs.behavior[u0:u1], advantages=inputs.token_advantages[u0:u1],
             mask=inputs.mask[u0:u1], weights=weights, seq_index=inputs.seq_index[u0:u1] - a, n_seqs=b - a,
             ref_logprobs=ref))
-        (out.loss * self.dp_size).backward()
-        _accumulate(sums, "loss", float(out.loss.detach()))
-        _accumulate(sums, "entropy", float((weights * entropy).sum()))
+        mean_entropy = (weights * entropy).sum()
+        loss = out.loss - bonus * mean_entropy if bonus > 0 else out.loss
+        (loss * self.dp_size).backward()
+        _accumulate(sums, "loss", float(loss.detach()))
+        _accumulate(sums, "entropy", float(mean_entropy.detach()))
         for name, value in out.metrics.items():
             _accumulate(sums, name, float(value))
 

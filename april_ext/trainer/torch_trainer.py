@@ -35,7 +35,7 @@ from april_ext.trainer.batching import (
     validate_batch,
     validate_step_batch,
 )
-from april_ext.trainer.config import TrainerConfig
+from april_ext.trainer.config import TrainerConfig, set_scheduled_lr
 from april_ext.trainer.logprobs import PolicyLogprobs
 from april_ext.trainer.loss_step import LossStep, step_metrics
 
@@ -91,6 +91,12 @@ class TorchTrainer:
         self.ref_model: LlamaForCausalLM | None = None
         if self.config.algorithm.needs_reference:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            if self.config.reference is not None:
+                # slime's --ref-load: the KL reference is another checkpoint (Hugging Face names for both models).
+                self.ref_model.load_weights(iter_safetensors(self.config.reference))
+        elif self.config.reference is not None:
+            logger.warning("TrainerConfig.reference=%r is not used: no KL term needs a reference policy "
+                           "(kl_loss_coef=0 and no KL reward shaping)", self.config.reference)
         if (note := self.config.algorithm.unused_kl_coef_note()) is not None:
             logger.warning(note)
         self._loss = LossStep(self._ddp or self.model, self.ref_model, self.logprobs, self.config.algorithm,
@@ -98,6 +104,8 @@ class TorchTrainer:
                               self.dp_size)
         self._version = int(initial_version)
         self.step = 0
+        self.iterations = 0
+        """Optimizer steps taken: the position in the learning-rate schedule."""
         self.offloaded = False
         self._optimizer_in_region = False
         self._grad_buffers: list[torch.Tensor] = []
@@ -135,7 +143,9 @@ class TorchTrainer:
             if self.dp_size > 1 and self._ddp is None:
                 distributed.average_across_ranks(self._grad_buffers)
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, clip)))
+            lr = set_scheduled_lr(self.optimizer, self.config, self.iterations)
             self.optimizer.step()
+            self.iterations += 1
             self.optimizer.zero_grad(set_to_none=False)
             if self.config.colocated and not self._optimizer_in_region:
                 self._move_optimizer_state()
@@ -143,8 +153,7 @@ class TorchTrainer:
             sums = distributed.sum_across_ranks(sums)
         self._version += 1
         self.step += 1
-        return step_metrics(batch, inputs, sums, grad_norms, self.config.lr, self._version,
-                            time.perf_counter() - start, kl)
+        return step_metrics(batch, inputs, sums, grad_norms, lr, self._version, time.perf_counter() - start, kl)
 
     def token_logprobs(self, batch: TrainingBatch) -> np.ndarray:
         """pi_train of every token of ``batch`` under the current weights, as ``train_step`` computes it
@@ -181,6 +190,7 @@ class TorchTrainer:
             "format": self.checkpoint_format,
             "version": self._version,
             "step": self.step,
+            "iterations": self.iterations,
             "optimizer": self.optimizer.state_dict(),
             "rng": checkpoint.rng_state(),
             "trainer_config": checkpoint.plain(asdict(self.config)),
@@ -215,6 +225,8 @@ class TorchTrainer:
         checkpoint.set_rng_state(state["rng"])
         self._version = int(state["version"])
         self.step = int(state["step"])
+        # Written before the schedule existed: a step was minibatches optimizer steps.
+        self.iterations = int(state.get("iterations", self.step * self.config.minibatches))
         return dict(state["extra"])
 
     # ----- colocated memory -----------------------------------------------------------------------------

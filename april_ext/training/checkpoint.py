@@ -2,16 +2,18 @@
 
 A checkpoint ``<dir>/step_000012/`` holds ``trainer/`` (model, optimizer, RNG: Trainer.save_checkpoint),
 ``scheduler.state`` (buffer with every partial rollout, counters, data position: Scheduler.save),
-``environment.pkl`` in a multi-turn run (the trajectories' environment states and the turns with the
-environment: RolloutLoop.environment_state), ``run.json`` (the step and the metrics lines written so far) and
-``manifest.json`` (size and sha256 of
-every other file). It is assembled in a temporary directory, every file and directory is fsynced, and
+``environment.pkl`` when the rollout driver has state of its own (a multi-turn run's trajectories:
+RolloutLoop.environment_state; a custom generate function's rewards: CustomGenerateRollout.environment_state),
+``run.json`` (the step, the run's variant and the checkpoint format, RUN_FORMAT) and ``manifest.json`` (size
+and sha256 of every other file). It is assembled in a temporary directory, every file and directory is fsynced, and
 then it is renamed into place (april_ext.persistence.atomic_directory), so a process killed at any
 moment leaves either the complete new checkpoint or none (temporary leftovers are ignored and cleaned
 up). Loading checks every file against the manifest before anything is restored, so a damaged file
-(truncated, overwritten, a flipped bit) raises CorruptStateError naming it; ``restore_newest`` then
-falls back to the newest intact checkpoint. A checkpoint written before manifests existed is loaded
-unverified, with a warning.
+(truncated, overwritten, a flipped bit) raises CorruptStateError naming it; ``restore_newest`` (and
+``check_resumable`` before a run starts) then falls back to the newest intact checkpoint. A damaged or
+missing manifest, and a step directory without run.json, are damage like any other. Only a checkpoint
+whose run.json carries no format (written by a version before RUN_FORMAT, some of them before manifests
+existed) may lack a manifest: it is loaded unverified, with a warning.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ _ENVIRONMENT_FILE = "environment.pkl"
 _TRAINER_DIR = "trainer"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "april_ext.checkpoint_manifest/1"
+RUN_FORMAT = "april_ext.run_checkpoint/2"
+"""run.json's ``format``: the checkpoint was written with a manifest, so one that lacks it is damaged."""
+_FORMAT_KEY = "format"
 
 
 @dataclass(frozen=True)
@@ -76,9 +81,10 @@ def write_manifest(root: str) -> None:
 
 def verify_manifest(root: str) -> bool:
     """Checks every file listed in ``root/manifest.json`` (present, same size, same sha256): raises
-    CorruptStateError naming the first damaged or missing file, or a damaged manifest. Returns False
-    when there is no manifest (a checkpoint written before manifests existed), True when verified."""
-    files = _manifest_files(root)
+    CorruptStateError naming the first damaged or missing file, a damaged manifest, or a missing one where
+    run.json says RUN_FORMAT. Returns False when there is no manifest and run.json has no format (an older
+    checkpoint, which cannot be checked), True when verified."""
+    files = _listed_files(root)
     if files is None:
         return False
     manifest = os.path.join(root, MANIFEST_FILE)
@@ -109,10 +115,41 @@ def _manifest_files(root: str) -> dict[str, dict[str, Any]] | None:
     return files
 
 
-def _absent_file(root: str) -> str | None:
-    """The first file the manifest lists that is not under ``root`` (nothing is read: no checksum)."""
-    paths = (os.path.join(root, *rel.split("/")) for rel in sorted(_manifest_files(root) or {}))
-    return next((path for path in paths if not os.path.isfile(path)), None)
+def _listed_files(root: str) -> dict[str, dict[str, Any]] | None:
+    """The manifest's entries; None for an older checkpoint without one; CorruptStateError for a damaged
+    manifest, or a missing one where run.json says RUN_FORMAT."""
+    files = _manifest_files(root)
+    if files is None and _written_with_manifest(root):
+        raise CorruptStateError(f"{os.path.join(root, MANIFEST_FILE)}: missing, though run.json says the checkpoint "
+                                f"was written with one ({RUN_FORMAT})")
+    return files
+
+
+def _written_with_manifest(root: str) -> bool:
+    """Whether run.json carries RUN_FORMAT (this version's checkpoints always have a manifest); a missing or
+    unreadable run.json is damage (CorruptStateError): a complete checkpoint has one."""
+    run_file = os.path.join(root, _RUN_FILE)
+    if not os.path.isfile(run_file):
+        raise CorruptStateError(f"{run_file}: missing (every complete checkpoint has one)")
+    run = read_json(run_file)
+    if not isinstance(run, dict):
+        raise CorruptStateError(f"{run_file}: not a run state (a JSON object)")
+    return run.get(_FORMAT_KEY) == RUN_FORMAT
+
+
+def _presence_problem(root: str) -> str | None:
+    """Why the checkpoint at ``root`` is damaged, found without reading any file's bytes but run.json's and the
+    manifest's: run.json or the manifest missing or damaged, or a file the manifest lists absent; None when
+    nothing is (or, for an older checkpoint without a manifest, nothing can be checked)."""
+    try:
+        files = _listed_files(root)
+    except CorruptStateError as err:
+        return str(err)
+    if files is None:
+        return None
+    paths = (os.path.join(root, *rel.split("/")) for rel in sorted(files))
+    absent = next((path for path in paths if not os.path.isfile(path)), None)
+    return None if absent is None else f"{absent}: missing (listed in {os.path.join(root, MANIFEST_FILE)})"
 
 
 class CheckpointManager:
@@ -125,13 +162,14 @@ class CheckpointManager:
         self.keep = keep
 
     def list(self) -> list[CheckpointInfo]:
-        """Complete checkpoints, oldest first."""
+        """Every checkpoint directory (``step_N``), oldest first. Each was renamed into place complete, so one
+        without run.json is damaged: loading or checking it says so, and the older ones are used instead."""
         if not os.path.isdir(self.directory):
             return []
         out = []
         for name in os.listdir(self.directory):
             match = _NAME.match(name)
-            if match and os.path.isfile(os.path.join(self.directory, name, _RUN_FILE)):
+            if match and os.path.isdir(os.path.join(self.directory, name)):
                 out.append(CheckpointInfo(int(match.group(1)), os.path.join(self.directory, name)))
         return sorted(out, key=lambda c: c.step)
 
@@ -150,28 +188,33 @@ class CheckpointManager:
             if environment is not None:
                 with open(os.path.join(tmp, _ENVIRONMENT_FILE), "wb") as handle:
                     handle.write(environment)
-            atomic_write_json(os.path.join(tmp, _RUN_FILE), {"step": step, **run_state})
+            atomic_write_json(os.path.join(tmp, _RUN_FILE), {_FORMAT_KEY: RUN_FORMAT, "step": step, **run_state})
             write_manifest(tmp)
         self._prune()
         return final
 
     def verify(self, info: CheckpointInfo) -> bool:
-        """Checks the checkpoint's files against its manifest (CorruptStateError naming a damaged file);
-        False for a checkpoint without a manifest, which cannot be checked."""
+        """Checks the checkpoint's files against its manifest (CorruptStateError naming a damaged file, a
+        damaged manifest, or a missing manifest or run.json); False for an older checkpoint without a manifest,
+        which cannot be checked."""
         return verify_manifest(info.path)
 
     def load(self, info: CheckpointInfo, trainer: Trainer, scheduler: Scheduler) -> dict[str, Any]:
         """Verifies the checkpoint, then restores trainer and scheduler from it; returns its run state
-        (run.json; the variant under metrics.VARIANT, also from a checkpoint that wrote it under "mode"). A
-        damaged checkpoint raises CorruptStateError before anything is restored."""
+        (run.json but its format; the variant under metrics.VARIANT, also from a checkpoint that wrote it under
+        "mode"). A damaged checkpoint raises CorruptStateError before anything is restored."""
         if not self.verify(info):
             logger.warning("checkpoint %s has no %s (written by an older april_ext): loading it unverified",
                            info.path, MANIFEST_FILE)
-        run_file = os.path.join(info.path, _RUN_FILE)
-        run_state = read_json(run_file)
+        run_state = dict(read_json(os.path.join(info.path, _RUN_FILE)))
+        run_state.pop(_FORMAT_KEY, None)
         trainer.load_checkpoint(os.path.join(info.path, _TRAINER_DIR))
         scheduler.load(os.path.join(info.path, _SCHEDULER_FILE))
-        return with_variant(dict(run_state))
+        return with_variant(run_state)
+
+    def run_state(self, info: CheckpointInfo) -> dict[str, Any]:
+        """A checkpoint's run state (run.json: the step, the variant, the W&B run id), as ``load`` returns it."""
+        return with_variant(dict(read_json(os.path.join(info.path, _RUN_FILE))))
 
     def read_environment(self, info: CheckpointInfo) -> bytes | None:
         """The multi-turn environment state a loaded checkpoint holds (checked with the rest by ``load``'s
@@ -206,19 +249,21 @@ class CheckpointManager:
 
     def check_resumable(self, check_trainer: Callable[[str], None]) -> None:
         """Before a run starts (its ranks launched, its model built): the file presence part of
-        ``restore_newest``, reading no file's bytes. The checkpoint it would load, the newest whose
-        manifest's files are all there, has its trainer directory checked by ``check_trainer`` (which
-        raises, e.g. PersistenceError for a sharded checkpoint lacking a shard); CorruptStateError when every
-        checkpoint lacks a file, as ``restore_newest`` would raise."""
-        lacking = []
+        ``restore_newest``, reading no file's bytes but run.json's and the manifest's. The checkpoint it would
+        load, the newest with an intact run.json and manifest whose files are all there, has its trainer
+        directory checked by ``check_trainer`` (which raises, e.g. PersistenceError for a sharded checkpoint
+        lacking a shard); each newer one is logged as damaged; CorruptStateError when every checkpoint is
+        damaged, as ``restore_newest`` would raise."""
+        damaged = []
         for info in reversed(self.list()):
-            absent = _absent_file(info.path)
-            if absent is None:
+            problem = _presence_problem(info.path)
+            if problem is None:
                 check_trainer(os.path.join(info.path, _TRAINER_DIR))
                 return
-            lacking.append(f"{absent}: missing (listed in {os.path.join(info.path, MANIFEST_FILE)})")
-        if lacking:
-            raise CorruptStateError(f"every checkpoint under {self.directory!r} is damaged: " + "; ".join(lacking))
+            logger.warning("checkpoint %s is damaged: %s", info.path, problem)
+            damaged.append(problem)
+        if damaged:
+            raise CorruptStateError(f"every checkpoint under {self.directory!r} is damaged: " + "; ".join(damaged))
 
     def _prune(self) -> None:
         for info in self.list()[:-self.keep]:
@@ -228,4 +273,4 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
 
-__all__ = ["MANIFEST_FILE", "CheckpointInfo", "CheckpointManager", "verify_manifest", "write_manifest"]
+__all__ = ["MANIFEST_FILE", "RUN_FORMAT", "CheckpointInfo", "CheckpointManager", "verify_manifest", "write_manifest"]

@@ -33,14 +33,19 @@ from april_ext.training.config_rules import (
     TRAINERS,
     EngineKind,
     KlType,
+    LossAggregation,
+    LrDecayStyle,
+    OptimizerKind,
     RayRouting,
     RewardKind,
+    RmType,
     TrainerKind,
     WeightSync,
     bad,
     check_async,
     check_colocated_carry,
     check_custom_generate,
+    check_environment,
     check_lookup,
     check_parallel,
     check_ray,
@@ -76,8 +81,12 @@ class TrainConfig:
     """Record field holding the prompt (text or chat); dotted keys walk nested objects."""
     label_key: str = "label"
     """Record field holding the reference answer."""
-    num_epochs: int = 1
-    """Passes over the prompt file before the data runs out."""
+    num_epochs: int | None = None
+    """Passes over the prompt file before the data runs out (slime's --num-epoch); None: the file cycles, pass
+    after pass, until num_steps, as slime's data source does."""
+    rollout_shuffle: bool = False
+    """Visit the prompt file in a new permutation each pass, drawn from (seed, pass); False: file order (slime's
+    --rollout-shuffle and default)."""
     counting_median: float = 4.0
     """Counting task: median target count N (log-normal, so a long tail of large N)."""
     counting_sigma: float = 1.0
@@ -101,6 +110,10 @@ class TrainConfig:
     "tool_timeout" and reward 0."""
     max_concurrent_tool_calls: int | None = None
     """Multi-turn tasks: environment steps running at once at most (real tools have rate limits); None: no cap."""
+    environment_path: str | None = None
+    """A multi-turn Environment of your own by import path ("pkg.module:make"; docs/agentic.md), over data's
+    prompts: an Environment object, or a callable returning one (given the run's tokenizer when it takes a
+    parameter). Its final rewards are the samples'; its optional stop_token_ids end a turn besides EOS."""
     # --- model
     model: str | None = None
     """Hugging Face checkpoint directory; None builds a tiny random model for the counting task."""
@@ -227,8 +240,9 @@ class TrainConfig:
     micro_batch_size: int | None = None
     """Trainer: at most this many samples in one forward/backward besides the token budget (slime's
     --micro-batch-size); None: the token budget alone."""
-    num_steps: int = 20
-    """Training steps of the run (a resumed run counts its earlier steps)."""
+    num_steps: int | None = 20
+    """Training steps of the run (a resumed run counts its earlier steps); None: until the num_epochs passes over
+    the prompt file are used up."""
     seed: int = 0
     """Seeds the task stream, model init, request sampling and RNGs."""
     deterministic_rollout: bool = True
@@ -272,6 +286,52 @@ class TrainConfig:
     """torch intra-op threads; None leaves torch's default."""
     distributed_timeout_minutes: float = 10.0
     """Across ranks (torchrun): the limit of every collective and of a rank's wait for rank 0's next command."""
+    # --- optimiser, loss, reference, reward and evaluation sampling: slime's flags of these (docs/loop.md)
+    optimizer: OptimizerKind = "adam"
+    """The optimizer (Megatron's --optimizer): "adam", Adam with decoupled weight decay (AdamW), as Megatron's."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay of the optimizer (Megatron's --weight-decay, whose default is 0.01)."""
+    adam_beta1: float = 0.9
+    """Adam's beta1 (Megatron's --adam-beta1)."""
+    adam_beta2: float = 0.999
+    """Adam's beta2 (Megatron's --adam-beta2)."""
+    adam_eps: float = 1e-8
+    """Adam's epsilon (Megatron's --adam-eps)."""
+    clip_grad: float = 1.0
+    """Clip the gradient to this global norm (Megatron's --clip-grad); 0: no clipping."""
+    lr_decay_style: LrDecayStyle = "constant"
+    """Learning-rate schedule after the warmup (Megatron's --lr-decay-style): constant, linear or cosine decay
+    from lr to min_lr over lr_decay_iters optimizer steps."""
+    lr_warmup_iters: int = 0
+    """Optimizer steps of the linear warmup from 0 to lr (Megatron's --lr-warmup-iters)."""
+    lr_decay_iters: int | None = None
+    """The optimizer step at which the decay reaches min_lr (Megatron's --lr-decay-iters); None: the run's last
+    (num_steps x optimizer steps per rollout), as Megatron's train_iters."""
+    min_lr: float = 0.0
+    """The learning rate at the end of the decay (Megatron's --min-lr)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus this times the mean entropy of pi_train over the loss tokens (slime's
+    --entropy-coef)."""
+    loss_aggregation: LossAggregation | None = None
+    """How token losses make the batch loss: "token" (over all loss tokens of the batch; slime's
+    --calculate-per-token-loss) or "sequence" (each sample's mean first); None: the algorithm's (gspo "sequence",
+    the others "token")."""
+    ref_load: str | None = None
+    """Hugging Face checkpoint directory of the KL reference policy (slime's --ref-load, which takes Megatron's
+    format there); None: the initial weights. Used when a KL term needs a reference (kl_loss_coef > 0, or kl_coef
+    with a reinforce_plus_plus estimator)."""
+    rm_type: RmType | None = None
+    """With data, slime's built-in reward by name (--rm-type): "math" (1 for the right final answer, else 0),
+    "deepscaler" (the same for the text after the last </think>, 0 without one), "dapo" (1 or -1); None: math.
+    Excludes custom_rm_path."""
+    eval_temperature: float | None = None
+    """Sampling temperature of evaluation (slime's --eval-temperature); None: temperature's."""
+    eval_top_p: float | None = None
+    """Nucleus mass of evaluation (slime's --eval-top-p); None: top_p's."""
+    eval_top_k: int | None = None
+    """Top-k of evaluation (slime's --eval-top-k; <= 0: off); None: top_k's."""
+    eval_max_response_len: int | None = None
+    """Response cap of evaluation (slime's --eval-max-response-len); None: the rollouts' cap."""
     # --- Ray (april_ext.cluster, docs/scaling.md)
     ray: bool = False
     """Run on Ray: one actor per trainer rank, one per rollout engine (each owning a server), the engines behind
@@ -329,6 +389,8 @@ class TrainConfig:
     """use_wandb: the W&B project."""
     wandb_dir: str | None = None
     """use_wandb: where the W&B run directory goes; None: <output_dir>."""
+    wandb_group: str | None = None
+    """use_wandb: the W&B group of the run (slime's --wandb-group)."""
     plots: bool = True
     """Write PNG plots at the end."""
     progress: bool = True
@@ -350,13 +412,17 @@ class TrainConfig:
             bad("task", self.task, f"exactly one of task and data (data={self.data!r})")
         if self.task == "lookup":
             check_lookup(self)
+        if self.environment_path is not None:
+            check_environment(self)
         if self.data is not None and self.model is None:
             bad("model", None, "a checkpoint directory when data is given (the tiny model is for the counting task)")
-        for name in ("num_epochs", "counting_max_count", "counting_symbols", "hidden_size", "num_layers",
-                     "max_num_seqs", "num_blocks", "block_size", "micro_batch_tokens", "num_steps", "keep_checkpoints",
+        for name in ("counting_max_count", "counting_symbols", "hidden_size", "num_layers",
+                     "max_num_seqs", "num_blocks", "block_size", "micro_batch_tokens", "keep_checkpoints",
                      "n_samples_per_eval_prompt", "eval_counting_prompts"):
             if getattr(self, name) < 1:
                 bad(name, getattr(self, name), "an int >= 1")
+        self._check_data_bounds()
+        self._check_optimisation()
         if self.custom_rm_text and (self.custom_rm_path is None or self.data is None):
             bad("custom_rm_text", True, "False unless custom_rm_path and data are given (the text is decoded "
                 "with data's tokenizer)")
@@ -374,9 +440,15 @@ class TrainConfig:
             bad("num_threads", self.num_threads, "None or an int >= 1")
         for name, allowed in (("algorithm", ALGORITHMS), ("engine", ENGINES), ("trainer", TRAINERS),
                               ("custom_rm_kind", typing.get_args(RewardKind)),
-                              ("kl_loss_type", typing.get_args(KlType))):
+                              ("kl_loss_type", typing.get_args(KlType)),
+                              ("optimizer", typing.get_args(OptimizerKind)),
+                              ("lr_decay_style", typing.get_args(LrDecayStyle))):
             if getattr(self, name) not in allowed:
                 bad(name, getattr(self, name), f"one of {allowed}")
+        for name, allowed in (("loss_aggregation", typing.get_args(LossAggregation)),
+                              ("rm_type", typing.get_args(RmType))):
+            if getattr(self, name) not in (None, *allowed):
+                bad(name, getattr(self, name), f"None or one of {allowed}")
         for name in ("counting_median", "lr", "custom_rm_timeout_s"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 bad(name, getattr(self, name), "a finite number > 0")
@@ -413,7 +485,8 @@ class TrainConfig:
                     f"n_samples_per_prompt ({total})")
         if self.custom_generate_function_path is not None:
             check_custom_generate(self)
-        for name in ("custom_rm_path", "dynamic_sampling_filter_path", "custom_generate_function_path"):
+        for name in ("custom_rm_path", "dynamic_sampling_filter_path", "custom_generate_function_path",
+                     "environment_path"):
             path = getattr(self, name)
             if path is not None and not IMPORT_PATH.fullmatch(path):
                 bad(name, path, "an import path 'pkg.module:function' or 'pkg.module.function'")
@@ -429,6 +502,56 @@ class TrainConfig:
         if self.use_decoupled_loss is not None:
             return self.use_decoupled_loss
         return self.async_rollout and self.max_head_offpolicyness > 0 and self.tis_cap is None
+
+    def _check_data_bounds(self) -> None:
+        """num_steps and num_epochs, the two bounds of a run's length, and the settings of a prompt file's passes."""
+        for name in ("num_epochs", "num_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                bad(name, value, "None or an int >= 1")
+        for name, value in (("num_epochs", self.num_epochs), ("rollout_shuffle", self.rollout_shuffle)):
+            if value not in (None, False) and self.data is None:
+                bad(name, value, f"{'None' if name == 'num_epochs' else 'False'} unless data is given (the built-in "
+                    "tasks are generated streams, not files read in passes)")
+        if self.num_steps is None and self.num_epochs is None:
+            bad("num_steps", None, "an int >= 1, or None with num_epochs set (train until the passes over the "
+                "prompt file are used up)")
+
+    def _check_optimisation(self) -> None:
+        """The optimiser, schedule, loss, reward and evaluation sampling settings slime's flags reach."""
+        for name in ("weight_decay", "clip_grad", "min_lr", "entropy_coef"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                bad(name, getattr(self, name), "a finite number >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                bad(name, getattr(self, name), "a number in [0, 1)")
+        if not math.isfinite(self.adam_eps) or self.adam_eps <= 0:
+            bad("adam_eps", self.adam_eps, "a finite number > 0")
+        if self.min_lr > self.lr:
+            bad("min_lr", self.min_lr, f"a number <= lr ({self.lr})")
+        if self.lr_warmup_iters < 0:
+            bad("lr_warmup_iters", self.lr_warmup_iters, "an int >= 0")
+        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
+            bad("lr_decay_iters", self.lr_decay_iters, f"None or an int > lr_warmup_iters ({self.lr_warmup_iters})")
+        if self.lr_decay_style != "constant" and self.lr_decay_iters is None and self.num_steps is None:
+            bad("lr_decay_iters", None, f"an int with lr_decay_style={self.lr_decay_style!r} when num_steps is None "
+                "(the decay ends at the run's last optimizer step, unknown then)")
+        if self.rm_type is not None and (self.data is None or self.custom_rm_path is not None):
+            bad("rm_type", self.rm_type, "None unless data is given without custom_rm_path (the counting task has "
+                "its reward, and custom_rm_path replaces the built-in ones)")
+        if self.eval_temperature is not None and (not math.isfinite(self.eval_temperature) or self.eval_temperature < 0):
+            bad("eval_temperature", self.eval_temperature, "None or a finite number >= 0")
+        if self.eval_top_p is not None and not 0 < self.eval_top_p <= 1:
+            bad("eval_top_p", self.eval_top_p, "None or a number in (0, 1]")
+        if self.eval_max_response_len is not None and self.eval_max_response_len < 1:
+            bad("eval_max_response_len", self.eval_max_response_len, "None or an int >= 1")
+
+    @property
+    def lr_decay_end(self) -> int | None:
+        """The optimizer step at which the learning-rate decay ends: lr_decay_iters, else the run's last."""
+        if self.lr_decay_iters is not None or self.num_steps is None:
+            return self.lr_decay_iters
+        return self.num_steps * self.minibatches
 
     def lookup_task_config(self) -> Any:
         """The lookup task's settings (april_ext.tasks.LookupTaskConfig) for ``seed``."""

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from april_ext.algorithms import KL_SHAPED_ADVANTAGES
 from april_ext.errors import ConfigError
+from april_ext.rollout.slime_generate import refused_settings
 from april_ext.scheduler import SchedulerConfig
 from april_ext.settings import settings
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
@@ -27,6 +28,10 @@ WeightSync = Literal["disk", "tensor", "broadcast"]
 RayRouting = Literal["router", "least_loaded"]
 EngineKind = Literal["embedded", "sglang"]
 TrainerKind = Literal["torch", "megatron"]
+OptimizerKind = Literal["adam"]
+LrDecayStyle = Literal["constant", "linear", "cosine"]
+LossAggregation = Literal["token", "sequence"]
+RmType = Literal["math", "deepscaler", "dapo"]
 ENGINES: tuple[str, ...] = typing.get_args(EngineKind)
 TRAINERS: tuple[str, ...] = typing.get_args(TrainerKind)
 
@@ -78,16 +83,33 @@ def check_lookup(config: TrainConfig) -> None:
         for theirs, ours in names.items():
             message = message.replace(f"LookupTaskConfig.{theirs}", f"TrainConfig.{ours}")
         raise ConfigError(message) from None
-    if not math.isfinite(config.tool_timeout_s) or config.tool_timeout_s <= 0:
-        bad("tool_timeout_s", config.tool_timeout_s, "a finite number > 0")
-    if config.max_concurrent_tool_calls is not None and config.max_concurrent_tool_calls < 1:
-        bad("max_concurrent_tool_calls", config.max_concurrent_tool_calls, "None or an int >= 1")
+    _check_tool_limits(config)
     if config.custom_rm_path is not None:
         bad("custom_rm_path", config.custom_rm_path, "None with task='lookup' (the environment gives each "
             "trajectory its final reward)")
     if config.eval_interval:
         bad("eval_interval", config.eval_interval, "0 with task='lookup' (evaluation runs single-turn "
             "generations; a multi-turn evaluation is not built yet)")
+
+
+def _check_tool_limits(config: TrainConfig) -> None:
+    if not math.isfinite(config.tool_timeout_s) or config.tool_timeout_s <= 0:
+        bad("tool_timeout_s", config.tool_timeout_s, "a finite number > 0")
+    if config.max_concurrent_tool_calls is not None and config.max_concurrent_tool_calls < 1:
+        bad("max_concurrent_tool_calls", config.max_concurrent_tool_calls, "None or an int >= 1")
+
+
+def check_environment(config: TrainConfig) -> None:
+    """A run over environment_path: its prompts are data's, its rewards the environment's."""
+    path = config.environment_path
+    if config.data is None:
+        bad("environment_path", path, "None unless data is given (the environment's prompts come from the data "
+            f"file; task={config.task!r} has its own)")
+    _check_tool_limits(config)
+    for name, why in (("custom_rm_path", "the environment gives each trajectory its final reward"),
+                      ("custom_generate_function_path", "a custom generate function runs its own tools")):
+        if getattr(config, name) is not None:
+            bad(name, getattr(config, name), f"None with environment_path ({why})")
 
 
 def check_custom_generate(config: TrainConfig) -> None:
@@ -101,6 +123,9 @@ def check_custom_generate(config: TrainConfig) -> None:
     if config.eval_interval:
         bad("eval_interval", config.eval_interval, "0 with custom_generate_function_path (evaluation runs the "
             "engine's own generations)")
+    refused = refused_settings(config.scheduler_config())
+    if refused is not None:
+        raise ConfigError(f"TrainConfig.custom_generate_function_path={path!r}: {refused}")
 
 
 def check_ray(config: TrainConfig) -> None:
@@ -218,5 +243,5 @@ def check_async(config: TrainConfig, scheduler: SchedulerConfig) -> None:
 
 __all__ = ["ALGORITHMS", "check_async", "ENGINES", "IMPORT_PATH", "PARALLEL_SETTINGS", "SCHEDULER_SETTINGS", "TASKS", "TRAINERS",
            "EngineKind", "KlType", "RayRouting", "RewardKind", "TrainerKind", "WeightSync", "bad",
-           "check_colocated_carry", "check_custom_generate", "check_lookup", "check_parallel", "check_ray",
-           "check_sglang", "check_type"]
+           "check_colocated_carry", "check_custom_generate", "check_environment", "check_lookup", "check_parallel",
+           "check_ray", "check_sglang", "check_type"]

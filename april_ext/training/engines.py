@@ -117,11 +117,11 @@ def sglang_dir(config: TrainConfig) -> str:
 
 
 def sglang_engine_config(config: TrainConfig, version: int, *, worker_urls: tuple[str, ...] = (),
-                         router_url: str | None = None) -> SGLangEngineConfig:
+                         router_url: str | None = None, api_key: str | None = None) -> SGLangEngineConfig:
     """The run's SGLang client of ``worker_urls`` (each request to the least loaded) or ``router_url``, labelled
     ``version`` at start: the one place TrainConfig's fields become SGLangEngineConfig's (weight_sync, its
     bucket, timeout and directory: sglang_weight_sync_dir, by default ``<output_dir>/sglang/weight_sync``;
-    sglang_stream, sglang_worker_timeout_s, sglang_priority)."""
+    sglang_stream, sglang_worker_timeout_s, sglang_priority); ``api_key``: the servers' key (a Ray run's)."""
     from april_ext.sglang import SGLangEngineConfig
 
     return SGLangEngineConfig(
@@ -129,7 +129,8 @@ def sglang_engine_config(config: TrainConfig, version: int, *, worker_urls: tupl
         weight_sync=config.weight_sync, weight_bucket_mb=config.weight_sync_bucket_mb,
         weight_sync_timeout_s=config.weight_sync_timeout_s,
         weight_sync_dir=config.sglang_weight_sync_dir or os.path.join(sglang_dir(config), "weight_sync"),
-        stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s, priority=config.sglang_priority)
+        stream=config.sglang_stream, worker_timeout_s=config.sglang_worker_timeout_s, priority=config.sglang_priority,
+        api_key=api_key)
 
 
 async def _launch_servers(config: TrainConfig, trainer: Trainer, model_config: ModelConfig, root: str,

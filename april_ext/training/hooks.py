@@ -1,4 +1,5 @@
-"""Reward and group-filter functions a run imports by path (``custom_rm_path``, ``dynamic_sampling_filter_path``).
+"""Reward and group-filter functions a run imports by path (``custom_rm_path``, ``dynamic_sampling_filter_path``),
+and its multi-turn environment (``environment_path``: load_environment).
 
 A path is "pkg.module:function" or "pkg.module.function"; the module must be importable (on sys.path).
 A reward function has one of three kinds, each sync or ``async def``:
@@ -34,12 +35,21 @@ import numpy as np
 
 from april_ext.data_source import Prompt
 from april_ext.errors import ConfigError, InvalidStateError
+from april_ext.protocol import Environment
 
 REWARD_KINDS = ("sample", "group", "batch")
 
 
 def import_function(path: str, setting: str) -> Callable[..., Any]:
     """The callable at ``path`` ("pkg.module:name" or "pkg.module.name"); ConfigError naming ``setting``."""
+    fn = _import_object(path, setting)
+    if not callable(fn):
+        raise ConfigError(f"{setting}={path!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _import_object(path: str, setting: str) -> Any:
+    """The object at ``path``; ConfigError naming ``setting``."""
     module_name, sep, name = path.partition(":")
     if not sep:
         module_name, _, name = path.rpartition(".")
@@ -49,12 +59,58 @@ def import_function(path: str, setting: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ConfigError(f"{setting}={path!r}: cannot import module {module_name!r} ({err})") from None
-    fn = getattr(module, name, None)
-    if fn is None:
+    if not hasattr(module, name):
         raise ConfigError(f"{setting}={path!r}: module {module_name!r} has no attribute {name!r}")
-    if not callable(fn):
-        raise ConfigError(f"{setting}={path!r} is a {type(fn).__name__}, not a function")
-    return fn
+    return getattr(module, name)
+
+
+def _is_environment(value: Any) -> bool:
+    """An Environment object (not a class) whose start and step are ``async def``."""
+    return not isinstance(value, type) and isinstance(value, Environment) and all(
+        inspect.iscoroutinefunction(getattr(value, name)) for name in ("start", "step"))
+
+
+def load_environment(path: str, tokenizer: Any) -> tuple[Environment, tuple[int, ...]]:
+    """``environment_path``'s Environment and the token ids that end a model turn besides the tokenizer's EOS.
+
+    ``path`` names an Environment object, or a callable that returns one (a class, a factory function), called
+    with the run's tokenizer when it takes one required parameter and with nothing when it takes none. The
+    environment's optional ``stop_token_ids`` attribute (integers) lists the tokens that end a turn (a tool call's
+    closing token). ConfigError, naming environment_path, for a path that does not import, an object that is not
+    an Environment (async start(prompt) and async step(state, model_turn)) nor a callable returning one, a
+    callable that raises, and stop_token_ids that are not token ids."""
+    setting = "environment_path"
+    target = _import_object(path, setting)
+    env = target
+    if not _is_environment(target):
+        if not callable(target):
+            raise ConfigError(f"{setting}={path!r} is a {type(target).__name__}: an Environment (async start(prompt) "
+                              f"and async step(state, model_turn)) or a callable returning one is required")
+        try:
+            required = [p for p in inspect.signature(target).parameters.values()
+                        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+        except (TypeError, ValueError):
+            required = []
+        if len(required) > 1:
+            raise ConfigError(f"{setting}={path!r} takes {len(required)} required parameters "
+                              f"{[p.name for p in required]}: a factory takes none or one (the run's tokenizer)")
+        try:
+            env = target(tokenizer) if required else target()
+        except Exception as err:  # the user's factory: any failure is reported with its path
+            raise ConfigError(f"{setting}={path!r}: building the environment raised {type(err).__name__}: "
+                              f"{err}") from err
+        if not _is_environment(env):
+            raise ConfigError(f"{setting}={path!r} returned a {type(env).__name__}, which is not an Environment: "
+                              f"it needs async start(prompt) and async step(state, model_turn)")
+    stops = getattr(env, "stop_token_ids", ())
+    try:
+        ids = tuple(int(t) for t in stops)
+        ok = all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in stops)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{setting}={path!r}: its stop_token_ids={stops!r} must be token ids (integers >= 0)")
+    return env, ids
 
 
 def reward_kind(fn: Callable[..., Any], path: str, declared: str = "auto") -> str:
@@ -200,4 +256,4 @@ class ImportedFilter:
         return bool(keep)
 
 
-__all__ = ["REWARD_KINDS", "ImportedFilter", "ImportedReward", "import_function", "reward_kind"]
+__all__ = ["REWARD_KINDS", "ImportedFilter", "ImportedReward", "import_function", "load_environment", "reward_kind"]

@@ -49,12 +49,13 @@ class RolloutPipeline:
 
     ``rollout(v)`` generates the next batch under the published version v (a rollout driver's ``run_step``);
     batches come out in the order of the versions they are trained at, b = first, first + 1, .... ``first`` is the
-    trainer's version now and ``last`` the version of the run's last batch: nothing after it is generated.
+    trainer's version now and ``last`` the version of the run's last batch: nothing after it is generated (None: the
+    run ends when the data does).
     ``held(b)`` says whether batch b waits for :meth:`release` of b, which the run calls once the step before it
     has ended: a checkpoint is written there, and a batch taken from the scheduler and not yet trained would be
     missing from its state."""
 
-    def __init__(self, rollout: Callable[[int], Awaitable[RolloutResult]], lag: int, first: int, last: int,
+    def __init__(self, rollout: Callable[[int], Awaitable[RolloutResult]], lag: int, first: int, last: int | None,
                  held: Callable[[int], bool]) -> None:
         if not isinstance(lag, int) or isinstance(lag, bool) or lag < 0:
             raise InvalidArgumentError(f"lag={lag!r} is not allowed: an int >= 0 (versions the rollout may run ahead)")
@@ -132,7 +133,7 @@ class RolloutPipeline:
     async def _can_generate(self) -> bool:
         """Waits until the next batch may be generated (False: the run has ended it)."""
         b = self._next
-        if b > self._last:
+        if self._last is not None and b > self._last:
             return False
         async with self._changed:
             await self._changed.wait_for(lambda: self._ended or (

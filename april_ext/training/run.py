@@ -48,7 +48,7 @@ from april_ext.training.engines import EngineFactory, build_engine, engine_metri
 from april_ext.training.evaluation import evaluate
 from april_ext.training.handoff import StepMemory
 from april_ext.weights import sync_weights
-from april_ext.training.hooks import ImportedFilter, ImportedReward
+from april_ext.training.hooks import ImportedFilter, ImportedReward, load_environment
 from april_ext.training.metrics import VARIANT, read_metrics, step_row, summarize, variant_of
 from april_ext.training.pipeline import RolloutPipeline, version_lags
 from april_ext.training.sinks import TENSORBOARD_DIR, MetricsSink, TensorBoardSink, WandbSink
@@ -66,6 +66,8 @@ if TYPE_CHECKING:
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
+WANDB_RUN_ID = "wandb_run_id"
+"""The run-state key (a checkpoint's run.json) of the W&B run a resumed run continues."""
 _run_ids = itertools.count()
 
 
@@ -82,6 +84,21 @@ class TrainResult:
     summary: dict[str, float] = field(default_factory=dict)
     memory_tag_prefix: str = ""
     """Prefix of this run's april_ext.memory tags (engine "weights" / "kv_cache", colocated "trainer")."""
+    steps_done: int = 0
+    """The run's last step (a resumed run counts its earlier steps)."""
+
+    @property
+    def stopped_early(self) -> str | None:
+        """Why the run ended before num_steps, when a bound the user set ended it (the passes over the prompt
+        file were used up); None when it ran its num_steps (or had none)."""
+        config = self.config
+        if not self.data_exhausted or config.num_steps is None or self.steps_done >= config.num_steps:
+            return None
+        trained = self.steps_done - (self.resumed_from or 0)
+        where = (f"the checkpoint of step {self.resumed_from} had used them up; this run trained no step"
+                 if trained == 0 and self.resumed_from is not None else f"after step {self.steps_done}")
+        return (f"the prompt data ran out before num_steps={config.num_steps}: num_epochs={config.num_epochs} "
+                f"passes over {config.data} ({where}); give more epochs, or none to cycle the file until num_steps")
 
 
 @dataclass
@@ -162,7 +179,8 @@ def _build_task(config: TrainConfig) -> _Task:
     assert config.data is not None and config.tokenizer_dir is not None and config.model is not None
     tokenizer = load_tokenizer(config.tokenizer_dir)
     dataset = PromptDataset.from_file(config.data, tokenizer, DatasetConfig(
-        prompt_key=config.prompt_key, label_key=config.label_key, seed=config.seed, epochs=config.num_epochs))
+        prompt_key=config.prompt_key, label_key=config.label_key, seed=config.seed, epochs=config.num_epochs,
+        shuffle=config.rollout_shuffle))
     eos = tokenizer.eos_token_id
     model_dir = config.model
 
@@ -172,9 +190,18 @@ def _build_task(config: TrainConfig) -> _Task:
             prompt_key=config.prompt_key, label_key=config.label_key, shuffle=False))
         return [held_out[i] for i in range(len(held_out))]
 
-    return _Task(dataset, MathReward(tokenizer), () if eos is None else (int(eos),),
-                 config.max_response_len or 1024, lambda: model_dir, eval_prompts,
-                 lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True))
+    environment, stops = _user_environment(config, tokenizer)
+    return _Task(dataset, MathReward(tokenizer, config.rm_type or "math") if environment is None else None,
+                 (*(() if eos is None else (int(eos),)), *stops), config.max_response_len or 1024, lambda: model_dir,
+                 eval_prompts, lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True), environment)
+
+
+def _user_environment(config: TrainConfig, tokenizer: Any) -> tuple[Environment | None, tuple[int, ...]]:
+    """environment_path's Environment and the tokens that end its turns besides EOS (training.hooks); (None, ())
+    without one."""
+    if config.environment_path is None:
+        return None, ()
+    return load_environment(config.environment_path, tokenizer)
 
 
 def _reward_fn(config: TrainConfig, task: _Task) -> RewardFn | None:
@@ -294,10 +321,13 @@ class TrainingRun:
         self._evaluation: asyncio.Task[dict[str, float]] | None = None
         self._started: float | None = None
         self._elapsed_before = 0.0
+        self._wandb_run_id: str | None = None
+        """The W&B run a resumed run continues (from its checkpoint's run state), then this run's."""
 
     @property
     def done(self) -> bool:
-        return self.data_exhausted or self.steps_done >= self.config.num_steps
+        limit = self.config.num_steps
+        return self.data_exhausted or (limit is not None and self.steps_done >= limit)
 
     async def __aenter__(self) -> TrainingRun:
         try:
@@ -337,6 +367,12 @@ class TrainingRun:
         self.sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                        stop_token_ids=task.stop_token_ids, max_new_tokens=task.max_response_len)
         self.reward_fn = reward_fn
+        self.environment = task.environment
+        # slime's --eval-* overrides; each unset one follows the rollouts'.
+        overrides = {"temperature": config.eval_temperature, "top_p": config.eval_top_p, "top_k": config.eval_top_k,
+                     "max_new_tokens": config.eval_max_response_len}
+        self.eval_sampling = dataclasses.replace(
+            self.sampling, **{name: value for name, value in overrides.items() if value is not None})
         if config.custom_generate_function_path is not None:
             self.rollout: RolloutDriver = self._custom_generate_rollout(reward_fn, group_filter, task)
         else:
@@ -346,8 +382,8 @@ class TrainingRun:
                 seed=config.seed, engine_capacity=config.max_num_seqs, deterministic=config.deterministic_rollout,
                 environment=task.environment, tool_timeout_s=config.tool_timeout_s,
                 max_concurrent_tool_calls=config.max_concurrent_tool_calls)
-            if self._environment_state is not None:
-                self.rollout.load_environment_state(self._environment_state)
+        if self._environment_state is not None:
+            self.rollout.load_environment_state(self._environment_state)
         self._stack.push_async_callback(self.rollout.close)
         self.memory = StepMemory(self.engine, self.trainer) if config.colocate else None
         if config.async_rollout:
@@ -362,10 +398,11 @@ class TrainingRun:
 
         def after_checkpoint(version: int) -> bool:
             before = steps + version - first  # steps done when the batch of ``version`` is trained
-            return config.save_interval > 0 and 0 < before < config.num_steps and before % config.save_interval == 0
+            return (config.save_interval > 0 and 0 < before and (config.num_steps is None or before < config.num_steps)
+                    and before % config.save_interval == 0)
 
-        pipeline = RolloutPipeline(self.rollout.run_step, config.max_head_offpolicyness, first,
-                                   first + config.num_steps - steps - 1, after_checkpoint)
+        last = None if config.num_steps is None else first + config.num_steps - steps - 1
+        pipeline = RolloutPipeline(self.rollout.run_step, config.max_head_offpolicyness, first, last, after_checkpoint)
         # First on the way out: a failing run stops generating before the engine and the rollout close.
         self._stack.push_async_callback(pipeline.cancel)
         return pipeline
@@ -387,8 +424,9 @@ class TrainingRun:
         # The newest intact checkpoint: a damaged newer one is skipped with a warning.
         latest = source.restore_newest(self.trainer, self.scheduler)
         if latest is not None:
-            # Loaded into the rollout loop once it exists (it is built after the engine, below).
+            # Loaded into the rollout driver once it exists (it is built after the engine, below).
             self._environment_state = source.read_environment(latest)
+            self._wandb_run_id = source.run_state(latest).get(WANDB_RUN_ID)
             self.resumed_from = self.steps_done = latest.step
             self.last_saved = latest.path
             self.history = read_metrics(self.metrics_path, latest.step)
@@ -420,10 +458,14 @@ class TrainingRun:
         """The TensorBoard / W&B sinks the config asks for, closed with the run."""
         config, sinks = self.config, []
         if config.use_tensorboard:
-            sinks.append(TensorBoardSink(os.path.join(config.output_dir, TENSORBOARD_DIR), self.resolved_config))
+            sinks.append(TensorBoardSink(os.path.join(config.output_dir, TENSORBOARD_DIR), self.resolved_config,
+                                         self.resumed_from))
         if config.use_wandb:
-            sinks.append(WandbSink(config.wandb_project, config.wandb_dir or config.output_dir,
-                                   os.path.basename(os.path.abspath(config.output_dir)), self.resolved_config))
+            wandb = WandbSink(config.wandb_project, config.wandb_dir or config.output_dir,
+                              os.path.basename(os.path.abspath(config.output_dir)), self.resolved_config,
+                              group=config.wandb_group, run_id=self._wandb_run_id)
+            self._wandb_run_id = wandb.run_id
+            sinks.append(wandb)
         for sink in sinks:
             self._stack.callback(sink.close)
         return sinks
@@ -534,9 +576,10 @@ class TrainingRun:
             await self.memory.to_rollout()
         # Carried samples (step_boundary="carry") continue meanwhile, under the weights just loaded.
         async with self.rollout.running_engine():
-            metrics = await evaluate(self.engine, self.eval_prompts, self.reward_fn, self.sampling,
+            metrics = await evaluate(self.engine, self.eval_prompts, self.reward_fn, self.eval_sampling,
                                      n_samples=self.config.n_samples_per_eval_prompt, seed=self.config.seed,
-                                     concurrency=self.config.max_num_seqs)
+                                     concurrency=self.config.max_num_seqs, environment=self.environment,
+                                     tool_timeout_s=self.config.tool_timeout_s)
         if self.memory is not None:
             await self.memory.to_training()
         return {**metrics, "eval/policy_version": version, "time/eval_s": time.perf_counter() - start}
@@ -553,7 +596,10 @@ class TrainingRun:
                     f"{self._pipeline.ready} batch(es) were generated ahead and not trained: an asynchronous run "
                     f"checkpoints at the steps its pipeline waits on (every save_interval steps and at the end)")
         await self.rollout.drain_rewards()
-        self.last_saved = self.checkpoints.save(self.steps_done, self.trainer, self.scheduler, {VARIANT: self.variant},
+        run_state: dict[str, Any] = {VARIANT: self.variant}
+        if self._wandb_run_id is not None:
+            run_state[WANDB_RUN_ID] = self._wandb_run_id
+        self.last_saved = self.checkpoints.save(self.steps_done, self.trainer, self.scheduler, run_state,
                                                 environment=self.rollout.environment_state())
         return self.last_saved
 
@@ -576,7 +622,7 @@ class TrainingRun:
 
             plot_run(self.history, self.config.output_dir)
         return TrainResult(self.config, self.history, self.config.output_dir, self.last_saved, self.resumed_from,
-                           self.data_exhausted, summarize(self.history), self.memory_tag_prefix)
+                           self.data_exhausted, summarize(self.history), self.memory_tag_prefix, self.steps_done)
 
 
 __all__ = ["CONFIG_FILE", "METRICS_FILE", "StepMemory", "TrainResult", "TrainingRun", "summarize", "train",

@@ -47,15 +47,17 @@ def _missing(what: str, err: ImportError) -> ConfigError:
 
 class TensorBoardSink:
     """Event files under ``logdir`` (open them with ``tensorboard --logdir <output_dir>/tensorboard``);
-    the config is the text ``config`` at step 0."""
+    the config is the text ``config`` at step 0. ``resumed_from``: the step of the checkpoint a resumed run
+    continues from: it writes on in the same directory, and TensorBoard drops the earlier run's events after
+    that step (which the resumed run logs again)."""
 
-    def __init__(self, logdir: str, config: Mapping[str, Any]) -> None:
+    def __init__(self, logdir: str, config: Mapping[str, Any], resumed_from: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
             raise _missing("use_tensorboard", err) from None
         self.logdir = logdir
-        self._writer = SummaryWriter(log_dir=logdir)
+        self._writer = SummaryWriter(log_dir=logdir, purge_step=None if resumed_from is None else resumed_from + 1)
         # Markdown code block, so TensorBoard's text tab keeps the JSON's layout.
         text = "    " + json.dumps(dict(config), indent=2, sort_keys=True).replace("\n", "\n    ")
         self._writer.add_text("config", text, global_step=0)
@@ -73,17 +75,22 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """One W&B run (project ``project``, its directory under ``directory``) with the config as the run's
-    config; WANDB_MODE=offline keeps it local (``wandb sync`` uploads it later)."""
+    """One W&B run (project ``project``, in ``group`` when given, its directory under ``directory``) with the
+    config as the run's config; WANDB_MODE=offline keeps it local (``wandb sync`` uploads it later).
+    ``run_id``: the id of the run a resumed training continues (kept in its checkpoints), so its history
+    stays one run; None starts a new one."""
 
-    def __init__(self, project: str, directory: str, name: str, config: Mapping[str, Any]) -> None:
+    def __init__(self, project: str, directory: str, name: str, config: Mapping[str, Any], *,
+                 group: str | None = None, run_id: str | None = None) -> None:
         try:
             import wandb
         except ImportError as err:
             raise _missing("use_wandb", err) from None
         os.makedirs(directory, exist_ok=True)
-        self._run = wandb.init(project=project, dir=directory, name=name, config=dict(config), reinit="create_new")
+        self._run = wandb.init(project=project, dir=directory, name=name, group=group, config=dict(config),
+                               id=run_id, resume=None if run_id is None else "allow", reinit="create_new")
         self.run_dir: str = self._run.dir
+        self.run_id: str = self._run.id
 
     def log(self, step: int, row: Mapping[str, Any]) -> None:
         self._run.log(scalars(row), step=step)

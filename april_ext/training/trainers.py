@@ -40,16 +40,18 @@ _ALGORITHMS: dict[str, Callable[..., AlgorithmConfig]] = {
 
 def algorithm_config(config: TrainConfig) -> AlgorithmConfig:
     """The objective: the preset TrainConfig.algorithm names, with the run's KL settings, discount, advantage
-    whitening, TIS clip, decoupled loss and clip range."""
+    whitening, TIS clip, decoupled loss, entropy bonus, clip range and loss aggregation."""
     clip: dict[str, float] = {}
     if config.eps_clip is not None:
         clip = {"eps_low": config.eps_clip, "eps_high": config.eps_clip}
     if config.eps_clip_high is not None:
         clip["eps_high"] = config.eps_clip_high
+    aggregation = {} if config.loss_aggregation is None else {"aggregation": config.loss_aggregation}
     return _ALGORITHMS[config.algorithm](
         kl_loss_coef=config.kl_loss_coef, kl_coef=config.kl_coef, kl_loss_type=config.kl_loss_type, gamma=config.gamma,
         normalize_advantages=config.normalize_advantages, tis_cap=config.tis_cap, tis_floor=config.tis_floor,
-        use_decoupled_loss=config.decoupled_loss, behav_imp_weight_cap=config.behav_imp_weight_cap, **clip)
+        use_decoupled_loss=config.decoupled_loss, behav_imp_weight_cap=config.behav_imp_weight_cap,
+        entropy_coef=config.entropy_coef, **clip, **aggregation)
 
 
 def initial_model_config(initial: InitialWeights) -> ModelConfig:
@@ -60,9 +62,14 @@ def initial_model_config(initial: InitialWeights) -> ModelConfig:
 
 
 def trainer_config(config: TrainConfig, memory_tag_prefix: str = "") -> TrainerConfig:
-    """The optimisation settings every kind of trainer shares; pi_train follows the rollouts' sampling."""
+    """The optimisation settings every kind of trainer shares (optimizer, schedule, KL reference); pi_train
+    follows the rollouts' sampling."""
     return TrainerConfig(
-        algorithm=algorithm_config(config), lr=config.lr, micro_batch_tokens=config.micro_batch_tokens,
+        algorithm=algorithm_config(config), lr=config.lr, weight_decay=config.weight_decay,
+        betas=(config.adam_beta1, config.adam_beta2), adam_eps=config.adam_eps,
+        grad_clip=config.clip_grad if config.clip_grad > 0 else None, lr_decay_style=config.lr_decay_style,
+        lr_warmup_iters=config.lr_warmup_iters, lr_decay_iters=config.lr_decay_end, min_lr=config.min_lr,
+        reference=config.ref_load, micro_batch_tokens=config.micro_batch_tokens,
         micro_batch_size=config.micro_batch_size,
         minibatches=config.minibatches, device=config.device, temperature=config.temperature, top_k=config.top_k,
         top_p=config.top_p, colocated=config.colocate,

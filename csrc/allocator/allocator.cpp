@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdio>
 #include <limits>
+#include <set>
 #include <utility>
 
 #include "allocator/gpu_backends.h"
@@ -164,6 +165,8 @@ void Allocator::free(std::uintptr_t addr) {
     auto it = allocations_.find(addr);
     check(it != allocations_.end(), ErrorKind::UnknownId,
           "free of " + hex(addr) + ": not an address this allocator handed out (or freed twice)");
+    // Before anything changes: a failed synchronize leaves the allocation as it was.
+    if (!it->second->paused()) it->second->backend->synchronize(it->second->device.index);
     victim = std::move(it->second);
     allocations_.erase(it);
     // Released in order and with errors reported; the destructor would drop them.
@@ -203,6 +206,7 @@ void Allocator::pause_tag(const std::string& tag, TagRecord& record) {
   }
   if (record.paused && todo.empty()) return;
   auto start = std::chrono::steady_clock::now();
+  synchronize_devices(todo);
   // Backups first: when the host has no room, nothing has been paused yet.
   std::vector<HostBuffer> backups(todo.size());
   try {
@@ -229,16 +233,28 @@ void Allocator::pause_tag(const std::string& tag, TagRecord& record) {
     a->mapping.reset();
     a->memory.reset();
     if (a->backend->pause_frees_va()) {
-      std::size_t size = a->va.size();
       std::size_t gran = a->backend->granularity(a->device.index);
       a->va.reset();
-      a->va = VaRange(a->backend, size, gran, addr);
+      try {
+        a->va = VaRange(a->backend, a->physical, gran, addr);
+      } catch (const Error& e) {
+        // The allocation is paused with no range: resume reserves it again before mapping there.
+        throw Error(e.kind(), "pause of tag '" + tag + "': the range at " + hex(addr) +
+                                  " was freed to return its memory and could not be reserved again: " + e.what() +
+                                  "; the allocation stays paused and resume reserves the range again");
+      }
     }
   }
   record.history.pauses += 1;
   record.history.last_pause_seconds = seconds_since(start);
   record.history.last_pause_copied_bytes = copied;
   record.history.last_pause_copy_seconds = copy_seconds;
+}
+
+void Allocator::synchronize_devices(const std::vector<Allocation*>& allocations) {
+  std::set<std::pair<Backend*, int>> devices;
+  for (const Allocation* a : allocations) devices.emplace(a->backend, a->device.index);
+  for (const auto& [backend, device] : devices) backend->synchronize(device);
 }
 
 void Allocator::resume(const std::optional<std::string>& tag) {
@@ -261,6 +277,19 @@ void Allocator::resume_tag(const std::string& tag, TagRecord& record) {
     if (a->paused()) todo.push_back(a);
   }
   auto start = std::chrono::steady_clock::now();
+  // A range a pause freed and could not reserve again (ROCm) is reserved first: memory is never
+  // mapped at an address the allocator does not hold.
+  for (Allocation* a : todo) {
+    if (a->va.held()) continue;
+    const std::uintptr_t addr = a->va.addr();
+    try {
+      a->va = VaRange(a->backend, a->physical, a->backend->granularity(a->device.index), addr);
+    } catch (const Error& e) {
+      throw Error(e.kind(), "resume of tag '" + tag + "': the range at " + hex(addr) +
+                                " could not be reserved again: " + e.what() +
+                                "; the tag stays paused: call resume again once the address is free");
+    }
+  }
   // All physical memory first: when the device is full, nothing has changed and resume can be retried.
   std::vector<PhysicalMemory> memory;
   memory.reserve(todo.size());

@@ -79,7 +79,8 @@ class Allocator {
   // Returns the address of size bytes (size > 0) on device, accounted to tag. Throws
   // Error(InvalidState) when tag is paused, Error(OutOfMemory) when the device is full.
   std::uintptr_t allocate(std::size_t size, Device device, const std::string& tag, bool cpu_backup);
-  // Frees an allocation in any state. Error(UnknownId) for an address it did not hand out.
+  // Frees an allocation in any state; a live one after its device finished the work queued on it.
+  // Error(UnknownId) for an address it did not hand out.
   void free(std::uintptr_t addr);
 
   // Pauses one tag, or every active tag when tag is empty. Error(InvalidState) when the named tag is
@@ -88,7 +89,8 @@ class Allocator {
   void pause(const std::optional<std::string>& tag);
   // Resumes one tag, or every paused tag when tag is empty. Error(InvalidState) when the named tag is
   // active. Error(OutOfMemory) when the device has no room: then the tag stays paused, unchanged, and
-  // resume can be called again.
+  // resume can be called again. The same holds for a range a pause freed (ROCm) and could not
+  // reserve again: resume reserves it first, and fails (tag still paused) while it cannot.
   void resume(const std::optional<std::string>& tag);
 
   AllocationInfo info(std::uintptr_t addr) const;
@@ -121,6 +123,8 @@ class Allocator {
 
   Backend& backend_locked(DeviceKind kind);
   std::vector<Allocation*> allocations_of(const std::string& tag);
+  // Synchronizes each device the allocations live on, once.
+  void synchronize_devices(const std::vector<Allocation*>& allocations);
   void pause_tag(const std::string& tag, TagRecord& record);
   void resume_tag(const std::string& tag, TagRecord& record);
 

@@ -35,6 +35,10 @@ class Backend {
   virtual void map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) = 0;
   virtual void set_access(std::uintptr_t addr, std::size_t size, int device) = 0;
   virtual void unmap(std::uintptr_t addr, std::size_t size) = 0;
+  // Waits for the work queued on device. The core calls it before it unmaps memory of a live
+  // allocation (free) or copies / unmaps a tag's memory (pause): a kernel still queued on that
+  // memory would otherwise read or write an unmapped address.
+  virtual void synchronize(int device) = 0;
 
   // Whether a handle may be released right after map (the mapping keeps the memory alive), which
   // saves holding one handle (an fd on the CPU) per live allocation.

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "allocator/host_memory.h"
@@ -54,7 +55,36 @@ std::size_t CpuBackend::committed() const {
   return committed_;
 }
 
+CpuBackend::Op CpuBackend::parse_op(const std::string& name) {
+  if (name == "reserve_at") return Op::ReserveAt;
+  if (name == "unmap") return Op::Unmap;
+  throw Error(ErrorKind::InvalidArgument, "fault operation '" + name + "' is not allowed: use 'reserve_at' or 'unmap'");
+}
+
+void CpuBackend::inject_faults(Op op, int count, bool foreign) {
+  check(count >= 0, ErrorKind::InvalidArgument, "count must be >= 0, got " + std::to_string(count));
+  std::lock_guard<std::mutex> lock(mutex_);
+  faults_[op] = Fault{count, foreign};
+}
+
+void CpuBackend::maybe_fail(Op op, const char* what) {
+  bool foreign = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = faults_.find(op);
+    if (it == faults_.end() || it->second.count == 0) return;
+    it->second.count -= 1;
+    foreign = it->second.foreign;
+  }
+  const std::string message = std::string("cpu backend: injected failure of ") + what;
+  if (foreign) throw std::runtime_error(message);
+  throw Error(ErrorKind::Driver, message);
+}
+
+void CpuBackend::synchronize(int) { synchronize_calls_.fetch_add(1); }
+
 std::uintptr_t CpuBackend::reserve(std::size_t size, std::size_t alignment, std::uintptr_t fixed_addr) {
+  if (fixed_addr != 0) maybe_fail(Op::ReserveAt, "reserving address space at a fixed address");
   // Alignment beyond a page is obtained by over-reserving and trimming the ends.
   std::size_t extra = alignment > page_size_ ? alignment : 0;
   int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
@@ -160,6 +190,7 @@ void CpuBackend::set_access(std::uintptr_t addr, std::size_t size, int) {
 }
 
 void CpuBackend::unmap(std::uintptr_t addr, std::size_t size) {
+  maybe_fail(Op::Unmap, "unmapping physical memory");
   // Replacing the mapping (rather than munmap) keeps the range reserved for the resume.
   void* p = ::mmap(reinterpret_cast<void*>(addr), size, PROT_NONE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);

@@ -3,8 +3,11 @@
 // back, so the pages return to the OS (RSS drops) while the address range stays reserved.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <map>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 #include "allocator/backend.h"
@@ -27,8 +30,11 @@ class CpuBackend final : public Backend {
   void map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) override;
   void set_access(std::uintptr_t addr, std::size_t size, int device) override;
   void unmap(std::uintptr_t addr, std::size_t size) override;
+  // Host work is done when a call returns: nothing to wait for. Counted, so tests can see the core
+  // synchronize where a GPU needs it.
+  void synchronize(int device) override;
   bool release_while_mapped() const override { return true; }
-  bool pause_frees_va() const override { return false; }
+  bool pause_frees_va() const override { return pause_frees_va_.load(); }
 
   void* alloc_host(std::size_t size) override;
   void free_host(void* ptr, std::size_t size) noexcept override;
@@ -40,8 +46,27 @@ class CpuBackend final : public Backend {
   void set_capacity(std::size_t bytes);
   std::size_t capacity() const;
   std::size_t committed() const;
+  std::size_t synchronize_calls() const { return synchronize_calls_.load(); }
+
+  // Test support, so that the core's GPU-only paths run on the host. With pause_frees_va the
+  // backend behaves as ROCm does: pause frees each range and reserves the same address again.
+  void set_pause_frees_va(bool on) { pause_frees_va_.store(on); }
+  // The operations a fault can be injected into.
+  enum class Op { ReserveAt, Unmap };
+  // Makes the next `count` calls of op fail: with Error(Driver), as a failing driver call would, or
+  // with a std::runtime_error (foreign), as any other failure inside a call would.
+  void inject_faults(Op op, int count, bool foreign);
+  // "reserve_at" or "unmap"; Error(InvalidArgument) otherwise.
+  static Op parse_op(const std::string& name);
 
  private:
+  struct Fault {
+    int count = 0;
+    bool foreign = false;
+  };
+  // Throws the injected fault of op, if one is left.
+  void maybe_fail(Op op, const char* what);
+
   struct Handle {
     std::size_t size;
     bool mapped;
@@ -55,6 +80,9 @@ class CpuBackend final : public Backend {
   std::unordered_map<int, Handle> handles_;
   // Mapped ranges: address -> bytes, uncommitted on unmap (the memfd may be released before).
   std::unordered_map<std::uintptr_t, std::size_t> mapped_ranges_;
+  std::map<Op, Fault> faults_;
+  std::atomic<std::size_t> synchronize_calls_{0};
+  std::atomic<bool> pause_frees_va_{false};
 };
 
 }  // namespace april::alloc

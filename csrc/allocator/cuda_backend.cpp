@@ -47,6 +47,8 @@ struct CudaApi {
   decltype(&::cuDevicePrimaryCtxRelease) primary_ctx_release;
   decltype(&::cuCtxGetCurrent) ctx_get_current;
   decltype(&::cuCtxSetCurrent) ctx_set_current;
+  decltype(&::cuCtxGetDevice) ctx_get_device;
+  decltype(&::cuCtxSynchronize) ctx_synchronize;
   decltype(&::cuMemGetInfo) mem_get_info;
   decltype(&::cuMemGetAllocationGranularity) get_granularity;
   decltype(&::cuMemAddressReserve) address_reserve;
@@ -78,6 +80,8 @@ struct CudaApi {
     lib.load(primary_ctx_release, "cuDevicePrimaryCtxRelease_v2");
     lib.load(ctx_get_current, "cuCtxGetCurrent");
     lib.load(ctx_set_current, "cuCtxSetCurrent");
+    lib.load(ctx_get_device, "cuCtxGetDevice");
+    lib.load(ctx_synchronize, "cuCtxSynchronize");
     lib.load(mem_get_info, "cuMemGetInfo_v2");
     lib.load(get_granularity, "cuMemGetAllocationGranularity");
     lib.load(address_reserve, "cuMemAddressReserve");
@@ -128,22 +132,22 @@ class CudaBackend final : public Backend {
   }
 
   void memory_info(int device, std::size_t* free_bytes, std::size_t* total_bytes) override {
-    make_current(device);
+    ContextScope scope(*this, device);
     check_call(api_.mem_get_info(free_bytes, total_bytes), "cuMemGetInfo");
   }
 
   std::uintptr_t reserve(std::size_t size, std::size_t alignment, std::uintptr_t fixed_addr) override {
-    make_current(last_device_);
+    ContextScope scope(*this, kAnyDevice);
     return reserve_range(api_, size, alignment, fixed_addr);
   }
 
   void free_va(std::uintptr_t addr, std::size_t size) override {
-    make_current(last_device_);
+    ContextScope scope(*this, kAnyDevice);
     free_range(api_, addr, size);
   }
 
   PhysicalHandle create(std::size_t size, int device) override {
-    make_current(device);
+    ContextScope scope(*this, device);
     last_device_ = device;
     CUmemAllocationProp prop = properties(device);
     CUmemGenericAllocationHandle handle = 0;
@@ -152,24 +156,30 @@ class CudaBackend final : public Backend {
   }
 
   void release(PhysicalHandle handle) override {
-    make_current(last_device_);
+    ContextScope scope(*this, kAnyDevice);
     check_call(api_.release(static_cast<CUmemGenericAllocationHandle>(handle)), "cuMemRelease");
   }
 
   void map(std::uintptr_t addr, std::size_t size, PhysicalHandle handle) override {
-    make_current(last_device_);
+    ContextScope scope(*this, kAnyDevice);
     check_call(api_.map(static_cast<CUdeviceptr>(addr), size, 0, static_cast<CUmemGenericAllocationHandle>(handle), 0),
                "cuMemMap");
   }
 
   void set_access(std::uintptr_t addr, std::size_t size, int device) override {
-    make_current(device);
+    ContextScope scope(*this, device);
     grant_access(api_, addr, size, device);
   }
 
   void unmap(std::uintptr_t addr, std::size_t size) override {
-    make_current(last_device_);
+    ContextScope scope(*this, kAnyDevice);
     check_call(api_.unmap(static_cast<CUdeviceptr>(addr), size), "cuMemUnmap");
+  }
+
+  // The primary context is the one torch queues its kernels in.
+  void synchronize(int device) override {
+    ContextScope scope(*this, device);
+    check_call(api_.ctx_synchronize(), "cuCtxSynchronize");
   }
 
   bool release_while_mapped() const override { return true; }
@@ -178,37 +188,74 @@ class CudaBackend final : public Backend {
   void* alloc_host(std::size_t size) override { return map_host_buffer(size); }
   void free_host(void* ptr, std::size_t size) noexcept override { unmap_host_buffer(ptr, size); }
 
+  // The copy stream of a device was made in its context and is only used with that context current.
   void copy_to_host(void* dst, std::uintptr_t src, std::size_t size, int device) override {
-    make_current(device);
+    ContextScope scope(*this, device);
     staged_device_to_host(copy_ops_.get(device), dst, src, size);
   }
 
   void copy_from_host(std::uintptr_t dst, const void* src, std::size_t size, int device) override {
-    make_current(device);
+    ContextScope scope(*this, device);
     staged_host_to_device(copy_ops_.get(device), dst, src, size);
   }
 
  private:
   void check_call(CUresult r, const char* call) const { check_result(api_, r, call); }
 
+  // For calls on address ranges and handles, which any context of the process serves.
+  static constexpr int kAnyDevice = -1;
+
   // Driver calls need a current context on the calling thread, which may be any thread (a tensor
-  // deleter, torch's free hook). When it has none, the device's primary context is made current:
-  // the one torch uses too. Calls that name no device use the device of the last creation.
-  void make_current(int device) {
-    CUcontext current = nullptr;
-    check_call(api_.ctx_get_current(&current), "cuCtxGetCurrent");
-    if (current != nullptr) return;
+  // deleter, torch's free hook) with any context current, possibly another device's. For the scope
+  // of a call on `device` its primary context (the one torch uses) is made current unless the
+  // current context is already that device's; the thread's previous context is put back after.
+  // kAnyDevice keeps any current context and falls back to the device of the last creation.
+  class ContextScope {
+   public:
+    ContextScope(CudaBackend& backend, int device) : api_(backend.api_) {
+      CUcontext current = nullptr;
+      backend.check_call(api_.ctx_get_current(&current), "cuCtxGetCurrent");
+      if (current != nullptr) {
+        if (device == kAnyDevice) return;
+        CUdevice current_device = 0;
+        backend.check_call(api_.ctx_get_device(&current_device), "cuCtxGetDevice");
+        if (current_device == backend.device_handle(device)) return;
+      }
+      CUcontext target = backend.primary_context(device == kAnyDevice ? backend.last_device_.load() : device);
+      backend.check_call(api_.ctx_set_current(target), "cuCtxSetCurrent");
+      previous_ = current;
+      restore_ = true;
+    }
+    ~ContextScope() {
+      if (restore_) (void)api_.ctx_set_current(previous_);
+    }
+    ContextScope(const ContextScope&) = delete;
+    ContextScope& operator=(const ContextScope&) = delete;
+
+   private:
+    const CudaApi& api_;
+    CUcontext previous_ = nullptr;
+    bool restore_ = false;
+  };
+
+  CUdevice device_handle(int device) {
+    CUdevice dev = 0;
+    check_call(api_.device_get(&dev, device), "cuDeviceGet");
+    return dev;
+  }
+
+  // The device's primary context, retained on first use and released with the backend.
+  CUcontext primary_context(int device) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = contexts_.find(device);
     if (it == contexts_.end()) {
-      CUdevice dev = 0;
-      check_call(api_.device_get(&dev, device), "cuDeviceGet");
+      CUdevice dev = device_handle(device);
       CUcontext ctx = nullptr;
       check_call(api_.primary_ctx_retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
       retained_[device] = dev;
       it = contexts_.emplace(device, ctx).first;
     }
-    check_call(api_.ctx_set_current(it->second), "cuCtxSetCurrent");
+    return it->second;
   }
 
   // GPUDirect RDMA capable memory where the device supports it with VMM, so NCCL / RDMA NICs can

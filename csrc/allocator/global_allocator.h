@@ -28,7 +28,8 @@ void set_hook_device_kind(DeviceKind kind);
 DeviceKind hook_device_kind();
 // The last error of a torch hook on this thread (the hooks cannot throw into torch); empty if none.
 std::string take_hook_error();
-void set_hook_error(const std::string& message);
+// Never throws: the hooks call it from their catch handlers.
+void set_hook_error(const char* message) noexcept;
 
 // Names of the C symbols exported for torch.cuda.memory.CUDAPluggableAllocator.
 const char* torch_malloc_symbol();

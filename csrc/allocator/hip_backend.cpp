@@ -62,6 +62,7 @@ struct HipApi {
   hipError_t (*get_device_count)(int*);
   hipError_t (*get_device)(int*);
   hipError_t (*set_device)(int);
+  hipError_t (*device_synchronize)();
   hipError_t (*mem_get_info)(size_t*, size_t*);
   hipError_t (*get_granularity)(size_t*, const hipMemAllocationProp*, hipMemAllocationGranularity_flags);
   hipError_t (*address_reserve)(void**, size_t, size_t, void*, unsigned long long);
@@ -90,6 +91,7 @@ struct HipApi {
     lib.load(get_device_count, "hipGetDeviceCount");
     lib.load(get_device, "hipGetDevice");
     lib.load(set_device, "hipSetDevice");
+    lib.load(device_synchronize, "hipDeviceSynchronize");
     lib.load(mem_get_info, "hipMemGetInfo");
     lib.load(get_granularity, "hipMemGetAllocationGranularity");
     lib.load(address_reserve, "hipMemAddressReserve");
@@ -264,6 +266,11 @@ class HipBackend final : public Backend {
       check_call(api_.unmap(reinterpret_cast<void*>(addr + offset), c.second), "hipMemUnmap");
       offset += c.second;
     }
+  }
+
+  void synchronize(int device) override {
+    DeviceScope scope(api_, device);
+    check_call(api_.device_synchronize(), "hipDeviceSynchronize");
   }
 
   // Handles are kept until pause: releasing a mapped handle early is not reliable on every ROCm.

@@ -100,12 +100,13 @@ class HostBuffer {
 };
 
 // Destructors run on failure paths that already carry an error; a second failure while cleaning
-// up cannot be reported better than the first, so it is dropped there and reported by reset().
+// up cannot be reported better than the first, so it is dropped there (whatever its type: a
+// destructor must not throw) and reported by reset().
 template <class Value, void (*Release)(Backend&, const Value&)>
 BackendResource<Value, Release>::~BackendResource() {
   try {
     reset();
-  } catch (const Error&) {
+  } catch (...) {
   }
 }
 
@@ -118,7 +119,7 @@ BackendResource<Value, Release>& BackendResource<Value, Release>::operator=(Back
   if (this != &other) {
     try {
       reset();
-    } catch (const Error&) {
+    } catch (...) {
     }
     backend_ = std::exchange(other.backend_, nullptr);
     value_ = other.value_;

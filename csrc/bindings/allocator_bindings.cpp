@@ -105,6 +105,12 @@ void bind_allocator(py::module_& parent) {
         py::arg("bytes"));
   m.def("cpu_capacity", [] { return global_allocator().cpu_backend().capacity(); });
   m.def("cpu_committed", [] { return global_allocator().cpu_backend().committed(); });
+  m.def("cpu_synchronize_calls", [] { return global_allocator().cpu_backend().synchronize_calls(); });
+  m.def("cpu_set_pause_frees_va", [](bool on) { global_allocator().cpu_backend().set_pause_frees_va(on); },
+        py::arg("on"));
+  m.def("cpu_inject_faults", [](const std::string& op, int count, bool foreign) {
+    global_allocator().cpu_backend().inject_faults(alloc::CpuBackend::parse_op(op), count, foreign);
+  }, py::arg("op"), py::arg("count"), py::arg("foreign"));
   m.def("set_backup_cache_limit", [](std::size_t bytes) { global_allocator().backup_cache().set_limit(bytes); },
         py::arg("bytes"), Release());
   m.def("backup_cache_limit", [] { return global_allocator().backup_cache().limit(); });

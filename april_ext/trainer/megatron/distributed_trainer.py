@@ -60,7 +60,7 @@ from april_ext.trainer.batching import (
     validate_batch,
     validate_step_batch,
 )
-from april_ext.trainer.config import TrainerConfig
+from april_ext.trainer.config import TrainerConfig, set_scheduled_lr
 from april_ext.trainer.logprobs import use_bf16_autocast
 from april_ext.trainer.loss_step import step_metrics
 from april_ext.trainer.megatron import checkpoint_files, compat, parallel, sharded
@@ -163,15 +163,22 @@ class DistributedMegatronTrainer:
         self.model = self._build(weights, train=True)
         self.ref_model = None
         if settings.algorithm.needs_reference:
-            self.ref_model = self._build(weights, train=False)
-            if weights is None:
+            # slime's --ref-load: the KL reference from another checkpoint, each rank reading its slice.
+            self.ref_model = self._build(settings.reference if settings.reference is not None else weights,
+                                         train=False)
+            if weights is None and settings.reference is None:
                 # The reference starts from the policy's seeded initialisation (same layout: a local copy).
                 self.ref_gpt.load_state_dict(self.gpt.state_dict())
+        elif settings.reference is not None and dist.get_rank() == 0:
+            logger.warning("TrainerConfig.reference=%r is not used: no KL term needs a reference policy "
+                           "(kl_loss_coef=0 and no KL reward shaping)", settings.reference)
         if (note := settings.algorithm.unused_kl_coef_note()) is not None and dist.get_rank() == 0:
             logger.warning(note)
         self.optimizer = self._build_optimizer()
         self._version = int(initial_version)
         self.step = 0
+        self.iterations = 0
+        """Optimizer steps taken: the position in the learning-rate schedule."""
         self._sums: dict[str, float] = {}
 
     # ----- construction -----------------------------------------------------------------------------------
@@ -266,8 +273,10 @@ class DistributedMegatronTrainer:
                                    old=old[k] if old is not None else None, ref=ref[k] if ref is not None else None,
                                    n_micro=len(mine[k]))
             self._run(self.model, mine[k], partial(self._loss, context), forward_only=False)
+            lr = set_scheduled_lr(self.optimizer, self.settings, self.iterations)
             with compat.cuda_type_names():
                 ok, grad_norm, _ = self.optimizer.step()
+            self.iterations += 1
             if not ok:
                 raise InvalidStateError("megatron-core's optimizer skipped the step (non-finite gradients)")
             grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
@@ -275,7 +284,7 @@ class DistributedMegatronTrainer:
             self.optimizer.zero_grad()
         self._version += 1
         self.step += 1
-        return step_metrics(batch, inputs, self._reduce_sums(), grad_norms, self.settings.lr, self._version,
+        return step_metrics(batch, inputs, self._reduce_sums(), grad_norms, lr, self._version,
                             time.perf_counter() - start, kl)
 
     def token_logprobs(self, batch: TrainingBatch) -> np.ndarray:
@@ -364,8 +373,8 @@ class DistributedMegatronTrainer:
             forward_step_func=forward_step, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
             seq_length=longest, micro_batch_size=1, forward_only=forward_only, collect_non_loss_data=forward_only)
 
-    def _token_logprobs(self, mb: _MicroBatch, output: torch.Tensor, *,
-                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _token_logprobs(self, mb: _MicroBatch, output: torch.Tensor, *, with_entropy: bool,
+                        entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token log-probs [n] of the micro-batch's tokens (0 at sample starts) from the last stage's
         logits [1, n + pad, V/tp]."""
         from april_ext.trainer.megatron.vocab_parallel import token_logprobs
@@ -373,7 +382,8 @@ class DistributedMegatronTrainer:
         p = mb.packed
         tokens = p.input_ids[0, :p.n_tokens]
         picked, entropy = token_logprobs(output[0, :p.n_tokens - 1], tokens[1:], self.settings.temperature,
-                                         vocab_size=self.config.model.vocab_size, with_entropy=with_entropy)
+                                         vocab_size=self.config.model.vocab_size, with_entropy=with_entropy,
+                                         entropy_grad=entropy_grad)
         starts = p.cu_seqlens[:-1].to(tokens.device)
         out = torch.cat((picked.new_zeros(1), picked)).index_fill(0, starts, 0.0)
         if entropy is not None:
@@ -398,7 +408,9 @@ class DistributedMegatronTrainer:
             # A filler micro-batch (see _row_lengths): no loss, zero gradients.
             return output.sum() * 0.0, {}
         inputs = ctx.inputs
-        logprobs, entropy = self._token_logprobs(mb, output, with_entropy=True)
+        bonus = self.settings.algorithm.entropy_coef
+        logprobs, entropy = self._token_logprobs(mb, output, with_entropy=True, entropy_grad=bonus > 0)
+        assert entropy is not None
         u0, u1 = mb.t0, mb.t1
         weights = ctx.weights[u0 - ctx.t0:u1 - ctx.t0]
         out = policy_loss(self.settings.algorithm, PolicyLossInputs(
@@ -407,12 +419,14 @@ class DistributedMegatronTrainer:
             behavior_logprobs=inputs.behavior[u0:u1], advantages=inputs.token_advantages[u0:u1],
             mask=inputs.mask[u0:u1], weights=weights, seq_index=inputs.seq_index[u0:u1] - mb.a, n_seqs=mb.b - mb.a,
             ref_logprobs=ctx.ref[mb.index] if ctx.ref is not None else None))
-        _add(self._sums, "loss", float(out.loss.detach()))
-        _add(self._sums, "entropy", float((weights * entropy).sum()))
+        mean_entropy = (weights * entropy).sum()
+        loss = out.loss - bonus * mean_entropy if bonus > 0 else out.loss
+        _add(self._sums, "loss", float(loss.detach()))
+        _add(self._sums, "entropy", float(mean_entropy.detach()))
         for name, value in out.metrics.items():
             _add(self._sums, name, float(value))
         # The schedule divides by the number of micro-batches and DDP averages over the data-parallel ranks.
-        return out.loss * (ctx.n_micro * self.dp_size), {}
+        return loss * (ctx.n_micro * self.dp_size), {}
 
     def _reduce_sums(self) -> dict[str, float]:
         """The metric sums of all data-parallel ranks, known on every rank."""
@@ -465,6 +479,7 @@ class DistributedMegatronTrainer:
         checkpoint.check_extra(extra or {}, "extra")
         state = self._sharded_state(loading=False)
         state["trainer"] = {"format": CHECKPOINT_FORMAT, "version": self._version, "step": self.step,
+                            "iterations": self.iterations,
                             "padded_vocab_size": self.padded_vocab_size, "layout": self.layout.to_dict(),
                             "extra": extra or {}}
         with contextlib.ExitStack() as stack:
@@ -498,6 +513,8 @@ class DistributedMegatronTrainer:
             self.optimizer.load_state_dict(loaded["optimizer"])
         self._version = int(trainer["version"])
         self.step = int(trainer["step"])
+        # Written before the schedule existed: a step was minibatches optimizer steps.
+        self.iterations = int(trainer.get("iterations", self.step * self.settings.minibatches))
         return dict(trainer["extra"])
 
     @property
