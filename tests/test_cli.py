@@ -3,6 +3,8 @@ precedence, error reporting and ``train --compare``."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from april_ext import cli
@@ -49,7 +51,7 @@ def test_errors_are_reported_with_exit_code_2(capsys):
     assert "SchedulerConfig.rollout_batch_size=0 is not allowed" in capsys.readouterr().err
 
 
-def test_compare_runs_baseline_and_april_side_by_side(tmp_path, capsys):
+def test_compare_runs_the_baseline_april_and_asynchronous_april_and_times_each_whole_run(tmp_path, capsys):
     path = tmp_path / "tiny.toml"
     path.write_text("\n".join([
         "counting_median = 3.0", "counting_max_count = 12", "counting_symbols = 2", "hidden_size = 16",
@@ -61,7 +63,14 @@ def test_compare_runs_baseline_and_april_side_by_side(tmp_path, capsys):
     assert "APRIL rollout throughput vs baseline:" in out
     assert "tokens / engine step" in out and "engine bubble" in out
     assert "APRIL tokens per engine step vs baseline:" in out
-    for name in ("baseline", "april"):
+    for label in ("wall-clock (s)", "vs baseline", "to baseline's reward (s)", "reward, equal steps",
+                  "reward, equal time"):
+        assert label in out
+    figures = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert list(figures) == ["baseline", "april", "april_async"]
+    assert figures["baseline"]["wall_clock_ratio"] == 1.0
+    assert all(f["wall_clock_s"] > f["steps_s"] > 0 for f in figures.values())
+    for name in ("baseline", "april", "april_async"):
         assert (tmp_path / "cmp" / name / "metrics.jsonl").is_file()
         assert (tmp_path / "cmp" / name / "checkpoints" / "step_000002").is_dir()
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0

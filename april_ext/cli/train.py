@@ -6,9 +6,11 @@ training layer below never imports the cluster layer that builds on it."""
 from __future__ import annotations
 
 import argparse
-import asyncio
+import dataclasses
+import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,7 @@ from april_ext.training.config import PARALLEL_SETTINGS, SCHEDULER_SETTINGS, Tra
 from april_ext.training.ranks import check_world
 
 if TYPE_CHECKING:
+    from april_ext.training.comparison import RunComparison
     from april_ext.training.run import TrainResult
 
 _GROUPS = {
@@ -40,7 +43,8 @@ _GROUPS = {
     "Ray cluster": ("ray", "ray_address", "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus",
                     "rollout_num_gpus_per_engine", "num_gpus_per_node", "colocate", "ray_num_cpus_per_actor",
                     "ray_routing", "ray_router_url", "ray_timeout_s", "ray_engine_max_restarts", "ray_engine_check_interval_s"),
-    "rollout": ("strategy", *SCHEDULER_SETTINGS, "partial_rollout", "temperature", "top_p", "top_k"),
+    "rollout": ("strategy", *SCHEDULER_SETTINGS, "partial_rollout", "async_rollout", "max_head_offpolicyness",
+                "temperature", "top_p", "top_k"),
     "rewards and filters": ("custom_rm_path", "custom_rm_kind", "custom_rm_text", "custom_rm_timeout_s",
                             "dynamic_sampling_filter_path", "custom_generate_function_path"),
     "evaluation": ("eval_interval", "eval_prompt_data", "n_samples_per_eval_prompt", "eval_counting_prompts",
@@ -77,8 +81,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "accept 'none'.")
     parser.add_argument("--config", help="TOML file whose keys are the setting names below (underscores)")
     parser.add_argument("--compare", action="store_true",
-                        help="run the baseline and APRIL (or --strategy) on the same seed; print their rollout throughput and "
-                             "reward")
+                        help="run the synchronous baseline, APRIL (or --strategy) and asynchronous APRIL on the same seed, "
+                             "one after the other; print each whole run's wall-clock, the time to the baseline's "
+                             "reward, the reward at equal steps and at equal wall time, and the token rates")
     groups = {name: parser.add_argument_group(name) for name in (*_GROUPS, "training and outputs")}
     owner = {f: g for g, names in _GROUPS.items() for f in names}
     known = settings(TrainConfig)
@@ -262,14 +267,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from april_ext.training.run import train, train_side_by_side
+    from april_ext.training.run import train
 
     config = config_from_args(args)
     world = _world_size(args)
     if args.compare and world > 1:
         raise ConfigError("--compare runs in one process; leave out --nproc-per-node and torchrun")
     if args.compare and config.engine == "sglang" and not config.sglang_launch:
-        raise ConfigError("--compare with engine='sglang' needs sglang_launch=true: the two runs cannot share "
+        raise ConfigError("--compare with engine='sglang' needs sglang_launch=true: the runs cannot share "
                           f"servers (each aborts every request at the end of its steps); got engine='sglang' with "
                           f"sglang_urls={list(config.sglang_urls)} sglang_router_url={config.sglang_router_url!r}")
     check_before_start(config, world)
@@ -282,31 +287,78 @@ def run(args: argparse.Namespace) -> int:
         _print_summary({"run": result.summary})
         print(f"metrics: {os.path.join(result.output_dir, 'metrics.jsonl')}  checkpoint: {result.checkpoint}")
         return _report_end(result)
-    from april_ext.plots import plot_compare
+    return _compare(config)
 
-    # Side by side: the two runs take steps in turn, so both see the same machine load.
+
+def _compare(config: TrainConfig) -> int:
+    """The synchronous baseline, APRIL (or --strategy) and asynchronous APRIL on the same seed, one after the
+    other so that each has the machine to itself, with the figures a user waits for (training.comparison)."""
+    from april_ext.plots import plot_compare
+    from april_ext.training.comparison import compare_runs
+    from april_ext.training.run import train
+
     label = config.strategy or "april"
     title = "APRIL" if label == "april" else f"strategy {label}"
-    results = asyncio.run(train_side_by_side({
-        name: config.replace(partial_rollout=partial, output_dir=os.path.join(config.output_dir, name),
-                             save=None if config.save is None else os.path.join(config.save, name),
-                             sglang_weight_sync_dir=None if config.sglang_weight_sync_dir is None
-                             else os.path.join(config.sglang_weight_sync_dir, name))
-        for name, partial in (("baseline", False), (label, True))}, _factories))
+    variants = {"baseline": {"partial_rollout": False, "async_rollout": False},
+                label: {"partial_rollout": True, "async_rollout": False},
+                f"{label}_async": {"partial_rollout": True, "async_rollout": True}}
+    configs = {}
+    for name, changes in variants.items():
+        try:
+            configs[name] = config.replace(
+                **changes, output_dir=os.path.join(config.output_dir, name),
+                save=None if config.save is None else os.path.join(config.save, name),
+                sglang_weight_sync_dir=None if config.sglang_weight_sync_dir is None
+                else os.path.join(config.sglang_weight_sync_dir, name))
+        except ConfigError as err:
+            if not changes["async_rollout"]:
+                raise
+            print(f"asynchronous {title} left out of the comparison: {err}")
+    results, wall_clock = {}, {}
+    for name, variant in configs.items():
+        start = time.perf_counter()
+        result = train(variant, **_factories(variant))
+        assert result is not None  # one process: no follower ranks
+        results[name], wall_clock[name] = result, time.perf_counter() - start
     _print_summary({name: {**r.summary, **_engine_figures(r.history, config.max_num_seqs)}
                     for name, r in results.items()})
+    comparison = compare_runs({name: r.history for name, r in results.items()}, wall_clock)
+    _print_comparison(comparison)
     base, ours = results["baseline"].summary, results[label].summary
     if base.get("rollout_tokens_per_s"):
         gain = ours["rollout_tokens_per_s"] / base["rollout_tokens_per_s"] - 1
-        print(f"{title} rollout throughput vs baseline: {gain:+.1%}")
+        print(f"{title} rollout throughput vs baseline: {gain:+.1%} (a token rate: it rises with longer responses; "
+              "the wall-clock above is what the run took)")
     figures = {name: _engine_figures(r.history, config.max_num_seqs) for name, r in results.items()}
     if figures["baseline"] and figures[label]:
         gain = figures[label]["tokens_per_engine_step"] / figures["baseline"]["tokens_per_engine_step"] - 1
         print(f"{title} tokens per engine step vs baseline: {gain:+.1%} (independent of machine load)")
+    path = os.path.join(config.output_dir, "compare.json")
+    with open(path, "w") as f:
+        json.dump({name: dataclasses.asdict(c) for name, c in comparison.items()}, f, indent=1)
+    print(f"comparison: {path}")
     if config.plots:
         path = plot_compare({n: r.history for n, r in results.items()}, os.path.join(config.output_dir, "compare.png"))
         print(f"plot: {path}")
     return 0
+
+
+def _print_comparison(comparison: dict[str, RunComparison]) -> None:
+    names = list(comparison)
+    width = max(14, *(len(n) + 2 for n in names))
+    reference = names[0]
+
+    def seconds(value: float | None) -> str:
+        return "never" if value is None else f"{value:.1f}"
+
+    rows = (("wall-clock (s)", lambda c: f"{c.wall_clock_s:.1f}"),
+            (f"vs {reference}", lambda c: f"{c.wall_clock_ratio:.2f}x"),
+            (f"to {reference}'s reward (s)", lambda c: seconds(c.time_to_reference_reward_s)),
+            ("reward, equal steps", lambda c: f"{c.reward_at_equal_steps:.3f}"),
+            ("reward, equal time", lambda c: f"{c.reward_at_equal_time:.3f}"))
+    print(f"{'':22s}" + "".join(f"{n:>{width}s}" for n in names))
+    for label, cell in rows:
+        print(f"{label:22s}" + "".join(f"{cell(comparison[n]):>{width}s}" for n in names))
 
 
 def _report_end(result: TrainResult) -> int:

@@ -42,6 +42,7 @@ from april_ext.training.config_rules import (
     TrainerKind,
     WeightSync,
     bad,
+    check_async,
     check_colocated_carry,
     check_custom_generate,
     check_environment,
@@ -131,6 +132,12 @@ class TrainConfig:
     partial_rollout: bool = True
     """APRIL (over-sample, abort when N groups are done, resume partials) vs the synchronous baseline (N' = N,
     batch refill, fixed over-sampling)."""
+    async_rollout: bool = False
+    """Asynchronous run (docs/async.md): the rollout of the next batches runs while the trainer trains, at most
+    max_head_offpolicyness versions ahead; new weights reach the engines between two rollout steps."""
+    max_head_offpolicyness: int = 1
+    """async_rollout: d, the versions the rollout may run ahead of the trainer (AReaL's name): the batch trained at
+    version b is generated once version b - d is in every engine. 0: no overlap (the synchronous loop)."""
     temperature: float = 1.0
     """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
@@ -208,9 +215,11 @@ class TrainConfig:
     """Discount of reinforce_plus_plus's returns (slime's --gamma)."""
     normalize_advantages: bool = False
     """Whiten the per-token advantages over the batch's loss tokens (slime's --normalize-advantages)."""
-    use_decoupled_loss: bool = False
+    use_decoupled_loss: bool | None = None
     """AReaL's decoupled PPO: clip against the proximal policy (the weights before the update) and weight each
-    token by pi_prox / pi_behavior (the rollout's log-prob); excludes tis_cap."""
+    token by pi_prox / pi_behavior (the rollout's log-prob); excludes tis_cap. None: on in an asynchronous run
+    without tis_cap whose rollout runs ahead (its tokens are a version or more behind), off otherwise (see
+    decoupled_loss)."""
     behav_imp_weight_cap: float | None = None
     """use_decoupled_loss: tokens whose pi_prox / pi_behavior exceeds this (> 1) are dropped from the loss (AReaL's
     filter); None: no cap."""
@@ -456,7 +465,7 @@ class TrainConfig:
             bad("top_p", self.top_p, "a number in (0, 1]")
         if not 0 <= self.gamma <= 1:
             bad("gamma", self.gamma, "a number in [0, 1]")
-        if self.behav_imp_weight_cap is not None and (not self.use_decoupled_loss or not math.isfinite(
+        if self.behav_imp_weight_cap is not None and (not self.decoupled_loss or not math.isfinite(
                 self.behav_imp_weight_cap) or self.behav_imp_weight_cap <= 1):
             bad("behav_imp_weight_cap", self.behav_imp_weight_cap, "None, or a finite number > 1 with "
                 f"use_decoupled_loss (use_decoupled_loss={self.use_decoupled_loss})")
@@ -484,6 +493,15 @@ class TrainConfig:
         check_sglang(self)
         check_ray(self)
         check_colocated_carry(self, self.scheduler_config())
+        check_async(self, self.scheduler_config())
+
+    @property
+    def decoupled_loss(self) -> bool:
+        """use_decoupled_loss as run: None is on in an asynchronous run that overlaps (max_head_offpolicyness > 0)
+        unless it corrects with tis_cap (TIS)."""
+        if self.use_decoupled_loss is not None:
+            return self.use_decoupled_loss
+        return self.async_rollout and self.max_head_offpolicyness > 0 and self.tis_cap is None
 
     def _check_data_bounds(self) -> None:
         """num_steps and num_epochs, the two bounds of a run's length, and the settings of a prompt file's passes."""

@@ -216,7 +216,32 @@ def check_colocated_carry(config: TrainConfig, scheduler: SchedulerConfig) -> No
                           f"server releases its KV cache only when idle ({source}, --colocate, --engine sglang): "
                           f"use {fix}, leave out --colocate, or --engine embedded")
 
-__all__ = ["ALGORITHMS", "ENGINES", "IMPORT_PATH", "PARALLEL_SETTINGS", "SCHEDULER_SETTINGS", "TASKS", "TRAINERS",
+def check_async(config: TrainConfig, scheduler: SchedulerConfig) -> None:
+    """An asynchronous run's bound and what cannot overlap or cannot be trained under it."""
+    d = config.max_head_offpolicyness
+    if isinstance(d, int) and d < 0:
+        bad("max_head_offpolicyness", d, "an int >= 0 (--max-head-offpolicyness: versions the rollout may run ahead "
+            "of the trainer; 0 overlaps nothing)")
+    if not config.async_rollout:
+        return
+    refusals = (
+        (config.colocate, "--colocate: a colocated pair takes turns on one accelerator (each side releases its memory "
+                          "for the other), so rollout and training cannot overlap; leave out --colocate, or run "
+                          "without --async-rollout"),
+        (config.ray, "--ray: the Ray topology runs its steps in turn for now; leave out --async-rollout"),
+        (config.custom_generate_function_path is not None,
+         "--custom-generate-function-path: a generate function's tokens are labelled with its step's version, not "
+         "with the weights the server had, which an asynchronous run needs to know"),
+        (scheduler.max_staleness is not None and scheduler.max_staleness < d,
+         f"--max-staleness {scheduler.max_staleness}: below --max-head-offpolicyness {d}, a batch generated {d} "
+         f"versions before it is trained would be past it"),
+    )
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"TrainConfig.async_rollout=True (--async-rollout) is not allowed with {why}")
+
+
+__all__ = ["ALGORITHMS", "check_async", "ENGINES", "IMPORT_PATH", "PARALLEL_SETTINGS", "SCHEDULER_SETTINGS", "TASKS", "TRAINERS",
            "EngineKind", "KlType", "RayRouting", "RewardKind", "TrainerKind", "WeightSync", "bad",
            "check_colocated_carry", "check_custom_generate", "check_environment", "check_lookup", "check_parallel",
            "check_ray", "check_sglang", "check_type"]

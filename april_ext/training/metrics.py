@@ -19,8 +19,9 @@ _OLD_VARIANT = "mode"
 """VARIANT's name in what runs wrote before: read_metrics and CheckpointManager.load take it."""
 
 
-def variant_of(partial_rollout: bool) -> str:
-    return "april" if partial_rollout else "baseline"
+def variant_of(partial_rollout: bool, async_rollout: bool = False) -> str:
+    """april or baseline; april_async or baseline_async for an asynchronous run."""
+    return ("april" if partial_rollout else "baseline") + ("_async" if async_rollout else "")
 
 
 def with_variant(record: dict[str, Any]) -> dict[str, Any]:

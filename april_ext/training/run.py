@@ -34,7 +34,7 @@ import torch
 
 from april_ext.algorithms import reject_uniform_groups
 from april_ext.data_source import DataSource, Prompt
-from april_ext.errors import ConfigError, InvalidArgumentError
+from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.model import LlamaForCausalLM, ModelConfig
 from april_ext.persistence import atomic_write_json, atomic_write_text
 from april_ext.protocol import Environment, RolloutDriver, RolloutEngine, SamplingParams, Trainer
@@ -50,6 +50,7 @@ from april_ext.training.handoff import StepMemory
 from april_ext.weights import sync_weights
 from april_ext.training.hooks import ImportedFilter, ImportedReward, load_environment
 from april_ext.training.metrics import VARIANT, read_metrics, step_row, summarize, variant_of
+from april_ext.training.pipeline import RolloutPipeline, version_lags
 from april_ext.training.sinks import TENSORBOARD_DIR, MetricsSink, TensorBoardSink, WandbSink
 from april_ext.training.trainers import (
     InitialWeights,
@@ -57,6 +58,7 @@ from april_ext.training.trainers import (
     algorithm_config,
     build_trainer,
     initial_model_config,
+    split_threads,
 )
 
 if TYPE_CHECKING:
@@ -219,8 +221,12 @@ def _group_filter(config: TrainConfig) -> GroupFilter | None:
 
 
 def _build_scheduler(config: TrainConfig, task: _Task) -> Scheduler:
-    return Scheduler(scheduler_config_for(config.scheduler_config(task.max_response_len), config.partial_rollout),
-                     task.data)
+    scheduler = scheduler_config_for(config.scheduler_config(task.max_response_len), config.partial_rollout)
+    if config.async_rollout and scheduler.max_staleness is not None:
+        # The scheduler counts versions from the one a batch is generated under, d before the one it is trained at.
+        scheduler = dataclasses.replace(scheduler,
+                                        max_staleness=scheduler.max_staleness - config.max_head_offpolicyness)
+    return Scheduler(scheduler, task.data)
 
 
 _T = TypeVar("_T")
@@ -296,7 +302,7 @@ class TrainingRun:
                  engine_factory: EngineFactory = build_engine) -> None:
         self.config = config
         self.bar_position = bar_position
-        self.variant = variant_of(config.partial_rollout)
+        self.variant = variant_of(config.partial_rollout, config.async_rollout)
         self.history: list[dict[str, Any]] = []
         self.resumed_from: int | None = None
         self.last_saved: str | None = None
@@ -311,6 +317,10 @@ class TrainingRun:
         self._engine_factory = engine_factory
         self._stack = contextlib.AsyncExitStack()
         self._environment_state: bytes | None = None
+        self._pipeline: RolloutPipeline | None = None
+        self._evaluation: asyncio.Task[dict[str, float]] | None = None
+        self._started: float | None = None
+        self._elapsed_before = 0.0
         self._wandb_run_id: str | None = None
         """The W&B run a resumed run continues (from its checkpoint's run state), then this run's."""
 
@@ -331,6 +341,9 @@ class TrainingRun:
         config = self.config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        elif config.async_rollout:
+            # The engine's process and the trainer's each get half the cores (docs/async.md, "Cores").
+            torch.set_num_threads(split_threads(config))
         _seed_everything(config.seed)
         task = _build_task(config)
         # Imported before anything is started, so that a bad import path fails at once.
@@ -373,7 +386,26 @@ class TrainingRun:
             self.rollout.load_environment_state(self._environment_state)
         self._stack.push_async_callback(self.rollout.close)
         self.memory = StepMemory(self.engine, self.trainer) if config.colocate else None
+        if config.async_rollout:
+            self._pipeline = self._open_pipeline()
         return self
+
+    def _open_pipeline(self) -> RolloutPipeline:
+        """The rollout of the run's remaining batches, ahead of the trainer by at most max_head_offpolicyness
+        versions; a batch whose step follows a checkpoint waits for it (a batch taken from the scheduler and not
+        yet trained would be missing from the checkpoint's state)."""
+        config, first, steps = self.config, self.trainer.version, self.steps_done
+
+        def after_checkpoint(version: int) -> bool:
+            before = steps + version - first  # steps done when the batch of ``version`` is trained
+            return (config.save_interval > 0 and 0 < before and (config.num_steps is None or before < config.num_steps)
+                    and before % config.save_interval == 0)
+
+        last = None if config.num_steps is None else first + config.num_steps - steps - 1
+        pipeline = RolloutPipeline(self.rollout.run_step, config.max_head_offpolicyness, first, last, after_checkpoint)
+        # First on the way out: a failing run stops generating before the engine and the rollout close.
+        self._stack.push_async_callback(pipeline.cancel)
+        return pipeline
 
     def _custom_generate_rollout(self, reward_fn: RewardFn | None, group_filter: GroupFilter | None,
                                  task: _Task) -> RolloutDriver:
@@ -398,6 +430,8 @@ class TrainingRun:
             self.resumed_from = self.steps_done = latest.step
             self.last_saved = latest.path
             self.history = read_metrics(self.metrics_path, latest.step)
+            if self.history:
+                self._elapsed_before = float(self.history[-1].get("time/elapsed_s", 0.0))
 
     def _open_outputs(self) -> None:
         """metrics.jsonl (rewritten with the rows kept: a resumed run drops those written after its
@@ -448,7 +482,12 @@ class TrainingRun:
 
     async def step(self) -> dict[str, Any] | None:
         """One training step (rollout, update, weight sync, metrics row, periodic checkpoint); None when
-        the data ran out before a batch could be formed."""
+        the data ran out before a batch could be formed. In an asynchronous run the rollout of the next batches
+        runs meanwhile (training.pipeline)."""
+        if self._started is None:
+            self._started = time.perf_counter()
+        if self._pipeline is not None:
+            return await self._async_step(self._pipeline)
         config, trainer, engine = self.config, self.trainer, self.engine
         step_start = time.perf_counter()
         if self.memory is not None:
@@ -475,6 +514,51 @@ class TrainingRun:
         row.update(await engine_metrics(engine))
         if config.eval_interval and self.steps_done % config.eval_interval == 0:
             row.update(await self.evaluate())
+        self._end_step(row, rm)
+        if config.save_interval and self.steps_done % config.save_interval == 0 and not self.done:
+            await self.save()
+        return row
+
+    async def _async_step(self, pipeline: RolloutPipeline) -> dict[str, Any] | None:
+        """Trains the next batch the pipeline generated (waiting for it if need be), publishes the new weights
+        to the engines between two rollout steps, and lets the batches that wait on this step go on."""
+        config, trainer, engine = self.config, self.trainer, self.engine
+        step_start = time.perf_counter()
+        result, trainer_idle = await pipeline.next_batch()
+        # Generated under an older version (rm.policy_version), trained at the trainer's: each token keeps its own.
+        batch, rm = dataclasses.replace(result.batch, policy_version=trainer.version), result.metrics
+        self.data_exhausted = bool(rm.scheduler["data_exhausted"]) and batch.n_groups < config.rollout_batch_size
+        if batch.n_groups == 0:
+            return None
+        train_start = time.perf_counter()
+        tm = await asyncio.to_thread(trainer.train_step, batch)
+        train_s = time.perf_counter() - train_start
+        sync_s = await pipeline.publish(trainer.version, lambda: sync_weights(trainer, engine))
+        self.steps_done += 1
+        row = step_row(self.steps_done, self.variant, rm, tm, train_s, sync_s, time.perf_counter() - step_start)
+        row.update({f"async/{key}": value for key, value in version_lags(batch).items()})
+        row.update({"async/trainer_idle_s": trainer_idle, "async/engine_idle_s": pipeline.take_engine_idle(),
+                    "async/weight_update_s": sync_s, "async/ready_batches": pipeline.ready})
+        row.update(await engine_metrics(engine))
+        if self._evaluation is not None and (self._evaluation.done() or self.done):
+            row.update(await self._evaluation)  # started at an earlier step, pinned to that step's version
+            self._evaluation = None
+        if config.eval_interval and self.steps_done % config.eval_interval == 0:
+            # Between two rollout steps, under the weights just published; the trainer goes on meanwhile.
+            self._evaluation = asyncio.create_task(pipeline.with_engine(self.evaluate))
+            if self.done:
+                row.update(await self._evaluation)
+                self._evaluation = None
+        self._end_step(row, rm)
+        if config.save_interval and self.steps_done % config.save_interval == 0 and not self.done:
+            await self.save()
+        await pipeline.release(trainer.version)
+        return row
+
+    def _end_step(self, row: dict[str, Any], rm: Any) -> None:
+        """Logs the step's row (with the run's wall-clock so far) and moves the progress bar."""
+        assert self._started is not None
+        row["time/elapsed_s"] = self._elapsed_before + time.perf_counter() - self._started
         self.history.append(row)
         self._log(row)
         self.bar.update(1)
@@ -482,14 +566,12 @@ class TrainingRun:
         workers = {} if live is None else {"workers": f"{live}/{live + removed}"}
         self.bar.set_postfix(reward=f"{rm.reward_mean:.3f}", tok_s=f"{rm.tokens_per_s:.0f}",
                              partial=f"{rm.scheduler['carried_token_ratio']:.2f}", **workers)
-        if config.save_interval and self.steps_done % config.save_interval == 0 and not self.done:
-            await self.save()
-        return row
 
     async def evaluate(self) -> dict[str, float]:
         """Eval metrics of the current weights on the held-out prompts (training.evaluation), through the
         run's engine while it has nothing else to do (between steps)."""
         start = time.perf_counter()
+        version = self.trainer.version
         if self.memory is not None:
             await self.memory.to_rollout()
         # Carried samples (step_boundary="carry") continue meanwhile, under the weights just loaded.
@@ -500,11 +582,19 @@ class TrainingRun:
                                      tool_timeout_s=self.config.tool_timeout_s)
         if self.memory is not None:
             await self.memory.to_training()
-        return {**metrics, "time/eval_s": time.perf_counter() - start}
+        return {**metrics, "eval/policy_version": version, "time/eval_s": time.perf_counter() - start}
 
     async def save(self) -> str:
         """Checkpoints now (after every pending reward reached the scheduler). Carried samples are saved as
-        partials with every token received (their KV cache is not saved: a resumed run re-prefills them)."""
+        partials with every token received (their KV cache is not saved: a resumed run re-prefills them). An
+        asynchronous run saves at the steps its pipeline waits on (save_interval, the end): a batch generated
+        ahead is no longer in the scheduler's state."""
+        if self._pipeline is not None:
+            await self._pipeline.settle()
+            if self._pipeline.ready:
+                raise InvalidStateError(
+                    f"{self._pipeline.ready} batch(es) were generated ahead and not trained: an asynchronous run "
+                    f"checkpoints at the steps its pipeline waits on (every save_interval steps and at the end)")
         await self.rollout.drain_rewards()
         run_state: dict[str, Any] = {VARIANT: self.variant}
         if self._wandb_run_id is not None:
@@ -516,6 +606,11 @@ class TrainingRun:
     async def finish(self) -> TrainResult:
         """Final checkpoint (when this session trained), plots, and the result. Carried samples are saved as
         partials, then aborted in the engine."""
+        if self._pipeline is not None:
+            await self._pipeline.stop()
+            if self._evaluation is not None:
+                await self._evaluation
+                self._evaluation = None
         await self.rollout.drain_rewards()
         if self.memory is not None:
             await self.memory.finish()

@@ -13,6 +13,7 @@ process group down on exit.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
@@ -21,6 +22,7 @@ from april_ext.errors import ConfigError
 from april_ext.model import LlamaForCausalLM, ModelConfig, load_pretrained
 from april_ext.protocol.trainer import Trainer
 from april_ext.trainer import TorchTrainer, TrainerConfig, distributed
+from april_ext.trainer.process import ProcessTrainer
 from april_ext.training.config import TrainConfig
 
 InitialWeights = LlamaForCausalLM | str
@@ -48,7 +50,7 @@ def algorithm_config(config: TrainConfig) -> AlgorithmConfig:
     return _ALGORITHMS[config.algorithm](
         kl_loss_coef=config.kl_loss_coef, kl_coef=config.kl_coef, kl_loss_type=config.kl_loss_type, gamma=config.gamma,
         normalize_advantages=config.normalize_advantages, tis_cap=config.tis_cap, tis_floor=config.tis_floor,
-        use_decoupled_loss=config.use_decoupled_loss, behav_imp_weight_cap=config.behav_imp_weight_cap,
+        use_decoupled_loss=config.decoupled_loss, behav_imp_weight_cap=config.behav_imp_weight_cap,
         entropy_coef=config.entropy_coef, **clip, **aggregation)
 
 
@@ -74,11 +76,27 @@ def trainer_config(config: TrainConfig, memory_tag_prefix: str = "") -> TrainerC
         memory_tag=memory_tag_prefix + "trainer")
 
 
-@contextlib.contextmanager
-def _torch_trainer(config: TrainConfig, initial: InitialWeights, settings: TrainerConfig) -> Iterator[Trainer]:
+def _new_torch_trainer(initial: InitialWeights, settings: TrainerConfig) -> TorchTrainer:
     # Every DDP rank trains the whole model.
     model = initial if isinstance(initial, LlamaForCausalLM) else load_pretrained(initial, device="cpu")
-    yield TorchTrainer(model, settings)
+    return TorchTrainer(model, settings)
+
+
+@contextlib.contextmanager
+def _torch_trainer(config: TrainConfig, initial: InitialWeights, settings: TrainerConfig) -> Iterator[Trainer]:
+    if config.async_rollout and config.max_head_offpolicyness > 0:
+        # Overlapping the engine: a process of its own, so that the two do not take turns on one interpreter lock.
+        with ProcessTrainer(_new_torch_trainer, (initial, settings), num_threads=split_threads(config),
+                            seed=config.seed) as trainer:
+            yield trainer
+        return
+    yield _new_torch_trainer(initial, settings)
+
+
+def split_threads(config: TrainConfig) -> int:
+    """Intra-op threads of each side of an asynchronous run (the engine's process, the trainer's): num_threads,
+    else half the cores."""
+    return config.num_threads or max(1, (os.cpu_count() or 2) // 2)
 
 
 @contextlib.contextmanager
