@@ -69,10 +69,12 @@ step quick 60 quick.json python3 bench/gpu_quick_check.py "$OUT/quick.json"
 step gpu_tests 90 gpu_tests.xml env APRIL_EXT_GPU_TESTS=1 python3 -m pytest -q -p no:cacheprovider \
   --junitxml "$OUT/gpu_tests.xml" -k "gpu or cuda" \
   tests/test_memory_gpu.py tests/test_engine_gpu.py tests/test_trainer.py tests/test_trainer_colocated.py
-step memory_report 60 memory_report.json python3 bench/gpu_memory_report.py --out "$OUT/memory_report.json" \
+step memory_report 45 memory_report.json python3 bench/gpu_memory_report.py --out "$OUT/memory_report.json" \
   --sizes-gib 1 2 --rounds 2
-step kernels_report 100 kernels_report.json python3 bench/gpu_kernels_report.py "$OUT/kernels_report.json" \
-  --budget-s 85 --tests-timeout-s 45
+# Asynchronous APRIL on the device beside synchronous APRIL (the trainer in a spawned process on the same GPU).
+step async_run 35 async.json python3 bench/gpu_async_check.py "$OUT/async.json" --steps 20
+step kernels_report 80 kernels_report.json python3 bench/gpu_kernels_report.py "$OUT/kernels_report.json" \
+  --budget-s 65 --tests-timeout-s 40
 
 total=$(awk -F'\t' '{s += $2} END {print s}' "$OUT/steps.tsv")
 echo "step limits: $total s of a $BUDGET_S s budget"

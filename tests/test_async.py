@@ -58,7 +58,6 @@ def _same_training(a: list[dict], b: list[dict]) -> None:
 @pytest.mark.parametrize("changes, flag", [
     (dict(max_head_offpolicyness=-1), "--max-head-offpolicyness"),
     (dict(async_rollout=True, colocate=True), "--colocate"),
-    (dict(async_rollout=True, ray=True), "--ray"),
     (dict(async_rollout=True, engine="sglang", sglang_launch=True, custom_generate_function_path="pkg.mod:generate"),
      "--custom-generate-function-path"),
     (dict(async_rollout=True, max_head_offpolicyness=2, max_staleness=1, staleness_policy="restart"),

@@ -13,10 +13,11 @@ before it rejoins. Weights held on the driver go from here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -79,6 +80,18 @@ class RayWeightSync:
         if self.last is not None:
             await engine.update_weights(*self.last)
 
+    @contextlib.contextmanager
+    def last_readable(self) -> Iterator[bool]:
+        """Whether the last update can be read again now (and stays readable until the block ends): weights held
+        here or on disk always; the trainer ranks' own export only while they hold its version and no train step
+        runs (in an asynchronous run they train while the engines generate, and a newer export would be
+        labelled with the older version)."""
+        if self.last is None or self.last[0] is not self._from_ranks or self.trainer is None:
+            yield True
+            return
+        with self.trainer.still() as still:
+            yield still and self.trainer.version == self.last[1]
+
     def _sync_dir(self) -> str:
         directory = self.engine.config.weight_sync_dir
         assert directory is not None  # SGLangEngineConfig requires it for "disk"
@@ -126,6 +139,8 @@ class RayEngine:
         self._released: set[str] = set()  # memory tags released on every engine now
         self._watch: asyncio.Task[None] | None = None
         self._members: Membership | None = None  # who gets requests, from the pool once entered
+        # Restarted engines that wait for the next update to load (url -> its rejoin's wait).
+        self._pending: dict[str, asyncio.Future[None]] = {}
         self.rejoins = 0
 
     async def __aenter__(self) -> RayEngine:
@@ -153,14 +168,18 @@ class RayEngine:
         """Weights held on the driver (named tensors, or a checkpoint directory every engine reads) onto every
         engine that gets requests, sent from here (RayWeightSync.from_driver); the names loaded."""
         async with self._lock:
-            return await self.weights.from_driver(weights, version, self._members)
+            names = await self.weights.from_driver(weights, version, self._members)
+            await self._load_pending()
+            return names
 
     async def update_from_trainer(self, version: int) -> list[str]:
         """The trainer group's current weights, which must be ``version``, onto every engine that gets requests,
         the way weight_sync says (RayWeightSync.from_trainer); what the run's weight hand-off calls
         (protocol.TrainerFedEngine). The names loaded."""
         async with self._lock:
-            return await self.weights.from_trainer(version, self._members)
+            names = await self.weights.from_trainer(version, self._members)
+            await self._load_pending()
+            return names
 
     async def release_memory(self, tags: Iterable[str] | None = None) -> None:
         async with self._lock:
@@ -175,22 +194,53 @@ class RayEngine:
     async def _rejoin(self, old_url: str, url: str) -> None:
         """A restarted engine's server gets the last update's weights (it started from the run's initial
         checkpoint) and the memory state of the others, before it gets requests again. Failover
-        stops awaiting its old url (an actor that was only stalled comes back on the same one)."""
+        stops awaiting its old url (an actor that was only stalled comes back on the same one). When the last
+        update cannot be read again now (the trainer ranks train past it: RayWeightSync.last_readable), the
+        engine loads the next update, sent to it right after the others, and rejoins then."""
         async with self._lock:
             if old_url != url:
                 self.inner.forget_worker(old_url)
-            last = self.weights.last
-            if last is None and not self._released:
+            if self.weights.last is None and not self._released:
                 return
-            version = last[1] if last is not None else self.inner.config.initial_weight_version
-            # The driver's client for this engine alone, without failover: it only loads the weights and memory state.
-            alone = dataclasses.replace(self.inner.config, worker_urls=(url,), router_url=None,
-                                        initial_weight_version=version, worker_timeout_s=None)
-            async with SGLangEngine(alone) as engine:
-                await self.weights.onto(engine)
-                if self._released:
-                    await engine.release_memory(sorted(self._released))
-            self.rejoins += 1
+            with self.weights.last_readable() as now:
+                if now:
+                    await self._load(url)
+            if not now:
+                waiter = self._pending[url] = asyncio.get_running_loop().create_future()
+        if not now:
+            logger.warning("rollout engine at %s rejoins with the next weight update (the trainer trains past "
+                           "update %s)", url, self.weights.last[1] if self.weights.last else None)
+            await waiter
+        self.rejoins += 1
+
+    async def _load_pending(self) -> None:
+        """The update just sent onto the engines waiting for it (_rejoin); one that fails to load is told so (its
+        rejoin raises, and the pool's watch tries again)."""
+        for url, waiter in list(self._pending.items()):
+            with self.weights.last_readable() as now:
+                if not now:
+                    continue
+                del self._pending[url]
+                try:
+                    await self._load(url)
+                except Exception as err:  # the rejoin's failure, not the update's: its waiter raises it
+                    if not waiter.done():
+                        waiter.set_exception(err)
+                    continue
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _load(self, url: str) -> None:
+        """The last update and the others' memory state onto the engine at ``url``, through a client of it alone
+        (without failover: it only loads)."""
+        last = self.weights.last
+        version = last[1] if last is not None else self.inner.config.initial_weight_version
+        alone = dataclasses.replace(self.inner.config, worker_urls=(url,), router_url=None,
+                                    initial_weight_version=version, worker_timeout_s=None)
+        async with SGLangEngine(alone) as engine:
+            await self.weights.onto(engine)
+            if self._released:
+                await engine.release_memory(sorted(self._released))
 
     def stats(self) -> Any:
         return self.inner.stats()

@@ -66,7 +66,9 @@ class TrainerRank:
         if self.world_size > 1:
             distributed.initialize(config.ray_timeout_s)
             self._stack.callback(distributed.shutdown)
-        self._trainer = self._stack.enter_context(build_trainer(config, initial, memory_tag_prefix))
+        # The rank's own process trains (no child process, which would leave the data-parallel group).
+        self._trainer = self._stack.enter_context(
+            build_trainer(config, initial, memory_tag_prefix, beside_engine=False))
         return os.getpid()
 
     @property

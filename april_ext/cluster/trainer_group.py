@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,9 @@ class TrainerGroup:
         self.ranks = ranks
         self.session = session
         self._version = version
+        # Held by a train step, and by an export that must be of the version the trainer holds now (a rejoining
+        # engine's, which runs beside the training of an asynchronous run): neither starts inside the other.
+        self._still = threading.Lock()
 
     @property
     def actors(self) -> list[Any]:
@@ -48,9 +52,21 @@ class TrainerGroup:
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
         import ray
 
-        ref = ray.put(batch)  # one copy in the object store, read by every rank
-        metrics, self._version = self.ranks.all("train_step", [a.train_step.remote(ref) for a in self.actors])[0]
+        with self._still:
+            ref = ray.put(batch)  # one copy in the object store, read by every rank
+            metrics, self._version = self.ranks.all("train_step", [a.train_step.remote(ref) for a in self.actors])[0]
         return metrics
+
+    @contextlib.contextmanager
+    def still(self) -> Iterator[bool]:
+        """True when no train step runs now, and then none starts until the block ends (an export inside it is of
+        the current version); False when one runs."""
+        held = self._still.acquire(blocking=False)
+        try:
+            yield held
+        finally:
+            if held:
+                self._still.release()
 
     def export_weights(self, *, to_cpu: bool = False) -> ExportedWeights:
         """Rank 0's export as a stream the driver pulls bucket by bucket (weight_sync_bucket_mb each) while every

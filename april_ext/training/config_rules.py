@@ -228,7 +228,6 @@ def check_async(config: TrainConfig, scheduler: SchedulerConfig) -> None:
         (config.colocate, "--colocate: a colocated pair takes turns on one accelerator (each side releases its memory "
                           "for the other), so rollout and training cannot overlap; leave out --colocate, or run "
                           "without --async-rollout"),
-        (config.ray, "--ray: the Ray topology runs its steps in turn for now; leave out --async-rollout"),
         (config.custom_generate_function_path is not None,
          "--custom-generate-function-path: a generate function's tokens are labelled with its step's version, not "
          "with the weights the server had, which an asynchronous run needs to know"),

@@ -402,7 +402,9 @@ class TrainingRun:
                     and before % config.save_interval == 0)
 
         last = None if config.num_steps is None else first + config.num_steps - steps - 1
-        pipeline = RolloutPipeline(self.rollout.run_step, config.max_head_offpolicyness, first, last, after_checkpoint)
+        # Looked up at each step, not bound here: the driver's run_step may be wrapped after the run opens.
+        pipeline = RolloutPipeline(lambda version: self.rollout.run_step(version), config.max_head_offpolicyness,
+                                   first, last, after_checkpoint)
         # First on the way out: a failing run stops generating before the engine and the rollout close.
         self._stack.push_async_callback(pipeline.cancel)
         return pipeline

@@ -83,9 +83,12 @@ def _new_torch_trainer(initial: InitialWeights, settings: TrainerConfig) -> Torc
 
 
 @contextlib.contextmanager
-def _torch_trainer(config: TrainConfig, initial: InitialWeights, settings: TrainerConfig) -> Iterator[Trainer]:
-    if config.async_rollout and config.max_head_offpolicyness > 0:
-        # Overlapping the engine: a process of its own, so that the two do not take turns on one interpreter lock.
+def _torch_trainer(config: TrainConfig, initial: InitialWeights, settings: TrainerConfig,
+                   beside_engine: bool) -> Iterator[Trainer]:
+    if beside_engine and distributed.world()[1] == 1 and config.async_rollout and config.max_head_offpolicyness > 0:
+        # Overlapping the engine of this process: a process of its own, so that the two do not take turns on one
+        # interpreter lock. (A rank of several, or a Ray rank actor, trains in its own process already, and a
+        # child would leave its data-parallel group.)
         with ProcessTrainer(_new_torch_trainer, (initial, settings), num_threads=split_threads(config),
                             seed=config.seed) as trainer:
             yield trainer
@@ -100,7 +103,8 @@ def split_threads(config: TrainConfig) -> int:
 
 
 @contextlib.contextmanager
-def _megatron_trainer(config: TrainConfig, initial: InitialWeights, settings: TrainerConfig) -> Iterator[Trainer]:
+def _megatron_trainer(config: TrainConfig, initial: InitialWeights, settings: TrainerConfig,
+                      beside_engine: bool) -> Iterator[Trainer]:
     from april_ext.trainer.megatron import (
         DistributedMegatronTrainer,
         MegatronTrainer,
@@ -129,21 +133,22 @@ def _megatron_trainer(config: TrainConfig, initial: InitialWeights, settings: Tr
         parallel.shutdown()
 
 
-_KINDS: dict[str, Callable[[TrainConfig, InitialWeights, TrainerConfig], AbstractContextManager[Trainer]]] = {
+_KINDS: dict[str, Callable[[TrainConfig, InitialWeights, TrainerConfig, bool], AbstractContextManager[Trainer]]] = {
     "torch": _torch_trainer, "megatron": _megatron_trainer}
 TRAINER_KINDS = tuple(_KINDS)
 
 
-def build_trainer(config: TrainConfig, initial: InitialWeights,
-                  memory_tag_prefix: str = "") -> AbstractContextManager[Trainer]:
+def build_trainer(config: TrainConfig, initial: InitialWeights, memory_tag_prefix: str = "", *,
+                  beside_engine: bool = True) -> AbstractContextManager[Trainer]:
     """The trainer TrainConfig.trainer names, starting from ``initial``: a model's weights, or a Hugging
     Face checkpoint directory the trainer reads (a context manager: the trainer's resources, e.g.
     Megatron's process group, are released on exit). Colocated trainers keep their memory under the tag
-    ``memory_tag_prefix + "trainer"``."""
+    ``memory_tag_prefix + "trainer"``. ``beside_engine``: built in the process that runs the rollout engine (the
+    run's own; False in a Ray rank actor), where an asynchronous run puts the torch trainer in a child process."""
     build = _KINDS.get(config.trainer)
     if build is None:
         raise ConfigError(f"TrainConfig.trainer={config.trainer!r} is not allowed: one of {TRAINER_KINDS}")
-    return build(config, initial, trainer_config(config, memory_tag_prefix))
+    return build(config, initial, trainer_config(config, memory_tag_prefix), beside_engine)
 
 
 __all__ = ["TRAINER_KINDS", "InitialWeights", "TrainerFactory", "algorithm_config", "build_trainer",
