@@ -8,12 +8,17 @@ from april_ext.sim.engine import SimulatedEngine
 from april_ext.sim.lengths import (LENGTH_PRESETS, LengthModel, LogNormalLengths, SampleDraw, TraceLengths,
                                    length_preset)
 from april_ext.sim.metrics import OccupancyBound, StepReport, full_occupancy_bound
+from april_ext.sim.pipeline import (ASYNC_MODES, PIPELINE_PRESETS, AsyncMode, PipelineConfig, PipelineResult,
+                                    simulate_mode)
 from april_ext.sim.runner import (MODES, SimConfig, SimResult, compare, compare_strategies, gain, simulate,
                                   simulate_async)
 from april_ext.sim.tokens import SyntheticPrompts, answer_reward
+from april_ext.sim.training import TrainerCost
 from april_ext.sim.turns import TURN_PRESETS, TrajectoryPlan, TurnModel, turn_preset
 
 __all__ = [
+    "ASYNC_MODES",
+    "AsyncMode",
     "CLUSTER_PRESETS",
     "ClusterConfig",
     "ClusterCounters",
@@ -25,6 +30,9 @@ __all__ = [
     "MODES",
     "ModelSpec",
     "OccupancyBound",
+    "PIPELINE_PRESETS",
+    "PipelineConfig",
+    "PipelineResult",
     "SampleDraw",
     "SimConfig",
     "SimResult",
@@ -33,6 +41,7 @@ __all__ = [
     "SyntheticPrompts",
     "TURN_PRESETS",
     "TraceLengths",
+    "TrainerCost",
     "TrajectoryPlan",
     "TurnModel",
     "answer_reward",
@@ -44,5 +53,6 @@ __all__ = [
     "length_preset",
     "simulate",
     "simulate_async",
+    "simulate_mode",
     "turn_preset",
 ]

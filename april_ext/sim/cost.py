@@ -294,6 +294,11 @@ GPUS: dict[str, GpuSpec] = {
                       source="AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s peak bandwidth, 1307.4 TFLOP/s peak "
                              "dense BF16 (2614.9 with sparsity), 7 Infinity Fabric links of 128 GB/s bidirectional "
                              "(one per peer of an 8-GPU platform, 896 GB/s in all), PCIe Gen5 x16 to the host"),
+    # H20, the GPU of verl's fully_async_policy measurements (docs/sim.md, "Asynchronous modes at scale"): the
+    # Hopper memory system with a seventh of the H100's compute, so its decode batches turn compute-bound early.
+    "h20": GpuSpec("H20 96GB", hbm_bytes=96 * GIB, hbm_bandwidth=4.0e12, bf16_flops=148e12,
+                   source="NVIDIA HGX H20 specification as published at its launch (Nov 2023, reported by the trade "
+                          "press): 96 GB HBM3, 4.0 TB/s, 148 TFLOP/s dense FP16/BF16, NVLink 900 GB/s, PCIe Gen5 x16"),
 }
 
 MODELS: dict[str, ModelSpec] = {
@@ -301,6 +306,10 @@ MODELS: dict[str, ModelSpec] = {
     "qwen3-4b": ModelSpec("Qwen3-4B", params=4.02e9, layers=36, q_heads=32, kv_heads=8, head_dim=128, hidden=2560),
     # Qwen3-8B: untied embeddings and LM head, GQA 32 / 8 heads of 128.
     "qwen3-8b": ModelSpec("Qwen3-8B", params=8.19e9, layers=36, q_heads=32, kv_heads=8, head_dim=128, hidden=4096),
+    # Qwen2.5-Math-7B (Qwen/Qwen2.5-Math-7B config.json: hidden 3584, 28 layers, 28 query / 4 KV heads of 128,
+    # intermediate 18944, vocabulary 152064, untied embeddings; 7.62e9 parameters as Qwen2.5-7B): verl's model.
+    "qwen2.5-math-7b": ModelSpec("Qwen2.5-Math-7B", params=7.62e9, layers=28, q_heads=28, kv_heads=4, head_dim=128,
+                                 hidden=3584),
 }
 
 
@@ -345,13 +354,14 @@ def cluster_preset(name: str, num_engines: int = 8, mixed_chunk: bool = False,
                    mem_fraction_static: float | None = None, abort_latency_s: float = 0.0,
                    weight_sync_s: float = 0.0, colocated: bool = False) -> ClusterConfig:
     """``<gpu>-<model>``: h100-qwen3-4b, h100-qwen3-8b, h200-qwen3-4b, h200-qwen3-8b, mi300x-qwen3-4b,
-    mi300x-qwen3-8b; ``num_engines`` engines of ``tensor_parallel`` GPUs each. ``mixed_chunk``: engines run mixed
+    mi300x-qwen3-8b, h20-qwen2.5-math-7b (CLUSTER_PRESETS), or any other GPUS x MODELS pairing; ``num_engines`` engines of ``tensor_parallel`` GPUs each. ``mixed_chunk``: engines run mixed
     chunked prefill with ``chunked_prefill_size`` tokens per iteration; ``mem_fraction_static``: SGLang's share of
     GPU memory for weights + KV (None: the GPU's default); abort latency and weight-sync time in seconds;
     ``colocated``: engines and trainer share the GPUs (see ClusterConfig.colocated)."""
     gpu_name, _, model_name = name.partition("-")
     if gpu_name not in GPUS or model_name not in MODELS:
-        raise ConfigError(f"cluster preset {name!r} is not known: one of {sorted(CLUSTER_PRESETS)}")
+        raise ConfigError(f"cluster preset {name!r} is not known: one of {sorted(CLUSTER_PRESETS)}, or "
+                          f"<gpu>-<model> with a GPU of {sorted(GPUS)} and a model of {sorted(MODELS)}")
     gpu, model = GPUS[gpu_name], MODELS[model_name]
     cost = derive_cost_model(gpu, model, mixed_chunk=mixed_chunk, chunked_prefill_size=chunked_prefill_size,
                              tensor_parallel=tensor_parallel, mem_fraction_static=mem_fraction_static)
@@ -359,7 +369,10 @@ def cluster_preset(name: str, num_engines: int = 8, mixed_chunk: bool = False,
                          weight_sync_s=weight_sync_s, gpus_per_engine=tensor_parallel, colocated=colocated)
 
 
-CLUSTER_PRESETS = tuple(f"{g}-{m}" for g in GPUS for m in MODELS)
+CLUSTER_PRESETS = (*(f"{g}-{m}" for g in ("h100", "h200", "mi300x") for m in ("qwen3-4b", "qwen3-8b")),
+                   "h20-qwen2.5-math-7b")
+"""The named presets: the APRIL paper's GPUs and models, and verl's asynchronous-RL setting (H20, Qwen2.5-Math-7B).
+cluster_preset derives any other pairing of GPUS and MODELS as well."""
 
 __all__ = ["CLUSTER_PRESETS", "ClusterConfig", "CostModel", "GPUS", "GpuSpec", "MODELS", "ModelSpec",
            "cluster_preset", "derive_cost_model"]

@@ -201,6 +201,18 @@ class SimulatedEngine(LoopTaskEngine):
         self._notify()
         return list(weights) if isinstance(weights, dict) else []
 
+    async def wait_until(self, t: float) -> None:
+        """Nothing generates until virtual time ``t`` (an asynchronous run's rollout held back by its bound on how
+        far it may run ahead of the trainer): the clock jumps there, every replica idle. Refused while requests
+        run unpaused or wait on tools, whose progress over the jump would be lost; paused requests stay held."""
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t):
+            raise InvalidArgumentError(f"wait_until: t={t!r} is not allowed: a finite number of virtual seconds")
+        busy = self._on_tool or any(r.running or r.prefilling or r.waiting for r in self.replicas)
+        if busy and self._paused is None:
+            raise InvalidStateError("wait_until: requests are running; abort them or pause_generation first")
+        self._notify()
+        self._stall(t - self.now)
+
     async def pause_generation(self, mode: str = "in_place") -> None:
         """Holds every request (new ones wait) until continue_generation; the clock stands still meanwhile.
         "in_place": they keep their KV (backed up to host memory on a colocated cluster, the clock moving on by
