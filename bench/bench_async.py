@@ -87,7 +87,9 @@ def _seed(config: str, seed: int, steps: int | None, out: str, timeout_s: float,
                    "off_policy_token_ratio": runs[name]["summary"]["off_policy_token_ratio"],
                    "mean_version_lag": float(np.mean([r.get("async/version_lag_mean", 0.0) for r in runs[name]["history"]])),
                    "trainer_idle_s": float(sum(r.get("async/trainer_idle_s", 0.0) for r in runs[name]["history"])),
-                   "engine_idle_s": float(sum(r.get("async/engine_idle_s", 0.0) for r in runs[name]["history"]))}
+                   "engine_idle_s": float(sum(r.get("async/engine_idle_s", 0.0) for r in runs[name]["history"])),
+                   "weight_update_s": float(sum(r["time/weight_sync_s"] for r in runs[name]["history"])),
+                   "steps": len(runs[name]["history"])}
             for name in names}
 
 

@@ -1,7 +1,7 @@
 """Asynchronous modes side by side on the simulator (issue 36): one table per preset, printed by one command.
 
     python bench/bench_sim_async.py [--presets paper-8gpu,verl-7b-dapo] [--scale 8] [--steps 8] [--warmup 2]
-        [--no-sweep] [--no-agentic] [--modes sync,stale-april]
+        [--no-sweep] [--no-agentic] [--modes sync,stale-april] [--cpu-topology RUNS_JSON]
 
 Each preset runs every mode of april_ext.sim.pipeline.ASYNC_MODES on the same work (the same seed, prompts and
 length model) through the real scheduler and rollout loop over the simulated engine, each rollout and training
@@ -13,12 +13,18 @@ inside async (stale-april against stale), verl's published ratio beside the simu
 targets, a sweep of the trainer:rollout split (verl preset) and the agentic presets (paper preset's GPUs).
 
 verl-7b-dapo runs at 1/--scale of its 128 GPUs and 512 prompts (PipelineConfig.scaled: the same work per GPU).
+
+``--cpu-topology``: the rows measured on the CPU Ray topology beside them, from the runs.json of
+``bench/bench_async.py --extra "--ray ..."`` (docs/async.md, "At scale"): the same figures, medians over its seeds,
+each run's whole wall-clock against its synchronous baseline's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import statistics
 import time
 from dataclasses import replace
 
@@ -86,6 +92,36 @@ def verl_comparison(results: dict[str, PipelineResult], at_verl_shape: bool) -> 
     return lines
 
 
+CPU_NAMES = {"baseline": "sync", "april": "sync-april", "april_async": "async-april"}
+"""bench_async's runs under the simulator's mode names (the CPU topology has no colocated form: every run keeps
+the trainer ranks and the servers apart, and the synchronous ones take turns)."""
+
+
+def cpu_topology_table(path: str) -> list[str]:
+    """The CPU Ray topology's rows (medians over seeds), in the simulator's columns where they exist."""
+    with open(path, encoding="utf-8") as handle:
+        measured = json.load(handle)
+    per_seed = measured["per_seed"]
+    names = list(next(iter(per_seed.values())))
+
+    def median(name: str, key: str, per_step: bool = False) -> float:
+        return statistics.median(run[name][key] / (run[name]["steps"] if per_step else 1) for run in per_seed.values())
+
+    lines = [f"CPU Ray topology, measured ({' '.join(measured.get('extra', []))}; {len(per_seed)} seeds, "
+             f"{measured.get('steps')} steps; medians; seconds per step but the wall-clock, the run's whole):",
+             f"{'mode':<14} {'wall s':>8} {'vs sync':>7} {'sample/s':>8} {'offpol':>6} {'lag mean':>8} "
+             f"{'tr idle':>8} {'eng idle':>8} {'update':>7}"]
+    for name in names:
+        samples_per_s = statistics.median(run[name]["samples_trained"] / run[name]["wall_clock_s"]
+                                          for run in per_seed.values())
+        lines.append(f"{CPU_NAMES.get(name, name):<14} {median(name, 'wall_clock_s'):8.1f} "
+                     f"{1 / median(name, 'wall_clock_ratio'):6.2f}x {samples_per_s:8.1f} "
+                     f"{median(name, 'off_policy_token_ratio'):6.2f} {median(name, 'mean_version_lag'):8.2f} "
+                     f"{median(name, 'trainer_idle_s', True):8.3f} {median(name, 'engine_idle_s', True):8.3f} "
+                     f"{median(name, 'weight_update_s', True):7.3f}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default="paper-8gpu,verl-7b-dapo")
@@ -95,12 +131,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--no-agentic", action="store_true")
+    parser.add_argument("--cpu-topology", default=None, metavar="RUNS_JSON",
+                        help="bench_async.py's runs.json of the CPU Ray topology, printed beside the simulator's")
     args = parser.parse_args()
     started = time.perf_counter()
     modes = args.modes.split(",")
     if "sync" not in modes:
         modes.insert(0, "sync")
-    for preset in args.presets.split(","):
+    for preset in filter(None, args.presets.split(",")):
         config = replace(PIPELINE_PRESETS[preset], steps=args.steps, warmup_steps=args.warmup)
         verl = preset == "verl-7b-dapo"
         if verl and args.scale > 1:
@@ -145,6 +183,8 @@ def main() -> None:
             for lengths in ("search-agent", "swe-agent"):
                 print(f"agentic {lengths} on {config.name}'s GPUs:")
                 run_table(replace(config, lengths=lengths), [m for m in modes if m != "stale-best"])
+    if args.cpu_topology is not None:
+        print("\n" + "\n".join(cpu_topology_table(args.cpu_topology)))
     print(f"\n({time.perf_counter() - started:.0f} s of wall time)")
 
 
