@@ -161,7 +161,9 @@ def test_a_resumed_run_continues_the_same_wandb_run_in_its_group(tmp_path, monke
     train(TrainConfig(**{**base, "num_steps": 3}))
     _drop_newest_checkpoint(out)
     train(TrainConfig(**{**base, "num_steps": 4}, resume=True))
-    runs = sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb")))
+    # In the order they were written: two sessions in one second share a directory name but for a "-1" suffix,
+    # which sorts before the first's.
+    runs = sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb")), key=os.path.getmtime)
     assert len(runs) == 2
     ids, steps, groups = [], [], []
     for path in runs:
