@@ -70,3 +70,22 @@ class TrainingBatch:
         names = ("tokens", "offsets", "prompt_lens", "loss_mask", "behavior_logprobs", "versions",
                  "rewards", "group_index", "sample_ids", "finish_reasons")
         return {name: torch.from_numpy(getattr(self, name)) for name in names}
+
+
+def version_lags(batch: TrainingBatch) -> dict[str, Any]:
+    """The lag of the trained model tokens behind the version they are trained at (batch.policy_version): mean,
+    max and a histogram (lag -> tokens); and multi_version_frac, the share of samples whose model tokens came
+    from more than one version (slime's name)."""
+    trained = batch.loss_mask.astype(bool)
+    lags = batch.policy_version - batch.versions[trained].astype(np.int64)
+    spans = 0
+    for i in range(batch.n_samples):
+        # Every model token, trained or masked (the prompt's and the environment's have no version).
+        versions = batch.versions[int(batch.offsets[i]) + int(batch.prompt_lens[i]):int(batch.offsets[i + 1])]
+        versions = versions[versions >= 0]
+        spans += bool(versions.size) and int(versions.min()) != int(versions.max())
+    values, counts = np.unique(lags, return_counts=True)
+    return {"version_lag_mean": float(lags.mean()) if lags.size else 0.0,
+            "version_lag_max": int(lags.max()) if lags.size else 0,
+            "version_lag_histogram": {str(int(v)): int(c) for v, c in zip(values, counts, strict=True)},
+            "multi_version_frac": spans / batch.n_samples if batch.n_samples else 0.0}

@@ -26,7 +26,8 @@ from april_ext.model import LlamaForCausalLM
 from april_ext.trainer.process import ProcessTrainer
 from april_ext.training import TrainConfig, train
 from april_ext.training.engines import build_engine
-from april_ext.training.pipeline import RolloutPipeline, version_lags
+from april_ext.batch import version_lags
+from april_ext.training.pipeline import RolloutPipeline
 from april_ext.training.run import TrainingRun, run_model_config
 from april_ext.training.trainers import build_trainer
 

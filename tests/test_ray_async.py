@@ -54,6 +54,16 @@ def _check_async_rows(rows: list[dict], steps: int) -> None:
             assert row[key] >= 0.0, (key, row[key])
 
 
+async def _to_the_end(run, seen: dict, trained: set[int]) -> dict:
+    """The run's remaining steps, then what every test checks: the servers' labels, the history, the groups."""
+    while not run.done:
+        await run.step()
+    seen["labels"] = sorted({_label(s.url) for s in run.engine.pool.slots})
+    await run.finish()
+    seen["history"], seen["groups"] = run.history, len(trained)
+    return seen
+
+
 def test_async_megatron_ranks_train_end_to_end_and_a_server_killed_mid_update_loses_nothing(
         tmp_path, monkeypatch, caplog) -> None:
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'april_ext[megatron]')")
@@ -85,12 +95,7 @@ def test_async_megatron_ranks_train_end_to_end_and_a_server_killed_mid_update_lo
             await _wait(lambda: engine.rejoins == 1 and engine.pool.states()[0] == "up", 120,
                         "the killed engine restarted and rejoined")
             seen["rejoined"] = (killed.url, _label(killed.url), str(run.trainer.version))
-            while not run.done:
-                await run.step()
-            seen["labels"] = sorted({_label(s.url) for s in engine.pool.slots})
-            await run.finish()
-            seen["history"], seen["groups"] = run.history, len(trained)
-            return seen
+            return await _to_the_end(run, seen, trained)
 
     caplog.set_level(logging.WARNING, logger="april_ext.cluster.ray_engine")
     seen = asyncio.run(asyncio.wait_for(run(), 600))  # a hang fails the test instead of stalling the suite
@@ -169,12 +174,7 @@ def test_an_async_run_loses_nothing_when_a_server_stalls_in_an_update_or_dies_wh
                 await _wait(back, 120, "the victim back")
             assert done, "the fault was not made"
             seen["back"] = (victim.url, _label(victim.url), str(run.trainer.version))
-            while not run.done:
-                await run.step()
-            seen["labels"] = sorted({_label(s.url) for s in engine.pool.slots})
-            await run.finish()
-            seen["history"], seen["groups"] = run.history, len(trained)
-            return seen
+            return await _to_the_end(run, seen, trained)
 
     caplog.set_level(logging.WARNING, logger="april_ext.cluster.ray_engine")
     seen = asyncio.run(asyncio.wait_for(run(), 600))

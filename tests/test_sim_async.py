@@ -175,10 +175,9 @@ def test_trainer_that_does_not_wait_for_the_landing() -> None:
 
 
 def test_lags_are_the_training_runs_measure() -> None:
-    """The simulator counts lags as april_ext.training.pipeline.version_lags does (it may not import it)."""
-    from april_ext.batch import TrainingBatch
+    """The simulator counts lags as april_ext.batch.version_lags does (the asynchronous run's metrics)."""
+    from april_ext.batch import TrainingBatch, version_lags
     from april_ext.sim.pipeline import _lags
-    from april_ext.training.pipeline import version_lags
 
     batch = TrainingBatch(
         tokens=np.zeros(6, np.int32), offsets=np.array([0, 4, 6]), prompt_lens=np.array([1, 1], np.int32),

@@ -205,12 +205,12 @@ class RayEngine:
             with self.weights.last_readable() as now:
                 if now:
                     await self._load(url)
-            if not now:
-                waiter = self._pending[url] = asyncio.get_running_loop().create_future()
-        if not now:
-            logger.warning("rollout engine at %s rejoins with the next weight update (the trainer trains past "
-                           "update %s)", url, self.weights.last[1] if self.weights.last else None)
-            await waiter
+                    self.rejoins += 1
+                    return
+            waiter = self._pending[url] = asyncio.get_running_loop().create_future()
+        logger.warning("rollout engine at %s rejoins with the next weight update (the trainer trains past "
+                       "update %s)", url, self.weights.last[1] if self.weights.last else None)
+        await waiter
         self.rejoins += 1
 
     async def _load_pending(self) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from april_ext.algorithms.filters import reject_uniform_groups
-from april_ext.batch import TrainingBatch
+from april_ext.batch import TrainingBatch, version_lags
 from april_ext.errors import ConfigError, InternalError
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.rollout import RolloutLoop
@@ -313,17 +313,10 @@ async def _land(engine: SimulatedEngine, timeline: _Timeline, waits: list[tuple[
 
 def _lags(batch: TrainingBatch) -> tuple[dict[int, int], float]:
     """Trained tokens per lag behind the batch's policy_version, and the share of samples whose model tokens come
-    from more than one version (the measures of april_ext.training.pipeline.version_lags, which this layer may not
-    import)."""
-    lags = batch.policy_version - batch.versions[batch.loss_mask.astype(bool)].astype(np.int64)
-    values, counts = np.unique(lags, return_counts=True)
-    spans = 0
-    for i in range(batch.n_samples):
-        versions = batch.versions[int(batch.offsets[i]) + int(batch.prompt_lens[i]):int(batch.offsets[i + 1])]
-        versions = versions[versions >= 0]
-        spans += bool(versions.size) and int(versions.min()) != int(versions.max())
-    return ({int(v): int(c) for v, c in zip(values, counts, strict=True)},
-            spans / batch.n_samples if batch.n_samples else 0.0)
+    from more than one version (version_lags, the asynchronous run's own measures)."""
+    lags = version_lags(batch)
+    return ({int(lag): tokens for lag, tokens in lags["version_lag_histogram"].items()},
+            lags["multi_version_frac"])
 
 
 def _parts(batch: TrainingBatch, finished: np.ndarray, end: float, parts: int) -> list[tuple[float, np.ndarray]]:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from april_ext.algorithms import reject_uniform_groups
+from april_ext.batch import version_lags
 from april_ext.data_source import DataSource, Prompt
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.model import LlamaForCausalLM, ModelConfig
@@ -50,7 +51,7 @@ from april_ext.training.handoff import StepMemory
 from april_ext.weights import sync_weights
 from april_ext.training.hooks import ImportedFilter, ImportedReward, load_environment
 from april_ext.training.metrics import VARIANT, read_metrics, step_row, summarize, variant_of
-from april_ext.training.pipeline import RolloutPipeline, version_lags
+from april_ext.training.pipeline import RolloutPipeline
 from april_ext.training.sinks import TENSORBOARD_DIR, MetricsSink, TensorBoardSink, WandbSink
 from april_ext.training.trainers import (
     InitialWeights,
