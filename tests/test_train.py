@@ -236,11 +236,12 @@ MAIN_JOB = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "counti
 @pytest.mark.slow
 @pytest.mark.parametrize("step_boundary", ["abort", "carry"])
 def test_an_april_run_of_the_main_job_repeats_exactly_for_its_seed(tmp_path, step_boundary):
-    """The APRIL half of the main job (configs/counting_tiny.toml, 10 steps), twice on seed 0: the engine steps in
+    """The APRIL half of the main job (configs/counting_tiny.toml, 14 steps), twice on seed 0: the engine steps in
     lockstep with the loop (deterministic_rollout, the default), so where the aborts cut, which groups are
     trained in what order, and so every loss, reward and response length repeat bit for bit, step by step."""
     def run(name: str):
-        return train(TrainConfig.from_toml(MAIN_JOB, num_steps=10, seed=0, step_boundary=step_boundary,
+        # 14 steps: the first ~8 cut nothing (a random policy runs every response to the cap, so groups end together).
+        return train(TrainConfig.from_toml(MAIN_JOB, num_steps=14, seed=0, step_boundary=step_boundary,
                                            output_dir=str(tmp_path / name), progress=False, plots=False))
 
     first, second = run("first"), run("second")
@@ -248,7 +249,7 @@ def test_an_april_run_of_the_main_job_repeats_exactly_for_its_seed(tmp_path, ste
             "rollout/generated_tokens", "rollout/engine_steps", "rollout/aborted_samples",
             "rollout/carried_samples", "rollout/re_prefill_tokens", "rollout/off_policy_token_ratio")
     assert [[r[k] for k in keys] for r in first.history] == [[r[k] for k in keys] for r in second.history]
-    assert len(first.history) == 10 and first.config.deterministic_rollout
+    assert len(first.history) == 14 and first.config.deterministic_rollout
     # The runs did cut samples at the step's end (aborted and resumed, or carried), on several steps.
     cut = "rollout/carried_samples" if step_boundary == "carry" else "rollout/aborted_samples"
     assert sum(r[cut] > 0 for r in first.history) >= 3
