@@ -169,6 +169,9 @@ class ServerPool:
                     await self._check(slot, rejoin, members)
                 except AprilError as err:  # a rejoin that failed is tried again at the next check
                     logger.warning("rollout engine %d (%s) could not rejoin: %s", slot.index, slot.url, err)
+                except Exception:  # nor does an unexpected one end the watch: the other engines still fail over
+                    logger.exception("rollout engine %d (%s): its check failed; it is tried again at the next check",
+                                     slot.index, slot.url)
 
     async def _check(self, slot: ServerSlot, rejoin: Callable[[str, str], Awaitable[None]],
                      members: Membership) -> None:
