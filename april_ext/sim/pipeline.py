@@ -31,8 +31,8 @@ from april_ext.rollout import RolloutLoop
 from april_ext.scheduler import Scheduler
 from april_ext.sim.cost import GPUS, MODELS
 from april_ext.sim.engine import SimulatedEngine
-from april_ext.sim.runner import SimConfig, _reward
-from april_ext.sim.tokens import SyntheticPrompts
+from april_ext.sim.runner import SimConfig
+from april_ext.sim.tokens import SyntheticPrompts, score_answer
 from april_ext.sim.training import TrainerCost
 
 
@@ -374,7 +374,7 @@ async def simulate_mode_async(config: PipelineConfig, mode: AsyncMode) -> Pipeli
                          config.stream_parts if mode.streaming else 1, mode.colocated or config.trainer_waits)
     waits: list[tuple[float, float, str]] = []
     async with SimulatedEngine(cluster, lengths, settle_passes=sim.settle_passes) as engine:
-        loop = RolloutLoop(engine, scheduler, _reward, sampling=SamplingParams(),
+        loop = RolloutLoop(engine, scheduler, score_answer, sampling=SamplingParams(),
                            group_filter=reject_uniform_groups if sim.algorithm == "dapo" else None,
                            seed=sim.seed, engine_capacity=capacity)
         for b in range(config.steps):

@@ -12,7 +12,6 @@ from typing import Literal
 import numpy as np
 
 from april_ext.algorithms.filters import reject_uniform_groups
-from april_ext.data_source import Prompt
 from april_ext.errors import ConfigError
 from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.rollout import RolloutLoop
@@ -33,7 +32,7 @@ from april_ext.sim.metrics import (
     length_bias,
     step_report,
 )
-from april_ext.sim.tokens import SyntheticPrompts, answer_reward
+from april_ext.sim.tokens import SyntheticPrompts, score_answer
 from april_ext.sim.turns import TURN_PRESETS, TurnModel, turn_preset
 from april_ext.sim.waves import WaveRollout
 from april_ext.strategies import STRATEGIES, configure, scheduler_config_for
@@ -242,10 +241,6 @@ class SimResult:
     summary: dict[str, float] = field(default_factory=dict)
 
 
-async def _reward(prompt: Prompt, response: np.ndarray) -> float:
-    return answer_reward(response)
-
-
 def _weighted(values: list[float], weights: list[float]) -> float:
     total = float(sum(weights))
     return float(np.dot(values, weights) / total) if total > 0 else 0.0
@@ -346,7 +341,7 @@ async def simulate_async(config: SimConfig, bound: OccupancyBound | None = None)
                 await engine.update_weights({}, step + 1)
         return _result(config, bound, reports, natural, scheduler_config, started)
     async with SimulatedEngine(cluster, lengths, settle_passes=config.settle_passes) as engine:
-        loop = RolloutLoop(engine, scheduler, _reward, sampling=SamplingParams(),
+        loop = RolloutLoop(engine, scheduler, score_answer, sampling=SamplingParams(),
                            group_filter=reject_uniform_groups if config.algorithm == "dapo" else None,
                            seed=config.seed, engine_capacity=capacity)
         for step in range(config.steps):

@@ -95,5 +95,11 @@ def answer_reward(response_ids: Sequence[int]) -> float:
     return 1.0 if len(response_ids) and int(response_ids[-1]) == CORRECT_TOKEN else 0.0
 
 
+async def score_answer(prompt: Prompt, response: np.ndarray) -> float:
+    """answer_reward as the rollout loop's reward function (the prompt does not matter)."""
+    return answer_reward(response)
+
+
 __all__ = ["BODY_BASE", "CORRECT_TOKEN", "PROMPT_MARK", "SyntheticPrompts", "VOCAB_SIZE", "WRONG_TOKEN",
-           "answer_reward", "as_ids", "prompt_key", "response_logprobs", "response_tokens", "synthetic_prompt"]
+           "answer_reward", "as_ids", "prompt_key", "response_logprobs", "response_tokens", "score_answer",
+           "synthetic_prompt"]
