@@ -12,8 +12,8 @@ version advances only once the engine holds the new weights: a failed sync raise
 With d = 0 the rollout of batch b waits for version b: the synchronous loop, one step after the other. With
 d = 1 (the default) the rollout of batch b + 1 runs beside the training of batch b, and a seeded run over an
 engine that steps in lockstep repeats exactly: batch b is always generated under version b - 1 (under b when its
-step follows a checkpoint, which it waits for). With d >= 2 the
-version a batch starts under can depend on timing (docs/async.md).
+step follows a checkpoint, which it waits for). With d >= 2 the version a batch starts under can depend on timing
+(docs/async.md).
 """
 
 from __future__ import annotations
