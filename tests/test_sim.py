@@ -38,6 +38,7 @@ from april_ext.sim.tokens import (
     WRONG_TOKEN,
     answer_reward,
     prompt_key,
+    score_answer,
     synthetic_prompt,
 )
 
@@ -550,11 +551,8 @@ def test_conservation_with_the_scheduler_buffer():
     lengths = LogNormalLengths(median_tokens=10, prompt_sigma=0.8, within_sigma=0.5, runaway_prob=0.1, seed=4)
 
     async def run():
-        async def reward(prompt, response):
-            return answer_reward(response)
-
         async with SimulatedEngine(_one(replace(UNIT, max_num_seqs=6), engines=2), lengths) as engine:
-            loop = RolloutLoop(engine, sched, reward)
+            loop = RolloutLoop(engine, sched, score_answer)
             out = []
             for v in range(5):
                 out.append(await loop.run_step(v))
