@@ -99,6 +99,8 @@ def _table(per_seed: dict[int, dict[str, Any]]) -> list[str]:
 
     def cell(name: str, key: str, fmt: str) -> str:
         values = [per_seed[s][name][key] for s in per_seed]
+        if all(v is not None and np.isnan(v) for v in values):
+            return "n/a"  # SGLang servers report no engine steps: there is no per-step figure to show
         if any(v is None for v in values):
             reached = [v for v in values if v is not None]
             return f"{len(reached)}/{len(values)} seeds" + (f", median {np.median(reached):{fmt}}" if reached else "")
