@@ -70,6 +70,10 @@ def test_compare_runs_the_baseline_april_and_asynchronous_april_and_times_each_w
     assert list(figures) == ["baseline", "april", "april_async"]
     assert figures["baseline"]["wall_clock_ratio"] == 1.0
     assert all(f["wall_clock_s"] > f["steps_s"] > 0 for f in figures.values())
+    for f in figures.values():
+        assert {"reward_at_equal_steps", "time_to_reference_reward_s", "reward_at_equal_time",
+                "rollout_tokens_per_s", "tokens_per_engine_step", "bubble"} <= set(f)
+        assert f["rollout_tokens_per_s"] > 0 and 0 < f["tokens_per_engine_step"] <= 64
     for name in ("baseline", "april", "april_async"):
         assert (tmp_path / "cmp" / name / "metrics.jsonl").is_file()
         assert (tmp_path / "cmp" / name / "checkpoints" / "step_000002").is_dir()

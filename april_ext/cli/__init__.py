@@ -16,6 +16,7 @@ COMMANDS: list[str] = [
     "april_ext.cli.train",
     "april_ext.cli.simulate",
     "april_ext.cli.serve",
+    "april_ext.cli.bench",
 ]
 
 

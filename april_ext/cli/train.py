@@ -335,7 +335,11 @@ def _compare(config: TrainConfig) -> int:
         print(f"{title} tokens per engine step vs baseline: {gain:+.1%} (independent of machine load)")
     path = os.path.join(config.output_dir, "compare.json")
     with open(path, "w") as f:
-        json.dump({name: dataclasses.asdict(c) for name, c in comparison.items()}, f, indent=1)
+        # The token rates beside the figures a user waits for, never instead of them.
+        json.dump({name: {**dataclasses.asdict(c),
+                          "rollout_tokens_per_s": results[name].summary.get("rollout_tokens_per_s"),
+                          **_engine_figures(results[name].history, config.max_num_seqs)}
+                   for name, c in comparison.items()}, f, indent=1)
     print(f"comparison: {path}")
     if config.plots:
         path = plot_compare({n: r.history for n, r in results.items()}, os.path.join(config.output_dir, "compare.png"))

@@ -8,6 +8,8 @@ contents restored), so raw pointers and CUDA / HIP graphs stay valid. See docs/m
 from __future__ import annotations
 
 from april_ext.errors import (
+    AprilError,
+    ConfigError,
     DriverError,
     InvalidArgumentError,
     InvalidStateError,
@@ -40,7 +42,9 @@ from april_ext.memory.tensors import (
 )
 
 __all__ = [
+    "AprilError",
     "BackendInfo",
+    "ConfigError",
     "DriverError",
     "InvalidArgumentError",
     "InvalidStateError",
