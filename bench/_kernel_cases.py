@@ -298,7 +298,7 @@ def flash_attn(case: Case) -> Callable[[], torch.Tensor]:
     every key from the cache, so for extend the new tokens are written behind each prefix first (setup)."""
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-    k_cache, v_cache, table, lens = _page256_cache(case)
+    k_cache, v_cache, table, lens = _filled_cache(case, 256)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=case.q.device)
     if case.shape.kind == "decode":
         q = case.q.unsqueeze(1)
@@ -310,21 +310,48 @@ def flash_attn(case: Case) -> Callable[[], torch.Tensor]:
                                           causal=True, block_table=table)
 
 
-def _page256_cache(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """Every sequence's keys / values (_dense_kv) in a fresh page-256 cache; returns it, its block table and
-    the lengths."""
+def flashinfer(case: Case) -> Callable[[], torch.Tensor]:
+    """FlashInfer's paged wrappers (NHD layout, the case's page size), when the package is installed: the
+    decode wrapper for decode, the prefill wrapper with a causal mask aligned to each sequence's end for
+    extend. Like flash-attn it reads every key from the cache, so the new tokens are written behind each
+    prefix first (setup); plan() is setup too, as a serving engine plans once per batch."""
+    import flashinfer as fi
+
+    s = case.shape
+    dev = case.q.device
+    ps = case.k_cache.shape[1]
+    k_cache, v_cache, table, lens = _filled_cache(case, ps)
+    pages = [math.ceil(n / ps) for n in lens]
+    indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32, device=dev)
+    indices = torch.cat([table[b, :pages[b]] for b in range(s.num_seqs)]).to(torch.int32)
+    last_page_len = torch.tensor([n - (p - 1) * ps for n, p in zip(lens, pages)], dtype=torch.int32, device=dev)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    if s.kind == "decode":
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(indptr, indices, last_page_len, s.q_heads, s.kv_heads, s.head_dim, ps,
+                     q_data_type=s.dtype, kv_data_type=s.dtype)
+    else:
+        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        wrapper.plan(case.qo_indptr, indptr, indices, last_page_len, s.q_heads, s.kv_heads, s.head_dim, ps,
+                     causal=True, q_data_type=s.dtype, kv_data_type=s.dtype)
+    return lambda: wrapper.run(case.q, (k_cache, v_cache))
+
+
+def _filled_cache(case: Case, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Every sequence's keys / values (_dense_kv) in a fresh cache of ``page_size`` pages, each sequence's pages
+    consecutive; returns it, its block table and the lengths."""
     s = case.shape
     dense = [_dense_kv(case, b) for b in range(s.num_seqs)]
     lens = [k.shape[0] for k, _ in dense]
-    pages = [math.ceil(n / 256) for n in lens]
-    k_cache = torch.zeros(sum(pages), 256, s.kv_heads, s.head_dim, device=case.q.device, dtype=s.dtype)
+    pages = [math.ceil(n / page_size) for n in lens]
+    k_cache = torch.zeros(sum(pages), page_size, s.kv_heads, s.head_dim, device=case.q.device, dtype=s.dtype)
     v_cache = torch.zeros_like(k_cache)
     table = torch.zeros(s.num_seqs, max(pages), dtype=torch.int32, device=case.q.device)
     start = 0
     for b, (k, v) in enumerate(dense):
         table[b, :pages[b]] = torch.arange(start, start + pages[b], device=case.q.device)
-        k_cache.view(-1, s.kv_heads, s.head_dim)[start * 256:start * 256 + lens[b]] = k
-        v_cache.view(-1, s.kv_heads, s.head_dim)[start * 256:start * 256 + lens[b]] = v
+        k_cache.view(-1, s.kv_heads, s.head_dim)[start * page_size:start * page_size + lens[b]] = k
+        v_cache.view(-1, s.kv_heads, s.head_dim)[start * page_size:start * page_size + lens[b]] = v
         start += pages[b]
     return k_cache, v_cache, table, lens
 
@@ -333,6 +360,7 @@ def _page256_cache(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 BASELINES: dict[str, Callable[[Case], Callable[[], torch.Tensor]]] = {
     "sdpa": sdpa,
     "flash_attn": flash_attn,
+    "flashinfer": flashinfer,
     "reference": reference,
     "flex_attention": flex,
 }

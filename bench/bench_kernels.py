@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA / ROCm device and compiled (not interpreted) kernels",
 )
 SHAPES = ["extend_resume_16x1k-4k", "extend_resume_64x1k-16k", "decode_64x1k-16k", "decode_256x1k-4k"]
-RUNNERS = ["ours", "sdpa", "flex_attention", "flash_attn"]
+RUNNERS = ["ours", "sdpa", "flex_attention", "flash_attn", "flashinfer"]
 
 
 @pytest.fixture(scope="module", params=SHAPES)

@@ -76,12 +76,11 @@ def environment() -> dict:
         env.update(device=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
                    memory_gib=round(props.total_memory / 2**30, 1),
                    generation=kc.tk.generation(torch.device("cuda", 0)))
-    try:
-        import flash_attn
-
-        env["flash_attn"] = flash_attn.__version__
-    except ImportError:
-        env["flash_attn"] = None
+    for package in ("flash_attn", "flashinfer"):
+        try:
+            env[package] = importlib.import_module(package).__version__
+        except ImportError:
+            env[package] = None
     return env
 
 
