@@ -470,6 +470,7 @@ def test_scheduler_settings_per_mode():
         32, "continuous", 0, "drop")
     with pytest.raises(ConfigError, match="SimConfig.mode='fast'"):
         SimConfig(mode="fast")
+    assert SimConfig(cluster="h200-qwen2.5-math-7b").cluster == "h200-qwen2.5-math-7b"  # any GPU x model pairing
     adaptive = replace(config, mode="april-adaptive").scheduler_config(engine_capacity=568)
     assert (adaptive.refill, adaptive.over_sampling) == ("continuous", "adaptive")
     assert adaptive.target_inflight_samples == 568
@@ -479,6 +480,15 @@ def test_scheduler_settings_per_mode():
         replace(config, mode="april-adaptive").scheduler_config()
     with pytest.raises(ConfigError, match=r"SchedulerConfig\.target_inflight_samples=4 is not allowed"):
         SimConfig(target_inflight_samples=4)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("cluster", 42), ("cluster", None), ("cluster", "a100-qwen3-8b"), ("lengths", 123), ("lengths", __file__),
+    ("seed", -1), ("seed", 1.5), ("settle_passes", 0), ("mem_fraction_static", 2.0), ("mem_fraction_static", 0),
+])
+def test_a_bad_value_is_a_config_error_naming_the_field_before_the_run(field, value):
+    with pytest.raises(ConfigError, match=rf"SimConfig\.{field}="):
+        SimConfig(**{field: value})
 
 
 def test_the_baseline_is_a_named_one_ending_its_steps_as_slime_does():

@@ -17,7 +17,7 @@ from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.rollout import RolloutLoop
 from april_ext.scheduler import Scheduler, SchedulerConfig
 from april_ext.settings import adopt
-from april_ext.sim.cost import ClusterConfig, cluster_preset
+from april_ext.sim.cost import CLUSTER_PRESETS, GPUS, MODELS, ClusterConfig, cluster_preset
 from april_ext.sim.engine import SimulatedEngine
 from april_ext.sim.lengths import (
     LENGTH_PRESETS,
@@ -129,13 +129,21 @@ class SimConfig:
         for name in ("mixed_chunk", "colocate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"SimConfig.{name}={getattr(self, name)!r} is not allowed: True or False")
-        for name in ("steps", "num_engines", "prompt_len", "dataset_size", "chunked_prefill_size", "tensor_parallel"):
+        self._check_cluster_and_lengths()
+        for name in ("steps", "num_engines", "prompt_len", "dataset_size", "chunked_prefill_size", "tensor_parallel",
+                     "settle_passes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"SimConfig.{name}={value!r} is not allowed: an int >= 1")
         if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps < self.steps:
             raise ConfigError(f"SimConfig.warmup_steps={self.warmup_steps!r} is not allowed: an int in "
                               f"[0, steps = {self.steps})")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ConfigError(f"SimConfig.seed={self.seed!r} is not allowed: an int >= 0")
+        fraction = self.mem_fraction_static
+        if fraction is not None and (not isinstance(fraction, (int, float)) or isinstance(fraction, bool)
+                                     or not 0 < fraction <= 1):
+            raise ConfigError(f"SimConfig.mem_fraction_static={fraction!r} is not allowed: None or a number in (0, 1]")
         for name in ("abort_latency_s", "weight_sync_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < math.inf:
@@ -145,14 +153,29 @@ class SimConfig:
             replace(shared, over_sampling="adaptive", target_inflight_samples=self.target_inflight_samples)
         # None: SchedulerConfig's N' (2N) or the strategy's, so that reports show the value run.
         object.__setattr__(self, "over_sampling_batch_size", shared.over_sampling_batch_size)
-        if (isinstance(self.lengths, str) and self.lengths not in LENGTH_PRESETS and self.lengths not in TURN_PRESETS
-                and not os.path.isfile(self.lengths)):
-            raise ConfigError(f"SimConfig.lengths={self.lengths!r} is not allowed: a length preset "
-                              f"({', '.join(sorted(LENGTH_PRESETS))}), an agentic preset "
-                              f"({', '.join(sorted(TURN_PRESETS))}) or the path of a .csv / .jsonl length trace")
         if self.agentic and self.mixed_chunk:
             raise ConfigError(f"SimConfig.mixed_chunk=True is not allowed with the agentic lengths {self.lengths!r}: "
                               "turns are modelled with separate prefill only (mixed_chunk=False)")
+
+    def _check_cluster_and_lengths(self) -> None:
+        """cluster: a ClusterConfig or a <gpu>-<model> name; lengths: a LengthModel, a preset or a trace file."""
+        cluster = self.cluster
+        if not isinstance(cluster, ClusterConfig):
+            gpu, _, model = cluster.partition("-") if isinstance(cluster, str) else ("", "", "")
+            if gpu not in GPUS or model not in MODELS:
+                raise ConfigError(f"SimConfig.cluster={cluster!r} is not allowed: a ClusterConfig, a preset "
+                                  f"({', '.join(CLUSTER_PRESETS)}) or <gpu>-<model> with a GPU of {sorted(GPUS)} "
+                                  f"and a model of {sorted(MODELS)}")
+        lengths = self.lengths
+        if isinstance(lengths, str):
+            is_trace = os.path.isfile(lengths) and lengths.endswith((".csv", ".jsonl", ".json"))
+            if lengths not in LENGTH_PRESETS and lengths not in TURN_PRESETS and not is_trace:
+                raise ConfigError(f"SimConfig.lengths={lengths!r} is not allowed: a length preset "
+                                  f"({', '.join(sorted(LENGTH_PRESETS))}), an agentic preset "
+                                  f"({', '.join(sorted(TURN_PRESETS))}) or the path of a .csv / .jsonl length trace")
+        elif not callable(getattr(lengths, "draw", None)):
+            raise ConfigError(f"SimConfig.lengths={lengths!r} is not allowed: a preset name, a trace path or a "
+                              "LengthModel (an object with draw(prompt_key, ordinal, version))")
 
     def _shared_scheduler_config(self) -> SchedulerConfig:
         """Every mode's scheduler settings but the mode's own, validated by SchedulerConfig; with the strategy in
