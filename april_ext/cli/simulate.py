@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from april_ext.errors import ConfigError
+from april_ext.persistence import ensure_dir
 from april_ext.scheduler import SchedulerConfig
 from april_ext.settings import add_flag, settings
 from april_ext.sim.cost import CLUSTER_PRESETS
@@ -164,6 +165,8 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     over_sampling = getattr(args, "over_sampling_batch_size", None)
+    if args.output_dir:
+        ensure_dir(args.output_dir)  # before the run: a bad directory fails in a second, not after minutes
     if args.strategies is not None:
         if args.strategy is not None or (over_sampling is not None and len(over_sampling) > 1):
             raise ConfigError("--strategies is not allowed with --strategy or a list of N': one run per strategy")
@@ -175,7 +178,6 @@ def run(args: argparse.Namespace) -> int:
         results = run_all(config, args.modes or MODES, over_sampling or (config.over_sampling_batch_size,))
     print(describe(results))
     if args.output_dir:
-        os.makedirs(args.output_dir, exist_ok=True)
         write_json(results, os.path.join(args.output_dir, "report.json"))
         natural = np.minimum(config.length_model().natural_lengths(config.bound_version), config.max_response_len)
         for path in write_plots(results, args.output_dir, natural):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 from april_ext.errors import InvalidArgumentError
 
@@ -38,7 +38,7 @@ def read_records(path: str | os.PathLike[str], fmt: str | None = None) -> Iterat
 
 def _read_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
     with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
+        for line_no, line in _numbered_lines(handle, path):
             if not line.strip():
                 continue
             try:
@@ -50,6 +50,13 @@ def _read_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise InvalidArgumentError(f"{path}:{line_no}: expected a JSON object per line, got "
                                            f"{type(record).__name__}")
             yield line_no, record
+
+
+def _numbered_lines(handle: IO[str], path: str) -> Iterator[tuple[int, str]]:
+    try:
+        yield from enumerate(handle, start=1)
+    except UnicodeDecodeError as err:
+        raise InvalidArgumentError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
 def _read_parquet(path: str) -> Iterator[tuple[int, dict[str, Any]]]:

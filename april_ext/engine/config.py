@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from april_ext.errors import ConfigError
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -54,5 +56,10 @@ class EngineConfig:
         for name in ("prefix_caching", "weights_cpu_backup", "kv_cache_cpu_backup"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"EngineConfig.seed must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= 2**63 - 1:
+            raise ConfigError(f"EngineConfig.seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ConfigError(f"EngineConfig.device must be a torch device string such as 'cpu' or 'cuda:0', "
+                              f"got {self.device!r}") from None

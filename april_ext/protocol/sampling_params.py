@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from april_ext.errors import InvalidArgumentError
@@ -33,6 +34,9 @@ class SamplingParams:
     priority: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stop_token_ids, Iterable):
+            raise InvalidArgumentError(f"SamplingParams.stop_token_ids must be a sequence of integers >= 0, "
+                                       f"got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) \
                 or self.max_new_tokens < 1:

@@ -78,7 +78,7 @@ class ServerConfig:
                                          or not self.api_key.isprintable() or " " in self.api_key):
             raise ConfigError("ServerConfig.api_key must be None or a non-empty string of printable characters "
                               "without spaces (it travels in an Authorization header)")
-        if self.sglang_compat not in sglang_wire.DIALECTS:
+        if not isinstance(self.sglang_compat, str) or self.sglang_compat not in sglang_wire.DIALECTS:
             raise ConfigError(f"ServerConfig.sglang_compat must be one of {sorted(sglang_wire.DIALECTS)}, "
                               f"got {self.sglang_compat!r}")
         if not isinstance(self.host, str) or not self.host:
@@ -91,11 +91,11 @@ class ServerConfig:
         if not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool) \
                 or self.stream_interval < 1:
             raise ConfigError(f"ServerConfig.stream_interval must be an integer >= 1, got {self.stream_interval!r}")
-        if not isinstance(self.weight_group_timeout_s, (int, float)) or not self.weight_group_timeout_s > 0:
-            raise ConfigError(f"ServerConfig.weight_group_timeout_s must be a number > 0, "
-                              f"got {self.weight_group_timeout_s!r}")
-        if not self.health_timeout_s > 0:
-            raise ConfigError(f"ServerConfig.health_timeout_s must be > 0, got {self.health_timeout_s!r}")
+        for name in ("weight_group_timeout_s", "health_timeout_s"):
+            value = getattr(self, name)
+            # 6e8 s (19 years): torch.distributed keeps the weight group's timeout in int64 milliseconds.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 6e8:
+                raise ConfigError(f"ServerConfig.{name} must be a finite number > 0 (at most 6e8 s), got {value!r}")
         if not isinstance(self.max_request_bytes, int) or isinstance(self.max_request_bytes, bool) \
                 or self.max_request_bytes < 1:
             raise ConfigError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,8 @@ class SGLangEngineConfig:
                               "characters without spaces (it travels in an Authorization header)")
         if isinstance(self.worker_urls, str):
             raise ConfigError("SGLangEngineConfig.worker_urls must be a sequence of urls, not one string")
+        if not isinstance(self.worker_urls, Iterable):
+            raise ConfigError(f"SGLangEngineConfig.worker_urls must be a sequence of urls, got {self.worker_urls!r}")
         urls = tuple(_base_url(u, "worker_urls") for u in self.worker_urls)
         object.__setattr__(self, "worker_urls", urls)
         if self.router_url is not None:
@@ -95,8 +98,9 @@ class SGLangEngineConfig:
         for name in ("timeout_s", "connect_timeout_s", "abort_timeout_s", "abort_resend_s", "weight_bucket_mb",
                      "weight_sync_timeout_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"SGLangEngineConfig.{name} must be a number > 0, got {value!r}")
+            # 6e8 (19 years in seconds): the weight-sync group keeps its timeout in int64 milliseconds.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 6e8:
+                raise ConfigError(f"SGLangEngineConfig.{name} must be a finite number > 0 (at most 6e8), got {value!r}")
         for name in ("retries", "max_connections", "initial_weight_version"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -130,8 +134,9 @@ class SGLangEngineConfig:
         if address is not None and (not isinstance(address, str) or not address):
             raise ConfigError(f"SGLangEngineConfig.weight_sync_master_address must be None or a host address, "
                               f"got {address!r}")
-        if not isinstance(self.backoff_s, (int, float)) or self.backoff_s < 0:
-            raise ConfigError(f"SGLangEngineConfig.backoff_s must be a number >= 0, got {self.backoff_s!r}")
+        if isinstance(self.backoff_s, bool) or not isinstance(self.backoff_s, (int, float)) \
+                or not 0 <= self.backoff_s < float("inf"):
+            raise ConfigError(f"SGLangEngineConfig.backoff_s must be a finite number >= 0, got {self.backoff_s!r}")
 
 
 def _base_url(url: Any, name: str) -> str:

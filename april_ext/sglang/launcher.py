@@ -17,7 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -48,13 +48,27 @@ class SGLangServerArgs:
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ConfigError(f"SGLangServerArgs.model_path must be a non-empty string, got {self.model_path!r}")
-        if self.port is not None and (not isinstance(self.port, int) or not 1 <= self.port <= 65535):
-            raise ConfigError(f"SGLangServerArgs.port must be None or in [1, 65535], got {self.port!r}")
-        if not isinstance(self.tp, int) or self.tp < 1:
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"SGLangServerArgs.host must be a non-empty string, got {self.host!r}")
+        if self.port is not None and (not isinstance(self.port, int) or isinstance(self.port, bool)
+                                      or not 1 <= self.port <= 65535):
+            raise ConfigError(f"SGLangServerArgs.port must be None or an integer in [1, 65535], got {self.port!r}")
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
             raise ConfigError(f"SGLangServerArgs.tp must be an integer >= 1, got {self.tp!r}")
-        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
-            raise ConfigError(
-                f"SGLangServerArgs.mem_fraction_static must be in (0, 1], got {self.mem_fraction_static!r}")
+        fraction = self.mem_fraction_static
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0 < fraction <= 1):
+            raise ConfigError(f"SGLangServerArgs.mem_fraction_static must be None or a number in (0, 1], "
+                              f"got {fraction!r}")
+        for name in ("enable_memory_saver", "skip_tokenizer_init", "enable_weights_cpu_backup"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"SGLangServerArgs.{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.extra_args, str) or not isinstance(self.extra_args, Iterable):
+            raise ConfigError(f"SGLangServerArgs.extra_args must be a sequence of arguments, got {self.extra_args!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key
+                                         or not self.api_key.isprintable() or " " in self.api_key):
+            raise ConfigError("SGLangServerArgs.api_key must be None or a non-empty string of printable characters "
+                              "without spaces (it travels in an Authorization header)")
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
 
     def argv(self, port: int) -> list[str]:

@@ -200,27 +200,31 @@ class TraceLengths:
         ``prompt_id``, ``length`` and optionally ``correct``. Prompts keep their order of first appearance."""
         path = os.fspath(path)
         rows: list[tuple[str, object, object, int]] = []
-        if path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as f:
-                for line_no, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise InvalidArgumentError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
-                    if not isinstance(obj, dict):
-                        raise InvalidArgumentError(f"{path}:{line_no}: a JSON object is required")
-                    rows.append((str(obj.get("prompt_id")), obj.get("length"), obj.get("correct", True), line_no))
-        elif path.endswith(".csv"):
-            with open(path, encoding="utf-8", newline="") as f:
-                reader = csv.DictReader(f)
-                if reader.fieldnames is None or not {"prompt_id", "length"} <= set(reader.fieldnames):
-                    raise InvalidArgumentError(f"{path}: the CSV header needs columns prompt_id and length")
-                for line_no, rec in enumerate(reader, 2):
-                    rows.append((rec["prompt_id"], rec["length"], rec.get("correct") or "1", line_no))
-        else:
-            raise InvalidArgumentError(f"trace path {path!r}: a .csv or .jsonl file is required")
+        try:
+            if path.endswith((".jsonl", ".json")):
+                with open(path, encoding="utf-8") as f:
+                    for line_no, line in enumerate(f, 1):
+                        if not line.strip():
+                            continue
+                        try:
+                            obj = json.loads(line)
+                        except json.JSONDecodeError as exc:
+                            raise InvalidArgumentError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+                        if not isinstance(obj, dict):
+                            raise InvalidArgumentError(f"{path}:{line_no}: a JSON object is required")
+                        rows.append((str(obj.get("prompt_id")), obj.get("length"), obj.get("correct", True),
+                                     line_no))
+            elif path.endswith(".csv"):
+                with open(path, encoding="utf-8", newline="") as f:
+                    reader = csv.DictReader(f)
+                    if reader.fieldnames is None or not {"prompt_id", "length"} <= set(reader.fieldnames):
+                        raise InvalidArgumentError(f"{path}: the CSV header needs columns prompt_id and length")
+                    for line_no, rec in enumerate(reader, 2):
+                        rows.append((rec["prompt_id"], rec["length"], rec.get("correct") or "1", line_no))
+            else:
+                raise InvalidArgumentError(f"trace path {path!r}: a .csv or .jsonl file is required")
+        except UnicodeDecodeError as exc:
+            raise InvalidArgumentError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         groups: OrderedDict[str, tuple[list[int], list[bool]]] = OrderedDict()
         for prompt_id, length, correct, line_no in rows:
             try:

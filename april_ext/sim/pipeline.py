@@ -153,10 +153,11 @@ class PipelineConfig:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        if self.gpu not in GPUS or self.model not in MODELS:
+        if not isinstance(self.gpu, str) or not isinstance(self.model, str) or self.gpu not in GPUS \
+                or self.model not in MODELS:
             raise ConfigError(f"PipelineConfig.gpu={self.gpu!r} / model={self.model!r} is not allowed: a GPU of "
                               f"{sorted(GPUS)} and a model of {sorted(MODELS)}")
-        for name in ("gpus", "rollout_gpus", "tensor_parallel", "stream_parts", "steps"):
+        for name in ("gpus", "rollout_gpus", "tensor_parallel", "stream_parts", "steps", "rollout_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"PipelineConfig.{name}={value!r} is not allowed: an int >= 1")
@@ -179,6 +180,9 @@ class PipelineConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, TrainerCost):
                 raise ConfigError(f"PipelineConfig.{name} is a {type(value).__name__}; None or a TrainerCost")
+        stale = self.max_staleness
+        if stale is not None and (not isinstance(stale, int) or isinstance(stale, bool) or stale < 0):
+            raise ConfigError(f"PipelineConfig.max_staleness={stale!r} is not allowed: None or an int >= 0")
         self.sim_config(ASYNC_MODES["sync"])  # the rollout settings, validated by SimConfig
 
     def scaled(self, factor: int) -> PipelineConfig:

@@ -120,7 +120,7 @@ class SimConfig:
         if self.april_loop == "slime" and self.mode == "april-batch" and self.strategy is not None:
             raise ConfigError(f"SimConfig.strategy={self.strategy!r} is not allowed with april_loop='slime' (slime's "
                               "loop runs no scheduler): None, or april_loop='scheduler'")
-        if self.strategy is not None and self.strategy not in STRATEGIES:
+        if self.strategy is not None and (not isinstance(self.strategy, str) or self.strategy not in STRATEGIES):
             raise ConfigError(f"SimConfig.strategy={self.strategy!r} is not allowed: None or one of "
                               f"{', '.join(STRATEGIES)}")
         if self.strategy is not None and self.mode == "baseline":
@@ -138,6 +138,8 @@ class SimConfig:
         if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps < self.steps:
             raise ConfigError(f"SimConfig.warmup_steps={self.warmup_steps!r} is not allowed: an int in "
                               f"[0, steps = {self.steps})")
+        if self.prompt_len > 1 << 20:  # a synthetic prompt is a list of this many tokens
+            raise ConfigError(f"SimConfig.prompt_len={self.prompt_len!r} is not allowed: an int in [1, 2**20]")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ConfigError(f"SimConfig.seed={self.seed!r} is not allowed: an int >= 0")
         fraction = self.mem_fraction_static

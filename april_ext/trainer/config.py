@@ -120,7 +120,7 @@ class TrainerConfig:
         if self.device is not None:
             try:
                 torch.device(self.device)
-            except (RuntimeError, TypeError):
+            except (RuntimeError, TypeError, ValueError):
                 raise ConfigError(f"TrainerConfig.device must be None or a torch device string such as "
                                   f"'cpu' or 'cuda:0', got {self.device!r}") from None
 

@@ -9,7 +9,6 @@ TorchTrainer trains data parallel when the world has more than one rank; the Meg
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import tempfile
@@ -35,9 +34,8 @@ def initialize(timeout_s: float = 600.0) -> None:
     """Creates the default process group unless one exists (then it is reused as it is); ``shutdown``
     destroys only a group created here. ``timeout_s`` limits the rendezvous and every collective."""
     global _owned_dir, _owns_process_group
-    if (not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not math.isfinite(timeout_s)
-            or timeout_s <= 0):
-        raise ConfigError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s <= 6e8:
+        raise ConfigError(f"timeout_s must be a number in (0, 6e8] seconds, got {timeout_s!r}")
     timeout = timedelta(seconds=timeout_s)
     with _lock:
         if dist.is_initialized():

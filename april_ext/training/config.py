@@ -434,10 +434,12 @@ class TrainConfig:
         for name in ("seed", "save_interval", "eval_interval"):
             if getattr(self, name) < 0:
                 bad(name, getattr(self, name), "an int >= 0")
+        if self.seed > 2**63 - 1:  # torch.manual_seed takes no more
+            bad("seed", self.seed, "an int in [0, 2**63 - 1]")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             bad("micro_batch_size", self.micro_batch_size, "None or an int >= 1")
-        if self.num_threads is not None and self.num_threads < 1:
-            bad("num_threads", self.num_threads, "None or an int >= 1")
+        if self.num_threads is not None and not 1 <= self.num_threads <= 4096:
+            bad("num_threads", self.num_threads, "None or an int in [1, 4096]")
         for name, allowed in (("algorithm", ALGORITHMS), ("engine", ENGINES), ("trainer", TRAINERS),
                               ("custom_rm_kind", typing.get_args(RewardKind)),
                               ("kl_loss_type", typing.get_args(KlType)),
@@ -634,8 +636,10 @@ class TrainConfig:
                 values = tomllib.load(handle)
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
-        except tomllib.TOMLDecodeError as err:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
             raise ConfigError(f"{path}: not valid TOML ({err})") from None
+        except OSError as err:
+            raise ConfigError(f"config file {path!r} cannot be read: {err.strerror or err}") from None
         if set(values) == {"train"} and isinstance(values["train"], dict):
             values = values["train"]
         # TOML has no null: the string "none" stands for None in optional settings.

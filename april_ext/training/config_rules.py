@@ -152,8 +152,9 @@ def check_ray(config: TrainConfig) -> None:
 
 
 def check_parallel(config: TrainConfig) -> None:
-    if not math.isfinite(config.distributed_timeout_minutes) or config.distributed_timeout_minutes <= 0:
-        bad("distributed_timeout_minutes", config.distributed_timeout_minutes, "a finite number > 0")
+    # torch.distributed keeps a timeout in int64 milliseconds: at most 1e7 minutes (19 years) is far inside it.
+    if not 0 < config.distributed_timeout_minutes <= 1e7:
+        bad("distributed_timeout_minutes", config.distributed_timeout_minutes, "a number in (0, 1e7]")
     split = config.parallel_config()
     if config.trainer == "torch":
         # TorchTrainer is data parallel only (DDP): every rank holds the whole model.

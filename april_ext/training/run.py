@@ -37,7 +37,7 @@ from april_ext.batch import version_lags
 from april_ext.data_source import DataSource, Prompt
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.model import LlamaForCausalLM, ModelConfig
-from april_ext.persistence import atomic_write_json, atomic_write_text
+from april_ext.persistence import atomic_write_json, atomic_write_text, ensure_dir
 from april_ext.protocol import Environment, RolloutDriver, RolloutEngine, SamplingParams, Trainer
 from april_ext.rollout import GroupFilter, RewardFn, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler
@@ -356,7 +356,7 @@ class TrainingRun:
             self._stack.enter_context(self._trainer_factory(config, initial, self.memory_tag_prefix)), Trainer,
             "trainer")
         self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.keep_checkpoints)
-        os.makedirs(config.output_dir, exist_ok=True)
+        ensure_dir(config.output_dir)
         self.metrics_path = os.path.join(config.output_dir, METRICS_FILE)
         if config.resume_dir is not None:
             self._resume(config.resume_dir)

@@ -50,8 +50,8 @@ class MegatronTrainerConfig:
         if not isinstance(self.trainer, TrainerConfig):
             raise ConfigError(f"MegatronTrainerConfig.trainer must be a TrainerConfig, got "
                               f"{type(self.trainer).__name__}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise ConfigError(f"MegatronTrainerConfig.seed must be an integer >= 0, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= 2**63 - 1:
+            raise ConfigError(f"MegatronTrainerConfig.seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
         if not isinstance(self.parallel, MegatronParallelConfig):
             raise ConfigError(f"MegatronTrainerConfig.parallel must be a MegatronParallelConfig, got "
                               f"{type(self.parallel).__name__}")
