@@ -92,3 +92,13 @@ def test_the_command_line_refuses_bad_input_in_one_line(tmp_path, argv, message)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message.format(**fill) in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_train_config_replace_and_from_dict_refuse_what_is_no_setting():
+    with pytest.raises(ConfigError, match=r"TrainConfig\.replace: unknown setting\(s\) \['bogus'\]"):
+        TrainConfig().replace(bogus=1)
+    with pytest.raises(ConfigError, match="a table of settings is required, got list"):
+        TrainConfig.from_dict([1])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="setting names are strings, got 1"):
+        TrainConfig.from_dict({1: 2})  # type: ignore[dict-item]
+    assert TrainConfig().replace(lr=0.5).lr == 0.5

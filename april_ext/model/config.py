@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -24,6 +25,31 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mis
 _ROPE_TYPES = ("default", "linear", "llama3")
 # The dtype names config.json (and the serve CLI) may give, and their torch dtypes.
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_BOOL_FIELDS = ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "norm_topk_prob")
+_JsonContainer = TypeVar("_JsonContainer", list[Any], dict[str, Any])
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: object) -> bool:
+    # Compared with the largest float rather than inf, so that the value also converts to a float (10**400 does not).
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= sys.float_info.max
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _json_container(raw: dict[str, Any], key: str, kind: type[_JsonContainer], allowed: str) -> _JsonContainer:
+    """raw[key] where it is a `kind`, an empty one where it is absent or null."""
+    value = raw.get(key)
+    if value is None:
+        return kind()
+    if not isinstance(value, kind):
+        raise ConfigError(f"config.json {key} must be {allowed}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -73,7 +99,9 @@ class ModelConfig:
         # Resolve the HF defaults once so every reader sees concrete values.
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        if self.head_dim is None and self.num_attention_heads > 0:
+        # Only from valid values: _validate reports the others (it checks both fields before head_dim).
+        if self.head_dim is None and _is_int(self.hidden_size) and _is_int(self.num_attention_heads) \
+                and self.num_attention_heads > 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         self._validate()
 
@@ -90,12 +118,20 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2 != 0:
             raise ConfigError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not self.rms_norm_eps > 0:
-            raise ConfigError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not _is_finite_number(value) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be a finite number > 0, got {value!r}")
+        if not _is_finite_number(self.initializer_range) or self.initializer_range < 0:
+            raise ConfigError(
+                f"ModelConfig.initializer_range must be a finite number >= 0, got {self.initializer_range!r}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.rope_type not in _ROPE_TYPES:
             raise ConfigError(f"ModelConfig.rope_type must be one of {_ROPE_TYPES}, got {self.rope_type!r}")
+        if not isinstance(self.rope_scaling, dict):
+            raise ConfigError(f"ModelConfig.rope_scaling must be a dict, got {self.rope_scaling!r}")
         required = {"default": (), "linear": ("factor",),
                     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                "original_max_position_embeddings")}[self.rope_type]
@@ -107,10 +143,18 @@ class ModelConfig:
         if self.model_type not in _SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"ModelConfig.model_type must be one of {_SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"ModelConfig.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.model_type in _QK_NORM_MODEL_TYPES and self.mlp_bias:
             raise ConfigError(f"ModelConfig.mlp_bias must be False for model_type {self.model_type!r}")
+        if self.bos_token_id is not None and not _is_token_id(self.bos_token_id):
+            raise ConfigError(
+                f"ModelConfig.bos_token_id must be None or a token id (an integer >= 0), got {self.bos_token_id!r}")
+        eos = self.eos_token_id
+        if eos is not None and not _is_token_id(eos) and \
+                not (isinstance(eos, (list, tuple)) and all(_is_token_id(i) for i in eos)):
+            raise ConfigError(f"ModelConfig.eos_token_id must be None, a token id (an integer >= 0) or a list of "
+                              f"token ids, got {eos!r}")
         self._validate_experts()
 
     def _validate_experts(self) -> None:
@@ -121,7 +165,7 @@ class ModelConfig:
         if self.model_type != "qwen3_moe":
             raise ConfigError(f"ModelConfig.num_experts must be 0 for model_type {self.model_type!r} "
                               f"(experts exist for 'qwen3_moe' only), got {self.num_experts}")
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+        if not _is_int(self.num_experts_per_tok) or not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"ModelConfig.num_experts_per_tok must be in [1, num_experts = {self.num_experts}], "
                               f"got {self.num_experts_per_tok!r}")
         for name in ("moe_intermediate_size", "decoder_sparse_step"):
@@ -129,7 +173,7 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
         if not isinstance(self.mlp_only_layers, tuple) or \
-                any(not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
+                any(not _is_int(i) or not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
             raise ConfigError(f"ModelConfig.mlp_only_layers must be a tuple of layer indices in "
                               f"[0, {self.num_hidden_layers}), got {self.mlp_only_layers!r}")
 
@@ -162,26 +206,33 @@ class ModelConfig:
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Builds a config from the fields of a Hugging Face config.json (Llama, Qwen2, Mistral, Qwen3,
         Qwen3-MoE)."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {raw!r}")
         model_type = raw.get("model_type", "llama")
         if model_type not in _SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"config.json model_type must be one of {_SUPPORTED_MODEL_TYPES}, got {model_type!r}")
         if raw.get("use_sliding_window") or (model_type == "mistral" and raw.get("sliding_window")):
             raise ConfigError("config.json enables a sliding window, which the embedded model does not support")
-        if any(kind != "full_attention" for kind in raw.get("layer_types") or ()):
+        layer_types = _json_container(raw, "layer_types", list, "a JSON array or null")
+        if any(kind != "full_attention" for kind in layer_types):
             raise ConfigError(f"config.json layer_types must all be 'full_attention' (the embedded model has no "
-                              f"sliding window), got {raw['layer_types']}")
+                              f"sliding window), got {layer_types}")
         # transformers >= 5 writes rope_parameters; older versions write rope_theta + rope_scaling.
-        rope = dict(raw.get("rope_parameters") or {})
-        legacy = raw.get("rope_scaling") or {}
+        rope = dict(_json_container(raw, "rope_parameters", dict, "a JSON object or null"))
+        legacy = _json_container(raw, "rope_scaling", dict, "a JSON object or null")
         rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+        if not _is_finite_number(rope_theta):
+            raise ConfigError(f"config.json rope_theta must be a finite number, got {rope_theta!r}")
         rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or \
             legacy.get("rope_type") or legacy.get("type") or "default"
         scaling = {k: v for k, v in {**legacy, **rope}.items() if k not in ("rope_type", "type", "rope_theta")}
         if model_type == "qwen2":
             qkv_bias, o_bias = True, False
         else:
-            qkv_bias = o_bias = bool(raw.get("attention_bias", False))
+            qkv_bias = o_bias = raw.get("attention_bias", False)
+            if not isinstance(qkv_bias, bool):
+                raise ConfigError(f"config.json attention_bias must be true or false, got {qkv_bias!r}")
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         known = {f.name for f in dataclasses.fields(cls)}
         plain = {k: raw[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -198,7 +249,7 @@ class ModelConfig:
             plain["num_experts"] = raw.get("num_experts", raw.get("num_local_experts", 0))
             plain.update({k: raw[k] for k in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                                               "decoder_sparse_step") if k in raw})
-            plain["mlp_only_layers"] = tuple(raw.get("mlp_only_layers") or ())
+            plain["mlp_only_layers"] = tuple(_json_container(raw, "mlp_only_layers", list, "a JSON array or null"))
         return cls(**plain, rope_theta=float(rope_theta), rope_type=rope_type, rope_scaling=scaling,
                    qkv_bias=qkv_bias, o_bias=o_bias, model_type=model_type, dtype=str(dtype))
 

@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -613,14 +614,23 @@ class TrainConfig:
         return self.rollout_batch_size * self.n_samples_per_prompt // self.global_batch_size
 
     def replace(self, **changes: Any) -> TrainConfig:
+        """This config with ``changes``, validated again; an unknown name raises ConfigError."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise ConfigError(f"TrainConfig.replace: unknown setting(s) {unknown}; known settings: "
+                              f"{sorted(f.name for f in fields(self))}")
         return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], *, where: str = "config") -> TrainConfig:
         """A config from a mapping of field names (dashes allowed); unknown names raise ConfigError."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{where}: a table of settings is required, got {type(values).__name__}")
         names = {f.name for f in fields(cls)}
         clean = {}
         for key, value in values.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{where}: setting names are strings, got {key!r}")
             name = key.replace("-", "_")
             if name not in names:
                 raise ConfigError(f"{where}: unknown setting {key!r}; known settings: {sorted(names)}")
