@@ -13,8 +13,9 @@ requests and aborts, so every step's batch is a function of the consumer's calls
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
 from typing import Any, TypeVar
 
@@ -52,6 +53,7 @@ class AsyncEngine(LoopTaskEngine):
         self._stepping = False
         self._pending_adds = 0
         """Requests whose add command is queued (work for the next step that the core does not hold yet)."""
+        self._publish_prefix = True
 
     # Public API -------------------------------------------------------------------------------------
 
@@ -61,15 +63,27 @@ class AsyncEngine(LoopTaskEngine):
         aborts the request. Bad input raises before the first chunk."""
         return stream_until_finish(lambda: self._open(input_ids, params, request_id))
 
+    @contextlib.contextmanager
+    def unpublished_requests(self) -> Iterator[None]:
+        """Requests generated inside publish no KV blocks to the prefix cache (they still reuse cached ones), so
+        the requests after them compute what they would have computed without them: evaluation between training
+        steps leaves the rollouts unchanged to the last bit."""
+        self._publish_prefix = False
+        try:
+            yield
+        finally:
+            self._publish_prefix = True
+
     async def _open(self, input_ids: SequenceOf[int], params: SamplingParams | None,
                     request_id: str | None) -> RequestStream:
         ids, params = generate_args(input_ids, params)
+        publish = self._publish_prefix
         rid = self._ids.claim(request_id, self._streams)
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
         self._pending_adds += 1
         try:
-            await self._call(lambda: (self.core.add_request(ids, params, rid), []))
+            await self._call(lambda: (self.core.add_request(ids, params, rid, publish_prefix=publish), []))
         except BaseException as exc:
             del self._streams[rid]
             if isinstance(exc, asyncio.CancelledError) and self._task is not None and not self._closing:

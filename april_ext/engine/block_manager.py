@@ -114,7 +114,7 @@ class BlockManager:
     def register_computed(self, seq: Sequence) -> None:
         """Publishes the sequence's full, computed blocks for prefix sharing (only KV computed entirely
         under the current weights)."""
-        if not self.prefix_caching or seq.kv_epoch != self.epoch:
+        if not self.prefix_caching or seq.kv_epoch != self.epoch or not seq.publish_prefix:
             return
         size = self.block_size
         # Incremental: each block is hashed once, chained to the previous block's hash.

@@ -85,8 +85,10 @@ class EngineCore:
     # Requests ---------------------------------------------------------------------------------------
 
     def add_request(self, input_ids: SequenceOf[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queues a request; returns its id. Raises InvalidArgumentError on bad input."""
+                    request_id: str | None = None, *, publish_prefix: bool = True) -> str:
+        """Queues a request; returns its id. Raises InvalidArgumentError on bad input. With publish_prefix=False
+        the request reuses cached prefix blocks but publishes none of its own, so the requests after it find
+        the cache as they would have without it (the run's evaluation)."""
         checked, params = generate_args(input_ids, params)
         ids = checked if isinstance(checked, list) else checked.tolist()
         vocab = self.model_config.vocab_size
@@ -111,6 +113,7 @@ class EngineCore:
         if not params.ignore_eos:
             stop.update(self.model_config.eos_token_ids)
         seq = Sequence(request_id, ids, params, seed, frozenset(stop))
+        seq.publish_prefix = publish_prefix
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id

@@ -36,6 +36,8 @@ class Sequence:
         self.prefix_hash = 0
         # The BlockManager's weight epoch when this sequence's KV started; older KV is never shared.
         self.kv_epoch = 0
+        # False: this sequence's blocks are never published to the prefix cache (EngineCore.add_request).
+        self.publish_prefix = True
         self.finish_reason: FinishReason | None = None
         self.matched_stop: int | None = None
         self.num_preemptions = 0

@@ -7,6 +7,7 @@ duration with it (see :func:`engine_clock`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -89,6 +90,16 @@ class PausableEngine(Protocol):
 
 
 @runtime_checkable
+class PrefixIsolatingEngine(Protocol):
+    """An engine whose prefix cache can be kept out of some requests' reach (the embedded AsyncEngine): requests
+    generated inside ``unpublished_requests()`` reuse cached blocks but publish none of their own, so later
+    requests compute exactly what they would have without them. The run's evaluation uses it, so that
+    evaluating does not change what the run trains; SGLang's radix cache has no such switch."""
+
+    def unpublished_requests(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+@runtime_checkable
 class LockstepEngine(Protocol):
     """An engine that can run its model steps in lockstep with one consumer (the embedded AsyncEngine), what the
     rollout loop's deterministic mode needs beyond RolloutEngine: with it, which requests share each model step
@@ -151,5 +162,5 @@ def engine_clock(engine: object, clock: Clock | None = None) -> Clock:
     return time.perf_counter
 
 
-__all__ = ["HOLD_MODES", "AbortAllEngine", "Clock", "LockstepEngine", "PausableEngine", "RolloutEngine",
-           "ServableEngine", "TrainerFedEngine", "engine_clock"]
+__all__ = ["HOLD_MODES", "AbortAllEngine", "Clock", "LockstepEngine", "PausableEngine", "PrefixIsolatingEngine",
+           "RolloutEngine", "ServableEngine", "TrainerFedEngine", "engine_clock"]

@@ -38,7 +38,8 @@ from april_ext.data_source import DataSource, Prompt
 from april_ext.errors import ConfigError, InvalidArgumentError, InvalidStateError
 from april_ext.model import LlamaForCausalLM, ModelConfig
 from april_ext.persistence import atomic_write_json, atomic_write_text, ensure_dir
-from april_ext.protocol import Environment, RolloutDriver, RolloutEngine, SamplingParams, Trainer
+from april_ext.protocol import (Environment, PrefixIsolatingEngine, RolloutDriver, RolloutEngine, SamplingParams,
+                                Trainer)
 from april_ext.rollout import GroupFilter, RewardFn, RolloutLoop, scheduler_config_for
 from april_ext.scheduler import Scheduler
 from april_ext.trainer.distributed import launched_by_torchrun
@@ -577,12 +578,17 @@ class TrainingRun:
         version = self.trainer.version
         if self.memory is not None:
             await self.memory.to_rollout()
-        # Carried samples (step_boundary="carry") continue meanwhile, under the weights just loaded.
+        # Carried samples (step_boundary="carry") continue meanwhile, under the weights just loaded. Evaluation
+        # publishes nothing to the prefix cache where the engine allows it: the rollouts after it stay as they
+        # would be without it, to the last bit (docs/loop.md, Evaluation).
+        isolated = (self.engine.unpublished_requests() if isinstance(self.engine, PrefixIsolatingEngine)
+                    else contextlib.nullcontext())
         async with self.rollout.running_engine():
-            metrics = await evaluate(self.engine, self.eval_prompts, self.reward_fn, self.eval_sampling,
-                                     n_samples=self.config.n_samples_per_eval_prompt, seed=self.config.seed,
-                                     concurrency=self.config.max_num_seqs, environment=self.environment,
-                                     tool_timeout_s=self.config.tool_timeout_s)
+            with isolated:
+                metrics = await evaluate(self.engine, self.eval_prompts, self.reward_fn, self.eval_sampling,
+                                         n_samples=self.config.n_samples_per_eval_prompt, seed=self.config.seed,
+                                         concurrency=self.config.max_num_seqs, environment=self.environment,
+                                         tool_timeout_s=self.config.tool_timeout_s)
         if self.memory is not None:
             await self.memory.to_training()
         return {**metrics, "eval/policy_version": version, "time/eval_s": time.perf_counter() - start}
