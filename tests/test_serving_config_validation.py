@@ -82,3 +82,9 @@ def test_server_args_refuse_api_key_without_showing_it(value: Any) -> None:
 @pytest.mark.parametrize("value", [None, 3, 2.5, object()])
 def test_sampling_params_refuse_stop_token_ids(value: Any) -> None:
     _raises(InvalidArgumentError, SamplingParams, "stop_token_ids", value)
+
+
+@pytest.mark.parametrize("field, value", [("enable_memory_saver", "no"), ("model_path", 3), ("tokenizer_path", "")])
+def test_server_config_refuses_a_wrong_flag_or_path(field, value):
+    with pytest.raises(ConfigError, match=rf"ServerConfig\.{field} must be"):
+        ServerConfig(**{field: value})
