@@ -101,7 +101,8 @@ class ServerConfig:
             raise ConfigError(
                 f"ServerConfig.max_request_bytes must be an integer >= 1, got {self.max_request_bytes!r}")
         if not isinstance(self.enable_memory_saver, bool):
-            raise ConfigError(f"ServerConfig.enable_memory_saver must be True or False, got {self.enable_memory_saver!r}")
+            raise ConfigError(
+                f"ServerConfig.enable_memory_saver must be True or False, got {self.enable_memory_saver!r}")
         for name in ("model_path", "tokenizer_path"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
