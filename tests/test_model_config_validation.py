@@ -198,3 +198,16 @@ def test_refuses_bool_fields_that_are_not_bools(name: str, value: Any) -> None:
 def test_from_hf_dict_refuses_bool_fields_that_are_not_bools(key: str, example: str) -> None:
     with pytest.raises(ConfigError, match=f"ModelConfig.{key} must be a bool, got 'false'"):
         ModelConfig.from_hf_dict({**HF_EXAMPLES[example], key: "false"})
+
+
+@pytest.mark.parametrize("rope_type, scaling, match", [
+    ("linear", {"factor": "x"}, "needs finite numbers > 0"),
+    ("linear", {"factor": 0}, "needs finite numbers > 0"),
+    ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": NAN, "original_max_position_embeddings": 16},
+     "needs finite numbers > 0"),
+    ("llama3", {"factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0, "original_max_position_embeddings": 16},
+     "high_freq_factor must exceed low_freq_factor"),
+])
+def test_rope_scaling_values_are_checked_before_the_model_is_built(rope_type, scaling, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**LLAMA, rope_type=rope_type, rope_scaling=scaling)

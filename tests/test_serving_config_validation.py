@@ -64,7 +64,7 @@ def _server_args(**kwargs: Any) -> SGLangServerArgs:
 @pytest.mark.parametrize("name, value", [
     *[("mem_fraction_static", v) for v in ("0.5", [0.5], {}, object(), True)],
     *[("extra_args", v) for v in (None, 3, object(), "--flag")],
-    *[("host", v) for v in (None, 3, "", ["127.0.0.1"])],
+    *[("host", v) for v in (None, 3, "", ["127.0.0.1"], "--port")],
     ("port", True),
     ("tp", True),
     *[(name, v) for name in ("enable_memory_saver", "skip_tokenizer_init", "enable_weights_cpu_backup")
@@ -74,7 +74,7 @@ def test_server_args_refuse(name: str, value: Any) -> None:
     _raises(ConfigError, _server_args, name, value)
 
 
-@pytest.mark.parametrize("value", ["", 3, "a key", "key\n", b"key"])
+@pytest.mark.parametrize("value", ["", 3, "a key", "key\n", b"key", "--enable-memory-saver"])
 def test_server_args_refuse_api_key_without_showing_it(value: Any) -> None:
     _raises(ConfigError, _server_args, "api_key", value, show_value=False)
 

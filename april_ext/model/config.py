@@ -138,6 +138,15 @@ class ModelConfig:
         missing = [k for k in required if k not in self.rope_scaling]
         if missing:
             raise ConfigError(f"ModelConfig.rope_scaling for rope_type {self.rope_type!r} lacks {missing}")
+        bad = {k: self.rope_scaling[k] for k in required
+               if not _is_finite_number(self.rope_scaling[k]) or self.rope_scaling[k] <= 0}
+        if bad:
+            raise ConfigError(f"ModelConfig.rope_scaling for rope_type {self.rope_type!r} needs finite numbers > 0, "
+                              f"got {bad}")
+        # llama3 interpolates between the two wavelength bounds: equal factors would divide by zero.
+        if self.rope_type == "llama3" and self.rope_scaling["high_freq_factor"] <= self.rope_scaling["low_freq_factor"]:
+            raise ConfigError(f"ModelConfig.rope_scaling high_freq_factor must exceed low_freq_factor, got "
+                              f"{self.rope_scaling['high_freq_factor']!r} <= {self.rope_scaling['low_freq_factor']!r}")
         if self.hidden_act != "silu":
             raise ConfigError(f"ModelConfig.hidden_act must be 'silu', got {self.hidden_act!r}")
         if self.model_type not in _SUPPORTED_MODEL_TYPES:

@@ -48,8 +48,10 @@ class SGLangServerArgs:
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ConfigError(f"SGLangServerArgs.model_path must be a non-empty string, got {self.model_path!r}")
-        if not isinstance(self.host, str) or not self.host:
-            raise ConfigError(f"SGLangServerArgs.host must be a non-empty string, got {self.host!r}")
+        # Both travel as the value after a flag on the server's command line, where "-x" would read as a flag.
+        if not isinstance(self.host, str) or not self.host or self.host.startswith("-"):
+            raise ConfigError(f"SGLangServerArgs.host must be a non-empty string not starting with '-', "
+                              f"got {self.host!r}")
         if self.port is not None and (not isinstance(self.port, int) or isinstance(self.port, bool)
                                       or not 1 <= self.port <= 65535):
             raise ConfigError(f"SGLangServerArgs.port must be None or an integer in [1, 65535], got {self.port!r}")
@@ -66,9 +68,11 @@ class SGLangServerArgs:
         if isinstance(self.extra_args, str) or not isinstance(self.extra_args, Iterable):
             raise ConfigError(f"SGLangServerArgs.extra_args must be a sequence of arguments, got {self.extra_args!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key
-                                         or not self.api_key.isprintable() or " " in self.api_key):
+                                         or not self.api_key.isprintable() or " " in self.api_key
+                                         or self.api_key.startswith("-")):
             raise ConfigError("SGLangServerArgs.api_key must be None or a non-empty string of printable characters "
-                              "without spaces (it travels in an Authorization header)")
+                              "without spaces, not starting with '-' (it travels in an Authorization header and "
+                              "on the server's command line)")
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
 
     def argv(self, port: int) -> list[str]:
