@@ -79,8 +79,8 @@ def environment() -> dict:
     for package in ("flash_attn", "flashinfer"):
         try:
             env[package] = importlib.import_module(package).__version__
-        except ImportError:
-            env[package] = None
+        except Exception as exc:  # noqa: BLE001 (a broken install must not stop the report)
+            env[package] = None if isinstance(exc, ImportError) else f"broken: {type(exc).__name__}: {exc}"[:300]
     return env
 
 

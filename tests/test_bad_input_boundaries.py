@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
     (lambda: TrainConfig(num_threads=HUGE), r"TrainConfig\.num_threads=.* \[1, 4096\]"),
     (lambda: TrainConfig(distributed_timeout_minutes=float(HUGE)), r"distributed_timeout_minutes=.* \(0, 1e7\]"),
     (lambda: TrainConfig(distributed_timeout_minutes=float("nan")), r"distributed_timeout_minutes=nan"),
+    (lambda: TrainConfig(ray_timeout_s=1e9), r"TrainConfig\.ray_timeout_s=.* at most 6e\+08"),
+    (lambda: TrainConfig(weight_sync_timeout_s=1e9), r"TrainConfig\.weight_sync_timeout_s=.* at most 6e\+08"),
     (lambda: EngineConfig(seed=HUGE), r"EngineConfig\.seed must be an integer in \[0, 2\*\*63 - 1\]"),
     (lambda: EngineConfig(seed=True), r"EngineConfig\.seed"),
     (lambda: EngineConfig(device="gpu"), r"EngineConfig\.device must be a torch device string"),

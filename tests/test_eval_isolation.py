@@ -70,3 +70,38 @@ def test_a_run_evaluates_through_unpublished_requests(tmp_path, monkeypatch):
                          output_dir=str(tmp_path / "run"))
     result = train(config)
     assert len(entered) == 2 and all("eval/reward_mean" in row for row in result.history)
+
+
+def test_unpublished_requests_is_per_task_and_nests():
+    other = [7, 7, 2, 5, 1, 8, 3, 3, 4]
+
+    async def run() -> tuple[int, int]:
+        async with AsyncEngine(engine(tiny_model(seed=0))) as eng:
+            async def drain(prompt):
+                async for _ in eng.generate(prompt, GREEDY):
+                    pass
+
+            with eng.unpublished_requests():
+                with eng.unpublished_requests():
+                    pass
+                await drain(PROMPT)  # still inside the outer block after the inner one ended
+            start = eng.stats().prefix_cache_hit_tokens
+            await drain(PROMPT)
+            unpublished_hits = eng.stats().prefix_cache_hit_tokens - start
+            # A task created outside the block publishes even while another task is inside one.
+            async def inside(event_in: asyncio.Event, event_out: asyncio.Event):
+                with eng.unpublished_requests():
+                    event_in.set()
+                    await event_out.wait()
+
+            entered, leave = asyncio.Event(), asyncio.Event()
+            holder = asyncio.create_task(inside(entered, leave))
+            await entered.wait()
+            await drain(other)
+            leave.set()
+            await holder
+            start = eng.stats().prefix_cache_hit_tokens
+            await drain(other)
+            return unpublished_hits, eng.stats().prefix_cache_hit_tokens - start
+
+    assert asyncio.run(run()) == (0, 8)

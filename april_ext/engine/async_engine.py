@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from collections.abc import Sequence as SequenceOf
@@ -35,6 +36,10 @@ _Command = Callable[[], tuple[Any, list[GenerationChunk]]]
 _Done = tuple[asyncio.Future[Any], Any, Exception | None, list[GenerationChunk]]  # future, result, error, chunks
 
 
+_UNPUBLISHED: contextvars.ContextVar[bool] = contextvars.ContextVar("april_ext_unpublished_requests", default=False)
+"""Set inside AsyncEngine.unpublished_requests()."""
+
+
 class AsyncEngine(LoopTaskEngine):
     """Serves an EngineCore from an asyncio task. Use `async with AsyncEngine(core) as engine:`."""
 
@@ -53,7 +58,6 @@ class AsyncEngine(LoopTaskEngine):
         self._stepping = False
         self._pending_adds = 0
         """Requests whose add command is queued (work for the next step that the core does not hold yet)."""
-        self._publish_prefix = True
 
     # Public API -------------------------------------------------------------------------------------
 
@@ -61,23 +65,23 @@ class AsyncEngine(LoopTaskEngine):
                  request_id: str | None = None) -> AsyncIterator[GenerationChunk]:
         """Streams the request's chunks until one carries a finish reason. Leaving the iteration early
         aborts the request. Bad input raises before the first chunk."""
-        return stream_until_finish(lambda: self._open(input_ids, params, request_id))
+        publish = not _UNPUBLISHED.get()  # read at the call: the context it was made in decides
+        return stream_until_finish(lambda: self._open(input_ids, params, request_id, publish))
 
     @contextlib.contextmanager
     def unpublished_requests(self) -> Iterator[None]:
-        """Requests generated inside publish no KV blocks to the prefix cache (they still reuse cached ones), so
-        the requests after them compute what they would have computed without them: evaluation between training
-        steps leaves the rollouts unchanged to the last bit."""
-        self._publish_prefix = False
+        """Requests generated inside, by this task and the tasks it starts, publish no KV blocks to the prefix
+        cache (they still reuse cached ones). A context variable, not an engine flag: other tasks' requests
+        meanwhile publish as usual, and nested uses restore what was before."""
+        token = _UNPUBLISHED.set(True)
         try:
             yield
         finally:
-            self._publish_prefix = True
+            _UNPUBLISHED.reset(token)
 
     async def _open(self, input_ids: SequenceOf[int], params: SamplingParams | None,
-                    request_id: str | None) -> RequestStream:
+                    request_id: str | None, publish: bool) -> RequestStream:
         ids, params = generate_args(input_ids, params)
-        publish = self._publish_prefix
         rid = self._ids.claim(request_id, self._streams)
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
         self._streams[rid] = queue

@@ -87,8 +87,9 @@ class EngineCore:
     def add_request(self, input_ids: SequenceOf[int], params: SamplingParams | None = None,
                     request_id: str | None = None, *, publish_prefix: bool = True) -> str:
         """Queues a request; returns its id. Raises InvalidArgumentError on bad input. With publish_prefix=False
-        the request reuses cached prefix blocks but publishes none of its own, so the requests after it find
-        the cache as they would have without it (the run's evaluation)."""
+        the request reuses cached prefix blocks but publishes none of its own (the run's evaluation). It still
+        takes free blocks, which can evict cached prefixes a later request would have reused: the requests after
+        it compute exactly what they would have without it when the cache held nothing they need."""
         checked, params = generate_args(input_ids, params)
         ids = checked if isinstance(checked, list) else checked.tolist()
         vocab = self.model_config.vocab_size

@@ -92,9 +92,9 @@ class PausableEngine(Protocol):
 @runtime_checkable
 class PrefixIsolatingEngine(Protocol):
     """An engine whose prefix cache can be kept out of some requests' reach (the embedded AsyncEngine): requests
-    generated inside ``unpublished_requests()`` reuse cached blocks but publish none of their own, so later
-    requests compute exactly what they would have without them. The run's evaluation uses it, so that
-    evaluating does not change what the run trains; SGLang's radix cache has no such switch."""
+    generated inside ``unpublished_requests()`` reuse cached blocks but publish none of their own (they may still
+    evict cached blocks by taking free ones). The run's evaluation uses it, so that evaluating does not change
+    what the run trains; SGLang's radix cache has no such switch."""
 
     def unpublished_requests(self) -> contextlib.AbstractContextManager[None]: ...
 

@@ -435,7 +435,8 @@ class TrainConfig:
         for name in ("seed", "save_interval", "eval_interval"):
             if getattr(self, name) < 0:
                 bad(name, getattr(self, name), "an int >= 0")
-        if self.seed > 2**63 - 1:  # torch.manual_seed takes no more
+        # torch.manual_seed takes up to 2**64 - 1: the bound leaves room for the seeds derived from it (seed + index).
+        if self.seed > 2**63 - 1:
             bad("seed", self.seed, "an int in [0, 2**63 - 1]")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             bad("micro_batch_size", self.micro_batch_size, "None or an int >= 1")

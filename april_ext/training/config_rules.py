@@ -46,6 +46,10 @@ TrainConfig = Any
 """A training.config.TrainConfig, which imports this module (so this one cannot import it, even for types)."""
 
 
+# torch.distributed keeps a group's timeout in int64 milliseconds; 6e8 s (19 years) is far inside it. The same bound
+# as ServerConfig's, SGLangEngineConfig's and trainer.distributed.initialize's, which these fields reach.
+MAX_GROUP_TIMEOUT_S = 6e8
+
 def bad(name: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"TrainConfig.{name}={value!r} is not allowed: {allowed}")
 
@@ -139,6 +143,8 @@ def check_ray(config: TrainConfig) -> None:
     for name in ("ray_num_cpus_per_actor", "ray_timeout_s", "ray_engine_check_interval_s"):
         if not math.isfinite(getattr(config, name)) or getattr(config, name) <= 0:
             bad(name, getattr(config, name), "a finite number > 0")
+    if config.ray_timeout_s > MAX_GROUP_TIMEOUT_S:
+        bad("ray_timeout_s", config.ray_timeout_s, f"at most {MAX_GROUP_TIMEOUT_S:g} (the trainers' process group)")
     if config.ray_routing not in typing.get_args(RayRouting):
         bad("ray_routing", config.ray_routing, f"one of {typing.get_args(RayRouting)}")
     if config.ray_router_url is not None and not config.ray_router_url.startswith(("http://", "https://")):
@@ -187,6 +193,9 @@ def check_sglang(config: TrainConfig) -> None:
     for name in ("weight_sync_bucket_mb", "weight_sync_timeout_s"):
         if not math.isfinite(getattr(config, name)) or getattr(config, name) <= 0:
             bad(name, getattr(config, name), "a finite number > 0")
+    if config.weight_sync_timeout_s > MAX_GROUP_TIMEOUT_S:
+        bad("weight_sync_timeout_s", config.weight_sync_timeout_s,
+            f"at most {MAX_GROUP_TIMEOUT_S:g} (the weight-sync group)")
     if config.sglang_num_servers < 1:
         bad("sglang_num_servers", config.sglang_num_servers, "an int >= 1")
     if not math.isfinite(config.sglang_launch_timeout_s) or config.sglang_launch_timeout_s <= 0:
