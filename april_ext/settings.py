@@ -24,6 +24,13 @@ from typing import Any, Literal, TypeVar
 from april_ext.errors import InvalidArgumentError
 
 T = TypeVar("T")
+
+MAX_SEED = 2**63 - 1
+"""The largest seed a config takes: torch.manual_seed takes up to 2**64 - 1, and this leaves room for the seeds
+derived from it (seed + 1, seed + index)."""
+MAX_GROUP_TIMEOUT_S = 6e8
+"""The longest timeout a process group or weight-sync group takes, in seconds (19 years): torch.distributed
+keeps it in int64 milliseconds."""
 _DOC = "april_ext.doc"  # field metadata key: the docs of an adopted field
 
 

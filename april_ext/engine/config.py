@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from april_ext.errors import ConfigError
+from april_ext.settings import MAX_SEED
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -56,7 +57,7 @@ class EngineConfig:
         for name in ("prefix_caching", "weights_cpu_backup", "kv_cache_cpu_backup"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= 2**63 - 1:
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"EngineConfig.seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
         try:
             torch.device(self.device)

@@ -31,6 +31,7 @@ from april_ext.errors import (
     InvalidArgumentError,
     UnknownIdError,
 )
+from april_ext.settings import MAX_GROUP_TIMEOUT_S
 from april_ext.data.tokenizer import encode_prompt, load_tokenizer
 from april_ext.protocol import HOLD_MODES, GenerationChunk, PausableEngine, SamplingParams, ServableEngine, sglang_wire
 from april_ext.weights.receive import DistributedWeights
@@ -93,8 +94,7 @@ class ServerConfig:
             raise ConfigError(f"ServerConfig.stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         for name in ("weight_group_timeout_s", "health_timeout_s"):
             value = getattr(self, name)
-            # 6e8 s (19 years): torch.distributed keeps the weight group's timeout in int64 milliseconds.
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 6e8:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_GROUP_TIMEOUT_S:
                 raise ConfigError(f"ServerConfig.{name} must be a finite number > 0 (at most 6e8 s), got {value!r}")
         if not isinstance(self.max_request_bytes, int) or isinstance(self.max_request_bytes, bool) \
                 or self.max_request_bytes < 1:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from april_ext.errors import ConfigError
+from april_ext.settings import MAX_GROUP_TIMEOUT_S
 
 BALANCE = ("least_loaded", "round_robin")
 WEIGHT_SYNC = ("disk", "tensor", "broadcast")
@@ -98,8 +99,7 @@ class SGLangEngineConfig:
         for name in ("timeout_s", "connect_timeout_s", "abort_timeout_s", "abort_resend_s", "weight_bucket_mb",
                      "weight_sync_timeout_s"):
             value = getattr(self, name)
-            # 6e8 (19 years in seconds): the weight-sync group keeps its timeout in int64 milliseconds.
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 6e8:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_GROUP_TIMEOUT_S:
                 raise ConfigError(f"SGLangEngineConfig.{name} must be a finite number > 0 (at most 6e8), got {value!r}")
         for name in ("retries", "max_connections", "initial_weight_version"):
             value = getattr(self, name)

@@ -349,6 +349,14 @@ class ClusterConfig:
             raise ConfigError(f"ClusterConfig.colocated={self.colocated!r} is not allowed: True or False")
 
 
+def is_cluster_name(name: object) -> bool:
+    """Whether ``name`` is ``<gpu>-<model>`` with a GPU of GPUS and a model of MODELS (what cluster_preset takes)."""
+    if not isinstance(name, str):
+        return False
+    gpu, _, model = name.partition("-")
+    return gpu in GPUS and model in MODELS
+
+
 def cluster_preset(name: str, num_engines: int = 8, mixed_chunk: bool = False,
                    chunked_prefill_size: int = 8192, tensor_parallel: int = 1,
                    mem_fraction_static: float | None = None, abort_latency_s: float = 0.0,
@@ -358,10 +366,10 @@ def cluster_preset(name: str, num_engines: int = 8, mixed_chunk: bool = False,
     chunked prefill with ``chunked_prefill_size`` tokens per iteration; ``mem_fraction_static``: SGLang's share of
     GPU memory for weights + KV (None: the GPU's default); abort latency and weight-sync time in seconds;
     ``colocated``: engines and trainer share the GPUs (see ClusterConfig.colocated)."""
-    gpu_name, _, model_name = name.partition("-")
-    if gpu_name not in GPUS or model_name not in MODELS:
+    if not is_cluster_name(name):
         raise ConfigError(f"cluster preset {name!r} is not known: one of {sorted(CLUSTER_PRESETS)}, or "
                           f"<gpu>-<model> with a GPU of {sorted(GPUS)} and a model of {sorted(MODELS)}")
+    gpu_name, _, model_name = name.partition("-")
     gpu, model = GPUS[gpu_name], MODELS[model_name]
     cost = derive_cost_model(gpu, model, mixed_chunk=mixed_chunk, chunked_prefill_size=chunked_prefill_size,
                              tensor_parallel=tensor_parallel, mem_fraction_static=mem_fraction_static)

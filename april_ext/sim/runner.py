@@ -17,7 +17,7 @@ from april_ext.protocol.sampling_params import SamplingParams
 from april_ext.rollout import RolloutLoop
 from april_ext.scheduler import Scheduler, SchedulerConfig
 from april_ext.settings import adopt
-from april_ext.sim.cost import CLUSTER_PRESETS, GPUS, MODELS, ClusterConfig, cluster_preset
+from april_ext.sim.cost import CLUSTER_PRESETS, GPUS, MODELS, ClusterConfig, cluster_preset, is_cluster_name
 from april_ext.sim.engine import SimulatedEngine
 from april_ext.sim.lengths import (
     LENGTH_PRESETS,
@@ -162,12 +162,10 @@ class SimConfig:
     def _check_cluster_and_lengths(self) -> None:
         """cluster: a ClusterConfig or a <gpu>-<model> name; lengths: a LengthModel, a preset or a trace file."""
         cluster = self.cluster
-        if not isinstance(cluster, ClusterConfig):
-            gpu, _, model = cluster.partition("-") if isinstance(cluster, str) else ("", "", "")
-            if gpu not in GPUS or model not in MODELS:
-                raise ConfigError(f"SimConfig.cluster={cluster!r} is not allowed: a ClusterConfig, a preset "
-                                  f"({', '.join(CLUSTER_PRESETS)}) or <gpu>-<model> with a GPU of {sorted(GPUS)} "
-                                  f"and a model of {sorted(MODELS)}")
+        if not isinstance(cluster, ClusterConfig) and not is_cluster_name(cluster):
+            raise ConfigError(f"SimConfig.cluster={cluster!r} is not allowed: a ClusterConfig, a preset "
+                              f"({', '.join(CLUSTER_PRESETS)}) or <gpu>-<model> with a GPU of {sorted(GPUS)} "
+                              f"and a model of {sorted(MODELS)}")
         lengths = self.lengths
         if isinstance(lengths, str):
             is_trace = os.path.isfile(lengths) and lengths.endswith((".csv", ".jsonl", ".json"))

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from april_ext.errors import ConfigError, InvalidArgumentError
+from april_ext.settings import MAX_GROUP_TIMEOUT_S
 
 _lock = threading.Lock()
 _owned_dir: str | None = None
@@ -34,7 +35,8 @@ def initialize(timeout_s: float = 600.0) -> None:
     """Creates the default process group unless one exists (then it is reused as it is); ``shutdown``
     destroys only a group created here. ``timeout_s`` limits the rendezvous and every collective."""
     global _owned_dir, _owns_process_group
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s <= 6e8:
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) \
+            or not 0 < timeout_s <= MAX_GROUP_TIMEOUT_S:
         raise ConfigError(f"timeout_s must be a number in (0, 6e8] seconds, got {timeout_s!r}")
     timeout = timedelta(seconds=timeout_s)
     with _lock:

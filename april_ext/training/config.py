@@ -21,7 +21,7 @@ from typing import Any
 from april_ext.algorithms import KL_SHAPED_ADVANTAGES
 from april_ext.errors import ConfigError
 from april_ext.scheduler import SchedulerConfig
-from april_ext.settings import adopt
+from april_ext.settings import MAX_SEED, adopt
 from april_ext.strategies import STRATEGIES, configure
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 from april_ext.training.config_rules import (
@@ -435,8 +435,7 @@ class TrainConfig:
         for name in ("seed", "save_interval", "eval_interval"):
             if getattr(self, name) < 0:
                 bad(name, getattr(self, name), "an int >= 0")
-        # torch.manual_seed takes up to 2**64 - 1: the bound leaves room for the seeds derived from it (seed + index).
-        if self.seed > 2**63 - 1:
+        if self.seed > MAX_SEED:
             bad("seed", self.seed, "an int in [0, 2**63 - 1]")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             bad("micro_batch_size", self.micro_batch_size, "None or an int >= 1")

@@ -16,7 +16,7 @@ from april_ext.algorithms import KL_SHAPED_ADVANTAGES
 from april_ext.errors import ConfigError
 from april_ext.rollout.slime_generate import refused_settings
 from april_ext.scheduler import SchedulerConfig
-from april_ext.settings import settings
+from april_ext.settings import MAX_GROUP_TIMEOUT_S, settings
 from april_ext.trainer.megatron.parallel import MegatronParallelConfig
 
 TASKS = ("counting", "lookup")
@@ -45,10 +45,6 @@ PARALLEL_SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(MegatronParall
 TrainConfig = Any
 """A training.config.TrainConfig, which imports this module (so this one cannot import it, even for types)."""
 
-
-# torch.distributed keeps a group's timeout in int64 milliseconds; 6e8 s (19 years) is far inside it. The same bound
-# as ServerConfig's, SGLangEngineConfig's and trainer.distributed.initialize's, which these fields reach.
-MAX_GROUP_TIMEOUT_S = 6e8
 
 def bad(name: str, value: Any, allowed: str) -> None:
     raise ConfigError(f"TrainConfig.{name}={value!r} is not allowed: {allowed}")

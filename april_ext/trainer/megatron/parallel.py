@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from april_ext.errors import ConfigError, InvalidStateError
+from april_ext.settings import MAX_GROUP_TIMEOUT_S
 from april_ext.model import ModelConfig
 from april_ext.trainer import distributed
 from april_ext.trainer.megatron import compat
@@ -72,7 +73,7 @@ class MegatronParallelConfig:
                               "--tensor-model-parallel-size is 1; give it 2 or more, or leave out --sequence-parallel")
         self._check_offload()
         if (not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool)
-                or not 0 < self.timeout_s <= 6e8):  # 6e8 s: 1e7 minutes, far inside torch's int64 milliseconds
+                or not 0 < self.timeout_s <= MAX_GROUP_TIMEOUT_S):
             raise ConfigError(f"MegatronParallelConfig.timeout_s must be a number in (0, 6e8], got "
                               f"{self.timeout_s!r}")
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from april_ext.errors import ConfigError, InvalidStateError
+from april_ext.settings import MAX_SEED
 from april_ext.model import ModelConfig, iter_safetensors
 from april_ext.model.checkpoint import save_safetensors
 from april_ext.protocol.trainer import ExportedWeights
@@ -50,7 +51,7 @@ class MegatronTrainerConfig:
         if not isinstance(self.trainer, TrainerConfig):
             raise ConfigError(f"MegatronTrainerConfig.trainer must be a TrainerConfig, got "
                               f"{type(self.trainer).__name__}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= 2**63 - 1:
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
             raise ConfigError(f"MegatronTrainerConfig.seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
         if not isinstance(self.parallel, MegatronParallelConfig):
             raise ConfigError(f"MegatronTrainerConfig.parallel must be a MegatronParallelConfig, got "
